@@ -1,0 +1,65 @@
+"""The ``sensai`` command line: thin wrappers that parse arguments and call library functions.
+
+Each command group lives beside the code it drives and exposes ``register(subparsers)``; they are
+imported here so ``sensai --help`` lists every command, but keep heavy imports inside functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from .errors import SensaiError
+
+COMMAND_MODULES = (
+    "sensai.commands",      # models, train, import
+    "pruning.commands",     # decompose, evaluate
+    "serving.commands",     # serve, predict, export-triton
+    "serving.bench_commands",  # bench
+    "sensai.demo",          # demo
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sensai", description="Class-parallel inference for convolutional networks (sensAI).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except SensaiError as e:
+        print(f"sensai {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sensai {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:  # pragma: no cover - console-script shim
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

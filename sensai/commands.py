@@ -1,0 +1,110 @@
+"""``sensai models``, ``sensai train`` and ``sensai import``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .data import DATASET_NAMES
+
+
+def add_data_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("--dataset", choices=DATASET_NAMES, default="fashion-mnist" if required else None,
+                   help="dataset (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="where the dataset's files are (default for fashion-mnist: "
+                        "/usr/share/datasets/fashion-mnist)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="imagefolder only: resize images to this square size (default: first image's)")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N (default: auto)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("models", help="list the model registry")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("train", help="train a registry model on a dataset")
+    p.add_argument("--model", default=None, help="registry name or package.module:factory "
+                   "(default: fmnist_cnn)")
+    add_data_args(p)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-limit", type=int, default=None,
+                   help="train on at most this many images (stratified), for quick runs")
+    p.add_argument("--no-resume", action="store_true", help="ignore an unfinished run in --out")
+    add_device_arg(p)
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("import", help="adopt your own trained weights for a registry model")
+    p.add_argument("--model", required=True, help="registry name or package.module:factory")
+    p.add_argument("--weights", required=True, help=".safetensors, or a .pt/.pth state dict")
+    add_data_args(p)
+    add_device_arg(p)
+    p.add_argument("--no-eval", action="store_true", help="skip measuring test accuracy")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_models(args) -> int:
+    from .models import describe_models
+
+    models = describe_models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+    else:
+        width = max(map(len, models))
+        for name, desc in models.items():
+            print(f"{name:<{width}}  {desc}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from training.trainer import train
+
+    from .data import load_split, resolve_dataset
+    from .models import DEFAULT_MODEL, create_model, select_device
+
+    model_name = args.model or DEFAULT_MODEL
+    spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
+    create_model(model_name, spec.num_classes, spec.in_channels)  # fail fast on a bad name
+    device = select_device(args.device)
+    record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
+                   test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
+                   lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                   train_limit=args.train_limit, device=device, resume=not args.no_resume)
+    print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
+          f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
+          f"{Path(args.out) / 'model.json'}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from training.trainer import predict_logits, top1
+
+    from .checkpoint import import_weights, load_trained_model
+    from .data import load_split, resolve_dataset
+    from .manifest import save_model_record
+    from .models import select_device
+
+    spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
+    record = import_weights(args.out, args.model, spec, args.weights)
+    if not args.no_eval:
+        model, record = load_trained_model(args.out)
+        test = load_split(spec, "test")
+        acc = top1(predict_logits(model, test, spec, select_device(args.device), progress="evaluate"),
+                   test.labels)
+        record = record.model_copy(update={"test_top1": acc})
+        save_model_record(args.out, record)
+    acc = f"{record.test_top1:.4f}" if record.test_top1 is not None else "not measured"
+    print(f"imported {record.model} ({record.params:,} params), test top-1 {acc} -> "
+          f"{Path(args.out) / 'model.json'}")
+    return 0

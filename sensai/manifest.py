@@ -1,0 +1,213 @@
+"""The versioned records every stage reads and writes (JSON on disk, validated on load).
+
+* :class:`ModelRecord` (``model.json`` beside ``model.safetensors``): a trained N-class model, written
+  by ``sensai train`` or ``sensai import``, read by ``sensai decompose``.
+* :class:`DecompositionManifest` (``manifest.json`` in an artifact directory): the groups, the method's
+  settings and one :class:`SubnetRecord` per subnet; serving and the benchmark are built from it alone.
+
+Like nanoGPT's ``model_args`` saved next to the weights: whatever is needed to rebuild a network
+without unpickling anything is in here.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .data import DatasetSpec
+from .errors import CheckpointError
+from .fsutil import write_json_atomic
+
+SCHEMA_VERSION = 1
+MODEL_RECORD = "model.json"
+MODEL_WEIGHTS = "model.safetensors"
+MANIFEST = "manifest.json"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class DatasetInfo(_Frozen):
+    name: str
+    classes: list[str]
+    input_shape: tuple[int, int, int]
+    mean: list[float]
+    std: list[float]
+    data_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if len(self.mean) != self.input_shape[0] or len(self.std) != self.input_shape[0]:
+            raise ValueError("mean/std need one value per input channel")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std must be positive")
+        return self
+
+    @classmethod
+    def from_spec(cls, spec: DatasetSpec) -> "DatasetInfo":
+        return cls(**spec.to_dict())
+
+    def to_spec(self) -> DatasetSpec:
+        return DatasetSpec.from_dict(self.model_dump())
+
+
+class TrainInfo(_Frozen):
+    epochs: int
+    completed_epochs: int
+    lr: float
+    batch_size: int
+    seed: int
+    train_limit: int | None = None
+    device: str
+    seconds: float
+    history: list[dict[str, float]] = Field(default_factory=list)
+
+
+class ModelRecord(_Frozen):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["model"] = "model"
+    model: str  # registry name or package.module:factory
+    num_classes: int
+    in_channels: int
+    dataset: DatasetInfo
+    weights: str = MODEL_WEIGHTS
+    weights_sha256: str
+    params: int
+    test_top1: float | None = None
+    train: TrainInfo | None = None  # None for imported weights
+    created: str = Field(default_factory=utc_now)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_classes != len(self.dataset.classes):
+            raise ValueError("num_classes does not match the dataset's classes")
+        if self.in_channels != self.dataset.input_shape[0]:
+            raise ValueError("in_channels does not match the dataset's input shape")
+        return self
+
+
+class SubnetRecord(_Frozen):
+    index: int
+    classes: list[int]  # indices into the dataset's classes, in output order
+    head: Literal["binary", "group"]  # binary: 1 logit (BCE); group: k+1 logits, 0 = "not mine"
+    num_outputs: int
+    weights: str
+    weights_sha256: str
+    onnx: str | None = None
+    widths: dict[str, int] = Field(default_factory=dict)  # prunable layer -> output channels kept
+    params: int
+    flops: int
+    accuracy: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self):
+        want = 1 if self.head == "binary" else len(self.classes) + 1
+        if self.num_outputs != want:
+            raise ValueError(f"subnet {self.index}: a {self.head} head has {want} outputs")
+        if self.head == "binary" and len(self.classes) != 1:
+            raise ValueError(f"subnet {self.index}: a binary head answers for exactly one class")
+        return self
+
+
+class SourceInfo(_Frozen):
+    model: str
+    model_dir: str
+    weights_sha256: str
+    params: int
+    flops: int
+    test_top1: float | None = None
+
+
+class DecompositionManifest(_Frozen):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["decomposition"] = "decomposition"
+    model: str  # architecture every subnet was pruned from
+    in_channels: int
+    num_classes: int
+    dataset: DatasetInfo
+    source: SourceInfo
+    groups: list[list[int]]
+    grouping: dict[str, Any] = Field(default_factory=dict)
+    pruning: dict[str, Any] = Field(default_factory=dict)
+    retrain: dict[str, Any] = Field(default_factory=dict)
+    subnets: list[SubnetRecord] = Field(default_factory=list)
+    evaluation: dict[str, Any] = Field(default_factory=dict)
+    # Wall time per decomposition stage ({"retrain": {"seconds", "runs", "done"}, ...}); optional.
+    stages: dict[str, Any] = Field(default_factory=dict)
+    created: str = Field(default_factory=utc_now)
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_nonempty(cls, v):
+        if not v or any(not g for g in v):
+            raise ValueError("groups must be non-empty lists of class indices")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        flat = sorted(c for g in self.groups for c in g)
+        if flat != list(range(self.num_classes)):
+            raise ValueError("groups must cover every class exactly once")
+        if self.subnets:
+            if len(self.subnets) != len(self.groups):
+                raise ValueError("one subnet per group is required")
+            for i, (s, g) in enumerate(zip(self.subnets, self.groups)):
+                if s.index != i or list(s.classes) != list(g):
+                    raise ValueError(f"subnet {i} does not match group {i}")
+        return self
+
+    @property
+    def binary(self) -> bool:
+        return all(len(g) == 1 for g in self.groups)
+
+
+def _load(path: Path, cls, what: str):
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} does not exist")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{what} {path} is not a JSON object")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise CheckpointError(f"{what} {path} has schema version {version!r}; this sensai reads "
+                              f"version {SCHEMA_VERSION}")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise CheckpointError(f"{what} {path} is malformed ({loc}: {first.get('msg')})") from None
+
+
+def load_model_record(model_dir: str | Path) -> ModelRecord:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    return _load(model_dir / MODEL_RECORD, ModelRecord, "model record")
+
+
+def save_model_record(model_dir: str | Path, record: ModelRecord) -> None:
+    write_json_atomic(Path(model_dir) / MODEL_RECORD, record.model_dump(mode="json"))
+
+
+def load_manifest(artifact_dir: str | Path) -> DecompositionManifest:
+    artifact_dir = Path(artifact_dir)
+    if not artifact_dir.is_dir():
+        raise CheckpointError(f"artifact directory {artifact_dir} does not exist")
+    return _load(artifact_dir / MANIFEST, DecompositionManifest, "manifest")
+
+
+def save_manifest(artifact_dir: str | Path, manifest: DecompositionManifest) -> None:
+    write_json_atomic(Path(artifact_dir) / MANIFEST, manifest.model_dump(mode="json"))

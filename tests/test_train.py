@@ -1,0 +1,122 @@
+import json
+
+import pytest
+import torch
+
+from sensai.checkpoint import load_trained_model, save_weights
+from sensai.cli import main
+from sensai.errors import CheckpointError
+from sensai.manifest import load_model_record
+from training.trainer import predict_logits, top1, train
+
+
+def test_trained_model_round_trip(trained_model_dir, fmnist_spec, fmnist_test):
+    record = load_model_record(trained_model_dir)
+    assert record.model == "fmnist_cnn" and record.num_classes == 10
+    assert record.dataset.to_spec() == fmnist_spec
+    assert record.train.completed_epochs == 1 and record.train.train_limit == 6000
+    # One short epoch on 6,000 real images already beats chance by far.
+    assert record.test_top1 > 0.6
+    model, _ = load_trained_model(trained_model_dir)
+    logits = predict_logits(model, fmnist_test, fmnist_spec, torch.device("cpu"))
+    assert abs(top1(logits, fmnist_test.labels) - record.test_top1) < 1e-6
+    assert not (trained_model_dir / "train_state.json").exists()
+
+
+def test_corrupt_and_mismatched_checkpoints(trained_model_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(trained_model_dir, d)
+    w = d / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match the hash"):
+        load_trained_model(d)
+    # Weights of another architecture, with a matching hash: a shape mismatch, explained.
+    from sensai.models import create_model
+
+    rec = json.loads((d / "model.json").read_text())
+    rec["weights_sha256"] = save_weights(w, create_model("resnet20", 10, 1))
+    (d / "model.json").write_text(json.dumps(rec))
+    with pytest.raises(CheckpointError, match="do not fit the architecture"):
+        load_trained_model(d)
+    (d / "model.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_trained_model(d)
+    rec["schema_version"] = 99
+    (d / "model.json").write_text(json.dumps(rec))
+    with pytest.raises(CheckpointError, match="schema version 99"):
+        load_trained_model(d)
+
+
+def test_resume_continues_from_last_epoch(tmp_path, fmnist_spec, fmnist_train, fmnist_test):
+    out = tmp_path / "run"
+    kw = dict(model_name="tests.user_models:tiny_net", spec=fmnist_spec, train_set=fmnist_train,
+              test_set=fmnist_test, out_dir=out, epochs=2, train_limit=500, device=torch.device("cpu"))
+    calls = {"n": 0}
+    real = torch.optim.SGD.step
+
+    def crash_in_second_epoch(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # 500 images / 128 = 4 steps per epoch: the first step of epoch 2
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    torch.optim.SGD.step = crash_in_second_epoch
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(**kw)
+    finally:
+        torch.optim.SGD.step = real
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["epoch"] == 1 and not (out / "model.json").exists()
+    record = train(**kw)
+    assert record.train.completed_epochs == 2 and len(record.train.history) == 2
+    assert record.train.history[0] == state["history"][0]  # epoch 1 was not redone
+    with pytest.raises(Exception, match="other settings"):
+        (out / "train_state.json").write_text(json.dumps({**state, "settings": {"x": 1}}))
+        (out / "train_state.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+        train(**kw)
+
+
+def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
+    rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1", "--train-limit", "300",
+               "--device", "cpu", "--out", str(tmp_path / "t")])
+    assert rc == 0 and "test top-1" in capsys.readouterr().out
+    # A user's own weights as a plain .pt state dict, loaded with weights_only=True.
+    model, _ = load_trained_model(trained_model_dir)
+    torch.save(model.state_dict(), tmp_path / "mine.pt")
+    rc = main(["import", "--model", "fmnist_cnn", "--weights", str(tmp_path / "mine.pt"),
+               "--out", str(tmp_path / "imp")])
+    assert rc == 0
+    assert abs(load_model_record(tmp_path / "imp").test_top1 -
+               load_model_record(trained_model_dir).test_top1) < 1e-6
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--model", "vgg17", "--out", "{tmp}/x"], "unknown model 'vgg17'; known models:"),
+    (["train", "--data-dir", "{tmp}/nothing", "--out", "{tmp}/x"], "dataset-fashion-mnist"),
+    (["train", "--epochs", "0", "--out", "{tmp}/x"], "--epochs must be at least 1"),
+    (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
+    (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
+    (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, trained_model_dir, argv, needle):
+    if "cuda:3" in argv and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")
+    argv = [a.format(tmp=tmp_path, weights=trained_model_dir / "model.safetensors") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "x" / "model.json").exists()
+
+
+def test_pickled_module_is_refused(tmp_path, capsys):
+    from sensai.models import create_model
+
+    torch.save(create_model("fmnist_cnn", 10, 1), tmp_path / "whole_model.pt")
+    rc = main(["import", "--model", "fmnist_cnn", "--weights", str(tmp_path / "whole_model.pt"),
+               "--no-eval", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "weights_only=True" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""Training of a full N-class model (``sensai train``), resumable epoch by epoch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sensai.checkpoint import load_state_strict, load_weights, save_weights
+from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize, stratified_subset
+from sensai.errors import CheckpointError, SensaiError
+from sensai.fsutil import write_json_atomic
+from sensai.manifest import (MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, load_model_record,
+                             save_model_record)
+from sensai.models import count_params, create_model
+
+log = logging.getLogger(__name__)
+
+STATE_WEIGHTS = "train_state.safetensors"
+STATE_JSON = "train_state.json"
+
+
+def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random horizontal flips of a uint8 batch (cheap, and right for clothes and CIFAR objects)."""
+    flip = torch.rand(images.shape[0], generator=generator) < 0.5
+    if flip.any():
+        images = images.clone()
+        images[flip] = images[flip].flip(-1)
+    return images
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, dataset: ImageDataset, spec: DatasetSpec, device: torch.device,
+                   indices: np.ndarray | None = None, batch_size: int = 512,
+                   progress: str | None = None) -> torch.Tensor:
+    """Logits of ``model`` for ``dataset[indices]`` (all by default), in order, on the CPU."""
+    model.eval().to(device)
+    out = []
+    n = len(dataset) if indices is None else len(indices)
+    with tqdm(total=n, desc=progress, disable=progress is None, leave=False) as bar:
+        for x, _ in iterate_batches(dataset, batch_size, indices=indices):
+            out.append(model(normalize(x.to(device), spec)).float().cpu())
+            bar.update(len(x))
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def top1(logits: torch.Tensor, labels) -> float:
+    labels = torch.as_tensor(np.asarray(labels))
+    return float((logits.argmax(1) == labels).float().mean()) if len(labels) else float("nan")
+
+
+def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict) -> None:
+    # Momentum buffers go into safetensors beside the weights so resuming needs no pickle.
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            tensors[f"momentum.{i}"] = buf
+    from safetensors.torch import save_file
+
+    from sensai.fsutil import atomic_path
+    with atomic_path(out / STATE_WEIGHTS) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
+    write_json_atomic(out / STATE_JSON, meta)
+
+
+def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    meta = json.loads((out / STATE_JSON).read_text())
+    tensors = load_weights(out / STATE_WEIGHTS)
+    load_state_strict(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")},
+                      f"training state in {out}")
+    for i, p in enumerate(model.parameters()):
+        buf = tensors.get(f"momentum.{i}")
+        if buf is not None:
+            opt.state[p]["momentum_buffer"] = buf.to(p.device)
+    return meta
+
+
+def train(
+    *,
+    model_name: str,
+    spec: DatasetSpec,
+    train_set: ImageDataset,
+    test_set: ImageDataset,
+    out_dir: str | Path,
+    epochs: int,
+    lr: float = 0.05,
+    batch_size: int = 128,
+    weight_decay: float = 5e-4,
+    seed: int = 0,
+    train_limit: int | None = None,
+    device: torch.device = torch.device("cpu"),
+    resume: bool = True,
+) -> ModelRecord:
+    """Train ``model_name`` on ``train_set``; writes ``model.safetensors`` + ``model.json``.
+
+    After each epoch the weights and optimiser state are saved, so an interrupted run continues
+    from its last finished epoch when called again with the same settings.
+    """
+    if epochs < 1:
+        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
+    if batch_size < 1 or lr <= 0:
+        raise SensaiError("--batch-size and --lr must be positive")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = create_model(model_name, spec.num_classes, spec.in_channels).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                          weight_decay=weight_decay)
+    indices = stratified_subset(train_set.labels, train_limit, seed)
+    steps_per_epoch = math.ceil(len(indices) / batch_size)
+    total_steps = epochs * steps_per_epoch
+    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=lr, batch_size=batch_size,
+                    seed=seed, train_limit=train_limit, n_train=len(indices))
+
+    start_epoch, history, seconds = 0, [], 0.0
+    if resume and (out / STATE_JSON).is_file() and (out / STATE_WEIGHTS).is_file():
+        try:
+            saved = json.loads((out / STATE_JSON).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
+        if not isinstance(saved, dict) or saved.get("settings") != settings:
+            raise SensaiError(f"{out} holds an unfinished run with other settings; use another "
+                              f"--out or --no-resume to start over")
+        try:
+            meta = _load_state(out, model, opt)
+        except (CheckpointError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
+        start_epoch, history, seconds = meta["epoch"], meta["history"], meta["seconds"]
+        log.info("resuming %s at epoch %d/%d", out, start_epoch + 1, epochs)
+
+    def lr_at(step: int) -> float:
+        # Linear warm-up for the first 3% of steps, then cosine to zero.
+        warm = max(1, int(0.03 * total_steps))
+        if step < warm:
+            return lr * (step + 1) / warm
+        return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
+
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(start_epoch, epochs):
+        gen.manual_seed(seed * 1000 + epoch)
+        model.train()
+        t0 = time.perf_counter()
+        running, seen = 0.0, 0
+        bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
+                   unit="img", leave=False)
+        for i, (x, y) in enumerate(iterate_batches(train_set, batch_size, indices=indices,
+                                                    shuffle=True, seed=seed * 1000 + epoch)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(epoch * steps_per_epoch + i)
+            x = normalize(augment(x, gen).to(device), spec)
+            loss = loss_fn(model(x), y.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            running += loss.item() * len(y)
+            seen += len(y)
+            bar.update(len(y))
+            bar.set_postfix(loss=f"{running / seen:.3f}")
+        bar.close()
+        seconds += time.perf_counter() - t0
+        acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
+        history.append({"epoch": epoch + 1, "loss": running / max(1, seen), "test_top1": acc})
+        log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, running / max(1, seen), acc)
+        _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
+                                          seconds=seconds))
+
+    final_acc = history[-1]["test_top1"] if history else None
+    sha = save_weights(out / MODEL_WEIGHTS, model)
+    record = ModelRecord(
+        model=model_name, num_classes=spec.num_classes, in_channels=spec.in_channels,
+        dataset=DatasetInfo.from_spec(spec), weights_sha256=sha, params=count_params(model),
+        test_top1=final_acc,
+        train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, batch_size=batch_size,
+                        seed=seed, train_limit=train_limit, device=str(device), seconds=round(seconds, 2),
+                        history=history),
+    )
+    save_model_record(out, record)
+    (out / STATE_JSON).unlink(missing_ok=True)
+    (out / STATE_WEIGHTS).unlink(missing_ok=True)
+    return record
+
+
+def is_trained(out_dir: str | Path) -> bool:
+    try:
+        load_model_record(out_dir)
+        return True
+    except CheckpointError:
+        return False
