@@ -53,4 +53,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -c deploy/constraints.txt -e '.[test]'
   echo "$want" > "$stamp"
 fi
+# A tritonserver binary for the Triton backend and its tests: the nvidia-pytriton wheel carries one,
+# but pins numpy<2, so it is unpacked beside the environment rather than installed into it.
+if [ ! -x .venv/triton/pytriton/tritonserver/bin/tritonserver ]; then
+  say "unpacking tritonserver (nvidia-pytriton wheel, ~150 MB) into .venv/triton"
+  if ! .venv/bin/python -m pip install -q --no-deps --target .venv/triton 'nvidia-pytriton==0.7.0'; then
+    say "warning: could not get nvidia-pytriton; the Triton backend needs a tritonserver of your own"
+  fi
+fi
 say "ready: $root/.venv/bin/sensai"

@@ -1,0 +1,134 @@
+"""``sensai decompose`` and ``sensai evaluate``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from sensai.commands import add_device_arg
+
+    from .decompose import DecomposeConfig
+
+    d = DecomposeConfig()
+    p = sub.add_parser(
+        "decompose", help="split a trained model into pruned per-group subnets",
+        description="Group the classes, prune one subnet per group by class-specific APoZ, "
+                    "retrain each (in parallel on Ray), export ONNX and evaluate. Every stage is "
+                    "saved under --out; re-running the same command resumes.")
+    p.add_argument("--model-dir", required=True, help="directory written by 'sensai train' or "
+                   "'sensai import' (model.json + model.safetensors)")
+    p.add_argument("--groups", "-G", type=int, required=True,
+                   help="number of subnets G (1..N; G = N gives one binary subnet per class)")
+    p.add_argument("--out", required=True, help="artifact directory")
+    p.add_argument("--data-dir", default=None,
+                   help="where the model's dataset is (default: as recorded in model.json)")
+    g = p.add_argument_group("pruning")
+    g.add_argument("--policy", default=d.policy,
+                   help="keep: the --keep-fraction most active channels per layer; threshold: "
+                        "prune APoZ >= --theta1 unless mean |a| >= --theta2 (sensAI's rule); "
+                        "params: prune to --params-fraction of the parameters "
+                        "(default: %(default)s)")
+    g.add_argument("--keep-fraction", type=float, default=d.keep_fraction,
+                   help="channels kept per layer by --policy keep (default: %(default)s)")
+    g.add_argument("--theta1", type=float, default=d.theta1, help="(default: %(default)s)")
+    g.add_argument("--theta2", type=float, default=d.theta2, help="(default: %(default)s)")
+    g.add_argument("--params-fraction", type=float, default=d.params_fraction,
+                   help="target parameter fraction for --policy params, e.g. 0.1")
+    g.add_argument("--min-channels", type=int, default=d.min_channels,
+                   help="never keep fewer channels in a layer (default: %(default)s)")
+    g.add_argument("--zero-threshold", type=float, default=d.zero_threshold,
+                   help="|activation| counted as zero for APoZ (default: %(default)s)")
+    g.add_argument("--stats-per-class", type=int, default=d.stats_per_class,
+                   help="training images per class the activation statistics are taken on "
+                        "(default: %(default)s)")
+    g = p.add_argument_group("grouping")
+    g.add_argument("--tsne", action=argparse.BooleanOptionalAction, default=d.use_tsne,
+                   help="cluster classes in a 2-D t-SNE embedding of the features (default: on)")
+    g.add_argument("--features-per-class", type=int, default=d.features_per_class,
+                   help="training images per class for the grouping features (default: %(default)s)")
+    g = p.add_argument_group("retraining")
+    g.add_argument("--retrain-epochs", type=int, default=d.retrain_epochs,
+                   help="epochs per subnet, 0 = no retraining (default: %(default)s)")
+    g.add_argument("--samples-per-subnet", type=int, default=d.samples_per_subnet,
+                   help="balanced images per subnet and epoch - the cost bound (default: %(default)s)")
+    g.add_argument("--negative-share", type=float, default=d.negative_share,
+                   help="fraction of each subnet's samples that are other classes' images "
+                        "(default: one (k+1)-th; the loss still weighs each class like all "
+                        "negatives)")
+    g.add_argument("--distill", type=float, default=d.distill,
+                   help="weight in [0, 1] of the original model's soft targets in the retraining "
+                        "loss (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="subnets retrained at once (default: one per GPU, else one per CPU core)")
+    g.add_argument("--no-ray", action="store_true",
+                   help="retrain the subnets one after another in this process")
+    p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
+    p.add_argument("--opset", type=int, default=d.opset, help="ONNX opset (default: %(default)s)")
+    p.add_argument("--eval-limit", type=int, default=None,
+                   help="evaluate on a stratified subset of this many test images (default: all)")
+    p.add_argument("--force", action="store_true",
+                   help="start over, replacing what an earlier decomposition wrote in --out")
+    add_device_arg(p)
+    p.set_defaults(func=cmd_decompose)
+
+    p = sub.add_parser("evaluate", help="original vs decomposed accuracy of an artifact")
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--limit", type=int, default=None,
+                   help="evaluate on a stratified subset of this many test images (default: all)")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    add_device_arg(p)
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_decompose(args) -> int:
+    from .decompose import DecomposeConfig, decompose
+
+    config = DecomposeConfig(
+        policy=args.policy, keep_fraction=args.keep_fraction, theta1=args.theta1,
+        theta2=args.theta2, params_fraction=args.params_fraction, min_channels=args.min_channels,
+        zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
+        use_tsne=args.tsne, features_per_class=args.features_per_class,
+        retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
+        negative_share=args.negative_share, distill=args.distill,
+        lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
+    manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
+                         device=args.device, data_dir=args.data_dir, workers=args.workers,
+                         use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit)
+    ev = manifest.evaluation
+    worst = min(manifest.source.params / max(1, s.params) for s in manifest.subnets)
+    orig = ev.get("original_top1")
+    print(f"decomposed {manifest.model} into {len(manifest.subnets)} subnets (each >= "
+          f"{worst:.1f}x fewer params): test top-1 original "
+          f"{orig:.4f} -> decomposed {ev['decomposed_top1']:.4f} on {ev['images']} images -> "
+          f"{Path(args.out) / 'report.md'}")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    import json
+
+    from .decompose import evaluate_artifact
+
+    res = evaluate_artifact(args.artifact, device=args.device, limit=args.limit,
+                            data_dir=args.data_dir)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    orig = res.get("original_top1")
+    orig_s = (f"{orig:.4f}" if orig is not None else
+              f"{res.get('original_top1_recorded')} (recorded; {res.get('note')})")
+    print(f"test images: {res['images']}")
+    print(f"original   top-1: {orig_s}")
+    print(f"decomposed top-1: {res['decomposed_top1']:.4f}"
+          + (f"  ({res['delta_points']:+.2f} points)" if "delta_points" in res else ""))
+    for g in res["per_group"]:
+        o = g["original_top1"]
+        print(f"  subnet {g['group']:2d} [{', '.join(g['class_names'])}]: "
+              f"{'n/a' if o is None else f'{o:.4f}'} -> {g['decomposed_top1']:.4f} "
+              f"({g['images']} images)")
+    return 0

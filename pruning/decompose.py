@@ -1,0 +1,864 @@
+"""``sensai decompose``: a trained N-class CNN -> G pruned, retrained subnets + ONNX + report.
+
+Stages (each saved under the artifact directory ``ART`` as soon as it is done, so a re-run with the
+same settings resumes where the last one stopped):
+
+1. grouping   - penultimate features of a per-class sample -> balanced k-means -> ``grouping.json``
+2. stats      - per group, APoZ / mean |a| of every prunable layer on the group's own training
+                images -> ``work/stats/group_XX.npz``
+3. prune      - per group, keep the most useful channels, new output head
+                -> ``work/pruned/subnet_XX.safetensors``
+4. retrain    - per subnet, balanced fine-tuning (Ray tasks in parallel, or in process)
+                -> ``subnets/subnet_XX.safetensors``, each written the moment it is finished
+5. export     - ONNX per subnet, checked against torch -> ``subnets/subnet_XX.onnx``
+6. evaluate   - original vs merged top-1 on the test split -> ``work/evaluation.json``
+7. artifact   - ``manifest.json``, ``report.md`` / ``report.json`` / ``report.png``
+
+Every intermediate record names the hash of the file it was computed from, so a stale result (its
+input was redone) is redone too.  Settings that change results are fingerprinted in
+``work/settings.json``; running into an artifact made with other settings is refused unless
+``force`` is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
+from sensai.data import DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split, \
+    normalize, resolve_dataset, stratified_subset
+from sensai.errors import CheckpointError, SensaiError
+from sensai.fsutil import atomic_path, sha256_file, write_json_atomic
+from sensai.manifest import (MANIFEST, DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
+                             SubnetRecord, load_manifest, save_manifest)
+from sensai.merge import merge_outputs
+from sensai.models import count_params, select_device
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("keep", "threshold", "params")
+STAGES = ("grouping", "stats", "prune", "retrain", "export", "evaluate", "artifact")
+CHECK_IMAGES = 32  # real test images each ONNX file is checked on
+
+
+@dataclass(frozen=True)
+class DecomposeConfig:
+    """Every knob that changes what a decomposition produces (all recorded in the manifest).
+
+    Defaults were chosen on fmnist_cnn / Fashion-MNIST (see the report of the issue): keeping the
+    30% most active channels of every prunable layer makes each subnet about 10x smaller, and one
+    balanced epoch of 12k images per subnet brings the merged top-1 back to the original's.
+    """
+
+    # pruning
+    policy: str = "keep"
+    keep_fraction: float = 0.3
+    theta1: float = 0.73
+    theta2: float = 0.01
+    params_fraction: float | None = None
+    min_channels: int = 2
+    zero_threshold: float = 0.005
+    stats_per_class: int = 500
+    # grouping
+    use_tsne: bool = True
+    features_per_class: int = 200
+    # retraining
+    retrain_epochs: int = 1
+    samples_per_subnet: int = 12_000
+    negative_share: float | None = None
+    distill: float = 0.0
+    lr: float = 0.02
+    batch_size: int = 128
+    seed: int = 0
+    # export
+    opset: int = 17
+
+    def validate(self) -> "DecomposeConfig":
+        if self.policy not in POLICIES:
+            raise SensaiError(f"unknown pruning policy {self.policy!r}; choose one of: "
+                              f"{', '.join(POLICIES)}")
+        if self.policy == "keep" and not (0 < self.keep_fraction <= 1):
+            raise SensaiError(f"--keep-fraction must be in (0, 1], got {self.keep_fraction}")
+        if self.policy == "params":
+            if self.params_fraction is None:
+                raise SensaiError("--policy params needs --params-fraction (e.g. 0.1 for subnets "
+                                  "10x smaller than the original)")
+            if not (0 < self.params_fraction <= 1):
+                raise SensaiError(f"--params-fraction must be in (0, 1], got {self.params_fraction}")
+        if not (0 <= self.theta1 <= 1):
+            raise SensaiError(f"--theta1 is a fraction of zeros in [0, 1], got {self.theta1}")
+        if not (self.theta2 >= 0 and math.isfinite(self.theta2)):
+            raise SensaiError(f"--theta2 must be >= 0, got {self.theta2}")
+        if not (self.zero_threshold >= 0 and math.isfinite(self.zero_threshold)):
+            raise SensaiError(f"--zero-threshold must be >= 0, got {self.zero_threshold}")
+        if self.min_channels < 1:
+            raise SensaiError(f"--min-channels must be at least 1, got {self.min_channels}")
+        if self.stats_per_class < 1:
+            raise SensaiError(f"--stats-per-class must be at least 1, got {self.stats_per_class}")
+        if self.features_per_class < 2:
+            raise SensaiError(f"--features-per-class must be at least 2, got "
+                              f"{self.features_per_class}")
+        if not (7 <= self.opset <= 23):
+            raise SensaiError(f"--opset must be between 7 and 23, got {self.opset}")
+        self.retrain_settings().validate()
+        return self
+
+    def pruning_policy(self):
+        from .prune import PruningPolicy
+
+        return PruningPolicy(kind=self.policy, theta1=self.theta1, theta2=self.theta2,
+                             keep_fraction=self.keep_fraction, params_fraction=self.params_fraction,
+                             min_channels=self.min_channels)
+
+    def retrain_settings(self):
+        from training.retrain import RetrainSettings
+
+        return RetrainSettings(epochs=self.retrain_epochs, samples=self.samples_per_subnet,
+                               lr=self.lr, batch_size=self.batch_size, seed=self.seed,
+                               negative_share=self.negative_share, distill=self.distill)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DecomposeConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RetrainFailed(SensaiError):
+    """One or more subnets could not be retrained; the others are saved."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+# --------------------------------------------------------------------------------------------
+# Artifact layout
+
+
+class Layout:
+    """Where everything of one artifact lives (paths in the manifest are relative to ``root``)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.work = self.root / "work"
+
+    manifest = property(lambda self: self.root / MANIFEST)
+    grouping_json = property(lambda self: self.root / "grouping.json")
+    grouping_png = property(lambda self: self.root / "grouping.png")
+    settings = property(lambda self: self.work / "settings.json")
+    stages = property(lambda self: self.work / "stages.json")
+    evaluation = property(lambda self: self.work / "evaluation.json")
+    teacher = property(lambda self: self.work / "teacher_logits.npy")
+    report_md = property(lambda self: self.root / "report.md")
+    report_json = property(lambda self: self.root / "report.json")
+    report_png = property(lambda self: self.root / "report.png")
+
+    def stats(self, g: int) -> Path:
+        return self.work / "stats" / f"group_{g:02d}.npz"
+
+    def pruned(self, g: int) -> Path:
+        return self.work / "pruned" / f"subnet_{g:02d}.safetensors"
+
+    def pruned_meta(self, g: int) -> Path:
+        return self.work / "pruned" / f"subnet_{g:02d}.json"
+
+    def weights_rel(self, g: int) -> str:
+        return f"subnets/subnet_{g:02d}.safetensors"
+
+    def onnx_rel(self, g: int) -> str:
+        return f"subnets/subnet_{g:02d}.onnx"
+
+    def retrain_meta(self, g: int) -> Path:
+        return self.work / "retrain" / f"subnet_{g:02d}.json"
+
+    def export_meta(self, g: int) -> Path:
+        return self.work / "export" / f"subnet_{g:02d}.json"
+
+    def ours(self) -> list[Path]:
+        """Everything a decomposition writes (and ``force`` removes) - nothing else is touched."""
+        return [self.manifest, self.grouping_json, self.grouping_png, self.report_md,
+                self.report_json, self.report_png, self.work, self.root / "subnets"]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _file_ok(path: Path, sha: str | None) -> bool:
+    return bool(sha) and path.is_file() and sha256_file(path) == sha
+
+
+# --------------------------------------------------------------------------------------------
+# Checks done before any long work
+
+
+def _check_groups(groups: Any, num_classes: int) -> int:
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
+        raise SensaiError(f"--groups must be an integer, got {groups!r}")
+    if groups < 1:
+        raise SensaiError(f"--groups must be at least 1, got {groups}")
+    if groups > num_classes:
+        raise SensaiError(f"--groups {groups} is more than the model's {num_classes} classes "
+                          f"(at most one subnet per class)")
+    return int(groups)
+
+
+def _resolve_spec(record: ModelRecord, data_dir: str | None) -> DatasetSpec:
+    """The model's recorded dataset (its normalisation, its classes), found at ``data_dir``."""
+    spec = record.dataset.to_spec()
+    if data_dir is not None:
+        spec = spec.with_data_dir(data_dir)
+    found = resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    if tuple(found.classes) != tuple(spec.classes):
+        raise SensaiError(f"the {spec.name} data at {found.data_dir} has classes "
+                          f"{list(found.classes)[:5]}..., the model was trained on "
+                          f"{list(spec.classes)[:5]}...")
+    if tuple(found.input_shape) != tuple(spec.input_shape):
+        raise SensaiError(f"the {spec.name} data at {found.data_dir} gives images of shape "
+                          f"{found.input_shape}, the model expects {spec.input_shape}")
+    return spec
+
+
+def _check_writable(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise SensaiError(f"output {root} exists and is not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise SensaiError(f"cannot write to output directory {root}: {e.strerror or e}") from None
+
+
+def _settings_diff(old: dict, new: dict) -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{key}.{d}" for d in _settings_diff(a, b)]
+        elif a != b:
+            diffs.append(f"{key}: {a!r} -> {b!r}" if not isinstance(a, (dict, list)) else key)
+    return diffs
+
+
+def _prepare_out(layout: Layout, fingerprint: dict, force: bool) -> None:
+    """Refuse to mix settings in one artifact; with ``force`` remove only what we wrote."""
+    root = layout.root
+    _check_writable(root)
+    old = _read_json(layout.settings)
+    foreign = [p.name for p in root.iterdir() if not p.name.startswith(".write-test-")]
+    if old is None and foreign and not force:
+        if layout.manifest.exists() or layout.work.exists():
+            raise SensaiError(f"{root} holds a decomposition without readable settings "
+                              f"(work/settings.json); use --force to start over")
+        raise SensaiError(f"output directory {root} is not empty and holds no decomposition; "
+                          "choose a new directory (or --force to write into it anyway)")
+    if old is not None and old != fingerprint:
+        if not force:
+            diff = "; ".join(_settings_diff(old, fingerprint)[:4])
+            raise SensaiError(f"{root} was made with other settings ({diff}); use another --out "
+                              "or --force to start over")
+    if force:
+        for p in layout.ours():
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    layout.work.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(layout.settings, fingerprint)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage timing
+
+
+class _Stages:
+    """Wall time per stage, accumulated over runs (a resumed stage adds only its new work)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict[str, dict] = _read_json(path) or {}
+
+    def run(self, name: str, seconds: float, did_work: bool) -> None:
+        entry = self.data.setdefault(name, {"seconds": 0.0, "runs": 0})
+        if did_work:
+            entry["seconds"] = round(entry["seconds"] + seconds, 3)
+            entry["runs"] += 1
+        entry["done"] = True
+        write_json_atomic(self.path, self.data)
+
+    def seconds(self) -> dict[str, float]:
+        return {k: self.data[k]["seconds"] for k in STAGES if k in self.data}
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 1: grouping
+
+
+def _stage_grouping(layout, model, spec, train, n_groups, cfg, device) -> tuple[list[list[int]], dict, bool]:
+    from .grouping import group_classes, penultimate_features, plot_grouping
+
+    saved = _read_json(layout.grouping_json)
+    if saved and saved.get("n_groups") == n_groups and saved.get("groups"):
+        groups = [[int(c) for c in g] for g in saved["groups"]]
+        if sorted(c for g in groups for c in g) == list(range(spec.num_classes)):
+            return groups, saved.get("method", {}), False
+    feats, labels = penultimate_features(model, train(), spec, device,
+                                         per_class=cfg.features_per_class, seed=cfg.seed,
+                                         progress="grouping: features")
+    grouping = group_classes(feats, labels, spec.num_classes, n_groups, use_tsne=cfg.use_tsne,
+                             seed=cfg.seed)
+    try:
+        plot_grouping(grouping, spec.classes, layout.grouping_png)
+    except Exception as e:  # a plot is a courtesy; never lose the grouping over it
+        log.warning("could not draw %s: %s", layout.grouping_png, e)
+    write_json_atomic(layout.grouping_json, {
+        "n_groups": n_groups, "groups": grouping.groups,
+        "class_names": [[spec.classes[c] for c in g] for g in grouping.groups],
+        "method": grouping.method,
+        "class_points": np.asarray(grouping.class_points).round(5).tolist(),
+    })
+    return grouping.groups, grouping.method, True
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 2: activation statistics
+
+
+def _save_stats(path: Path, stats: dict) -> None:
+    names = list(stats)
+    arrays = {"names": np.array(names, dtype=np.str_),
+              "counts": np.array([stats[n].count for n in names], dtype=np.int64)}
+    for i, n in enumerate(names):
+        arrays[f"apoz_{i}"] = np.asarray(stats[n].apoz, dtype=np.float64)
+        arrays[f"mean_abs_{i}"] = np.asarray(stats[n].mean_abs, dtype=np.float64)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a path
+            np.savez(f, **arrays)
+
+
+def _load_stats(path: Path) -> dict | None:
+    from .apoz import ChannelStats
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = [str(n) for n in z["names"]]
+            counts = z["counts"]
+            return {n: ChannelStats(apoz=z[f"apoz_{i}"], mean_abs=z[f"mean_abs_{i}"],
+                                    count=int(counts[i])) for i, n in enumerate(names)}
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _group_indices(labels: np.ndarray, classes: list[int], per_class: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, 7919])
+    out = []
+    for c in classes:
+        pool = np.flatnonzero(labels == c)
+        if len(pool) == 0:
+            raise SensaiError(f"class {c} has no training images")
+        out.append(pool if len(pool) <= per_class else rng.choice(pool, per_class, replace=False))
+    return np.sort(np.concatenate(out))
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 4: retraining jobs
+
+
+def _gather(ds: ImageDataset, indices: np.ndarray) -> np.ndarray:
+    if isinstance(ds, TensorImages):
+        return ds.images[torch.from_numpy(indices)].numpy()
+    return torch.cat([x for x, _ in iterate_batches(ds, 256, indices=indices)]).numpy()
+
+
+def _teacher_logits(layout: Layout, model: nn.Module, train: ImageDataset, spec: DatasetSpec,
+                    device: torch.device) -> np.ndarray:
+    """The original model's logits on every training image (computed once, kept in work/)."""
+    from training.trainer import predict_logits
+
+    want = (len(train), spec.num_classes)
+    try:
+        z = np.load(layout.teacher, allow_pickle=False)
+        if z.shape == want and z.dtype == np.float32:
+            return z
+    except (OSError, ValueError):
+        pass
+    z = predict_logits(model, train, spec, device, progress="retrain: teacher logits").numpy()
+    z = np.ascontiguousarray(z, dtype=np.float32)
+    with atomic_path(layout.teacher) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, z, allow_pickle=False)
+    return z
+
+
+def _run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str, total: int,
+                    on_done: Callable, failures: dict[int, str]) -> None:
+    with tqdm(total=total, desc="retrain: subnets", unit="subnet") as bar:
+        for job in jobs:
+            g = job.pop("index")
+            try:
+                state, metrics = retrain_fn(**job, device=device,
+                                            progress=f"retrain subnet {g:02d}")
+            except Exception as e:  # one subnet's failure must not lose the others
+                log.error("retraining subnet %d failed: %s", g, e)
+                failures[g] = f"{type(e).__name__}: {e}"
+            else:
+                on_done(g, state, metrics)
+            bar.update(1)
+
+
+def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
+                on_done: Callable, failures: dict[int, str]) -> None:
+    import ray
+
+    from training.retrain import retrain_state
+
+    started = False
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        started = True
+    try:
+        gpus = float(ray.cluster_resources().get("GPU", 0))
+        if device != "cpu" and gpus >= 1:
+            # The task sees only the GPU Ray gave it, so "cuda" there is always the right one.
+            options, task_device, threads = {"num_gpus": 1, "num_cpus": 1}, "cuda", None
+        else:
+            if device.startswith("cuda"):
+                raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
+            options, task_device, threads = {"num_cpus": 1}, "cpu", 1
+        remote = ray.remote(retrain_state).options(max_retries=1, **options)
+        pending: dict = {}
+        it = iter(jobs)
+        exhausted = False
+        with tqdm(total=total, desc=f"retrain: subnets ({workers} Ray workers)", unit="subnet") as bar:
+            while pending or not exhausted:
+                while not exhausted and len(pending) < workers:
+                    job = next(it, None)
+                    if job is None:
+                        exhausted = True
+                        break
+                    g = job.pop("index")
+                    pending[remote.remote(**job, device=task_device, threads=threads)] = g
+                if not pending:
+                    break
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    g = pending.pop(ref)
+                    try:
+                        state, metrics = ray.get(ref)
+                    except ray.exceptions.RayTaskError as e:
+                        cause = getattr(e, "cause", None) or e
+                        msg = str(cause).strip().splitlines()
+                        failures[g] = f"{type(cause).__name__}: {msg[-1] if msg else ''}"
+                        log.error("retraining subnet %d failed: %s", g, failures[g])
+                    except ray.exceptions.RayError as e:
+                        failures[g] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+                        log.error("retraining subnet %d failed: %s", g, failures[g])
+                    else:
+                        on_done(g, state, metrics)
+                    bar.update(1)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def evaluate_models(original: nn.Module | None, subnets: list[nn.Module], groups: list[list[int]],
+                    dataset: ImageDataset, spec: DatasetSpec, device: torch.device, *,
+                    indices: np.ndarray | None = None, batch_size: int = 512,
+                    progress: str | None = "evaluate") -> dict[str, Any]:
+    """Top-1 of the original model and of the merged subnets (``merge_outputs``) on ``dataset``.
+
+    Also per group: both top-1s on the group's own images, and each subnet's accuracy at its own
+    task ("mine, which one" vs "not mine").
+    """
+    n_classes = spec.num_classes
+    idx = np.arange(len(dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
+    labels = np.asarray(dataset.labels)[idx]
+    models = ([original] if original is not None else []) + list(subnets)
+    for m in models:
+        m.eval().to(device)
+    orig_pred, outs = [], [[] for _ in subnets]
+    with tqdm(total=len(idx), desc=progress, disable=progress is None, unit="img", leave=False) as bar:
+        for x, _ in iterate_batches(dataset, batch_size, indices=idx):
+            x = normalize(x.to(device), spec)
+            if original is not None:
+                orig_pred.append(original(x).argmax(1).cpu().numpy())
+            for j, s in enumerate(subnets):
+                outs[j].append(s(x).float().cpu().numpy())
+            bar.update(len(x))
+    outputs = [np.concatenate(o) for o in outs]
+    scores = merge_outputs(outputs, groups, n_classes)
+    pred = scores.argmax(1)
+    orig = np.concatenate(orig_pred) if original is not None else None
+    binary = all(len(g) == 1 for g in groups)
+    per_group = []
+    for j, (g, out) in enumerate(zip(groups, outputs)):
+        mask = np.isin(labels, g)
+        if binary:
+            target = (labels == g[0]).astype(np.int64)
+            own = (out[:, 0] > 0).astype(np.int64)
+        else:
+            lookup = np.zeros(n_classes, dtype=np.int64)
+            lookup[g] = np.arange(1, len(g) + 1)
+            target, own = lookup[labels], out.argmax(1)
+        recalls = [float((own[target == t] == t).mean()) for t in np.unique(target)]
+        per_group.append({
+            "group": j, "classes": list(g), "class_names": [spec.classes[c] for c in g],
+            "images": int(mask.sum()),
+            "decomposed_top1": float((pred[mask] == labels[mask]).mean()) if mask.any() else None,
+            "original_top1": (float((orig[mask] == labels[mask]).mean())
+                              if orig is not None and mask.any() else None),
+            "subnet_top1": float((own == target).mean()),
+            "subnet_balanced": float(np.mean(recalls)) if recalls else None,
+        })
+    result = {"split": "test", "images": int(len(idx)),
+              "decomposed_top1": float((pred == labels).mean()) if len(idx) else float("nan"),
+              "original_top1": float((orig == labels).mean()) if orig is not None else None,
+              "per_group": per_group}
+    if result["original_top1"] is not None:
+        result["delta_points"] = round(100 * (result["decomposed_top1"] - result["original_top1"]), 3)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+
+
+def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
+              config: DecomposeConfig = DecomposeConfig(), device: str = "auto",
+              data_dir: str | None = None, workers: int | None = None, use_ray: bool = True,
+              force: bool = False, eval_limit: int | None = None,
+              retrain_fn: Callable | None = None) -> DecompositionManifest:
+    """Decompose the model saved in ``model_dir`` into ``groups`` subnets written to ``out_dir``.
+
+    ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: one GPU per task when the
+    cluster has GPUs, chosen by Ray).  ``workers``: subnets retrained at the same time (default:
+    one per GPU, else one per CPU core).  ``use_ray=False`` retrains one after another in this
+    process.  ``eval_limit`` evaluates on a stratified subset of the test split.
+    ``retrain_fn`` replaces :func:`training.retrain.retrain_state` for in-process runs (same
+    signature), e.g. for a custom training loop.
+    Raises :class:`SensaiError` for bad input before any long work, and :class:`RetrainFailed`
+    (after saving every other subnet) when some subnets could not be retrained.
+    """
+    from sensai.flops import count_flops
+
+    from training.retrain import retrain_plan, retrain_state, soft_targets
+
+    from .prune import find_prunable, layer_widths, make_head, prune_to_policy
+
+    t_start = time.perf_counter()
+    # ---- validation, all before any long work
+    config = config.validate()
+    dev = select_device(str(device))
+    if workers is not None and workers < 1:
+        raise SensaiError(f"--workers must be at least 1, got {workers}")
+    if eval_limit is not None and eval_limit < 1:
+        raise SensaiError(f"--eval-limit must be at least 1, got {eval_limit}")
+    model_dir = Path(model_dir)
+    model, record = load_trained_model(model_dir)
+    n_groups = _check_groups(groups, record.num_classes)
+    spec = _resolve_spec(record, data_dir)
+    policy = config.pruning_policy()
+    retrain_settings = config.retrain_settings()
+    layout = Layout(out_dir)
+    fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
+                   "dataset": spec.name, "classes": list(spec.classes), "groups": n_groups,
+                   "config": config.to_dict()}
+    _prepare_out(layout, fingerprint, force)
+    if workers is None:
+        workers = (torch.cuda.device_count() if dev.type == "cuda" else os.cpu_count()) or 1
+    stages = _Stages(layout.stages)
+    example = torch.zeros(1, *spec.input_shape)
+    orig_params = count_params(model)
+    orig_flops = count_flops(model, spec.input_shape)
+    train: ImageDataset | None = None
+
+    def train_set() -> ImageDataset:
+        nonlocal train
+        if train is None:
+            train = load_split(spec, "train")
+        return train
+
+    # ---- 1. grouping
+    t0 = time.perf_counter()
+    group_list, grouping_method, did = _stage_grouping(layout, model, spec, train_set, n_groups,
+                                                       config, dev)
+    stages.run("grouping", time.perf_counter() - t0, did)
+    binary = all(len(g) == 1 for g in group_list)
+    log.info("groups: %s", "; ".join(",".join(spec.classes[c] for c in g) for g in group_list))
+
+    # ---- 2. activation statistics on each group's own training images
+    t0 = time.perf_counter()
+    layers = find_prunable(model, example)
+    if not layers:
+        raise SensaiError(f"{record.model} has no prunable conv -> ReLU layers")
+    relus = [layer.relu for layer in layers]
+    stats: dict[int, dict] = {}
+    did = False
+    for g, classes in enumerate(tqdm(group_list, desc="stats: groups", unit="group")):
+        s = _load_stats(layout.stats(g))
+        if s is None or set(s) != set(relus):
+            idx = _group_indices(train_set().labels, classes, config.stats_per_class, config.seed)
+            s = collect_stats(model, train_set(), spec, dev, idx, config.zero_threshold, relus,
+                              progress=f"stats group {g:02d}")
+            _save_stats(layout.stats(g), s)
+            did = True
+        stats[g] = s
+    stages.run("stats", time.perf_counter() - t0, did)
+
+    # ---- 3. pruning + new heads
+    t0 = time.perf_counter()
+    did = False
+    pruned_meta: dict[int, dict] = {}
+    for g, classes in enumerate(tqdm(group_list, desc="prune: subnets", unit="subnet")):
+        meta = _read_json(layout.pruned_meta(g))
+        if not (meta and meta.get("classes") == classes and meta.get("stats_sha256") ==
+                sha256_file(layout.stats(g)) and _file_ok(layout.pruned(g), meta.get("weights_sha256"))):
+            pruned, keep = prune_to_policy(copy.deepcopy(model), layers, stats[g], policy, example)
+            sub = make_head(pruned, classes, binary=binary, seed=config.seed + g)
+            sha = save_weights(layout.pruned(g), sub)
+            meta = {"classes": classes, "head": "binary" if binary else "group",
+                    "num_outputs": 1 if binary else len(classes) + 1, "weights_sha256": sha,
+                    "stats_sha256": sha256_file(layout.stats(g)),
+                    "keep": {k: [int(i) for i in v] for k, v in keep.items()},
+                    "widths": {k: int(v) for k, v in layer_widths(sub).items()},
+                    "params": count_params(sub), "flops": count_flops(sub, spec.input_shape)}
+            write_json_atomic(layout.pruned_meta(g), meta)
+            did = True
+        pruned_meta[g] = meta
+    stages.run("prune", time.perf_counter() - t0, did)
+
+    # ---- 4. retraining, each subnet saved as soon as it is back
+    t0 = time.perf_counter()
+    todo = []
+    for g in range(n_groups):
+        meta = _read_json(layout.retrain_meta(g))
+        if not (meta and meta.get("from_sha256") == pruned_meta[g]["weights_sha256"] and
+                _file_ok(layout.root / layout.weights_rel(g), meta.get("weights_sha256"))):
+            todo.append(g)
+    failures: dict[int, str] = {}
+
+    def on_done(g: int, state: dict, metrics: dict) -> None:
+        sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
+                                 state, f"retrained subnet {g}")
+        sha = save_weights(layout.root / layout.weights_rel(g), sub)
+        write_json_atomic(layout.retrain_meta(g), {
+            "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
+            "metrics": metrics})
+
+    teacher = (_teacher_logits(layout, model, train_set(), spec, dev)
+               if todo and config.distill > 0 and config.retrain_epochs > 0 else None)
+
+    def jobs() -> Iterator[dict]:
+        for g in todo:
+            state = load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"])
+            idx, targets = retrain_plan(train_set().labels, group_list[g], retrain_settings,
+                                        binary=binary, subnet_seed=g)
+            uniq, positions = np.unique(idx, return_inverse=True)
+            soft = (soft_targets(teacher[uniq], group_list[g], binary=binary)
+                    if teacher is not None else None)
+            yield {"index": g, "soft": soft, "arch": record.model,
+                   "num_outputs": pruned_meta[g]["num_outputs"],
+                   "in_channels": record.in_channels, "state": state,
+                   "images": _gather(train_set(), uniq), "positions": positions.astype(np.int64),
+                   "targets": targets, "spec": spec.to_dict(), "settings": retrain_settings.to_dict(),
+                   "binary": binary}
+
+    if todo:
+        if config.retrain_epochs == 0:
+            for g in todo:  # no retraining asked for: the pruned subnet is the result
+                on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
+                        {"samples": 0, "seconds": 0.0})
+        elif use_ray and retrain_fn is None:
+            _run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
+                        len(todo), on_done, failures)
+        else:
+            _run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
+                            failures)
+    stages.run("retrain", time.perf_counter() - t0, bool(todo))
+    if failures:
+        done = n_groups - len(failures)
+        detail = "; ".join(f"subnet {g} (classes {group_list[g]}): {why}"
+                           for g, why in sorted(failures.items()))
+        raise RetrainFailed(f"retraining failed for {len(failures)} of {n_groups} subnets - "
+                            f"{detail}. The other {done} are saved in {layout.root / 'subnets'}; "
+                            "re-run the same command to retrain only the missing ones", failures)
+
+    # ---- 5. ONNX export, checked against torch on real test images
+    from sensai.export import export_onnx
+
+    t0 = time.perf_counter()
+    did = False
+    test = load_split(spec, "test")
+    check_idx = stratified_subset(test.labels, CHECK_IMAGES, config.seed)
+    check_batch = normalize(torch.from_numpy(_gather(test, check_idx)), spec)
+    subnets: list[nn.Module] = []
+    export_meta: dict[int, dict] = {}
+    for g in tqdm(range(n_groups), desc="export: ONNX", unit="subnet"):
+        w_sha = _read_json(layout.retrain_meta(g))["weights_sha256"]
+        sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
+                                 load_weights(layout.root / layout.weights_rel(g), w_sha),
+                                 f"subnet {g}")
+        subnets.append(sub)
+        meta = _read_json(layout.export_meta(g))
+        if not (meta and meta.get("weights_sha256") == w_sha and meta.get("opset") == config.opset
+                and _file_ok(layout.root / layout.onnx_rel(g), meta.get("onnx_sha256"))):
+            err = export_onnx(sub, spec.input_shape, layout.root / layout.onnx_rel(g),
+                              opset=config.opset, check_batch=check_batch)
+            meta = {"weights_sha256": w_sha, "opset": config.opset, "max_abs_diff": err,
+                    "onnx_sha256": sha256_file(layout.root / layout.onnx_rel(g))}
+            write_json_atomic(layout.export_meta(g), meta)
+            did = True
+        export_meta[g] = meta
+    stages.run("export", time.perf_counter() - t0, did)
+
+    # ---- 6. evaluation on the test split
+    t0 = time.perf_counter()
+    weight_shas = [export_meta[g]["weights_sha256"] for g in range(n_groups)]
+    evaluation = _read_json(layout.evaluation)
+    did = False
+    if not (evaluation and evaluation.get("limit") == eval_limit and
+            evaluation.get("weights_sha256") == weight_shas):
+        idx = stratified_subset(test.labels, eval_limit, config.seed) if eval_limit else None
+        evaluation = evaluate_models(model, subnets, group_list, test, spec, dev, indices=idx)
+        evaluation.update(limit=eval_limit, weights_sha256=weight_shas)
+        write_json_atomic(layout.evaluation, evaluation)
+        did = True
+    stages.run("evaluate", time.perf_counter() - t0, did)
+
+    # ---- 7. manifest + report
+    t0 = time.perf_counter()
+    records = []
+    for g, classes in enumerate(group_list):
+        pg = evaluation["per_group"][g]
+        accuracy = {k: pg[k] for k in ("decomposed_top1", "original_top1", "subnet_top1",
+                                       "subnet_balanced") if pg.get(k) is not None}
+        meta = pruned_meta[g]
+        records.append(SubnetRecord(
+            index=g, classes=classes, head=meta["head"], num_outputs=meta["num_outputs"],
+            weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
+            widths=meta["widths"], params=meta["params"], flops=meta["flops"], accuracy=accuracy))
+    retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": bool(use_ray),
+                    "balance": "k+1 target classes with equal samples; positives repeated",
+                    "subnets": {str(g): (_read_json(layout.retrain_meta(g)) or {}).get("metrics", {})
+                                for g in range(n_groups)}}
+    manifest = DecompositionManifest(
+        model=record.model, in_channels=record.in_channels, num_classes=record.num_classes,
+        dataset=DatasetInfo.from_spec(spec),
+        source=SourceInfo(model=record.model, model_dir=str(model_dir.resolve()),
+                          weights_sha256=record.weights_sha256, params=orig_params,
+                          flops=orig_flops, test_top1=record.test_top1),
+        groups=group_list,
+        grouping={**grouping_method, "features_per_class": config.features_per_class},
+        pruning={**policy.to_dict(), "zero_threshold": config.zero_threshold,
+                 "stats_per_class": config.stats_per_class, "prunable_layers": len(layers)},
+        retrain=retrain_info,
+        subnets=records,
+        evaluation={k: v for k, v in evaluation.items() if k != "weights_sha256"},
+    )
+    stages.run("artifact", time.perf_counter() - t0, True)
+    manifest = DecompositionManifest.model_validate(
+        {**manifest.model_dump(mode="json"), "stages": stages.data})
+    save_manifest(layout.root, manifest)
+    from .report import write_report
+
+    write_report(layout.root, manifest, stages.seconds())
+    log.info("decomposition done in %.1f s: %s", time.perf_counter() - t_start, layout.root)
+    return load_manifest(layout.root)
+
+
+def collect_stats(model, dataset, spec, device, indices, zero_threshold, relus, progress=None):
+    from .apoz import collect_activation_stats
+
+    return collect_activation_stats(model, dataset, spec, device, indices=indices,
+                                    zero_threshold=zero_threshold, modules=relus, progress=progress)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading an artifact back
+
+
+def _inside(root: Path, rel: str) -> Path:
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise CheckpointError(f"manifest in {root} points outside the artifact ({rel})")
+    return path
+
+
+def load_subnets(artifact_dir: str | Path, device: str | torch.device = "cpu"
+                 ) -> tuple[DecompositionManifest, list[nn.Module]]:
+    """The manifest and every subnet rebuilt from it (safetensors checked against their hash)."""
+    root = Path(artifact_dir)
+    manifest = load_manifest(root)
+    if not manifest.subnets:
+        raise CheckpointError(f"manifest in {root} lists no subnets")
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    models = []
+    for rec in manifest.subnets:
+        state = load_weights(_inside(root, rec.weights), rec.weights_sha256)
+        models.append(build_from_weights(manifest.model, rec.num_outputs, manifest.in_channels,
+                                         state, f"subnet {rec.index} weights ({rec.weights})").to(dev))
+    return manifest, models
+
+
+def evaluate_artifact(artifact_dir: str | Path, *, device: str = "auto", limit: int | None = None,
+                      data_dir: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Original vs merged decomposed top-1 on the test split (``limit``: stratified subset).
+
+    The original model is taken from the directory the manifest names; when it is gone (or its
+    weights changed) only the decomposed accuracy is measured and the recorded original top-1 is
+    reported beside it.
+    """
+    if limit is not None and limit < 1:
+        raise SensaiError(f"--limit must be at least 1, got {limit}")
+    dev = select_device(str(device))
+    manifest, subnets = load_subnets(artifact_dir, dev)
+    spec = manifest.dataset.to_spec()
+    if data_dir is not None:
+        spec = spec.with_data_dir(data_dir)
+    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    original, note = None, None
+    try:
+        original, rec = load_trained_model(manifest.source.model_dir)
+        if rec.weights_sha256 != manifest.source.weights_sha256:
+            original, note = None, "original weights changed since the decomposition"
+    except CheckpointError as e:
+        note = f"original model unavailable ({e})"
+    test = load_split(spec, "test")
+    idx = stratified_subset(test.labels, limit, seed) if limit else None
+    result = evaluate_models(original, subnets, manifest.groups, test, spec, dev, indices=idx)
+    if original is None:
+        result["original_top1_recorded"] = manifest.source.test_top1
+        result["note"] = note
+    result["limit"] = limit
+    result["params"] = {"original": manifest.source.params,
+                        "subnets": [s.params for s in manifest.subnets]}
+    return result

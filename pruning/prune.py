@@ -1,0 +1,389 @@
+"""Structured channel pruning of a trained CNN into a smaller dense subnet (Torch-Pruning).
+
+Which channels may go is read off Torch-Pruning's dependency graph rather than per-architecture
+index arithmetic: removing output channel ``i`` of a convolution also removes whatever is coupled
+to it (its batch norm, the matching input channel of the next layer, a depthwise convolution in
+between).  A convolution whose channels are tied to another convolution's outputs through an
+element-wise operation — a residual addition — is left alone, as sensAI does: only channels
+*inside* a block are pruned, never the residual path.
+
+The activation statistics that decide which channels go are recorded at a ReLU module; the ReLU
+belonging to a convolution is found in the same graph, by matching the autograd node each ReLU
+module produced in the tracing pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from sensai.errors import SensaiError
+from sensai.models import classifier_layer, count_params
+
+from .apoz import ChannelStats
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Dependency graph helpers
+
+
+def _save_modes(model: nn.Module) -> dict[nn.Module, bool]:
+    return {m: m.training for m in model.modules()}
+
+
+def _restore_modes(modes: dict[nn.Module, bool]) -> None:
+    for m, training in modes.items():
+        m.training = training
+
+
+def _example_on(model: nn.Module, example_input: torch.Tensor) -> torch.Tensor:
+    for p in model.parameters():
+        return example_input.to(p.device)
+    return example_input
+
+
+def _build_graph(model: nn.Module, example_input: torch.Tensor, relu_trace: dict | None = None):
+    """Torch-Pruning dependency graph of ``model``; optionally records which autograd node each
+    ``nn.ReLU`` module produced (``relu_trace[grad_fn] = (name, call order, channels)``)."""
+    import torch_pruning as tp
+
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+    if relu_trace is not None:
+        def hook(module, inputs, output):
+            relu_trace[output.grad_fn] = (names[module], len(relu_trace),
+                                          int(output.shape[1]) if output.ndim > 1 else 0)
+
+        handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.ReLU)]
+    modes = _save_modes(model)
+    try:
+        # Tracing follows autograd, so it must run with gradients on even inside a no_grad caller.
+        with torch.enable_grad():
+            return tp.DependencyGraph().build_dependency(
+                model, example_inputs=_example_on(model, example_input),
+                forward_fn=lambda m, x: m(x), verbose=False)
+    finally:
+        for h in handles:
+            h.remove()
+        _restore_modes(modes)  # tracing switches the model to eval mode
+
+
+def _is_depthwise(m: nn.Module) -> bool:
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels == m.out_channels
+
+
+# --------------------------------------------------------------------------------------------
+# What can be pruned
+
+
+@dataclass(frozen=True)
+class PrunableLayer:
+    conv: str      # nn.Conv2d whose output channels may be removed
+    relu: str      # nn.ReLU whose output carries those channels (where statistics are recorded)
+    channels: int
+
+
+def find_prunable(model: nn.Module, example_input: torch.Tensor) -> list[PrunableLayer]:
+    """Convolutions whose output channels can be removed independently of any other convolution.
+
+    A convolution qualifies when its pruning group (everything coupled to its output channels):
+    holds no other dense or grouped convolution's outputs (depthwise ones are fine), no element-wise
+    merge of two tensors (a residual addition), not the network output, and a ReLU module that
+    carries exactly its channels.  When several ReLUs carry them (a depthwise block), the last one
+    is used: it is the activation the next dense layer actually reads.  The classifier is never a
+    root, so the number of outputs never changes.  ``example_input`` is one batch of the model's
+    input, e.g. ``torch.zeros(1, C, H, W)``.  Returns layers in module order.
+    """
+    import torch_pruning as tp
+
+    relu_trace: dict = {}
+    graph = _build_graph(model, example_input, relu_trace)
+    OPTYPE = tp.ops.OPTYPE
+    out: list[PrunableLayer] = []
+    for name, conv in model.named_modules():
+        if not isinstance(conv, nn.Conv2d) or conv not in graph.module2node or conv.out_channels < 2:
+            continue
+        if conv.groups > 1 and not _is_depthwise(conv):
+            continue
+        channels = conv.out_channels
+        group = graph.get_pruning_group(conv, tp.prune_conv_out_channels, idxs=list(range(channels)))
+        ok, relus = True, []
+        for item in group:
+            dep, idxs = item.dep, item.idxs
+            node, target = dep.target, dep.target.module
+            if node.type == OPTYPE.OUTPUT:
+                ok = False  # the channels would change the network's output
+            elif node.type == OPTYPE.ELEMENTWISE and len(node.inputs) > 1:
+                ok = False  # two tensors meet channel by channel: a residual (or gating) path
+            elif isinstance(target, nn.Conv2d) and target.groups > 1 and not _is_depthwise(target):
+                ok = False  # grouped convolutions need whole groups removed
+            elif (target is not conv and isinstance(target, (nn.Conv2d, nn.Linear))
+                  and not _is_depthwise(target) and graph.is_out_channel_pruning_fn(dep.handler)):
+                ok = False  # tied to another layer's outputs
+            if not ok:
+                break
+            traced = relu_trace.get(node.grad_fn)
+            if traced is not None and traced[2] == channels and list(idxs) == list(range(channels)):
+                relus.append(traced)
+        if ok and relus:
+            relu_name = max(relus, key=lambda t: t[1])[0]
+            out.append(PrunableLayer(conv=name, relu=relu_name, channels=channels))
+    log.debug("prunable convolutions: %s", [p.conv for p in out])
+    return out
+
+
+def layer_widths(model: nn.Module) -> dict[str, int]:
+    """Output channels of every ``nn.Conv2d``, by module name."""
+    return {n: m.out_channels for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+
+
+# --------------------------------------------------------------------------------------------
+# Which channels to keep
+
+
+@dataclass(frozen=True)
+class PruningPolicy:
+    """How many and which channels each prunable layer keeps.
+
+    ``threshold``: sensAI's rule — remove a channel when its APoZ >= ``theta1`` unless its mean
+    |activation| >= ``theta2``.  ``keep``: every layer keeps the ``ceil(keep_fraction * C)``
+    channels with the lowest APoZ (ties: higher mean |a| first).  ``params``: the largest uniform
+    keep fraction whose subnet has at most ``params_fraction`` of the original parameters.
+    No layer ever drops below ``min_channels``.
+    """
+
+    kind: Literal["threshold", "keep", "params"] = "keep"
+    theta1: float = 0.73
+    theta2: float = 0.01
+    keep_fraction: float = 0.25
+    params_fraction: float | None = None
+    min_channels: int = 2
+
+    def __post_init__(self):
+        if self.kind not in ("threshold", "keep", "params"):
+            raise ValueError(f"pruning policy kind must be threshold, keep or params, got {self.kind!r}")
+        if not 0.0 <= self.theta1 <= 1.0:
+            raise ValueError(f"theta1 (APoZ threshold) must be in [0, 1], got {self.theta1}")
+        if not self.theta2 >= 0.0:
+            raise ValueError(f"theta2 (mean |activation| threshold) must be >= 0, got {self.theta2}")
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
+        if self.kind == "params" and self.params_fraction is None:
+            raise ValueError("the params policy needs params_fraction")
+        if self.params_fraction is not None and not 0.0 < self.params_fraction <= 1.0:
+            raise ValueError(f"params_fraction must be in (0, 1], got {self.params_fraction}")
+        if (not isinstance(self.min_channels, (int, np.integer)) or isinstance(self.min_channels, bool)
+                or self.min_channels < 1):
+            raise ValueError(f"min_channels must be a positive integer, got {self.min_channels!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["min_channels"] = int(d["min_channels"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PruningPolicy":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _ranking(stats: ChannelStats) -> np.ndarray:
+    """Channel indices from most to least useful: low APoZ first, then high mean |a|, then index."""
+    apoz = np.asarray(stats.apoz, dtype=np.float64)
+    mean_abs = np.asarray(stats.mean_abs, dtype=np.float64)
+    return np.lexsort((np.arange(len(apoz)), -mean_abs, apoz))
+
+
+def _stats_for(layer: PrunableLayer, stats: Mapping[str, ChannelStats]) -> ChannelStats:
+    s = stats.get(layer.relu)
+    if s is None:
+        raise ValueError(f"no activation statistics for {layer.relu!r} (layer {layer.conv!r})")
+    if len(s.apoz) != layer.channels or len(s.mean_abs) != layer.channels:
+        raise ValueError(f"statistics for {layer.relu!r} have {len(s.apoz)} channels, layer "
+                         f"{layer.conv!r} has {layer.channels}")
+    return s
+
+
+def select_channels(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats],
+                    policy: PruningPolicy, *, keep_fraction: float | None = None
+                    ) -> dict[str, np.ndarray]:
+    """Conv name -> sorted indices of the channels to keep, for every layer in ``layers``.
+
+    ``stats`` is keyed by ReLU module name (as returned by ``collect_activation_stats``).  For the
+    ``params`` policy pass the uniform ``keep_fraction`` found by the budget search (what
+    :func:`prune_to_policy` does); it overrides ``policy.keep_fraction`` for the ``keep`` policy too.
+    """
+    if policy.kind == "params" and keep_fraction is None:
+        raise ValueError("the params policy needs the keep fraction found by its budget search; "
+                         "use prune_to_policy")
+    frac = policy.keep_fraction if keep_fraction is None else float(keep_fraction)
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"keep fraction must be in [0, 1], got {frac}")
+    keep: dict[str, np.ndarray] = {}
+    for layer in layers:
+        s = _stats_for(layer, stats)
+        c = layer.channels
+        floor = min(policy.min_channels, c)
+        order = _ranking(s)
+        if policy.kind == "threshold":
+            drop = (np.asarray(s.apoz) >= policy.theta1) & (np.asarray(s.mean_abs) < policy.theta2)
+            kept = list(np.flatnonzero(~drop))
+            if len(kept) < floor:
+                kept += [i for i in order if drop[i]][:floor - len(kept)]
+        else:
+            # The epsilon stops float noise (0.3 * 10 = 3.0000000000000004) from adding a channel.
+            n = min(c, max(floor, math.ceil(frac * c - 1e-9)))
+            kept = order[:n]
+        keep[layer.conv] = np.sort(np.asarray(kept, dtype=np.int64))
+    return keep
+
+
+# --------------------------------------------------------------------------------------------
+# Pruning
+
+
+def prune_model(model: nn.Module, keep: Mapping[str, np.ndarray], example_input: torch.Tensor
+                ) -> nn.Module:
+    """A pruned deep copy of ``model`` keeping only ``keep[conv]`` output channels of each conv.
+
+    Channels are physically removed (with everything coupled to them), so the result is a smaller
+    dense network of the same classes; ``model`` itself is untouched.
+    """
+    import torch_pruning as tp
+
+    pruned = copy.deepcopy(model)
+    modules = dict(pruned.named_modules())
+    plan = []
+    for name, kept in keep.items():
+        conv = modules.get(name)
+        if not isinstance(conv, nn.Conv2d):
+            raise ValueError(f"{name!r} is not an nn.Conv2d of the model")
+        kept = np.asarray(kept)
+        c = conv.out_channels
+        if kept.ndim != 1 or kept.size == 0:
+            raise ValueError(f"layer {name!r} must keep at least one channel")
+        if not np.issubdtype(kept.dtype, np.integer) or kept.min() < 0 or kept.max() >= c:
+            raise ValueError(f"channel indices for {name!r} must be integers in [0, {c})")
+        if len(np.unique(kept)) != kept.size:
+            raise ValueError(f"channel indices for {name!r} repeat")
+        plan.append((name, conv, c, np.setdiff1d(np.arange(c), kept)))
+    if not any(len(remove) for *_, remove in plan):
+        return pruned
+    graph = _build_graph(pruned, example_input)
+    for name, conv, c, remove in plan:
+        if conv.out_channels != c:
+            raise ValueError(f"layer {name!r} is coupled to another pruned layer; prune only "
+                             "independent layers (see find_prunable)")
+        if len(remove) == 0:
+            continue
+        group = graph.get_pruning_group(conv, tp.prune_conv_out_channels,
+                                        idxs=[int(i) for i in remove])
+        if not graph.check_pruning_group(group):
+            raise ValueError(f"pruning {len(remove)} of {c} channels of {name!r} would empty a "
+                             "coupled layer")
+        group.prune()
+    return pruned
+
+
+def _keep_counts(keep: Mapping[str, np.ndarray]) -> tuple:
+    return tuple(sorted((k, len(v)) for k, v in keep.items()))
+
+
+def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
+                    stats: Mapping[str, ChannelStats], policy: PruningPolicy,
+                    example_input: torch.Tensor) -> tuple[nn.Module, dict[str, np.ndarray]]:
+    """Select channels by ``policy`` and prune; returns ``(pruned copy, kept indices per conv)``.
+
+    For the ``params`` policy the uniform keep fraction is found by bisection: the parameter count
+    only grows with the fraction, so the largest fraction within budget is found in about
+    log2(2 x widest layer) trial prunings.  An unreachable budget raises :class:`SensaiError`.
+    """
+    if policy.kind != "params":
+        keep = select_channels(layers, stats, policy)
+        return prune_model(model, keep, example_input), keep
+
+    original = count_params(model)
+    budget = policy.params_fraction * original
+    tried: dict[tuple, tuple[int, nn.Module, dict]] = {}
+
+    def trial(frac: float):
+        keep = select_channels(layers, stats, policy, keep_fraction=frac)
+        key = _keep_counts(keep)
+        if key not in tried:
+            pruned = prune_model(model, keep, example_input)
+            tried[key] = (count_params(pruned), pruned, keep)
+        return tried[key]
+
+    full = trial(1.0)
+    if full[0] <= budget:
+        return full[1], full[2]
+    smallest = trial(0.0)
+    if smallest[0] > budget:
+        raise SensaiError(
+            f"cannot prune to {policy.params_fraction:g} of the parameters: even keeping only "
+            f"{policy.min_channels} channel(s) per prunable layer leaves {smallest[0]:,} of "
+            f"{original:,} ({smallest[0] / original:.3f}); the classifier and residual-path layers "
+            "are not pruned — use a larger params fraction")
+    lo, hi = 0.0, 1.0
+    widest = max((layer.channels for layer in layers), default=1)
+    # Below 1/(2*widest) no layer's ceil(f*C) changes any more.
+    while hi - lo > 1.0 / (2 * widest):
+        mid = (lo + hi) / 2
+        if trial(mid)[0] <= budget:
+            lo = mid
+        else:
+            hi = mid
+    params, pruned, keep = trial(lo)
+    log.info("params policy: keep fraction %.4f -> %d params (%.3f of %d, budget %.3f)", lo, params,
+             params / original, original, policy.params_fraction)
+    return pruned, keep
+
+
+# --------------------------------------------------------------------------------------------
+# Output heads
+
+
+def make_head(model: nn.Module, classes: Sequence[int], *, binary: bool, seed: int = 0) -> nn.Module:
+    """Replace the classifier (last ``nn.Linear``) in place by a subnet head; returns ``model``.
+
+    ``binary``: one logit, started from the original row of ``classes[0]``.  Otherwise
+    ``len(classes) + 1`` logits: 1..k start from the original rows of ``classes``, 0 ("not one of
+    mine") is drawn from N(0, 0.01) with bias 0, as in sensAI.
+    """
+    name, head = classifier_layer(model)
+    classes = [int(c) for c in classes]
+    if not classes:
+        raise ValueError("a head needs at least one class")
+    if len(set(classes)) != len(classes) or min(classes) < 0 or max(classes) >= head.out_features:
+        raise ValueError(f"classes must be distinct and in [0, {head.out_features}), got {classes}")
+    if binary and len(classes) != 1:
+        raise ValueError(f"a binary head is for exactly one class, got {len(classes)}")
+    w, b = head.weight.detach(), head.bias
+    outputs = 1 if binary else len(classes) + 1
+    new = nn.Linear(head.in_features, outputs, bias=b is not None, device=w.device, dtype=w.dtype)
+    idx = torch.tensor(classes, device=w.device)
+    with torch.no_grad():
+        if binary:
+            new.weight.copy_(w[idx])
+            if b is not None:
+                new.bias.copy_(b.detach()[idx])
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            new.weight[0] = (torch.randn(head.in_features, generator=gen) * 0.01).to(w)
+            new.weight[1:] = w[idx]
+            if b is not None:
+                new.bias[0] = 0.0
+                new.bias[1:] = b.detach()[idx]
+    new.train(head.training)
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+    return model

@@ -1,0 +1,130 @@
+"""``sensai demo``: the whole job on the embedded default, end to end.
+
+Train the default model on Fashion-MNIST, decompose it into class-parallel subnets, serve them
+behind the HTTP gateway on 127.0.0.1, send real test images over HTTP and print the answers, then
+measure single-image latency against the single-device and model-parallel baselines.  Every step
+resumes from what an earlier run left in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="train, decompose, serve, predict and benchmark the default "
+                       "model on Fashion-MNIST, end to end")
+    p.add_argument("--out", default="runs/demo", help="working directory (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="Fashion-MNIST directory (default: /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--epochs", type=int, default=3, help="training epochs (default: %(default)s)")
+    p.add_argument("--groups", "-G", type=int, default=2,
+                   help="subnets (default: %(default)s, one per core of this 2-core machine; "
+                        "10 gives one binary subnet per class)")
+    p.add_argument("--images", type=int, default=8, help="test images sent over HTTP")
+    p.add_argument("--bench-images", type=int, default=100,
+                   help="test images the latency benchmark measures on")
+    p.add_argument("--no-bench", action="store_true", help="skip the latency benchmark")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _step(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+def cmd_demo(args) -> int:
+    import httpx
+    import numpy as np
+    import torch
+
+    from pruning.decompose import DecomposeConfig, decompose
+    from serving.bench import GatewayServer, render_table, run_bench
+    from serving.pools import local_predictor
+    from training.trainer import train
+
+    from .data import encode_png, load_split, resolve_dataset
+    from .errors import SensaiError
+    from .manifest import load_model_record
+    from .models import DEFAULT_MODEL, select_device
+
+    out = Path(args.out)
+    model_dir, art = out / "model", out / f"artifact_g{args.groups}"
+    spec = resolve_dataset("fashion-mnist", args.data_dir)  # fail fast when the data is missing
+    if not 1 <= args.groups <= spec.num_classes:
+        raise SensaiError(f"--groups must be between 1 and {spec.num_classes}, got {args.groups}")
+    if args.images < 1 or args.epochs < 1:
+        raise SensaiError("--images and --epochs must be at least 1")
+    device = select_device(args.device)
+    t_start = time.perf_counter()
+
+    _step(f"1/5 train {DEFAULT_MODEL} on Fashion-MNIST ({args.epochs} epochs, {device})")
+    try:
+        record = load_model_record(model_dir)
+        if record.train is None or record.train.epochs != args.epochs:
+            raise SensaiError("different run")
+        print(f"already trained: {model_dir}")
+    except SensaiError:
+        record = train(model_name=DEFAULT_MODEL, spec=spec, train_set=load_split(spec, "train"),
+                       test_set=load_split(spec, "test"), out_dir=model_dir, epochs=args.epochs,
+                       device=device)
+    print(f"{record.model}: {record.params:,} params, test top-1 {record.test_top1:.4f}")
+
+    _step(f"2/5 decompose into {args.groups} class-parallel subnets")
+    manifest = decompose(model_dir, art, groups=args.groups, config=DecomposeConfig(),
+                         device=args.device, data_dir=args.data_dir)
+    ev = manifest.evaluation
+    print(f"groups: {[[spec.classes[c] for c in g] for g in manifest.groups]}")
+    for s in manifest.subnets:
+        print(f"  subnet {s.index}: {s.params:,} params ({manifest.source.params / s.params:.1f}x "
+              f"smaller), {s.flops / 1e6:.2f} M MACs ({manifest.source.flops / s.flops:.1f}x fewer)")
+    if ev.get("original_top1") is not None:
+        print(f"test top-1: original {ev['original_top1']:.4f}, decomposed "
+              f"{ev['decomposed_top1']:.4f}  (report: {art / 'report.md'})")
+
+    _step("3/5 serve the subnets behind the HTTP gateway (local backend, ONNX Runtime)")
+    predictor = local_predictor(art, device=args.device)
+    server = GatewayServer(predictor)
+    try:
+        print(f"gateway listening on {server.url} (POST /v1/predict, /v2/models/sensai/infer, /metrics)")
+        _step(f"4/5 predict {args.images} real test images over HTTP")
+        test = load_split(spec, "test")
+        idx = np.random.default_rng(0).choice(len(test), size=min(args.images, len(test)),
+                                              replace=False)
+        right = 0
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in idx:
+                x, y = test[int(i)]
+                r = client.post("/v1/predict", files={"image": ("img.png", encode_png(x), "image/png")},
+                                params={"top_k": 1})
+                r.raise_for_status()
+                body = r.json()
+                best = body["predictions"][0]
+                right += int(best["index"] == y)
+                timing = body.get("timings_ms", {})
+                print(f"  test image {int(i):>5}: predicted {best['label']:<12} ({best['score']:.2f})"
+                      f"  truth {spec.classes[y]:<12} {'ok' if best['index'] == y else 'WRONG'}"
+                      f"  total {timing.get('total', float('nan')):.2f} ms")
+        print(f"{right}/{len(idx)} right")
+    finally:
+        server.close()
+        import asyncio
+
+        asyncio.run(predictor.close())
+
+    if args.no_bench:
+        return 0
+    _step("5/5 single-image latency: single device vs model parallel vs class parallel")
+    torch.set_num_threads(1)
+    result = run_bench(art, out / f"bench_g{args.groups}", images=args.bench_images, warmup=10,
+                       rounds=5, concurrency=4, device=args.device, data_dir=args.data_dir,
+                       command=f"sensai bench {art} --out {out / f'bench_g{args.groups}'}")
+    print(render_table(result))
+    print(f"\nfull results: {out / f'bench_g{args.groups}' / 'bench.md'} (plot: bench.png)")
+    print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
+    return 0

@@ -1,0 +1,86 @@
+"""Untrusted image bytes -> the normalized tensor the subnets were trained on, or a clear 4xx.
+
+The size is checked from the header *before* any pixel is decoded, so a small file that would
+expand to gigabytes (a decompression bomb) costs nothing.  The conversion itself is the
+project's one preprocessing path: :func:`sensai.data.pil_to_uint8` then
+:func:`sensai.data.normalize`, exactly as in training and offline evaluation.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .predictor import InputError, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from sensai.data import DatasetSpec
+
+# What the gateway decodes; formats with a long history of parser bugs (TIFF, EPS...) are refused.
+FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP")
+
+
+def _to_8bit(img):
+    """16-bit and float greyscale -> 8-bit 'L' by scaling (PIL's convert would clip at 255)."""
+    from PIL import Image
+
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        arr = np.asarray(img, dtype=np.float64)
+        scale = 257.0 if img.mode.startswith("I;16") or arr.max(initial=0) > 255 else 1.0
+        return Image.fromarray(np.clip(np.rint(arr / scale), 0, 255).astype(np.uint8), "L")
+    if img.mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        if arr.size and np.nanmax(arr) <= 1.0:
+            arr = arr * 255.0
+        return Image.fromarray(np.clip(np.nan_to_num(np.rint(arr)), 0, 255).astype(np.uint8), "L")
+    return img
+
+
+def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarray:
+    """PNG/JPEG/... bytes of any size and colour mode -> float32 ``[1, C, H, W]`` per ``spec``.
+
+    Raises :class:`InputError` (400/415) for empty, unknown or corrupt data and
+    :class:`PayloadTooLarge` (413) when the picture has more than ``max_pixels`` pixels.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    from sensai.data import normalize, pil_to_uint8
+
+    if not data:
+        raise InputError("empty image: send PNG or JPEG bytes as the multipart field 'image' or "
+                         "as the request body")
+    with warnings.catch_warnings():
+        # PIL warns (and past 2x its global limit raises) on huge images; we apply our own
+        # limit below from the header, so its warning is noise.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+        except Image.DecompressionBombError as e:
+            raise PayloadTooLarge(f"image has too many pixels ({e})") from None
+        except UnidentifiedImageError:
+            raise InputError(f"not a supported image (expected one of {', '.join(FORMATS)}; "
+                             f"got {len(data)} bytes starting {data[:8]!r})", status=415) from None
+        except (OSError, SyntaxError, ValueError) as e:
+            raise InputError(f"unreadable image: {e}") from None
+        with img:
+            w, h = img.size
+            if w < 1 or h < 1:
+                raise InputError(f"image has no pixels ({w}x{h})")
+            if w * h > max_pixels:
+                raise PayloadTooLarge(f"image is {w}x{h} = {w * h:,} pixels; the limit is "
+                                      f"{max_pixels:,} (set SENSAI_MAX_IMAGE_PIXELS)")
+            try:
+                img.load()
+                try:
+                    img = ImageOps.exif_transpose(img)  # photos from phones carry a rotation flag
+                except Exception:  # a malformed EXIF block is no reason to refuse the picture
+                    pass
+                u8 = pil_to_uint8(_to_8bit(img), spec)
+            except Image.DecompressionBombError as e:
+                raise PayloadTooLarge(f"image has too many pixels ({e})") from None
+            except (OSError, SyntaxError, ValueError, EOFError) as e:
+                raise InputError(f"image data is truncated or corrupt: {e}") from None
+    return normalize(u8.unsqueeze(0), spec).numpy()

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one gateway (own registry, so several gateways can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Latency buckets from 0.5 ms (a tiny subnet on a GPU) to 10 s (the deadline's neighbourhood).
+BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+           0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("sensai_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=r)
+        self.request_seconds = Histogram("sensai_request_seconds", "HTTP request latency",
+                                         ["route"], buckets=BUCKETS, registry=r)
+        self.errors = Counter("sensai_request_errors", "requests answered with an error, by reason",
+                              ["route", "status", "reason"], registry=r)
+        self.inflight = Gauge("sensai_inflight_requests", "requests being served", registry=r)
+        self.predict_seconds = Histogram("sensai_predict_seconds",
+                                         "time in the predictor (fan-out + merge)",
+                                         buckets=BUCKETS, registry=r)
+        self.subnet_seconds = Histogram("sensai_subnet_seconds",
+                                        "per-subnet latency as seen by the gateway",
+                                        ["subnet"], buckets=BUCKETS, registry=r)
+        self.subnet_errors = Counter("sensai_subnet_errors", "subnet failures and timeouts",
+                                     ["subnet", "kind"], registry=r)
+        self.images = Counter("sensai_images", "images (batch rows) predicted", registry=r)
+
+    def observe_prediction(self, timings_ms: dict[str, float], rows: int) -> None:
+        self.images.inc(rows)
+        for k, v in timings_ms.items():
+            if k == "total":
+                self.predict_seconds.observe(v / 1e3)
+            elif k != "merge":
+                self.subnet_seconds.labels(k).observe(v / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,61 @@
+"""Request and response bodies of the gateway's own API (``/v1``) and of its errors.
+
+The KServe v2 bodies are built in :mod:`serving.oip` (they include binary framing that a
+pydantic model cannot describe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ClassScore(BaseModel):
+    index: int = Field(description="class index in the dataset's order")
+    label: str
+    score: float = Field(description="merged score; a row of scores sums to 1")
+
+
+class PredictResponse(BaseModel):
+    request_id: str
+    model: str
+    label: str = Field(description="top-1 label")
+    index: int = Field(description="top-1 class index")
+    score: float = Field(description="top-1 score")
+    predictions: list[ClassScore] = Field(description="the top_k classes, best first")
+    timings_ms: dict[str, float] = Field(
+        description="per subnet (as seen by the gateway), merge, predictor total, and the "
+                    "whole request including decoding ('request')")
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer; ``error`` is also what KServe v2 clients read."""
+
+    error: str
+    status: int
+    request_id: str | None = None
+    subnet: str | None = Field(None, description="the subnet that failed or timed out")
+
+
+class ModelInfo(BaseModel):
+    name: str
+    dataset: str
+    classes: list[str]
+    input_shape: list[int]
+    mean: list[float]
+    std: list[float]
+    predictor: dict[str, Any]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": desc} for code, desc in (
+        (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf)"),
+        (404, "unknown model or version"),
+        (413, "body over the size limit, or an image over the pixel limit"),
+        (415, "unsupported image format or content encoding"),
+        (422, "invalid query parameter"),
+        (503, "a subnet failed"),
+        (504, "a subnet exceeded the request deadline"),
+    )
+}

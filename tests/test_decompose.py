@@ -1,0 +1,331 @@
+"""`sensai decompose` / `sensai evaluate` end to end on real Fashion-MNIST images.
+
+The session fixture ``tiny_artifact`` (conftest) is a complete G=5 decomposition of a really trained
+fmnist_cnn with tiny settings; tests that change an artifact work on a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sensai.cli import main
+
+
+def config_of(artifact: Path):
+    from pruning.decompose import DecomposeConfig
+
+    return DecomposeConfig.from_dict(json.loads((artifact / "work" / "settings.json").read_text())["config"])
+
+
+def copy_artifact(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def subnet_files(art: Path) -> dict[str, tuple[int, str]]:
+    from sensai.fsutil import sha256_file
+
+    return {p.name: (p.stat().st_mtime_ns, sha256_file(p))
+            for p in sorted((art / "subnets").glob("*.safetensors"))}
+
+
+# --------------------------------------------------------------------------------------------
+# The artifact
+
+
+def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, fmnist_spec,
+                                             fmnist_test):
+    import onnxruntime as ort
+
+    from pruning.decompose import load_subnets
+    from sensai.data import normalize
+    from sensai.fsutil import sha256_file
+    from sensai.manifest import DecompositionManifest, load_manifest, load_model_record
+    from sensai.merge import merge_outputs
+
+    m = load_manifest(tiny_artifact)
+    # Round trip: what is on disk is exactly what the schema produces.
+    assert DecompositionManifest.model_validate(json.loads(m.model_dump_json())) == m
+    record = load_model_record(trained_model_dir)
+    assert m.model == "fmnist_cnn" and m.num_classes == 10 and m.source.params == record.params
+    assert len(m.groups) == 5 and sorted(c for g in m.groups for c in g) == list(range(10))
+    assert m.pruning["kind"] == "keep" and m.pruning["zero_threshold"] == 0.005
+    assert m.retrain["samples"] == 384 and m.retrain["epochs"] == 1
+    assert set(m.stages) >= {"grouping", "stats", "prune", "retrain", "export", "evaluate"}
+    for s in m.subnets:
+        assert s.head == "group" and s.num_outputs == len(s.classes) + 1
+        assert sha256_file(tiny_artifact / s.weights) == s.weights_sha256
+        assert (tiny_artifact / s.onnx).is_file()
+        # The keep policy's 30% of channels per layer makes each subnet about 10x smaller.
+        assert m.source.params / s.params >= 4 and m.source.flops / s.flops >= 4
+        assert s.widths and max(s.widths.values()) < 128
+        assert set(s.accuracy) >= {"decomposed_top1", "original_top1", "subnet_balanced"}
+
+    # Subnets rebuilt from the manifest alone compute what their ONNX files compute.
+    manifest, subnets = load_subnets(tiny_artifact)
+    x = normalize(fmnist_test.images[:64], fmnist_spec)
+    outs = []
+    for rec, net in zip(manifest.subnets, subnets):
+        with torch.no_grad():
+            want = net(x).numpy()
+        got = ort.InferenceSession(str(tiny_artifact / rec.onnx),
+                                   providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        outs.append(got)
+    scores = merge_outputs(outs, manifest.groups, 10)
+    np.testing.assert_allclose(scores.sum(1), 1.0, rtol=1e-5)
+
+    ev = m.evaluation
+    assert ev["images"] == 500 and 0.0 <= ev["decomposed_top1"] <= 1.0
+    # A subnet that learned nothing would put the merged accuracy at chance (10%).
+    assert ev["decomposed_top1"] > 0.3
+    assert ev["delta_points"] == pytest.approx(100 * (ev["decomposed_top1"] - ev["original_top1"]),
+                                               abs=1e-3)
+    assert sum(g["images"] for g in ev["per_group"]) == 500
+
+    rep = json.loads((tiny_artifact / "report.json").read_text())
+    assert rep["decomposed"]["test_top1"] == ev["decomposed_top1"]
+    assert rep["decomposed"]["min_params_reduction"] >= 4
+    assert set(rep["stage_seconds"]) == set(m.stages)
+    md = (tiny_artifact / "report.md").read_text()
+    assert "test top-1" in md and "Subnets" in md
+    for png in ("report.png", "grouping.png"):
+        assert (tiny_artifact / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    grouping = json.loads((tiny_artifact / "grouping.json").read_text())
+    assert grouping["groups"] == m.groups
+
+
+def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
+    from pruning.decompose import evaluate_artifact
+    from sensai.manifest import load_manifest
+
+    m = load_manifest(tiny_artifact)
+    res = evaluate_artifact(tiny_artifact, device="cpu", limit=500)
+    # Same stratified subset, same subnets: the artifact's own evaluation is reproduced exactly.
+    assert res["decomposed_top1"] == pytest.approx(m.evaluation["decomposed_top1"])
+    assert res["original_top1"] == pytest.approx(m.evaluation["original_top1"])
+
+    assert main(["evaluate", str(tiny_artifact), "--limit", "200", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "original   top-1" in out and "decomposed top-1" in out and "test images: 200" in out
+
+
+def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
+    from pruning.decompose import load_subnets
+    from sensai.errors import CheckpointError
+
+    art = copy_artifact(tiny_artifact, tmp_path / "art")
+    weights = art / "subnets" / "subnet_01.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="hash"):
+        load_subnets(art)
+    assert main(["evaluate", str(art), "--limit", "50", "--device", "cpu"]) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming
+
+
+def test_rerun_resumes_and_redoes_only_a_lost_subnet(tiny_artifact, trained_model_dir, tmp_path):
+    from pruning.decompose import decompose
+    from sensai.manifest import load_manifest
+
+    art = copy_artifact(tiny_artifact, tmp_path / "art")
+    before = subnet_files(art)
+    (art / "subnets" / "subnet_02.safetensors").unlink()
+    stats_mtime = (art / "work" / "stats" / "group_00.npz").stat().st_mtime_ns
+    m = decompose(trained_model_dir, art, groups=5, config=config_of(art), device="cpu",
+                  use_ray=False, eval_limit=500)
+    after = subnet_files(art)
+    assert set(after) == set(before)
+    for name in before:
+        if name == "subnet_02.safetensors":
+            continue
+        assert after[name] == before[name], f"{name} was redone"
+    assert (art / "work" / "stats" / "group_00.npz").stat().st_mtime_ns == stats_mtime
+    assert load_manifest(art).subnets[2].weights_sha256 == after["subnet_02.safetensors"][1]
+    assert m.stages["retrain"]["runs"] == 2 and m.stages["grouping"]["runs"] == 1
+
+
+def test_failure_in_one_subnet_keeps_the_others_and_rerun_finishes(tiny_artifact,
+                                                                   trained_model_dir, tmp_path):
+    from pruning.decompose import RetrainFailed, decompose
+    from sensai.manifest import load_manifest
+    from training.retrain import retrain_state
+
+    art = copy_artifact(tiny_artifact, tmp_path / "art")
+    shutil.rmtree(art / "subnets")
+    shutil.rmtree(art / "work" / "retrain")
+    (art / "manifest.json").unlink()
+    calls = []
+
+    def failing_for_classes_of_subnet_1(**job):
+        calls.append(job["state"]["classifier.weight"].shape[0])
+        if len(calls) == 2:  # the second subnet retrained (subnet 1) breaks
+            raise RuntimeError("simulated out-of-memory on this worker")
+        return retrain_state(**job)
+
+    with pytest.raises(RetrainFailed, match="subnet 1 .*simulated out-of-memory") as info:
+        decompose(trained_model_dir, art, groups=5, config=config_of(art), device="cpu",
+                  use_ray=False, eval_limit=500, retrain_fn=failing_for_classes_of_subnet_1)
+    assert list(info.value.failures) == [1]
+    assert len(calls) == 5  # the others went on after the failure
+    kept = subnet_files(art)
+    assert sorted(kept) == [f"subnet_{g:02d}.safetensors" for g in (0, 2, 3, 4)]
+    assert not (art / "manifest.json").exists()
+
+    decompose(trained_model_dir, art, groups=5, config=config_of(art), device="cpu",
+              use_ray=False, eval_limit=500)
+    after = subnet_files(art)
+    assert len(after) == 5
+    assert all(after[name] == kept[name] for name in kept)
+    assert len(load_manifest(art).subnets) == 5
+
+
+# --------------------------------------------------------------------------------------------
+# Errors, all one line through the CLI, before any long work
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("groups, message", [("11", "more than the model's 10 classes"),
+                                              ("0", "at least 1"), ("-3", "at least 1")])
+def test_cli_rejects_bad_group_counts(trained_model_dir, tmp_path, capsys, groups, message):
+    out = tmp_path / "art"
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups",
+                        groups, "--out", str(out), "--device", "cpu")
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, capsys):
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(tmp_path / "nope"), "--groups", "2",
+                        "--out", str(tmp_path / "art"))
+    assert code == 2 and "does not exist" in err and len(err.splitlines()) == 1
+
+    broken = copy_artifact(trained_model_dir, tmp_path / "broken")
+    (broken / "model.json").write_text("{not json")
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(broken), "--groups", "2",
+                        "--out", str(tmp_path / "art"))
+    assert code == 2 and "not valid JSON" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "magic"], "unknown pruning policy 'magic'"),
+    (["--keep-fraction", "1.5"], "--keep-fraction"),
+    (["--policy", "params"], "needs --params-fraction"),
+    (["--samples-per-subnet", "1"], "--samples-per-subnet"),
+    (["--workers", "0"], "--workers"),
+])
+def test_cli_rejects_bad_method_settings(trained_model_dir, tmp_path, capsys, args, message):
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
+                        "--out", str(tmp_path / "art"), *args)
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_cli_refuses_unwritable_output(trained_model_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
+                        "--out", str(blocker / "art"))
+    assert code == 2 and "cannot write" in err and len(err.splitlines()) == 1
+
+
+def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, trained_model_dir,
+                                                            tmp_path, capsys):
+    art = copy_artifact(tiny_artifact, tmp_path / "art")
+    before = subnet_files(art)
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
+                        "--out", str(art), "--keep-fraction", "0.5", "--no-ray")
+    assert code == 2 and "other settings" in err and "keep_fraction" in err
+    assert "--force" in err and len(err.splitlines()) == 1
+    assert subnet_files(art) == before  # nothing touched
+
+    other = tmp_path / "not-an-artifact"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
+                        "--out", str(other))
+    assert code == 2 and "not empty" in err and (other / "notes.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------------------------
+# Other shapes of decomposition
+
+
+def test_retrain_sampling_is_balanced(fmnist_train):
+    from training.retrain import balanced_sample, target_weights
+
+    rng = np.random.default_rng(0)
+    labels = fmnist_train.labels
+    idx, tgt = balanced_sample(labels, [1, 4, 7], 4000, binary=False, rng=rng)
+    assert np.bincount(tgt).tolist() == [1000, 1000, 1000, 1000]
+    assert set(np.unique(labels[idx[tgt == 0]])) == set(range(10)) - {1, 4, 7}
+    for pos, c in enumerate([1, 4, 7]):
+        assert (labels[idx[tgt == pos + 1]] == c).all()
+    # A share larger than a class repeats its images (every image at least once).
+    few = np.flatnonzero(np.isin(labels, [0, 3]))[:300]
+    idx, tgt = balanced_sample(labels[few], [0], 1000, binary=True, rng=rng)
+    pos = idx[tgt == 1]
+    assert len(pos) == 500 and set(pos) == set(np.flatnonzero(labels[few] == 0))
+    assert (labels[few][idx[tgt == 0]] == 3).all()
+    # More negatives than one share: the loss weights give every class the negatives' weight.
+    idx, tgt = balanced_sample(labels, [2, 5], 4000, binary=False, rng=rng, negative_share=0.5)
+    counts = np.bincount(tgt)
+    assert counts.tolist() == [2000, 1000, 1000]
+    w = target_weights(tgt, 3)
+    assert (w * counts).tolist() == [2000.0, 2000.0, 2000.0]
+    assert target_weights(np.array([0, 1, 1, 0]), 2).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_binary_decomposition_one_subnet_per_class(trained_model_dir, tmp_path):
+    from pruning.decompose import DecomposeConfig, decompose
+
+    cfg = DecomposeConfig(use_tsne=False, features_per_class=10, stats_per_class=20,
+                          samples_per_subnet=128, batch_size=64, keep_fraction=0.25)
+    m = decompose(trained_model_dir, tmp_path / "art", groups=10, config=cfg, device="cpu",
+                  use_ray=False, eval_limit=300)
+    assert m.groups == [[c] for c in range(10)]
+    assert all(s.head == "binary" and s.num_outputs == 1 for s in m.subnets)
+    assert all(m.source.params / s.params >= 10 for s in m.subnets)
+    assert m.evaluation["images"] == 300 and m.evaluation["decomposed_top1"] > 0.2
+
+
+@pytest.mark.slow
+def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
+    """G=2 from scratch through the CLI with t-SNE grouping, retraining in 2 Ray tasks."""
+    import ray
+
+    from sensai.manifest import load_manifest
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        art = tmp_path / "art"
+        code = main(["decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
+                     "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
+                     "--samples-per-subnet", "384", "--batch-size", "64", "--eval-limit", "300",
+                     "--workers", "2", "--device", "cpu"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert "decomposed fmnist_cnn into 2 subnets" in captured.out
+    finally:
+        ray.shutdown()
+    m = load_manifest(art)
+    assert m.retrain["ray"] is True and m.grouping["tsne"] is True
+    assert sorted(len(g) for g in m.groups) == [5, 5]
+    for s in m.subnets:
+        metrics = m.retrain["subnets"][str(s.index)]
+        assert metrics["threads"] == 1 and metrics["samples"] == 384  # ran in a Ray task on CPU
+        assert s.num_outputs == 6

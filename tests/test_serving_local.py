@@ -1,0 +1,327 @@
+"""The gateway with the local pool, served by uvicorn on 127.0.0.1, called over real HTTP.
+
+Predictions over HTTP must equal offline evaluation's (torch subnets + merge_outputs) for the
+same real Fashion-MNIST test images; tritonclient.http must be able to use the KServe v2 API.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+N_IMAGES = 24
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared by the serving test modules
+
+
+def sample_images(fmnist_test, n: int = N_IMAGES, seed: int = 1):
+    """``n`` stratified real test images: (indices, uint8 [n,1,28,28] tensor, labels)."""
+    from sensai.data import stratified_subset
+
+    idx = stratified_subset(fmnist_test.labels, n, seed)[:n]
+    images = fmnist_test.images[idx]
+    return idx, images, fmnist_test.labels[idx]
+
+
+
+
+def offline_scores(artifact, images_u8, spec) -> np.ndarray:
+    """Offline evaluation's merged scores: the torch subnets from safetensors, merge_outputs."""
+    import torch
+
+    from pruning.decompose import load_subnets
+    from sensai.data import normalize
+    from sensai.merge import merge_outputs
+
+    manifest, subnets = load_subnets(artifact, "cpu")
+    with torch.inference_mode():
+        x = normalize(images_u8, spec)
+        outs = [m(x).float().numpy() for m in subnets]
+    return merge_outputs(outs, manifest.groups, manifest.num_classes)
+
+
+def png(image_u8) -> bytes:
+    from sensai.data import encode_png
+
+    return encode_png(image_u8)
+
+
+def start_gateway(predictor, **settings):
+    from serving.app import BackgroundServer, create_app
+    from serving.settings import GatewaySettings
+
+    return BackgroundServer(create_app(predictor, GatewaySettings(**settings))).start()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_gateway(tiny_artifact):
+    from serving.pools import local_predictor
+
+    server = start_gateway(local_predictor(tiny_artifact, device="cpu"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(local_gateway):
+    with httpx.Client(base_url=local_gateway.url, timeout=60) as c:
+        yield c
+
+
+def test_http_predictions_equal_offline_evaluation(client, tiny_artifact, fmnist_test, fmnist_spec):
+    from pruning.decompose import evaluate_models, load_subnets
+
+    idx, images, labels = sample_images(fmnist_test)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    got = np.zeros_like(expected)
+    for i in range(len(idx)):
+        data = png(images[i])
+        # Both ways of sending an image: raw body and multipart field 'image'.
+        if i % 2:
+            r = client.post("/v1/predict", params={"top_k": 10},
+                            files={"image": ("x.png", data, "image/png")})
+        else:
+            r = client.post("/v1/predict", params={"top_k": 10}, content=data,
+                            headers={"content-type": "image/png"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["predictions"]) == 10
+        for p in body["predictions"]:
+            got[i, p["index"]] = p["score"]
+            assert p["label"] == fmnist_spec.classes[p["index"]]
+        assert body["index"] == body["predictions"][0]["index"]
+        assert r.headers["x-request-id"] == body["request_id"]
+        t = body["timings_ms"]
+        assert {"subnet_00", "subnet_04", "merge", "total", "decode", "request"} <= set(t)
+    np.testing.assert_allclose(got, expected, atol=2e-5)
+    assert (got.argmax(1) == expected.argmax(1)).all()
+    # ...and the accuracy over these images is offline evaluation's.
+    manifest, subnets = load_subnets(tiny_artifact)
+    import torch
+
+    offline = evaluate_models(None, subnets, manifest.groups, fmnist_test, fmnist_spec,
+                              torch.device("cpu"), indices=idx, progress=None)
+    assert float((got.argmax(1) == labels).mean()) == pytest.approx(offline["decomposed_top1"])
+
+
+def test_any_size_and_colour_mode_is_converted_per_manifest(client, fmnist_test, fmnist_spec,
+                                                            tiny_artifact):
+    """A colour JPEG, a 16-bit PNG, an RGBA PNG, all bigger than 28x28: same path as offline."""
+    from PIL import Image
+
+    from sensai.data import pil_to_uint8
+
+    _, images, _ = sample_images(fmnist_test, 3)
+    pics = []
+    grey = Image.fromarray(images[0, 0].numpy(), "L").resize((112, 90))
+    buf = io.BytesIO()
+    grey.convert("RGB").save(buf, format="JPEG", quality=95)
+    pics.append(buf.getvalue())
+    arr16 = (np.asarray(Image.fromarray(images[1, 0].numpy(), "L").resize((56, 56)),
+                        dtype=np.uint16) * 257)
+    buf = io.BytesIO()
+    Image.fromarray(arr16.astype(np.uint16)).save(buf, format="PNG")
+    pics.append(buf.getvalue())
+    rgba = Image.fromarray(images[2, 0].numpy(), "L").convert("RGBA").resize((64, 64))
+    buf = io.BytesIO()
+    rgba.save(buf, format="PNG")
+    pics.append(buf.getvalue())
+    for data in pics:
+        with Image.open(io.BytesIO(data)) as im:
+            mode = im.mode
+            if mode.startswith("I"):  # 16-bit grey scales down to 8 bits like the gateway does
+                im = Image.fromarray((np.asarray(im, dtype=np.float64) / 257).round()
+                                     .astype(np.uint8), "L")
+            expected_u8 = pil_to_uint8(im, fmnist_spec).unsqueeze(0)
+        expected = offline_scores(tiny_artifact, expected_u8, fmnist_spec)[0]
+        r = client.post("/v1/predict", content=data, params={"top_k": 10})
+        assert r.status_code == 200, (mode, r.text)
+        got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+        np.testing.assert_allclose([got[i] for i in range(10)], expected, atol=2e-5)
+
+
+def test_tritonclient_calls_the_gateway_v2_api(local_gateway, tiny_artifact, fmnist_test,
+                                               fmnist_spec):
+    import tritonclient.http as tc
+
+    from sensai.data import normalize
+
+    url = local_gateway.url.removeprefix("http://")
+    client = tc.InferenceServerClient(url)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("sensai")
+        assert not client.is_model_ready("nope")
+        assert client.get_server_metadata()["name"] == "sensai"
+        meta = client.get_model_metadata("sensai")
+        assert meta["inputs"][0] == {"name": "input", "datatype": "FP32", "shape": [-1, 1, 28, 28]}
+        assert {o["name"] for o in meta["outputs"]} == {"scores", "class_index"}
+
+        _, images, _ = sample_images(fmnist_test, 5)
+        x = normalize(images, fmnist_spec).numpy()
+        expected = offline_scores(tiny_artifact, images, fmnist_spec)
+        # Binary tensors both ways (tritonclient's default)...
+        inp = tc.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        res = client.infer("sensai", [inp], request_id="abc")
+        np.testing.assert_allclose(res.as_numpy("scores"), expected, atol=2e-5)
+        assert (res.as_numpy("class_index") == expected.argmax(1)).all()
+        assert res.get_response()["id"] == "abc"
+        # ...JSON both ways...
+        inp = tc.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=False)
+        res = client.infer("sensai", [inp], model_version="1",
+                           outputs=[tc.InferRequestedOutput("scores", binary_data=False)])
+        np.testing.assert_allclose(res.as_numpy("scores"), expected, atol=2e-5)
+        assert res.as_numpy("class_index") is None
+        # ...classification extension...
+        res = client.infer("sensai", [inp], outputs=[tc.InferRequestedOutput("scores", class_count=3)])
+        top = res.as_numpy("scores")
+        assert top.shape == (5, 3)
+        score, index, label = top[0, 0].decode().split(":", 2)
+        assert int(index) == expected[0].argmax() and label == fmnist_spec.classes[int(index)]
+        # ...and a compressed request.
+        inp = tc.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        res = client.infer("sensai", [inp], request_compression_algorithm="gzip")
+        np.testing.assert_allclose(res.as_numpy("scores"), expected, atol=2e-5)
+    finally:
+        client.close()
+
+
+def test_metrics_and_model_info(client):
+    r = client.post("/v1/predict", content=b"not an image")
+    assert r.status_code == 415
+    info = client.get("/v1/models").json()
+    assert info["name"] == "sensai" and len(info["classes"]) == 10
+    assert info["predictor"]["backend"] == "local"
+    assert len(info["predictor"]["pool"]["workers"]) == 5
+    assert info["predictor"]["pool"]["workers"][0]["runtime"] == "onnx"
+    text = client.get("/metrics").text
+    assert 'sensai_request_seconds_bucket{le="0.005",route="/v1/predict"}' in text
+    assert 'sensai_subnet_seconds_count{subnet="subnet_00"}' in text
+    assert 'sensai_request_errors_total{reason="InputError",route="/v1/predict",status="415"}' in text
+    assert "sensai_inflight_requests" in text
+
+
+def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
+    import asyncio
+
+    from sensai.data import normalize
+    from serving.pools import local_predictor
+
+    _, images, _ = sample_images(fmnist_test, 4)
+    x = normalize(images, fmnist_spec).numpy()
+    pred = local_predictor(tiny_artifact, device="cpu", processes=True)
+
+    async def run():
+        try:
+            return await pred.predict(x)
+        finally:
+            await pred.close()
+
+    out = asyncio.run(run())
+    np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),
+                               atol=2e-5)
+    assert pred.describe()["pool"]["workers"][0]["worker"] == "process"
+
+
+def test_torch_runtime_gives_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
+    import asyncio
+
+    from sensai.data import normalize
+    from serving.pools import local_predictor
+
+    _, images, _ = sample_images(fmnist_test, 4)
+    pred = local_predictor(tiny_artifact, device="cpu", runtime="torch")
+    out = asyncio.run(pred.predict(normalize(images, fmnist_spec).numpy()))
+    asyncio.run(pred.close())
+    np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),
+                               atol=1e-6)
+
+
+def test_cli_predict_local_and_remote(tiny_artifact, local_gateway, fmnist_test, fmnist_spec,
+                                      tmp_path, capsys):
+    from sensai.cli import main
+
+    _, images, _ = sample_images(fmnist_test, 1)
+    path = tmp_path / "one.png"
+    path.write_bytes(png(images[0]))
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)[0]
+    best = fmnist_spec.classes[int(expected.argmax())]
+
+    assert main(["predict", str(tiny_artifact), str(path), "--top-k", "3", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and lines[0].split(None, 2)[2] == best
+
+    assert main(["predict", str(tiny_artifact), str(path), "--url", local_gateway.url, "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["label"] == best
+
+    assert main(["predict", str(tiny_artifact), str(tmp_path / "missing.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    assert main(["predict", str(tiny_artifact), str(bad), "--device", "cpu"]) == 2
+    assert "image" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_test):
+    """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "SENSAI_DEADLINE_S": "20"}
+    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "sensai serve did not become ready"
+            time.sleep(0.3)
+        _, images, _ = sample_images(fmnist_test, 1)
+        r = httpx.post(f"{url}/v1/predict", content=png(images[0]), timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "sensai"
+        # SENSAI_* environment variables reach the settings.
+        assert httpx.get(f"{url}/v1/models").json()["predictor"]["deadline_s"] == 20
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_rejects_a_bad_artifact_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sensai", "serve", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

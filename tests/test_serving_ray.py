@@ -1,0 +1,141 @@
+"""Ray Serve: deploy/ray-serve.yaml deployed with the real ``serve run`` CLI onto a real local
+Ray instance, then called over HTTP on 127.0.0.1 - predictions equal offline evaluation's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from tests.test_serving_local import free_port, offline_scores, png, sample_images
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY_SERVE_YAML = ROOT / "deploy" / "ray-serve.yaml"
+KUBERAY_YAML = ROOT / "deploy" / "kuberay-rayservice.yaml"
+
+
+def test_deploy_configs_follow_ray_serve_schema():
+    import ray
+    from ray.serve.schema import ServeDeploySchema
+
+    from serving.ray_app import RayAppArgs
+
+    local = ServeDeploySchema.model_validate(yaml.safe_load(RAY_SERVE_YAML.read_text()))
+    kuberay = yaml.safe_load(KUBERAY_YAML.read_text())
+    assert kuberay["apiVersion"] == "ray.io/v1" and kuberay["kind"] == "RayService"
+    assert kuberay["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+    k8s = ServeDeploySchema.model_validate(yaml.safe_load(kuberay["spec"]["serveConfigV2"]))
+    for cfg in (local, k8s):
+        (app,) = cfg.applications
+        assert app.import_path == "serving.ray_app:build_app"
+        RayAppArgs(**app.args)  # the args the builder will receive are valid
+
+
+def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
+    from sensai.errors import SensaiError
+    from serving.ray_app import build_app
+
+    with pytest.raises(SensaiError, match="artifact"):
+        build_app({})
+    with pytest.raises(SensaiError, match="colour"):
+        build_app({"artifact": str(tiny_artifact), "colour": "red"})
+    with pytest.raises(SensaiError, match="gpus must be"):
+        build_app({"artifact": str(tiny_artifact), "gpus": 3})
+    with pytest.raises(SensaiError, match="does not exist"):
+        build_app({"artifact": str(tmp_path / "none")})
+    with pytest.raises(SensaiError, match="deadline_s"):
+        build_app({"artifact": str(tiny_artifact), "settings": {"deadline_s": -1}})
+
+
+@pytest.fixture(scope="module")
+def ray_gateway(tiny_artifact, tmp_path_factory):
+    """Ray on 2 CPUs; the YAML (artifact and port filled in) deployed with `serve run`."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    port = free_port()
+    cfg = yaml.safe_load(RAY_SERVE_YAML.read_text())
+    cfg["http_options"] = {"host": "127.0.0.1", "port": port}
+    cfg["applications"][0]["args"]["artifact"] = str(tiny_artifact)
+    config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        serve_cli = Path(sys.executable).parent / "serve"
+        gcs = ray.get_runtime_context().gcs_address
+        proc = subprocess.run([str(serve_cli), "run", "--address", gcs, "--non-blocking",
+                               str(config)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"Serve app not ready: {serve.status()}"
+            time.sleep(1)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_ray_http_predictions_equal_offline(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
+    _, images, _ = sample_images(fmnist_test, 10)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    with httpx.Client(base_url=ray_gateway, timeout=60) as c:
+        for i in range(len(images)):
+            r = c.post("/v1/predict", params={"top_k": 10},
+                       files={"image": ("x.png", png(images[i]), "image/png")})
+            assert r.status_code == 200, r.text
+            got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+            np.testing.assert_allclose([got[k] for k in range(10)], expected[i], atol=2e-5)
+            assert {f"subnet_{k:02d}" for k in range(5)} <= set(r.json()["timings_ms"])
+        info = c.get("/v1/models").json()["predictor"]
+        assert info["backend"] == "ray" and len(info["pool"]["subnets"]) == 5
+        # 5 subnets + the gateway share the 2 CPUs of this Ray instance.
+        assert info["pool"]["subnets"][0]["num_cpus"] == pytest.approx(0.33)
+
+
+def test_ray_kserve_v2_and_bad_input(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
+    import tritonclient.http as tc
+
+    from sensai.data import normalize
+
+    _, images, _ = sample_images(fmnist_test, 3)
+    x = normalize(images, fmnist_spec).numpy()
+    client = tc.InferenceServerClient(ray_gateway.removeprefix("http://"))
+    try:
+        assert client.is_model_ready("sensai")
+        inp = tc.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        got = client.infer("sensai", [inp]).as_numpy("scores")
+        np.testing.assert_allclose(got, offline_scores(tiny_artifact, images, fmnist_spec),
+                                   atol=2e-5)
+    finally:
+        client.close()
+    with httpx.Client(base_url=ray_gateway, timeout=60) as c:
+        r = c.post("/v1/predict", content=b"GIF89a broken")
+        assert r.status_code in (400, 415) and "image" in r.json()["error"]
+        bad = x.copy()
+        bad[0, 0, 0, 0] = np.nan
+        body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(bad.shape),
+                            "data": bad.ravel().tolist()}]}
+        r = c.post("/v2/models/sensai/infer", content=json.dumps(body))
+        assert r.status_code == 400 and "NaN" in r.json()["error"]
+        r = c.post("/v2/models/other/infer", content=json.dumps(body))
+        assert r.status_code == 404 and "unknown model" in r.json()["error"]
+        r = c.post("/v1/predict", content=png(images[0]))
+        assert r.status_code == 200, r.text

@@ -1,0 +1,322 @@
+"""Retraining of one pruned subnet on its own classes against everything else (sensAI step 3).
+
+A subnet answers for a group of ``k`` classes.  Its training set is rebalanced so that each class of
+the group weighs as much as all the negatives together (the published recipe): ``k + 1`` target
+classes with the same number of samples each, positives repeated when a class has too few images,
+negatives drawn from all the other classes.  Targets:
+
+* binary head (``k == 1`` and every subnet single-class): 1 logit, BCE-with-logits, 1 = mine;
+* group head: ``k + 1`` logits, cross-entropy, 0 = "not one of mine", ``1 + i`` = ``classes[i]``.
+
+``samples`` bounds the cost: each epoch draws a fresh balanced set of that size, so the work per
+subnet does not grow with the dataset.
+
+:func:`retrain_state` is a pure function of arrays and a state dict (no dataset object, no files),
+so the decomposition can run it in a Ray task on any worker or in process, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sensai.data import DatasetSpec, normalize
+from sensai.errors import SensaiError
+from sensai.models import classifier_layer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetrainSettings:
+    """How one subnet is fine-tuned (SGD with Nesterov momentum, warm-up then cosine to zero)."""
+
+    epochs: int = 1
+    samples: int = 12_000  # balanced images drawn per epoch (the cost bound)
+    lr: float = 0.02
+    batch_size: int = 128
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    flip: bool = True  # random horizontal flips, as in full training
+    negative_share: float | None = None  # None: k+1 equal shares; else negatives' sample fraction
+    distill: float = 0.0  # weight of the teacher's (original model's) soft targets in the loss
+    seed: int = 0
+
+    def validate(self) -> "RetrainSettings":
+        if self.epochs < 0:
+            raise SensaiError(f"--retrain-epochs must be 0 or more, got {self.epochs}")
+        if self.samples < 2:
+            raise SensaiError(f"--samples-per-subnet must be at least 2, got {self.samples}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise SensaiError(f"--lr must be a positive number, got {self.lr}")
+        if self.batch_size < 1:
+            raise SensaiError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.negative_share is not None and not (0 < self.negative_share < 1):
+            raise SensaiError(f"--negative-share must be in (0, 1), got {self.negative_share}")
+        if not (0 <= self.distill <= 1):
+            raise SensaiError(f"--distill must be in [0, 1], got {self.distill}")
+        if self.weight_decay < 0 or not (0 <= self.momentum < 1):
+            raise SensaiError("weight decay must be >= 0 and momentum in [0, 1)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def balanced_sample(labels: np.ndarray, classes: Sequence[int], samples: int, *,
+                    binary: bool, rng: np.random.Generator,
+                    negative_share: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into ``labels`` and their training targets for one epoch of one subnet.
+
+    By default ``samples`` is split evenly over the ``k + 1`` target classes (k group classes +
+    "not mine"); with ``negative_share`` that fraction of the samples are negatives and the rest
+    is split evenly over the group's classes (the loss then weighs each class like all negatives,
+    see :func:`target_weights`).  A class with fewer images than its share is repeated, negatives
+    are drawn uniformly from the images of every other class.  When the group holds every class
+    there are no negatives and the whole budget goes to the positives.  The result is shuffled.
+    """
+    labels = np.asarray(labels)
+    classes = [int(c) for c in classes]
+    if binary and len(classes) != 1:
+        raise ValueError("a binary head answers for exactly one class")
+    negatives = np.flatnonzero(~np.isin(labels, classes))
+    if not len(negatives):
+        n_neg, n_pos = 0, max(1, samples // len(classes))
+    elif negative_share is None:
+        n_neg = n_pos = max(1, samples // (len(classes) + 1))
+    else:
+        n_neg = max(1, int(round(samples * negative_share)))
+        n_pos = max(1, (samples - n_neg) // len(classes))
+    idx, tgt = [], []
+    for pos, c in enumerate(classes):
+        pool = np.flatnonzero(labels == c)
+        if len(pool) == 0:
+            raise SensaiError(f"class {c} has no training images to retrain its subnet on")
+        reps, rest = divmod(n_pos, len(pool))
+        chosen = np.concatenate([np.tile(pool, reps), rng.choice(pool, size=rest, replace=False)])
+        idx.append(chosen)
+        tgt.append(np.full(len(chosen), 1 if binary else pos + 1, dtype=np.int64))
+    if n_neg:
+        chosen = rng.choice(negatives, size=n_neg, replace=n_neg > len(negatives))
+        idx.append(chosen)
+        tgt.append(np.zeros(len(chosen), dtype=np.int64))
+    idx_a, tgt_a = np.concatenate(idx), np.concatenate(tgt)
+    order = rng.permutation(len(idx_a))
+    return idx_a[order].astype(np.int64), tgt_a[order]
+
+
+def target_weights(targets: np.ndarray, num_targets: int) -> np.ndarray:
+    """Per-target loss weights making every target's total weight equal to the negatives'.
+
+    ``num_targets`` is 2 for a binary head (0 = not mine, 1 = mine) and k + 1 for a group head.
+    With equal counts (the default sampling) every weight is 1.
+    """
+    counts = np.bincount(np.asarray(targets, dtype=np.int64), minlength=num_targets).astype(float)
+    ref = counts[0] if counts[0] > 0 else counts.max()
+    return np.where(counts > 0, ref / np.maximum(counts, 1), 1.0)
+
+
+def retrain_plan(labels: np.ndarray, classes: Sequence[int], settings: RetrainSettings, *,
+                 binary: bool, subnet_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated per-epoch samples (indices, targets) for ``settings.epochs`` epochs."""
+    rng = np.random.default_rng([settings.seed, subnet_seed])
+    idx, tgt = [], []
+    for _ in range(settings.epochs):
+        i, t = balanced_sample(labels, classes, settings.samples, binary=binary, rng=rng,
+                               negative_share=settings.negative_share)
+        idx.append(i)
+        tgt.append(t)
+    if not idx:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(idx), np.concatenate(tgt)
+
+
+def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: bool) -> np.ndarray:
+    """What the original model says, in the subnet's output terms (float32).
+
+    The teacher's softmax ``q`` over all N classes, folded to the subnet's head: binary ->
+    ``[q_c]``; group -> ``[1 - sum(q_g), q_g...]`` ("not mine" takes the mass of every other
+    class).  A subnet matching these reproduces the original's ranking through the merge rule.
+    """
+    z = np.asarray(teacher_logits, dtype=np.float64)
+    q = np.exp(z - z.max(axis=1, keepdims=True))
+    q /= q.sum(axis=1, keepdims=True)
+    mine = q[:, list(classes)]
+    if binary:
+        return mine.astype(np.float32)
+    rest = np.clip(1.0 - mine.sum(axis=1, keepdims=True), 0.0, 1.0)
+    return np.concatenate([rest, mine], axis=1).astype(np.float32)
+
+
+def _flip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    flip = torch.rand(images.shape[0], generator=generator) < 0.5
+    if flip.any():
+        images = images.clone()
+        images[flip] = images[flip].flip(-1)
+    return images
+
+
+def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
+                  targets: np.ndarray, spec: DatasetSpec, settings: RetrainSettings, *,
+                  binary: bool, device: torch.device, soft: np.ndarray | None = None,
+                  progress: str | None = None) -> dict[str, Any]:
+    """Fine-tune ``model`` in place on ``images[positions]`` with ``targets``, in the given order.
+
+    ``images`` is uint8 ``[M, C, H, W]`` (the distinct images the plan uses; ``positions`` index
+    into it, so repeated positives are not copied).  One epoch is ``settings.samples`` items.
+    ``soft`` (``[M, outputs]``, see :func:`soft_targets`) is needed when ``settings.distill > 0``:
+    the loss is then ``(1 - distill) * hard + distill * soft``, both with the same class weights.
+    Returns training metrics; raises :class:`SensaiError` if the loss stops being finite.
+    """
+    settings.validate()
+    n = len(positions)
+    if n != len(targets):
+        raise ValueError("positions and targets differ in length")
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
+                          nesterov=settings.momentum > 0, weight_decay=settings.weight_decay)
+    # Each class of the group weighs as much as all negatives together (sensAI's rebalancing);
+    # with the default equal-count sampling these weights are all 1.
+    n_targets = 2 if binary else classifier_layer(model)[1].out_features
+    weights = torch.as_tensor(target_weights(targets, n_targets), dtype=torch.float32,
+                              device=device)
+    distill = float(settings.distill)
+    if distill > 0:
+        if soft is None or len(soft) != len(images):
+            raise ValueError("distillation needs soft targets, one row per image")
+        soft_t = torch.as_tensor(np.asarray(soft, dtype=np.float32))
+
+    def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        w = weights[y]
+        if binary:
+            logit = out.reshape(-1)
+            hard = nn.functional.binary_cross_entropy_with_logits(logit, y.to(logit.dtype),
+                                                                  reduction="none")
+        else:
+            logp = torch.log_softmax(out, dim=1)
+            hard = -logp.gather(1, y[:, None])[:, 0]
+        loss = (w * hard).sum() / w.sum()
+        if q is None:
+            return loss
+        if binary:
+            sq = nn.functional.binary_cross_entropy_with_logits(logit, q.reshape(-1),
+                                                                reduction="none")
+        else:
+            sq = -(q * logp).sum(dim=1)
+        return (1 - distill) * loss + distill * (w * sq).sum() / w.sum()
+    total_steps = max(1, math.ceil(n / settings.batch_size))
+    warm = max(1, int(0.03 * total_steps))
+
+    def lr_at(step: int) -> float:
+        # The head is new: a short warm-up keeps its first large gradients from wrecking the
+        # pruned features, then cosine decay to zero.
+        if step < warm:
+            return settings.lr * (step + 1) / warm
+        return 0.5 * settings.lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
+
+    gen = torch.Generator().manual_seed(settings.seed)
+    positions_t = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64))
+    t0 = time.perf_counter()
+    running, seen, recent = 0.0, 0, []
+    with tqdm(total=n, desc=progress, disable=progress is None, unit="img", leave=False) as bar:
+        for step, s in enumerate(range(0, n, settings.batch_size)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            x = images[positions_t[s:s + settings.batch_size]]
+            if settings.flip:
+                x = _flip(x, gen)
+            x = normalize(x.to(device), spec)
+            y = targets_t[s:s + settings.batch_size].to(device)
+            q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
+                 else None)
+            loss = loss_of(model(x), y, q)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
+                                  "lower --lr")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            running += value * len(y)
+            seen += len(y)
+            recent.append(value)
+            bar.update(len(y))
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{running / seen:.3f}")
+    calibrated = recalibrate_batchnorm(model, images, positions_t, spec, device,
+                                       batch_size=settings.batch_size)
+    model.eval()
+    tail = recent[-max(1, len(recent) // 10):]
+    return {"samples": int(seen), "steps": len(recent), "mean_loss": running / max(1, seen),
+            "final_loss": float(np.mean(tail)) if tail else float("nan"),
+            "seconds": round(time.perf_counter() - t0, 3), "device": str(device),
+            "bn_calibration_images": calibrated}
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: nn.Module, images: torch.Tensor, positions: torch.Tensor,
+                          spec: DatasetSpec, device: torch.device, *, batch_size: int = 128,
+                          max_images: int = 2048) -> int:
+    """Recompute every batch norm's running mean/var for the current weights.
+
+    Pruning removes inputs of the next layers, so the running statistics inherited from the full
+    model no longer describe their outputs, and a short fine-tune (momentum 0.1) does not move
+    them far enough.  A forward pass in train mode with a cumulative average (momentum None) over
+    up to ``max_images`` training images gives exact statistics at no training cost.
+    Returns the number of images used (0 when the model has no batch norm).
+    """
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+           and m.track_running_stats]
+    if not bns or len(positions) == 0:
+        return 0
+    saved = [(m, m.momentum) for m in bns]
+    modes = {m: m.training for m in model.modules()}
+    chosen = positions[:max_images]
+    try:
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        for s in range(0, len(chosen), batch_size):
+            model(normalize(images[chosen[s:s + batch_size]].to(device), spec))
+    finally:
+        for m, momentum in saved:
+            m.momentum = momentum
+        for m, training in modes.items():
+            m.training = training
+    return int(len(chosen))
+
+
+def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str, torch.Tensor],
+                  images: np.ndarray, positions: np.ndarray, targets: np.ndarray,
+                  spec: dict, settings: dict, *, binary: bool, device: str = "auto",
+                  soft: np.ndarray | None = None, threads: int | None = None,
+                  progress: str | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rebuild the subnet from ``state``, retrain it, return its new CPU state dict and metrics.
+
+    Everything comes in as plain arrays and dicts so this runs unchanged in a Ray task (the device
+    is chosen here, at run time, on whatever worker got the task) or in the calling process.
+    """
+    from sensai.checkpoint import build_from_weights
+    from sensai.models import select_device
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    dev = select_device(device)
+    model = build_from_weights(arch, num_outputs, in_channels, state, "pruned subnet weights")
+    metrics = retrain_model(model, torch.from_numpy(np.ascontiguousarray(images)), positions,
+                            targets, DatasetSpec.from_dict(spec), RetrainSettings(**settings),
+                            binary=binary, device=dev, soft=soft, progress=progress)
+    metrics["threads"] = torch.get_num_threads()
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}, metrics
