@@ -394,22 +394,27 @@ def _gather(ds: ImageDataset, indices: np.ndarray) -> np.ndarray:
 
 
 def _teacher_logits(layout: Layout, model: nn.Module, train: ImageDataset, spec: DatasetSpec,
-                    device: torch.device) -> np.ndarray:
-    """The original model's logits on every training image (computed once, kept in work/)."""
+                    device: torch.device, needed: np.ndarray) -> np.ndarray:
+    """The original model's logits on the training images in ``needed`` (rows of other images
+    are NaN); computed once per image and kept in work/ so a resumed run reuses them."""
     from training.trainer import predict_logits
 
     want = (len(train), spec.num_classes)
+    z = None
     try:
         z = np.load(layout.teacher, allow_pickle=False)
-        if z.shape == want and z.dtype == np.float32:
-            return z
     except (OSError, ValueError):
         pass
-    z = predict_logits(model, train, spec, device, progress="retrain: teacher logits").numpy()
-    z = np.ascontiguousarray(z, dtype=np.float32)
-    with atomic_path(layout.teacher) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, z, allow_pickle=False)
+    if z is None or z.shape != want or z.dtype != np.float32:
+        z = np.full(want, np.nan, dtype=np.float32)
+    missing = np.asarray(needed, dtype=np.int64)
+    missing = missing[np.isnan(z[missing, 0])]
+    if missing.size:
+        z[missing] = predict_logits(model, train, spec, device, indices=missing,
+                                    progress="retrain: teacher logits").numpy()
+        with atomic_path(layout.teacher) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, z, allow_pickle=False)
     return z
 
 
@@ -674,14 +679,17 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
             "metrics": metrics})
 
-    teacher = (_teacher_logits(layout, model, train_set(), spec, dev)
-               if todo and config.distill > 0 and config.retrain_epochs > 0 else None)
+    plans = {g: retrain_plan(train_set().labels, group_list[g], retrain_settings, binary=binary,
+                             subnet_seed=g) for g in todo} if config.retrain_epochs > 0 else {}
+    teacher = None
+    if plans and config.distill > 0:
+        needed = np.unique(np.concatenate([idx for idx, _ in plans.values()]))
+        teacher = _teacher_logits(layout, model, train_set(), spec, dev, needed)
 
     def jobs() -> Iterator[dict]:
         for g in todo:
             state = load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"])
-            idx, targets = retrain_plan(train_set().labels, group_list[g], retrain_settings,
-                                        binary=binary, subnet_seed=g)
+            idx, targets = plans.pop(g)
             uniq, positions = np.unique(idx, return_inverse=True)
             soft = (soft_targets(teacher[uniq], group_list[g], binary=binary)
                     if teacher is not None else None)

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # One line per HTTP request from our own clients drowns what the commands say.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

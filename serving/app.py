@@ -149,10 +149,12 @@ class GatewayMiddleware:
 
 
 def _error(request: Request, status: int, message: str, reason: str,
-           subnet: str | None = None, headers: dict | None = None) -> JSONResponse:
+           subnet: str | None = None, headers: dict | None = None,
+           missing_classes: list[str] | None = None) -> JSONResponse:
     request.state.error_reason = reason
     rid = getattr(request.state, "request_id", None)
-    body = ErrorResponse(error=message, status=status, request_id=rid, subnet=subnet)
+    body = ErrorResponse(error=message, status=status, request_id=rid, subnet=subnet,
+                         missing_classes=missing_classes)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -163,7 +165,8 @@ def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
             gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
                                             else "failed").inc()
             log.warning("request %s: %s", getattr(request.state, "request_id", "?"), exc)
-        return _error(request, exc.status, str(exc), type(exc).__name__, exc.subnet)
+        return _error(request, exc.status, str(exc), type(exc).__name__, exc.subnet,
+                      missing_classes=getattr(exc, "missing_classes", None))
 
     @app.exception_handler(SensaiError)
     async def _sensai_error(request: Request, exc: SensaiError):
@@ -279,23 +282,41 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
     @app.post("/v1/predict", response_model=PredictResponse)
     async def predict(request: Request, gw: GatewayDep, rid: RequestId,
                       top_k: Annotated[int | None, Query(ge=1, le=len(classes),
-                                                         description="how many classes")] = None):
+                                                         description="how many classes")] = None,
+                      allow_partial: Annotated[bool, Query(
+                          description="redundant serving: when some classes have no live "
+                                      "subnet copy, answer over the others (flagged degraded) "
+                                      "instead of 503/504")] = False):
         t0 = time.perf_counter()
         data = await _read_image_bytes(request)
         x = await run_in_threadpool(decode_image, data, gw.predictor.spec,
                                     gw.settings.max_image_pixels)
         t1 = time.perf_counter()
-        pred = await gw.predictor.predict(x)
+        if allow_partial and getattr(gw.predictor, "supports_partial", False):
+            pred = await gw.predictor.predict(x, allow_partial=True)
+        else:  # predictors without partial answers answer in full or fail
+            pred = await gw.predictor.predict(x)
         gw.metrics.observe_prediction(pred.timings_ms, 1)
         k = top_k or min(gw.settings.default_top_k, len(classes))
-        rows = top_k_rows(pred.scores, k, classes)[0]
+        covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) \
+            else None
+        if covered is not None:
+            # Only classes that were answered may be listed; the others have no score at all.
+            rows = [r for r in top_k_rows(pred.scores, len(classes), classes)[0]
+                    if r["index"] in set(covered)][:k]
+        else:
+            rows = top_k_rows(pred.scores, k, classes)[0]
         timings = dict(pred.timings_ms)
         timings["decode"] = round((t1 - t0) * 1e3, 3)
         timings["request"] = round((time.perf_counter() - t0) * 1e3, 3)
         best = rows[0]
         return PredictResponse(request_id=rid, model=gw.predictor.name, label=best["label"],
                                index=best["index"], score=best["score"],
-                               predictions=[ClassScore(**r) for r in rows], timings_ms=timings)
+                               predictions=[ClassScore(**r) for r in rows], timings_ms=timings,
+                               degraded=bool(getattr(pred, "degraded", False)),
+                               covered_classes=covered,
+                               missing_classes=getattr(pred, "missing_classes", None),
+                               answered_by=getattr(pred, "answered_by", None) or None)
 
     @app.get("/v1/models", response_model=ModelInfo)
     async def model_info(gw: GatewayDep):

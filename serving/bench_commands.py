@@ -50,6 +50,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
+    register_robust(sub)
 
 
 def cmd_bench(args) -> int:
@@ -98,3 +99,95 @@ def _command_line(args) -> str:
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
     return shlex.join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# sensai bench-robust (issue 6: redundancy against stragglers and dead workers)
+
+
+def register_robust(sub) -> None:
+    from .bench_robust import SCENARIOS
+
+    p = sub.add_parser(
+        "bench-robust", help="redundant class parallelism: stragglers and a killed worker",
+        description="Serve the artifact with redundancy r (cyclic placement on W = G worker "
+                    "processes) and measure latency p50/p99, errors, wrong answers and the "
+                    "compute overhead of the copies, without faults, with one worker delayed "
+                    "(a delay distribution) and with one worker SIGKILLed mid-run. Writes "
+                    "robust.json, robust.md and robust.png to --out.")
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--redundancy", "-r", type=int, nargs="+", default=[0, 1], metavar="R",
+                   help="redundancies to compare (default: 0 1)")
+    p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
+                   help="for r >= 1, also one configuration per hedge delay (default: 0)")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
+                   metavar="SCENARIO", help=f"of {', '.join(SCENARIOS)} (default: all)")
+    p.add_argument("--images", type=int, default=200,
+                   help="real test images per scenario (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed requests (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="none/straggler runs interleave the configurations in this many rounds "
+                        "(default: %(default)s)")
+    p.add_argument("--delay", default="exp:50ms",
+                   help="straggler's delay before each request: fixed:50ms, exp:20ms (mean), "
+                        "uniform:10ms-80ms, optionally @p for a fraction (default: %(default)s)")
+    p.add_argument("--straggler", type=int, default=0, help="worker to delay (default: 0)")
+    p.add_argument("--victim", type=int, default=1, help="worker to kill (default: 1)")
+    p.add_argument("--kill-at", type=float, default=0.3,
+                   help="kill during this fraction of the run (default: %(default)s)")
+    p.add_argument("--interval-ms", type=float, default=10.0,
+                   help="failure scenario: one request every this many ms (default: 10)")
+    p.add_argument("--restart-delay", type=float, default=0.0,
+                   help="seconds the pool waits before restarting the dead worker (default: 0)")
+    p.add_argument("--vote", action="store_true", help="vote mode (2r+1 copies, majority)")
+    p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per subnet (1)")
+    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto")
+    p.add_argument("--device", default="cpu", help="cpu (default), auto, cuda:N")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_robust)
+
+
+def cmd_bench_robust(args) -> int:
+    from .bench_robust import render_table, run_robust_bench
+
+    result = run_robust_bench(
+        args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
+        scenarios=args.scenarios, images=args.images, warmup=args.warmup, rounds=args.rounds,
+        delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
+        interval_ms=args.interval_ms, vote=args.vote, deadline_s=args.deadline,
+        restart_delay_s=args.restart_delay,
+        device=args.device, runtime=args.runtime, threads=args.threads, data_dir=args.data_dir,
+        seed=args.seed, command=shlex.join(["sensai", "bench-robust", *_argv_tail(args)]),
+        progress=not args.no_progress)
+    print(render_table(result))
+    out = Path(args.out)
+    print(f"\nwrote {out / 'robust.json'}, {out / 'robust.md'}, {out / 'robust.png'}")
+    return 0
+
+
+def _argv_tail(args) -> list[str]:
+    parts = [args.artifact, "--out", args.out, "--redundancy", *map(str, args.redundancy)]
+    for flag, value, default in (("--images", args.images, 200), ("--warmup", args.warmup, 20),
+                                 ("--rounds", args.rounds, 5), ("--delay", args.delay, "exp:50ms"),
+                                 ("--straggler", args.straggler, 0), ("--victim", args.victim, 1),
+                                 ("--kill-at", args.kill_at, 0.3),
+                                 ("--interval-ms", args.interval_ms, 10.0),
+                                 ("--restart-delay", args.restart_delay, 0.0),
+                                 ("--deadline", args.deadline, 5.0),
+                                 ("--threads", args.threads, 1),
+                                 ("--runtime", args.runtime, "auto"),
+                                 ("--device", args.device, "cpu"),
+                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0)):
+        if value != default:
+            parts += [flag, str(value)]
+    if args.hedge_ms != [0.0]:
+        parts += ["--hedge-ms", *(f"{h:g}" for h in args.hedge_ms)]
+    if list(args.scenarios) != ["none", "straggler", "failure"]:
+        parts += ["--scenarios", *args.scenarios]
+    if args.vote:
+        parts.append("--vote")
+    return parts

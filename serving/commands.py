@@ -27,6 +27,60 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="local backend: one worker process per subnet instead of a thread")
 
 
+def _add_redundancy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "redundancy (local backend)",
+        "Host every group's subnet on several worker processes (cyclic placement) so an answer "
+        "does not wait for the slowest worker and survives a dead one (serving.robust).")
+    g.add_argument("--redundancy", "-r", type=int, default=None, metavar="R",
+                   help="extra copies of every group: worker w also hosts groups w+1..w+R "
+                        "(mod W); 0 = one process per group, no copies")
+    g.add_argument("--workers", type=int, default=None, metavar="W",
+                   help="worker processes (default: G, one per group)")
+    g.add_argument("--vote", action="store_true",
+                   help="2R+1 copies per group; a group is answered when R+1 copies agree "
+                        "(outvotes up to R wrong copies)")
+    g.add_argument("--hedge-ms", type=float, default=0.0,
+                   help="a worker waits up to this long before computing copies, which are "
+                        "skipped if their group is answered meanwhile (default: 0)")
+    g.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="wait before restarting a dead worker (default: 0)")
+    g.add_argument("--inject-delay", action="append", default=[], metavar="W=SPEC",
+                   help="TESTING ONLY: worker W sleeps before each request, e.g. 2=exp:20ms, "
+                        "1=fixed:50ms@0.1 (10%% of requests)")
+
+
+def _robust_options(args, groups: int) -> dict:
+    """Validate the redundancy flags before any worker starts; kwargs for robust_predictor."""
+    from sensai.errors import SensaiError
+
+    from .robust import check_robust_args, parse_delay
+
+    if args.redundancy is None:
+        extra = [f for f, on in (("--vote", args.vote), ("--workers", args.workers is not None),
+                                 ("--hedge-ms", args.hedge_ms), ("--inject-delay",
+                                                                 args.inject_delay),
+                                 ("--restart-delay", args.restart_delay)) if on]
+        if extra:
+            raise SensaiError(f"{', '.join(extra)} only apply with --redundancy")
+        return {}
+    if args.backend != "local":
+        raise SensaiError("--redundancy is implemented for the local backend only")
+    if args.hedge_ms < 0 or args.restart_delay < 0:
+        raise SensaiError("--hedge-ms and --restart-delay must be >= 0")
+    w = check_robust_args(groups, args.workers, args.redundancy, args.vote)
+    delays = {}
+    for item in args.inject_delay:
+        worker, eq, spec = item.partition("=")
+        if not eq or not worker.strip().isdigit():
+            raise SensaiError(f"--inject-delay wants WORKER=SPEC (e.g. 2=exp:20ms), got {item!r}")
+        if int(worker) >= w:
+            raise SensaiError(f"--inject-delay: no worker {int(worker)} (workers are 0..{w - 1})")
+        delays[int(worker)] = str(parse_delay(spec))
+    return {"redundancy": args.redundancy, "workers": args.workers, "vote": args.vote,
+            "hedge_ms": args.hedge_ms, "restart_delay_s": args.restart_delay, "delays": delays}
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe v2)")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
@@ -46,6 +100,7 @@ def register(sub) -> None:
     p.add_argument("--triton-url", default=None,
                    help="triton backend: host:port of a running Triton HTTP endpoint serving "
                         "'sensai export-triton' models; default: launch tritonserver if found")
+    _add_redundancy_args(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
@@ -105,6 +160,12 @@ def _check_artifact(path: str) -> None:
     load_manifest(path)  # fails fast with a one-line message
 
 
+def _group_count(path: str) -> int:
+    from sensai.manifest import load_manifest
+
+    return len(load_manifest(path).groups)
+
+
 def _run_uvicorn(app, settings, log_level: str = "info") -> None:
     """uvicorn in this process; it handles SIGINT/SIGTERM and runs the app's shutdown."""
     import uvicorn
@@ -148,6 +209,23 @@ def cmd_serve(args) -> int:
 
     settings = _settings(args)
     _check_artifact(args.artifact)
+    robust = _robust_options(args, _group_count(args.artifact))
+    if robust:
+        if args.processes:
+            raise SensaiError("--redundancy always uses worker processes; drop --processes")
+        from .robust import robust_predictor
+
+        predictor = robust_predictor(args.artifact, device=settings.device,
+                                     runtime=settings.runtime,
+                                     threads=settings.threads_per_worker,
+                                     name=settings.model_name, deadline_s=settings.deadline_s,
+                                     **robust)
+        print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
+              f"{len(predictor.workers)} worker processes, redundancy {predictor.redundancy}"
+              f"{', vote' if predictor.vote else ''}) on http://{settings.host}:{settings.port}\n"
+              f"placement:\n{predictor.placement_table()}", file=sys.stderr)
+        _run_uvicorn(create_app(predictor, settings), settings, args.log_level)
+        return 0
     if args.backend == "local":
         from .pools import local_predictor
 

@@ -27,6 +27,15 @@ class PredictResponse(BaseModel):
     timings_ms: dict[str, float] = Field(
         description="per subnet (as seen by the gateway), merge, predictor total, and the "
                     "whole request including decoding ('request')")
+    degraded: bool = Field(False, description="a partial answer (only with allow_partial=true): "
+                           "some classes had no live subnet copy, the scores cover only "
+                           "covered_classes (0 for the others)")
+    covered_classes: list[int] | None = Field(
+        None, description="when degraded: the class indices the scores cover")
+    missing_classes: list[str] | None = Field(
+        None, description="when degraded: the classes that could not be answered")
+    answered_by: dict[str, str] | None = Field(
+        None, description="redundant serving: the worker whose copy answered each subnet")
 
 
 class ErrorResponse(BaseModel):
@@ -36,6 +45,8 @@ class ErrorResponse(BaseModel):
     status: int
     request_id: str | None = None
     subnet: str | None = Field(None, description="the subnet that failed or timed out")
+    missing_classes: list[str] | None = Field(
+        None, description="redundant serving: the classes no live subnet copy could answer")
 
 
 class ModelInfo(BaseModel):
