@@ -35,7 +35,8 @@ def register(sub) -> None:
     g.add_argument("--theta1", type=float, default=d.theta1, help="(default: %(default)s)")
     g.add_argument("--theta2", type=float, default=d.theta2, help="(default: %(default)s)")
     g.add_argument("--params-fraction", type=float, default=d.params_fraction,
-                   help="target parameter fraction for --policy params, e.g. 0.1")
+                   help="most parameters a subnet may keep, as a fraction of the original's, "
+                        "for --policy params (default: %(default)s, i.e. >= 4x smaller)")
     g.add_argument("--min-channels", type=int, default=d.min_channels,
                    help="never keep fewer channels in a layer (default: %(default)s)")
     g.add_argument("--zero-threshold", type=float, default=d.zero_threshold,
@@ -45,14 +46,16 @@ def register(sub) -> None:
                         "(default: %(default)s)")
     g = p.add_argument_group("grouping")
     g.add_argument("--tsne", action=argparse.BooleanOptionalAction, default=d.use_tsne,
-                   help="cluster classes in a 2-D t-SNE embedding of the features (default: on)")
+                   help="cluster class centroids in a 2-D t-SNE embedding of the features instead "
+                        "of the raw features (default: off)")
     g.add_argument("--features-per-class", type=int, default=d.features_per_class,
                    help="training images per class for the grouping features (default: %(default)s)")
     g = p.add_argument_group("retraining")
     g.add_argument("--retrain-epochs", type=int, default=d.retrain_epochs,
                    help="epochs per subnet, 0 = no retraining (default: %(default)s)")
     g.add_argument("--samples-per-subnet", type=int, default=d.samples_per_subnet,
-                   help="balanced images per subnet and epoch - the cost bound (default: %(default)s)")
+                   help="balanced images per subnet and epoch - the cost bound (default: "
+                        "600000 / G, at least 20000)")
     g.add_argument("--negative-share", type=float, default=d.negative_share,
                    help="fraction of each subnet's samples that are other classes' images "
                         "(default: one (k+1)-th; the loss still weighs each class like all "
@@ -60,6 +63,8 @@ def register(sub) -> None:
     g.add_argument("--distill", type=float, default=d.distill,
                    help="weight in [0, 1] of the original model's soft targets in the retraining "
                         "loss (default: %(default)s)")
+    g.add_argument("--optimizer", default=d.optimizer,
+                   help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
     g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
     g.add_argument("--workers", type=int, default=None,
@@ -94,7 +99,7 @@ def cmd_decompose(args) -> int:
         zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
         use_tsne=args.tsne, features_per_class=args.features_per_class,
         retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
-        negative_share=args.negative_share, distill=args.distill,
+        negative_share=args.negative_share, distill=args.distill, optimizer=args.optimizer,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=args.workers,

@@ -114,14 +114,18 @@ def plot_report(rep: dict[str, Any], path: str | Path) -> None:
     labels = [f"{s['index']}" for s in subs]
     fig = Figure(figsize=(max(7.0, 0.6 * len(subs) + 4), 6.5))
     ax1, ax2 = fig.subplots(2, 1)
-    ax1.bar(x, [s["params"] for s in subs], color="tab:blue", label="subnet params")
+    params = [s["params"] for s in subs]
+    bars = ax1.bar(x, params, color="tab:blue", label="subnet params")
     ax1.axhline(rep["original"]["params"], color="tab:red", ls="--", label="original model")
-    ax1.set_yscale("log")
-    ax1.set_ylabel("parameters (log)")
+    for b, s in zip(bars, subs):
+        ax1.annotate(f"{s['params_reduction']:.1f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                     ha="center", va="bottom", fontsize=8)
+    ax1.set_ylim(0, rep["original"]["params"] * 1.15)
+    ax1.set_ylabel("parameters")
     ax1.set_xticks(x, labels)
     ax1.set_title(f"{rep['model']}: {rep['n_groups']} subnets, each "
                   f">= {rep['decomposed']['min_params_reduction']}x smaller")
-    ax1.legend(loc="lower right", fontsize=8)
+    ax1.legend(loc="center right", fontsize=8)
     pg = {g["group"]: g for g in rep["per_group"]}
     orig = [100 * (pg.get(s["index"], {}).get("original_top1") or 0) for s in subs]
     dec = [100 * (pg.get(s["index"], {}).get("decomposed_top1") or 0) for s in subs]

@@ -55,15 +55,16 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
     record = load_model_record(trained_model_dir)
     assert m.model == "fmnist_cnn" and m.num_classes == 10 and m.source.params == record.params
     assert len(m.groups) == 5 and sorted(c for g in m.groups for c in g) == list(range(10))
-    assert m.pruning["kind"] == "keep" and m.pruning["zero_threshold"] == 0.005
+    assert m.pruning["kind"] == "params" and m.pruning["params_fraction"] == 0.25
+    assert m.pruning["zero_threshold"] == 0.005 and m.retrain["distill"] == 0.7
     assert m.retrain["samples"] == 384 and m.retrain["epochs"] == 1
     assert set(m.stages) >= {"grouping", "stats", "prune", "retrain", "export", "evaluate"}
     for s in m.subnets:
         assert s.head == "group" and s.num_outputs == len(s.classes) + 1
         assert sha256_file(tiny_artifact / s.weights) == s.weights_sha256
         assert (tiny_artifact / s.onnx).is_file()
-        # The keep policy's 30% of channels per layer makes each subnet about 10x smaller.
-        assert m.source.params / s.params >= 4 and m.source.flops / s.flops >= 4
+        # The default params policy keeps at most a quarter of the parameters.
+        assert m.source.params / s.params >= 4 and m.source.flops / s.flops >= 3.5
         assert s.widths and max(s.widths.values()) < 128
         assert set(s.accuracy) >= {"decomposed_top1", "original_top1", "subnet_balanced"}
 
@@ -224,7 +225,9 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
 @pytest.mark.parametrize("args, message", [
     (["--policy", "magic"], "unknown pruning policy 'magic'"),
     (["--keep-fraction", "1.5"], "--keep-fraction"),
-    (["--policy", "params"], "needs --params-fraction"),
+    (["--policy", "params", "--params-fraction", "1.5"], "--params-fraction must be in (0, 1]"),
+    (["--distill", "2"], "--distill"),
+    (["--optimizer", "lbfgs"], "unknown optimizer"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
     (["--workers", "0"], "--workers"),
 ])
@@ -247,8 +250,10 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     before = subnet_files(art)
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
-                        "--out", str(art), "--keep-fraction", "0.5", "--no-ray")
-    assert code == 2 and "other settings" in err and "keep_fraction" in err
+                        "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
+                        "--samples-per-subnet", "384", "--batch-size", "64", "--lr", "0.02",
+                        "--params-fraction", "0.5", "--no-ray")
+    assert code == 2 and "other settings" in err and "params_fraction: 0.25 -> 0.5" in err
     assert "--force" in err and len(err.splitlines()) == 1
     assert subnet_files(art) == before  # nothing touched
 
@@ -280,6 +285,12 @@ def test_retrain_sampling_is_balanced(fmnist_train):
     pos = idx[tgt == 1]
     assert len(pos) == 500 and set(pos) == set(np.flatnonzero(labels[few] == 0))
     assert (labels[few][idx[tgt == 0]] == 3).all()
+    # Without --samples-per-subnet the retraining budget is shared by the G subnets.
+    from pruning.decompose import DecomposeConfig
+
+    assert [DecomposeConfig().samples_for(g) for g in (1, 2, 5, 10)] == [600000, 300000, 120000,
+                                                                        60000]
+    assert DecomposeConfig(samples_per_subnet=500).samples_for(10) == 500
     # More negatives than one share: the loss weights give every class the negatives' weight.
     idx, tgt = balanced_sample(labels, [2, 5], 4000, binary=False, rng=rng, negative_share=0.5)
     counts = np.bincount(tgt)
@@ -294,7 +305,8 @@ def test_binary_decomposition_one_subnet_per_class(trained_model_dir, tmp_path):
     from pruning.decompose import DecomposeConfig, decompose
 
     cfg = DecomposeConfig(use_tsne=False, features_per_class=10, stats_per_class=20,
-                          samples_per_subnet=128, batch_size=64, keep_fraction=0.25)
+                          samples_per_subnet=128, batch_size=64, policy="keep", keep_fraction=0.25,
+                          distill=0.0)
     m = decompose(trained_model_dir, tmp_path / "art", groups=10, config=cfg, device="cpu",
                   use_ray=False, eval_limit=300)
     assert m.groups == [[c] for c in range(10)]

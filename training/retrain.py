@@ -48,7 +48,6 @@ class RetrainSettings:
     flip: bool = True  # random horizontal flips, as in full training
     negative_share: float | None = None  # None: k+1 equal shares; else negatives' sample fraction
     distill: float = 0.0  # weight of the teacher's (original model's) soft targets in the loss
-    temperature: float = 1.0  # distillation temperature (soft targets made with the same one)
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
     seed: int = 0
 
@@ -65,8 +64,6 @@ class RetrainSettings:
             raise SensaiError(f"--negative-share must be in (0, 1), got {self.negative_share}")
         if self.optimizer not in ("sgd", "adam"):
             raise SensaiError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise SensaiError(f"the distillation temperature must be positive, got {self.temperature}")
         if not (0 <= self.distill <= 1):
             raise SensaiError(f"--distill must be in [0, 1], got {self.distill}")
         if self.weight_decay < 0 or not (0 <= self.momentum < 1):
@@ -145,15 +142,14 @@ def retrain_plan(labels: np.ndarray, classes: Sequence[int], settings: RetrainSe
     return np.concatenate(idx), np.concatenate(tgt)
 
 
-def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: bool,
-                 temperature: float = 1.0) -> np.ndarray:
+def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: bool) -> np.ndarray:
     """What the original model says, in the subnet's output terms (float32).
 
     The teacher's softmax ``q`` over all N classes, folded to the subnet's head: binary ->
     ``[q_c]``; group -> ``[1 - sum(q_g), q_g...]`` ("not mine" takes the mass of every other
     class).  A subnet matching these reproduces the original's ranking through the merge rule.
     """
-    z = np.asarray(teacher_logits, dtype=np.float64) / temperature
+    z = np.asarray(teacher_logits, dtype=np.float64)
     q = np.exp(z - z.max(axis=1, keepdims=True))
     q /= q.sum(axis=1, keepdims=True)
     mine = q[:, list(classes)]
@@ -201,7 +197,6 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
     weights = torch.as_tensor(target_weights(targets, n_targets), dtype=torch.float32,
                               device=device)
     distill = float(settings.distill)
-    temp = float(settings.temperature)
     if distill > 0:
         if soft is None or len(soft) != len(images):
             raise ValueError("distillation needs soft targets, one row per image")
@@ -220,12 +215,10 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
         if q is None:
             return loss
         if binary:
-            sq = nn.functional.binary_cross_entropy_with_logits(logit / temp, q.reshape(-1),
+            sq = nn.functional.binary_cross_entropy_with_logits(logit, q.reshape(-1),
                                                                 reduction="none")
         else:
-            sq = -(q * torch.log_softmax(out / temp, dim=1)).sum(dim=1)
-        # T^2 keeps the soft term's gradients on the hard term's scale (Hinton et al.).
-        sq = sq * temp * temp
+            sq = -(q * logp).sum(dim=1)
         return (1 - distill) * loss + distill * (w * sq).sum() / w.sum()
 
     total_steps = max(1, math.ceil(n / settings.batch_size))
