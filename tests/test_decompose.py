@@ -224,7 +224,7 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
 
 @pytest.mark.parametrize("args, message", [
     (["--policy", "magic"], "unknown pruning policy 'magic'"),
-    (["--keep-fraction", "1.5"], "--keep-fraction"),
+    (["--policy", "keep", "--keep-fraction", "1.5"], "--keep-fraction"),
     (["--policy", "params", "--params-fraction", "1.5"], "--params-fraction must be in (0, 1]"),
     (["--distill", "2"], "--distill"),
     (["--optimizer", "lbfgs"], "unknown optimizer"),
@@ -328,7 +328,7 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         code = main(["decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
                      "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
                      "--samples-per-subnet", "384", "--batch-size", "64", "--eval-limit", "300",
-                     "--workers", "2", "--device", "cpu"])
+                     "--workers", "2", "--device", "cpu", "--tsne"])
         captured = capsys.readouterr()
         assert code == 0, captured.err
         assert "decomposed fmnist_cnn into 2 subnets" in captured.out
