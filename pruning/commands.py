@@ -63,6 +63,9 @@ def register(sub) -> None:
     g.add_argument("--distill", type=float, default=d.distill,
                    help="weight in [0, 1] of the original model's soft targets in the retraining "
                         "loss (default: %(default)s)")
+    g.add_argument("--hard-negatives", type=float, default=d.hard_negatives,
+                   help="share in [0, 1] of the negatives drawn by how strongly the original model "
+                        "mistakes them for the subnet's classes (default: %(default)s)")
     g.add_argument("--optimizer", default=d.optimizer,
                    help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
     g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
@@ -99,7 +102,8 @@ def cmd_decompose(args) -> int:
         zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
         use_tsne=args.tsne, features_per_class=args.features_per_class,
         retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
-        negative_share=args.negative_share, distill=args.distill, optimizer=args.optimizer,
+        negative_share=args.negative_share, distill=args.distill,
+        hard_negatives=args.hard_negatives, optimizer=args.optimizer,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=args.workers,

@@ -92,6 +92,7 @@ class DecomposeConfig:
     samples_per_subnet: int | None = None  # None: AUTO_TOTAL_SAMPLES / G, at least AUTO_MIN
     negative_share: float | None = None
     distill: float = 0.7
+    hard_negatives: float = 0.0
     optimizer: str = "sgd"
     lr: float = 0.05
     batch_size: int = 128
@@ -147,7 +148,7 @@ class DecomposeConfig:
         return RetrainSettings(epochs=self.retrain_epochs, samples=self.samples_for(n_groups),
                                lr=self.lr, batch_size=self.batch_size, seed=self.seed,
                                negative_share=self.negative_share, distill=self.distill,
-                               optimizer=self.optimizer)
+                               hard_negatives=self.hard_negatives, optimizer=self.optimizer)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -435,6 +436,11 @@ def _teacher_logits(layout: Layout, model: nn.Module, train: ImageDataset, spec:
     return z
 
 
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
 def _run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str, total: int,
                     on_done: Callable, failures: dict[int, str]) -> None:
     with tqdm(total=total, desc="retrain: subnets", unit="subnet") as bar:
@@ -696,12 +702,22 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
             "metrics": metrics})
 
+    teacher = confusion = None
+    if todo and config.retrain_epochs > 0 and config.hard_negatives > 0:
+        # Hard negatives are picked by the original model's beliefs about every training image.
+        teacher = _teacher_logits(layout, model, train_set(), spec, dev,
+                                  np.arange(len(train_set())))
+        confusion = _softmax(teacher)
     plans = {g: retrain_plan(train_set().labels, group_list[g], retrain_settings, binary=binary,
-                             subnet_seed=g) for g in todo} if config.retrain_epochs > 0 else {}
-    teacher = None
-    if plans and config.distill > 0:
+                             subnet_seed=g,
+                             confusion=None if confusion is None else
+                             confusion[:, group_list[g]].sum(axis=1))
+             for g in todo} if config.retrain_epochs > 0 else {}
+    if plans and config.distill > 0 and teacher is None:
         needed = np.unique(np.concatenate([idx for idx, _ in plans.values()]))
         teacher = _teacher_logits(layout, model, train_set(), spec, dev, needed)
+    if config.distill == 0:
+        teacher = None
 
     def jobs() -> Iterator[dict]:
         for g in todo:

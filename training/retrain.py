@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from sensai.data import DatasetSpec, normalize
 from sensai.errors import SensaiError
 from sensai.models import classifier_layer
+from training.trainer import augment
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RetrainSettings:
     flip: bool = True  # random horizontal flips, as in full training
     negative_share: float | None = None  # None: k+1 equal shares; else negatives' sample fraction
     distill: float = 0.0  # weight of the teacher's (original model's) soft targets in the loss
+    hard_negatives: float = 0.0  # share of negatives drawn by how much the teacher confuses them
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
     seed: int = 0
 
@@ -64,6 +66,8 @@ class RetrainSettings:
             raise SensaiError(f"--negative-share must be in (0, 1), got {self.negative_share}")
         if self.optimizer not in ("sgd", "adam"):
             raise SensaiError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
+        if not (0 <= self.hard_negatives <= 1):
+            raise SensaiError(f"--hard-negatives must be in [0, 1], got {self.hard_negatives}")
         if not (0 <= self.distill <= 1):
             raise SensaiError(f"--distill must be in [0, 1], got {self.distill}")
         if self.weight_decay < 0 or not (0 <= self.momentum < 1):
@@ -76,7 +80,9 @@ class RetrainSettings:
 
 def balanced_sample(labels: np.ndarray, classes: Sequence[int], samples: int, *,
                     binary: bool, rng: np.random.Generator,
-                    negative_share: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    negative_share: float | None = None,
+                    confusion: np.ndarray | None = None, hard_negatives: float = 0.0,
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """Indices into ``labels`` and their training targets for one epoch of one subnet.
 
     By default ``samples`` is split evenly over the ``k + 1`` target classes (k group classes +
@@ -84,7 +90,10 @@ def balanced_sample(labels: np.ndarray, classes: Sequence[int], samples: int, *,
     is split evenly over the group's classes (the loss then weighs each class like all negatives,
     see :func:`target_weights`).  A class with fewer images than its share is repeated, negatives
     are drawn uniformly from the images of every other class.  When the group holds every class
-    there are no negatives and the whole budget goes to the positives.  The result is shuffled.
+    there are no negatives and the whole budget goes to the positives.  With ``confusion`` (per
+    image of ``labels``: how much the original model believes it is one of ``classes``) a
+    ``hard_negatives`` share of the negatives is drawn in proportion to it, so the subnet sees more
+    of the images it is most likely to claim wrongly.  The result is shuffled.
     """
     labels = np.asarray(labels)
     classes = [int(c) for c in classes]
@@ -108,7 +117,13 @@ def balanced_sample(labels: np.ndarray, classes: Sequence[int], samples: int, *,
         idx.append(chosen)
         tgt.append(np.full(len(chosen), 1 if binary else pos + 1, dtype=np.int64))
     if n_neg:
-        chosen = rng.choice(negatives, size=n_neg, replace=n_neg > len(negatives))
+        n_hard = int(round(n_neg * hard_negatives)) if confusion is not None else 0
+        chosen = rng.choice(negatives, size=n_neg - n_hard, replace=n_neg - n_hard > len(negatives))
+        if n_hard:
+            w = np.asarray(confusion, dtype=np.float64)[negatives]
+            w = np.clip(np.nan_to_num(w), 0, None) + 1e-12
+            hard = rng.choice(negatives, size=n_hard, replace=True, p=w / w.sum())
+            chosen = np.concatenate([chosen, hard])
         idx.append(chosen)
         tgt.append(np.zeros(len(chosen), dtype=np.int64))
     idx_a, tgt_a = np.concatenate(idx), np.concatenate(tgt)
@@ -128,13 +143,15 @@ def target_weights(targets: np.ndarray, num_targets: int) -> np.ndarray:
 
 
 def retrain_plan(labels: np.ndarray, classes: Sequence[int], settings: RetrainSettings, *,
-                 binary: bool, subnet_seed: int) -> tuple[np.ndarray, np.ndarray]:
+                 binary: bool, subnet_seed: int, confusion: np.ndarray | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated per-epoch samples (indices, targets) for ``settings.epochs`` epochs."""
     rng = np.random.default_rng([settings.seed, subnet_seed])
     idx, tgt = [], []
     for _ in range(settings.epochs):
         i, t = balanced_sample(labels, classes, settings.samples, binary=binary, rng=rng,
-                               negative_share=settings.negative_share)
+                               negative_share=settings.negative_share, confusion=confusion,
+                               hard_negatives=settings.hard_negatives)
         idx.append(i)
         tgt.append(t)
     if not idx:
@@ -157,14 +174,6 @@ def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: 
         return mine.astype(np.float32)
     rest = np.clip(1.0 - mine.sum(axis=1, keepdims=True), 0.0, 1.0)
     return np.concatenate([rest, mine], axis=1).astype(np.float32)
-
-
-def _flip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    flip = torch.rand(images.shape[0], generator=generator) < 0.5
-    if flip.any():
-        images = images.clone()
-        images[flip] = images[flip].flip(-1)
-    return images
 
 
 def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
@@ -242,7 +251,7 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
                 g["lr"] = lr_at(step)
             x = images[positions_t[s:s + settings.batch_size]]
             if settings.flip:
-                x = _flip(x, gen)
+                x = augment(x, gen)
             x = normalize(x.to(device), spec)
             y = targets_t[s:s + settings.batch_size].to(device)
             q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
