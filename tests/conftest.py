@@ -55,7 +55,7 @@ def trained_model_dir(tmp_path_factory, fmnist_spec, fmnist_train, fmnist_test):
 
 # Tiny decomposition settings: every stage runs for real, on real images, in seconds.
 TINY_DECOMPOSE = dict(use_tsne=False, features_per_class=20, stats_per_class=40,
-                      samples_per_subnet=384, retrain_epochs=1, batch_size=64, lr=0.02)
+                      samples_per_subnet=384, retrain_epochs=1, batch_size=64)
 
 
 @pytest.fixture(scope="session")

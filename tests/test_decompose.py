@@ -57,6 +57,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
     assert len(m.groups) == 5 and sorted(c for g in m.groups for c in g) == list(range(10))
     assert m.pruning["kind"] == "params" and m.pruning["params_fraction"] == 0.25
     assert m.pruning["zero_threshold"] == 0.005 and m.retrain["distill"] == 0.7
+    assert m.retrain["optimizer"] == "adam" and m.retrain["hard_negatives"] == 0.5
     assert m.retrain["samples"] == 384 and m.retrain["epochs"] == 1
     assert set(m.stages) >= {"grouping", "stats", "prune", "retrain", "export", "evaluate"}
     for s in m.subnets:
@@ -251,7 +252,7 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
     before = subnet_files(art)
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
                         "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
-                        "--samples-per-subnet", "384", "--batch-size", "64", "--lr", "0.02",
+                        "--samples-per-subnet", "384", "--batch-size", "64",
                         "--params-fraction", "0.5", "--no-ray")
     assert code == 2 and "other settings" in err and "params_fraction: 0.25 -> 0.5" in err
     assert "--force" in err and len(err.splitlines()) == 1
@@ -298,6 +299,17 @@ def test_retrain_sampling_is_balanced(fmnist_train):
     w = target_weights(tgt, 3)
     assert (w * counts).tolist() == [2000.0, 2000.0, 2000.0]
     assert target_weights(np.array([0, 1, 1, 0]), 2).tolist() == [1.0, 1.0]
+    # Hard negatives: half the negatives come from where the teacher is tempted (here: 50 shirts
+    # it would call T-shirts); NaN marks images the teacher was not asked about.
+    confusion = np.full(len(labels), np.nan)
+    tempting = np.flatnonzero(labels == 6)[:50]
+    confusion[tempting] = 0.9
+    confusion[np.flatnonzero(labels == 8)[:50]] = 0.0
+    idx, tgt = balanced_sample(labels, [0], 2000, binary=True, rng=rng, confusion=confusion,
+                               hard_negatives=0.5)
+    neg = idx[tgt == 0]
+    assert len(neg) == 1000 and np.isin(neg, tempting).sum() >= 500
+    assert not np.isin(labels[neg], [0]).any()
 
 
 @pytest.mark.slow

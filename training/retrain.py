@@ -120,9 +120,12 @@ def balanced_sample(labels: np.ndarray, classes: Sequence[int], samples: int, *,
         n_hard = int(round(n_neg * hard_negatives)) if confusion is not None else 0
         chosen = rng.choice(negatives, size=n_neg - n_hard, replace=n_neg - n_hard > len(negatives))
         if n_hard:
-            w = np.asarray(confusion, dtype=np.float64)[negatives]
-            w = np.clip(np.nan_to_num(w), 0, None) + 1e-12
-            hard = rng.choice(negatives, size=n_hard, replace=True, p=w / w.sum())
+            # NaN = the teacher was not asked about that image: it is no hard-negative candidate.
+            w = np.clip(np.nan_to_num(np.asarray(confusion, dtype=np.float64)[negatives]), 0, None)
+            if w.sum() > 0:
+                hard = rng.choice(negatives, size=n_hard, replace=True, p=w / w.sum())
+            else:
+                hard = rng.choice(negatives, size=n_hard, replace=n_hard > len(negatives))
             chosen = np.concatenate([chosen, hard])
         idx.append(chosen)
         tgt.append(np.zeros(len(chosen), dtype=np.int64))
