@@ -717,10 +717,11 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                              confusion=None if confusion is None else
                              confusion[:, group_list[g]].sum(axis=1))
              for g in todo} if config.retrain_epochs > 0 else {}
-    if plans and config.distill > 0 and teacher is None:
+    if plans and config.distill > 0:
+        # The hard-negative pool need not cover every positive, so fill in what the plans use.
         needed = np.unique(np.concatenate([idx for idx, _ in plans.values()]))
         teacher = _teacher_logits(layout, model, train_set(), spec, dev, needed)
-    if config.distill == 0:
+    else:
         teacher = None
 
     def jobs() -> Iterator[dict]:

@@ -212,6 +212,10 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
     if distill > 0:
         if soft is None or len(soft) != len(images):
             raise ValueError("distillation needs soft targets, one row per image")
+        if not np.isfinite(soft).all():
+            # A NaN target turns the first loss into NaN and reads as divergence; say what it is.
+            raise ValueError("soft targets are not all finite (teacher logits missing for some "
+                             "images)")
         soft_t = torch.as_tensor(np.asarray(soft, dtype=np.float32))
 
     def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
