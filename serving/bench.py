@@ -12,8 +12,8 @@ per worker (:mod:`serving.baselines` has the predictors, :mod:`serving.pools` th
    latency for one image.
 
 Each strategy is measured in process (the predictor called directly) and end to end over HTTP
-(the gateway of :mod:`serving.app` under uvicorn on 127.0.0.1, PNG bytes in, JSON out), warm-up
-excluded. The latency runs at concurrency 1 are interleaved: the images are split into rounds and
+(the gateway of :mod:`serving.app` under uvicorn on 127.0.0.1, PNG bytes in, JSON out, sent by a
+client in its own process so that its work does not share this process's GIL), warm-up excluded. The latency runs at concurrency 1 are interleaved: the images are split into rounds and
 every strategy serves a round in turn, so a change in the machine's load (shared CPUs) hits all
 strategies alike. Throughput is measured afterwards, strategy by strategy, at a chosen concurrency.
 
@@ -293,7 +293,7 @@ def _r(v: float) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# HTTP: the gateway under uvicorn in a thread, a client in this thread
+# HTTP: the gateway under uvicorn in a thread; the client runs in its own process
 
 
 class GatewayServer:
@@ -731,23 +731,24 @@ async def _measure(built: list[Strategy], xs, pngs, labels, transports, warmup: 
         isolated_images * len(s.workers) for s in built if s.key == "class-parallel")
     bar.refresh()
     for transport in transports:
-        callers: dict[str, Callable] = {}
-        clients = []
+        drivers: dict[str, Any] = {}
+        client = None
         try:
+            if transport == "http":
+                from .http_client import HttpClientProcess
+
+                client = HttpClientProcess(pngs)
             for s in built:
                 if transport == "inprocess":
-                    callers[s.key] = _inprocess_caller(s.predictor)
+                    drivers[s.key] = _InProcessDriver(s.predictor, xs)
                 else:
                     s.server = await asyncio.to_thread(GatewayServer, s.predictor)
-                    caller, client = _http_caller(s.server.url, pngs, concurrency)
-                    callers[s.key] = caller
-                    clients.append(client)
+                    drivers[s.key] = _HttpDriver(client, s.server.url)
             # Warm-up, excluded: first requests allocate buffers, open connections, fill caches.
             for s in built:
                 bar.set_description(f"{transport}: warm-up {s.key}")
-                for j in range(warmup):
-                    await callers[s.key](j % n, xs)
-                    bar.update(1)
+                await drivers[s.key].sequential([j % n for j in range(warmup)])
+                bar.update(warmup)
             # Latency at concurrency 1, interleaved in rounds over the same images.
             samples = {s.key: Samples() for s in built}
             chunks = np.array_split(np.arange(n), min(rounds, n))
@@ -755,24 +756,26 @@ async def _measure(built: list[Strategy], xs, pngs, labels, transports, warmup: 
                 for s in built:
                     bar.set_description(f"{transport}: latency {s.key}")
                     gc.collect()
-                    for j in chunk:
-                        t0 = time.perf_counter()
-                        pred, timings = await callers[s.key](int(j), xs)
-                        ms = (time.perf_counter() - t0) * 1e3
+                    for j, (ms, pred, timings) in zip(chunk, await drivers[s.key].sequential(
+                            [int(j) for j in chunk])):
                         samples[s.key].add(ms, timings, pred == int(labels[j]))
-                        bar.update(1)
+                    bar.update(len(chunk))
             # Throughput at the chosen concurrency, one strategy at a time.
             for s in built:
                 bar.set_description(f"{transport}: throughput {s.key} (c={concurrency})")
                 gc.collect()
-                thr = await _throughput(callers[s.key], xs, n_requests, concurrency, bar)
+                wall, latencies = await drivers[s.key].concurrent(n_requests, concurrency)
+                bar.update(n_requests)
                 rep = samples[s.key].report()
-                rep["throughput"] = thr
+                rep["throughput"] = {"concurrency": concurrency, "requests": n_requests,
+                                     "seconds": round(wall, 3),
+                                     "images_per_s": round(n_requests / wall, 2),
+                                     "latency_ms": summarize(latencies)}
                 rep["latencies_ms"] = [round(v, 4) for v in samples[s.key].latency]
                 s.info["transports"][transport] = rep
         finally:
-            for c in clients:
-                await c.aclose()
+            if client is not None:
+                await asyncio.to_thread(client.close)
             for s in built:
                 if s.server is not None:
                     await asyncio.to_thread(s.server.close)
@@ -802,49 +805,52 @@ async def _measure(built: list[Strategy], xs, pngs, labels, transports, warmup: 
             s.info["core_bound_floor_ms"] = round(max(max(p50s), sum(p50s) * threads / cores), 4)
 
 
-def _inprocess_caller(predictor):
-    async def call(j: int, xs) -> tuple[int, dict]:
-        pred = await predictor.predict(xs[j])
-        return int(np.argmax(pred.scores[0])), pred.timings_ms
+class _InProcessDriver:
+    """Calls the predictor from this event loop: no HTTP, no serialisation."""
 
-    return call
+    def __init__(self, predictor, xs):
+        self.predictor, self.xs = predictor, xs
+
+    async def _one(self, j: int) -> tuple[float, int, dict]:
+        t0 = time.perf_counter()
+        pred = await self.predictor.predict(self.xs[j])
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms
+
+    async def sequential(self, indices: list[int]) -> list[tuple[float, int, dict]]:
+        return [await self._one(j) for j in indices]
+
+    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+        counter = iter(range(n_requests))
+        latencies: list[float] = []
+
+        async def client() -> None:
+            for j in counter:
+                latencies.append((await self._one(j % len(self.xs)))[0])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return time.perf_counter() - t0, latencies
 
 
-def _http_caller(url: str, pngs: list[bytes], concurrency: int):
-    import httpx
+class _HttpDriver:
+    """PNG requests to the gateway from the benchmark's client process (see http_client)."""
 
-    limits = httpx.Limits(max_connections=max(1, concurrency),
-                          max_keepalive_connections=max(1, concurrency))
-    client = httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits)
-    headers = {"content-type": "image/png"}
+    def __init__(self, client, url: str):
+        self.client, self.url = client, url
 
-    async def call(j: int, xs) -> tuple[int, dict]:
-        resp = await client.post("/v1/predict", content=pngs[j], headers=headers)
-        if resp.status_code != 200:
-            raise SensaiError(f"gateway at {url} answered {resp.status_code}: {resp.text[:200]}")
-        body = resp.json()
-        return int(body["index"]), body["timings_ms"]
+    async def sequential(self, indices: list[int]) -> list[tuple[float, int, dict]]:
+        try:
+            return await asyncio.to_thread(self.client.sequential, self.url, indices)
+        except RuntimeError as e:
+            raise SensaiError(f"HTTP benchmark client: {e}") from None
 
-    return call, client
-
-
-async def _throughput(call, xs, n_requests: int, concurrency: int, bar) -> dict[str, Any]:
-    n = len(xs)
-    counter = iter(range(n_requests))
-    latencies: list[float] = []
-
-    async def client() -> None:
-        for j in counter:
-            t0 = time.perf_counter()
-            await call(j % n, xs)
-            latencies.append((time.perf_counter() - t0) * 1e3)
-            bar.update(1)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": n_requests, "seconds": round(wall, 3),
-            "images_per_s": round(n_requests / wall, 2), "latency_ms": summarize(latencies)}
+    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+        try:
+            r = await asyncio.to_thread(self.client.concurrent, self.url, n_requests, concurrency)
+        except RuntimeError as e:
+            raise SensaiError(f"HTTP benchmark client: {e}") from None
+        return r["seconds"], r["latencies"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,3 +260,24 @@ def test_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main(["bench", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "sensai bench: error:" in err and "Traceback" not in err
+
+
+def test_http_client_process_reports_a_dead_gateway(fmnist_test):
+    """The client lives in its own process; a failure there comes back as an error, not a hang."""
+    import socket
+
+    from sensai.data import encode_png
+    from serving.http_client import HttpClientProcess
+
+    with socket.socket() as s:  # a port nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = HttpClientProcess([encode_png(fmnist_test[0][0])])
+    try:
+        with pytest.raises(RuntimeError, match="ConnectError"):
+            client.sequential(f"http://127.0.0.1:{port}", [0])
+        with pytest.raises(RuntimeError, match="ConnectError"):
+            client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
+    finally:
+        client.close()
+    assert not client._proc.is_alive()
