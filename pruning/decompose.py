@@ -160,6 +160,10 @@ class DecomposeConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+class SettingsMismatch(SensaiError):
+    """The output directory holds a decomposition made with other settings."""
+
+
 class RetrainFailed(SensaiError):
     """One or more subnets could not be retrained; the others are saved."""
 
@@ -297,8 +301,8 @@ def _prepare_out(layout: Layout, fingerprint: dict, force: bool) -> None:
     if old is not None and old != fingerprint:
         if not force:
             diff = "; ".join(_settings_diff(old, fingerprint)[:4])
-            raise SensaiError(f"{root} was made with other settings ({diff}); use another --out "
-                              "or --force to start over")
+            raise SettingsMismatch(f"{root} was made with other settings ({diff}); use another "
+                                   "--out or --force to start over")
     if force:
         for p in layout.ours():
             if p.is_dir():

@@ -30,6 +30,11 @@ def register(sub) -> None:
     p.add_argument("--bench-images", type=int, default=100,
                    help="test images the latency benchmark measures on")
     p.add_argument("--no-bench", action="store_true", help="skip the latency benchmark")
+    p.add_argument("--train-limit", type=int, default=None,
+                   help="train on at most this many images (stratified), for a quick look")
+    p.add_argument("--samples-per-subnet", type=int, default=None,
+                   help="retraining images per subnet (default: the decompose default, 600k "
+                        "over all subnets); fewer is faster and less accurate")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.set_defaults(func=cmd_demo)
 
@@ -43,13 +48,13 @@ def cmd_demo(args) -> int:
     import numpy as np
     import torch
 
-    from pruning.decompose import DecomposeConfig, decompose
+    from pruning.decompose import DecomposeConfig, SettingsMismatch, decompose
     from serving.bench import GatewayServer, render_table, run_bench
     from serving.pools import local_predictor
     from training.trainer import train
 
     from .data import encode_png, load_split, resolve_dataset
-    from .errors import SensaiError
+    from .errors import CheckpointError, SensaiError
     from .manifest import load_model_record
     from .models import DEFAULT_MODEL, select_device
 
@@ -60,24 +65,40 @@ def cmd_demo(args) -> int:
         raise SensaiError(f"--groups must be between 1 and {spec.num_classes}, got {args.groups}")
     if args.images < 1 or args.epochs < 1:
         raise SensaiError("--images and --epochs must be at least 1")
+    if args.train_limit is not None and args.train_limit < spec.num_classes:
+        raise SensaiError(f"--train-limit must be at least {spec.num_classes} (one image a class)")
+    config = DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()
     device = select_device(args.device)
     t_start = time.perf_counter()
 
     _step(f"1/5 train {DEFAULT_MODEL} on Fashion-MNIST ({args.epochs} epochs, {device})")
     try:
         record = load_model_record(model_dir)
-        if record.train is None or record.train.epochs != args.epochs:
+        if (record.train is None or record.train.epochs != args.epochs
+                or record.train.train_limit != args.train_limit):
             raise SensaiError("different run")
         print(f"already trained: {model_dir}")
     except SensaiError:
-        record = train(model_name=DEFAULT_MODEL, spec=spec, train_set=load_split(spec, "train"),
-                       test_set=load_split(spec, "test"), out_dir=model_dir, epochs=args.epochs,
-                       device=device)
+        kwargs = dict(model_name=DEFAULT_MODEL, spec=spec, train_set=load_split(spec, "train"),
+                      test_set=load_split(spec, "test"), out_dir=model_dir, epochs=args.epochs,
+                      train_limit=args.train_limit, device=device)
+        try:
+            record = train(**kwargs)  # resumes an interrupted demo's training
+        except CheckpointError as e:
+            print(f"{e}; the demo trains again")  # an unfinished run with other settings
+            record = train(**kwargs, resume=False)
     print(f"{record.model}: {record.params:,} params, test top-1 {record.test_top1:.4f}")
 
     _step(f"2/5 decompose into {args.groups} class-parallel subnets")
-    manifest = decompose(model_dir, art, groups=args.groups, config=DecomposeConfig(),
-                         device=args.device, data_dir=args.data_dir)
+    try:
+        manifest = decompose(model_dir, art, groups=args.groups, config=config,
+                             device=args.device, data_dir=args.data_dir)
+    except SettingsMismatch as e:
+        # The demo owns this directory: an artifact from an older sensai's defaults (or another
+        # model) is replaced, where `sensai decompose` would ask for --force.
+        print(f"{e}; the demo decomposes again")
+        manifest = decompose(model_dir, art, groups=args.groups, config=config,
+                             device=args.device, data_dir=args.data_dir, force=True)
     ev = manifest.evaluation
     print(f"groups: {[[spec.classes[c] for c in g] for g in manifest.groups]}")
     for s in manifest.subnets:
