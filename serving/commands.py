@@ -29,14 +29,15 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def _add_redundancy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "redundancy (local backend)",
-        "Host every group's subnet on several worker processes (cyclic placement) so an answer "
-        "does not wait for the slowest worker and survives a dead one (serving.robust).")
+        "redundancy (local and ray backends)",
+        "Host every group's subnet on several workers (cyclic placement) so an answer does not "
+        "wait for the slowest worker and survives a dead one (serving.robust).  Local backend: "
+        "worker processes restarted by the gateway; ray backend: Ray actors restarted by Ray.")
     g.add_argument("--redundancy", "-r", type=int, default=None, metavar="R",
                    help="extra copies of every group: worker w also hosts groups w+1..w+R "
                         "(mod W); 0 = one process per group, no copies")
     g.add_argument("--workers", type=int, default=None, metavar="W",
-                   help="worker processes (default: G, one per group)")
+                   help="worker processes or Ray actors (default: G, one per group)")
     g.add_argument("--vote", action="store_true",
                    help="2R+1 copies per group; a group is answered when R+1 copies agree "
                         "(outvotes up to R wrong copies)")
@@ -44,7 +45,8 @@ def _add_redundancy_args(p: argparse.ArgumentParser) -> None:
                    help="a worker waits up to this long before computing copies, which are "
                         "skipped if their group is answered meanwhile (default: 0)")
     g.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS",
-                   help="wait before restarting a dead worker (default: 0)")
+                   help="wait before restarting a dead worker (ray backend: before taking "
+                        "back the actor Ray restarted) (default: 0)")
     g.add_argument("--inject-delay", action="append", default=[], metavar="W=SPEC",
                    help="TESTING ONLY: worker W sleeps before each request, e.g. 2=exp:20ms, "
                         "1=fixed:50ms@0.1 (10%% of requests)")
@@ -64,8 +66,9 @@ def _robust_options(args, groups: int) -> dict:
         if extra:
             raise SensaiError(f"{', '.join(extra)} only apply with --redundancy")
         return {}
-    if args.backend != "local":
-        raise SensaiError("--redundancy is implemented for the local backend only")
+    if args.backend not in ("local", "ray"):
+        raise SensaiError(f"--redundancy works with the local and ray backends, not "
+                          f"--backend {args.backend}")
     if args.hedge_ms < 0 or args.restart_delay < 0:
         raise SensaiError("--hedge-ms and --restart-delay must be >= 0")
     w = check_robust_args(groups, args.workers, args.redundancy, args.vote)
@@ -77,8 +80,14 @@ def _robust_options(args, groups: int) -> dict:
         if int(worker) >= w:
             raise SensaiError(f"--inject-delay: no worker {int(worker)} (workers are 0..{w - 1})")
         delays[int(worker)] = str(parse_delay(spec))
-    return {"redundancy": args.redundancy, "workers": args.workers, "vote": args.vote,
-            "hedge_ms": args.hedge_ms, "restart_delay_s": args.restart_delay, "delays": delays}
+    opts = {"redundancy": args.redundancy, "workers": args.workers, "vote": args.vote,
+            "hedge_ms": args.hedge_ms, "restart_delay_s": args.restart_delay, "delays": delays,
+            "backend": args.backend}
+    if args.backend == "ray" and getattr(args, "ray_cpus", None) is not None:
+        if not args.ray_cpus > 0:
+            raise SensaiError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
+        opts["ray_cpus"] = args.ray_cpus
+    return opts
 
 
 def register(sub) -> None:
@@ -212,16 +221,21 @@ def cmd_serve(args) -> int:
     robust = _robust_options(args, _group_count(args.artifact))
     if robust:
         if args.processes:
-            raise SensaiError("--redundancy always uses worker processes; drop --processes")
+            raise SensaiError("--redundancy always runs its own workers (processes or Ray "
+                              "actors); drop --processes")
         from .robust import robust_predictor
 
+        if robust["backend"] == "ray":
+            robust["ray_address"] = settings.ray_address
         predictor = robust_predictor(args.artifact, device=settings.device,
                                      runtime=settings.runtime,
                                      threads=settings.threads_per_worker,
                                      name=settings.model_name, deadline_s=settings.deadline_s,
                                      **robust)
+        what = "Ray actors (restarted by Ray)" if predictor.backend == "ray" else \
+            "worker processes"
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
-              f"{len(predictor.workers)} worker processes, redundancy {predictor.redundancy}"
+              f"{len(predictor.workers)} {what}, redundancy {predictor.redundancy}"
               f"{', vote' if predictor.vote else ''}) on http://{settings.host}:{settings.port}\n"
               f"placement:\n{predictor.placement_table()}", file=sys.stderr)
         _run_uvicorn(create_app(predictor, settings), settings, args.log_level)

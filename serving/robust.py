@@ -23,10 +23,16 @@ slowest worker replies, and a dead worker's groups are still served by their cop
   the request fails with a 503 (copies lost) or 504 (deadline) naming the missing classes, or, when
   the caller allows it, gets a partial answer flagged ``degraded`` whose scores cover only the
   answered classes.
+* :class:`RayWorker` - the same worker as a Ray actor (``robust_predictor(..., backend="ray")``):
+  one actor method call per (request, group), so each group's output comes back as soon as it is
+  computed.  *Ray* restarts a dead actor (``max_restarts=-1``; its constructor reloads the
+  subnets); the predictor sees the death as a failed call, serves the groups from their copies,
+  and takes the actor back once it answers a ``ping`` again.
 
 Fault injection for tests and the benchmark (off by default): a worker can be given a delay
 distribution (:func:`parse_delay`, e.g. ``exp:20ms``) slept before each request, or told to corrupt
-its outputs; :meth:`RobustPredictor.kill_worker` SIGKILLs a worker process.
+its outputs; :meth:`RobustPredictor.kill_worker` SIGKILLs a worker process (on Ray:
+``ray.kill(actor, no_restart=False)``, so Ray restarts it).
 """
 
 from __future__ import annotations
@@ -456,10 +462,10 @@ class _Generation:
         self.error: str | None = None
 
 
-class ProcessWorker:
-    """One worker process (spawned) hosting the runners of ``groups``, with its reader and sender
-    threads.  State: ``starting`` -> ``up`` -> ``down`` (dead, restarting) -> ``up`` ...; the
-    owning :class:`RobustPredictor` keeps the state under its lock."""
+class _WorkerBase:
+    """What the predictor reads and writes on every worker, whatever runs it."""
+
+    backend = "?"
 
     def __init__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"], *,
                  owner: "RobustPredictor", delay: DelaySpec | None = None, corrupt: bool = False,
@@ -479,13 +485,45 @@ class ProcessWorker:
         self.pid: int | None = None
         self.pending: set[int] = set()
         self.process = None
-        self._gen: _Generation | None = None
-        self._pongs: dict[int, threading.Event] = {}
-        # Counters (reader thread writes, anyone reads).
+        # Counters (the thread that receives results writes, anyone reads).
         self.runs = 0
         self.compute_ms = 0.0
         self.skipped = 0
         self.failures = 0
+
+    def _where(self) -> dict:  # where the worker runs: device, runtime, and backend details
+        return {}
+
+    def describe(self) -> dict:
+        classes = self.owner.manifest.dataset.classes
+        d = {"name": self.name, "groups": list(self.groups),
+             "primary": [g for g in self.groups if self.owner.hosts[g][0] == self.index],
+             "subnets": [subnet_name(g) for g in self.groups],
+             "classes": [[classes[c] for c in self.owner.groups[g]] for g in self.groups],
+             "state": self.state, "pid": self.pid, "restarts": self.restarts,
+             "deaths": self.deaths, "runs": self.runs, "skipped": self.skipped,
+             **self._where()}
+        if self.delay is not None:
+            d["injected_delay"] = str(self.delay)
+        if self.corrupt:
+            d["injected_corruption"] = True
+        return d
+
+
+class ProcessWorker(_WorkerBase):
+    """One worker process (spawned) hosting the runners of ``groups``, with its reader and sender
+    threads.  State: ``starting`` -> ``up`` -> ``down`` (dead, restarting) -> ``up`` ...; the
+    owning :class:`RobustPredictor` keeps the state under its lock."""
+
+    backend = "local"
+
+    def __init__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"], *,
+                 owner: "RobustPredictor", delay: DelaySpec | None = None, corrupt: bool = False,
+                 seed: int = 0):
+        super().__init__(index, groups, specs, owner=owner, delay=delay, corrupt=corrupt,
+                         seed=seed)
+        self._gen: _Generation | None = None
+        self._pongs: dict[int, threading.Event] = {}
 
     # -- lifecycle
 
@@ -559,6 +597,13 @@ class ProcessWorker:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
+
+    def exit_detail(self) -> str:
+        """How the process ended, for the log and the error of a request that lost it."""
+        code = self.process.exitcode if self.process is not None else None
+        if code is None:
+            return ""
+        return f" (signal {-code})" if code < 0 else f" (exit code {code})"
 
     # -- threads
 
@@ -642,21 +687,9 @@ class ProcessWorker:
             if ev is not None:
                 ev.set()
 
-    def describe(self) -> dict:
-        classes = self.owner.manifest.dataset.classes
-        d = {"name": self.name, "groups": list(self.groups),
-             "primary": [g for g in self.groups if self.owner.hosts[g][0] == self.index],
-             "subnets": [subnet_name(g) for g in self.groups],
-             "classes": [[classes[c] for c in self.owner.groups[g]] for g in self.groups],
-             "state": self.state, "pid": self.pid, "restarts": self.restarts,
-             "deaths": self.deaths, "runs": self.runs, "skipped": self.skipped,
-             "device": self.specs[0].device if self.specs else None,
-             "runtime": self.specs[0].resolved_runtime() if self.specs else None}
-        if self.delay is not None:
-            d["injected_delay"] = str(self.delay)
-        if self.corrupt:
-            d["injected_corruption"] = True
-        return d
+    def _where(self) -> dict:
+        return {"device": self.specs[0].device if self.specs else None,
+                "runtime": self.specs[0].resolved_runtime() if self.specs else None}
 
 
 _TOKENS = itertools.count(1)
@@ -691,7 +724,10 @@ class RobustPredictor:
     groups at once but waits up to this long before computing copies, which are skipped if
     their group is answered meanwhile (less duplicate work, a straggler costs up to this much
     more; 0: copies right away).  ``restart_delay_s``: wait before restarting a
-    dead worker (later attempts back off exponentially).  Blocks until every worker is ready.
+    dead worker (later attempts back off exponentially; on Ray, which restarts the actor at
+    once, the least time it stays out of rotation).  ``worker_factory``: builds worker ``w``
+    with :class:`ProcessWorker`'s constructor arguments (default: :class:`ProcessWorker`;
+    :class:`RayWorkerFactory` for Ray actors).  Blocks until every worker is ready.
     """
 
     supports_partial = True
@@ -702,8 +738,11 @@ class RobustPredictor:
                  delays: dict[int, DelaySpec | str] | None = None,
                  corrupt: Sequence[int] = (), restart_delay_s: float = 0.0,
                  load_timeout_s: float = 600.0, probe_timeout_s: float = 30.0, seed: int = 0,
-                 worker_devices: Sequence[str] | None = None, hedge_ms: float = 0.0):
+                 worker_devices: Sequence[str] | None = None, hedge_ms: float = 0.0,
+                 worker_factory: Callable[..., Any] | None = None):
         self.manifest = manifest
+        self._factory = worker_factory or ProcessWorker
+        self.backend = getattr(self._factory, "backend", "local")
         self.spec = manifest.dataset.to_spec()
         self.name = name
         self.deadline_s = float(deadline_s)
@@ -738,12 +777,12 @@ class RobustPredictor:
         for w in list(delays) + list(corrupt):
             if not 0 <= w < len(self.placement):
                 raise SensaiError(f"no worker {w}: workers are 0..{len(self.placement) - 1}")
-        self.workers: list[ProcessWorker] = []
+        self.workers: list[Any] = []  # ProcessWorker or RayWorker
         for w, hosted in enumerate(self.placement):
             # A worker is one device: its subnets follow it (one GPU per worker round robin).
             dev = worker_devices[w] if worker_devices else specs[hosted[0]].device
             ws = [replace(specs[g], device=dev) for g in hosted]
-            self.workers.append(ProcessWorker(w, hosted, ws, owner=self, delay=delays.get(w),
+            self.workers.append(self._factory(w, hosted, ws, owner=self, delay=delays.get(w),
                                               corrupt=w in corrupt, seed=seed + w))
         t0 = time.perf_counter()
         try:
@@ -759,8 +798,9 @@ class RobustPredictor:
         except BaseException:
             self.shutdown()
             raise
-        log.info("robust pool: %d workers (redundancy %d%s) ready in %.1f s", len(self.workers),
-                 self.redundancy, ", vote" if self.vote else "", time.perf_counter() - t0)
+        log.info("robust pool: %d %s workers (redundancy %d%s) ready in %.1f s",
+                 len(self.workers), self.backend, self.redundancy, ", vote" if self.vote else "",
+                 time.perf_counter() - t0)
 
     # -- information
 
@@ -794,7 +834,7 @@ class RobustPredictor:
             workers = [wk.describe() for wk in self.workers]
         return {
             "strategy": "class-parallel-robust",
-            "backend": "local",
+            "backend": self.backend,
             "model": self.manifest.model,
             "groups": self.groups,
             "deadline_s": self.deadline_s,
@@ -840,7 +880,8 @@ class RobustPredictor:
         wk.send(("fault", wk.delay, wk.corrupt))
 
     def kill_worker(self, worker: int) -> int | None:
-        """SIGKILL worker ``worker``'s process; returns its pid."""
+        """SIGKILL worker ``worker``'s process (Ray: kill its actor, which Ray restarts);
+        returns its pid."""
         return self.workers[worker].kill()
 
     def wait_until_up(self, worker: int, timeout: float) -> bool:
@@ -985,9 +1026,7 @@ class RobustPredictor:
         if self._closing.is_set():
             return
         wk.deaths += 1
-        code = wk.process.exitcode if wk.process is not None else None
-        reason = f"{wk.name} died" + (f" (signal {-code})" if code is not None and code < 0
-                                      else f" (exit code {code})" if code is not None else "")
+        reason = f"{wk.name} died{wk.exit_detail()}"
         if was_up:
             log.error("%s; its groups are served by their copies while it restarts", reason)
         for req_id in pending:
@@ -1053,9 +1092,463 @@ class RobustPredictor:
                 wk.stop()
             except Exception as e:  # best effort: the process may be gone already
                 log.debug("stopping %s: %s", wk.name, e)
+        close = getattr(self._factory, "close", None)
+        if callable(close):
+            close()  # e.g. the Ray instance the factory started
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
+
+
+# --------------------------------------------------------------------------------------------
+# Ray actors: the same workers, restarted by Ray
+
+_ALL = "all"  # skip marker: every group of the request (answered or given up)
+_ACTOR_MEMORY = 4096  # requests an actor remembers skips and progress for
+_PUT_BYTES = 64 * 1024  # inputs above this go to the object store once per request
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _ray_error_text(e: BaseException) -> str:
+    """One line for a Ray error: what the remote code raised, else Ray's reason."""
+    def lines(x) -> list[str]:
+        return [ln.strip() for ln in _ANSI.sub("", str(x)).splitlines() if ln.strip()]
+
+    cause = getattr(e, "cause", None)  # RayTaskError: the exception raised in the actor
+    if isinstance(cause, Exception):
+        first = lines(cause)
+        text = f"{type(cause).__name__}: {first[0]}" if first else type(cause).__name__
+    elif getattr(e, "actor_init_failed", False) and lines(e):
+        # The constructor raised: Ray's message ends with the remote traceback's last line.
+        text = f"loading its subnets failed: {lines(e)[-1]}"
+    else:
+        first = lines(e)
+        text = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class _RayWorkerActor:
+    """Body of a Ray worker actor: its hosted subnets' runners, one ``run`` call per (request,
+    group), executed one at a time in submission order (the worker's own groups first).
+
+    ``skip``, ``fault``, ``ping`` and ``watch`` go to the "control" concurrency group, so they
+    reach an actor that is busy computing or sleeping an injected delay.  Ray re-runs
+    ``__init__`` (reloading the subnets) when it restarts the actor.
+    """
+
+    def __init__(self, name: str, hosted: list, delay: DelaySpec | None, corrupt: bool,
+                 seed: int):
+        from collections import OrderedDict
+
+        import ray
+
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU(s): inside, it is cuda:0.
+        self.device = "cuda:0" if ray.get_gpu_ids() else "cpu"
+        self.name = name
+        specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
+        self.runtime = specs[0][1].resolved_runtime() if specs else None
+        self.runners = {g: spec.build() for g, spec in specs}
+        self.delay, self.corrupt = delay, bool(corrupt)
+        self.rng = random.Random(seed)
+        self.cv = threading.Condition()
+        self.skips: OrderedDict = OrderedDict()  # req -> set of groups, or _ALL
+        self.progress: OrderedDict = OrderedDict()  # req -> run calls started
+        self.hedge_until: dict[int, float] = {}
+        self.watch_stop: threading.Event | None = None
+        try:
+            self.node = ray.get_runtime_context().get_node_id()
+        except Exception:
+            self.node = None
+        log.info("%s ready on %s (%s): %s", name, self.device, self.runtime,
+                 ", ".join(subnet_name(g) for g, _ in hosted))
+
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "device": self.device, "runtime": self.runtime,
+                "node": self.node}
+
+    def fault(self, delay: DelaySpec | None, corrupt: bool, seed: int | None = None) -> None:
+        with self.cv:
+            self.delay, self.corrupt = delay, bool(corrupt)
+            if seed is not None:
+                self.rng = random.Random(seed)
+
+    def skip(self, req: int, groups: Sequence[int] | None) -> None:
+        """Do not compute ``groups`` of request ``req`` (None: any of its groups)."""
+        with self.cv:
+            cur = self.skips.get(req, set())
+            if cur != _ALL:
+                self.skips[req] = _ALL if groups is None else cur | set(groups)
+                self.skips.move_to_end(req)
+                while len(self.skips) > _ACTOR_MEMORY:
+                    self.skips.popitem(last=False)
+            self.cv.notify_all()
+
+    def watch(self) -> None:
+        """Returns only when a newer watch replaces it: the caller learns of this actor's death
+        when the call fails, without waiting for a request to fail."""
+        ev = threading.Event()
+        with self.cv:
+            if self.watch_stop is not None:
+                self.watch_stop.set()
+            self.watch_stop = ev
+        ev.wait()
+
+    def _skipped(self, req: int, group: int) -> bool:
+        s = self.skips.get(req)
+        return s is not None and (s == _ALL or group in s)
+
+    def run(self, req: int, group: int, x: np.ndarray, calls: int,
+            hedge_s: float) -> tuple[np.ndarray, float] | None:
+        """Group ``group`` of request ``req`` (one of the ``calls`` calls this worker gets for
+        it): ``(raw output, compute ms)``, or None when it was skipped."""
+        with self.cv:
+            started = self.progress.get(req, 0)
+            self.progress[req] = started + 1
+            self.progress.move_to_end(req)
+            while len(self.progress) > _ACTOR_MEMORY:
+                self.progress.popitem(last=False)
+            delay = self.delay if started == 0 and self.skips.get(req) != _ALL else None
+            d = delay.sample(self.rng) if delay is not None else 0.0
+        last = started + 1 >= calls
+        try:
+            if d > 0:
+                time.sleep(d)  # the injected straggler: one sleep per request, like a process
+            with self.cv:
+                if hedge_s > 0:
+                    # Hedge: give the copies' own workers a moment to answer (and the gateway
+                    # to say "skip") before spending compute on a copy.
+                    until = self.hedge_until.setdefault(req, time.perf_counter() + hedge_s)
+                    self.cv.wait_for(lambda: self._skipped(req, group),
+                                     timeout=max(0.0, until - time.perf_counter()))
+                if self._skipped(req, group):
+                    return None
+                corrupt = self.corrupt
+            if self.runtime == "torch" and not x.flags.writeable:
+                x = np.array(x)  # arguments from Ray are read-only; torch wants to own them
+            t0 = time.perf_counter()
+            out = np.asarray(self.runners[group].run(x), dtype=np.float32)
+            ms = (time.perf_counter() - t0) * 1e3
+            return (corrupt_output(out) if corrupt else out), ms
+        finally:
+            if last:
+                with self.cv:
+                    self.progress.pop(req, None)
+                    self.skips.pop(req, None)
+                    self.hedge_until.pop(req, None)
+
+
+_ACTOR_CLASS = None
+
+
+def _ray_actor_class():
+    """The Ray actor class (built on first use, so the local backend never imports Ray)."""
+    global _ACTOR_CLASS
+    if _ACTOR_CLASS is None:
+        import ray
+
+        # max_restarts=-1: Ray restarts a dead worker (its constructor reloads the subnets);
+        # max_task_retries=0: a call in flight when it dies fails at once instead of being
+        # replayed late - its group is served by a copy meanwhile.
+        _ACTOR_CLASS = ray.remote(max_restarts=-1, max_task_retries=0,
+                                  concurrency_groups={"control": 4})(_RayWorkerActor)
+    return _ACTOR_CLASS
+
+
+class RayWorker(_WorkerBase):
+    """The gateway's handle on one worker actor, with :class:`ProcessWorker`'s interface.
+
+    A request becomes one ``run`` call per hosted group (own groups first); each call's result
+    is handed to the predictor as soon as it arrives.  A call failing with ``RayActorError``
+    (``ActorDiedError``, ``ActorUnavailableError``), or the actor's pending ``watch`` call
+    failing, means the actor died: the predictor marks it down and its supervisor waits (in
+    :meth:`wait_ready`) for Ray's restart to answer ``ping``, then marks it up again.
+    """
+
+    backend = "ray"
+
+    def __init__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"], *,
+                 owner: "RobustPredictor", delay: DelaySpec | None = None, corrupt: bool = False,
+                 seed: int = 0, actor_options: dict | None = None):
+        super().__init__(index, groups, specs, owner=owner, delay=delay, corrupt=corrupt,
+                         seed=seed)
+        self.actor_options = dict(actor_options or {})
+        self.actor = None  # Ray owns the process
+        self.actor_id: str | None = None
+        self.node: str | None = None
+        self.device: str | None = None
+        self.runtime: str | None = None
+        self._calls: dict[int, int] = {}  # request -> its run calls still in flight here
+        self._calls_lock = threading.Lock()
+        self._death: str | None = None
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """First start: create the actor.  After a death: a new generation of the same actor,
+        which Ray restarts by itself (a new actor only if Ray gave up on the old one)."""
+        self.generation += 1
+        self._death = None
+        if self.actor is None:
+            hosted = list(zip(self.groups, self.specs))
+            self.actor = _ray_actor_class().options(**self.actor_options).remote(
+                self.name, hosted, self.delay, self.corrupt, self.seed)
+            self.actor_id = self.actor._actor_id.hex()
+
+    def _control(self, method: str, returns: bool = True):
+        opts: dict[str, Any] = {"concurrency_group": "control"}
+        if not returns:
+            opts["num_returns"] = 0  # fire and forget: no result, no unobserved error
+        return getattr(self.actor, method).options(**opts)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the actor (created, or restarted by Ray) answers ``ping``, which it does
+        once its constructor has loaded the subnets; then give it the current fault settings
+        and a ``watch`` call for this generation."""
+        import ray
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
+
+        if self.actor is None:
+            raise SensaiError(f"{self.name} was never started")
+        deadline = time.monotonic() + timeout
+        ref = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s "
+                                  "(is the Ray cluster short of resources?)")
+            if self.owner._closing.is_set():
+                raise SensaiError(f"{self.name}: shutting down")
+            if ref is None:
+                ref = self._control("ping").remote()
+            try:
+                info = ray.get(ref, timeout=min(left, 2.0))
+                break
+            except GetTimeoutError:
+                continue  # still loading or waiting for resources: keep the same ping
+            except ActorDiedError as e:
+                # Dead for good (its constructor raised, or Ray stopped restarting it): the next
+                # start creates a new actor.
+                self.actor = None
+                raise SensaiError(f"{self.name} ({', '.join(subnet_name(g) for g in self.groups)})"
+                                  f": {_ray_error_text(e)}") from None
+            except RayActorError:
+                ref = None  # Ray is restarting it: ask again
+                time.sleep(0.1)
+        self.pid = info.get("pid")
+        self.device, self.runtime, self.node = info.get("device"), info.get("runtime"), \
+            info.get("node")
+        # A restarted actor was built with its creation arguments: bring it up to date.
+        try:
+            ray.get(self._control("fault").remote(self.delay, self.corrupt,
+                                                  self.seed + 7919 * self.generation),
+                    timeout=max(1.0, deadline - time.monotonic()))
+        except RayError as e:
+            raise SensaiError(f"{self.name} failed right after loading its subnets: "
+                              f"{_ray_error_text(e)}") from None
+        gen = self.generation
+        self._control("watch").remote().future().add_done_callback(
+            lambda fut: self._watch_done(gen, fut))
+
+    def probe(self, timeout: float) -> bool:
+        import ray
+        from ray.exceptions import RayError
+
+        if self.actor is None:
+            return False
+        try:
+            ray.get(self._control("ping").remote(), timeout=timeout)
+            return True
+        except (RayError, TimeoutError):
+            return False
+
+    def send(self, msg) -> None:
+        """:class:`ProcessWorker`'s messages, as actor calls: run, skip, drop, fault."""
+        actor, kind = self.actor, msg[0]
+        if actor is None:
+            return
+        if kind == "run":
+            _, req, x, groups, primaries, hedge_s = msg
+            self._run(req, x, groups, primaries, hedge_s)
+        elif kind in ("skip", "drop"):
+            with self._calls_lock:
+                busy = msg[1] in self._calls
+            if busy:  # nothing left to skip once its calls are done
+                self._control("skip", returns=False).remote(
+                    msg[1], list(msg[2]) if kind == "skip" else None)
+        elif kind == "fault":
+            self._control("fault", returns=False).remote(msg[1], msg[2], None)
+
+    def _run(self, req: int, x: np.ndarray, groups: Sequence[int], primaries: int,
+             hedge_s: float) -> None:
+        import ray
+
+        gen = self.generation
+        arg = ray.put(x) if x.nbytes > _PUT_BYTES else x
+        n = len(groups)
+        with self._calls_lock:
+            self._calls[req] = n
+        for j, g in enumerate(groups):
+            ref = self.actor.run.remote(req, g, arg, n, hedge_s if j >= primaries else 0.0)
+            # Runs in a Ray thread when the result arrives; the predictor hands it to the
+            # request's event loop.
+            ref.future().add_done_callback(
+                lambda fut, g=g: self._done(req, g, gen, fut))
+
+    def _done(self, req: int, group: int, gen: int, fut) -> None:
+        from ray.exceptions import RayActorError, TaskCancelledError
+
+        try:
+            try:
+                res = fut.result()
+            except RayActorError as e:
+                self._died(gen, e)
+                self.owner._deliver(req, "lost", self.index, -1,
+                                    f"{self.name} died ({_ray_error_text(e)})")
+                return
+            except TaskCancelledError:
+                self.skipped += 1
+                return
+            except Exception as e:  # the subnet raised: this copy is lost, the worker lives
+                self.failures += 1
+                text = _ray_error_text(e)
+                log.error("%s: %s failed: %s", self.name, subnet_name(group), text)
+                self.owner._deliver(req, "fail", self.index, group, text)
+                return
+            if res is None:
+                self.skipped += 1
+                return
+            out, ms = res
+            self.runs += 1
+            self.compute_ms += ms
+            self.owner._deliver(req, "out", self.index, group, out)
+        finally:
+            with self._calls_lock:
+                left = self._calls.get(req, 0) - 1
+                if left > 0:
+                    self._calls[req] = left
+                else:
+                    self._calls.pop(req, None)
+            if left <= 0:
+                with self.owner._lock:
+                    self.pending.discard(req)
+
+    def _watch_done(self, gen: int, fut) -> None:
+        exc = fut.exception()
+        if exc is not None:  # None: replaced by a newer watch
+            self._died(gen, exc)
+
+    def _died(self, gen: int, exc: BaseException) -> None:
+        if gen == self.generation and self._death is None:
+            self._death = _ray_error_text(exc)
+        self.owner._on_exit(self, gen)
+
+    def exit_detail(self) -> str:
+        return f" ({self._death})" if self._death else ""
+
+    def kill(self) -> int | None:
+        """Kill the actor's process; Ray restarts it (unless the predictor is shutting down)."""
+        import ray
+
+        actor = self.actor
+        if actor is None or not ray.is_initialized():
+            return None
+        pid = self.pid
+        ray.kill(actor, no_restart=self.owner._closing.is_set())
+        return pid
+
+    def stop(self, timeout: float = 5.0) -> None:
+        import ray
+
+        actor, self.actor = self.actor, None
+        if actor is not None and ray.is_initialized():
+            ray.kill(actor, no_restart=True)
+
+    def _where(self) -> dict:
+        return {"device": self.device, "runtime": self.runtime, "actor_id": self.actor_id,
+                "node": self.node, "resources": dict(self.actor_options)}
+
+
+class RayWorkerFactory:
+    """Builds :class:`RayWorker` s for :class:`RobustPredictor` (``worker_factory=``) with the
+    same Ray resources each; ``own_ray``: shut Ray down when the predictor shuts down."""
+
+    backend = "ray"
+
+    def __init__(self, actor_options: dict, *, own_ray: bool = False):
+        self.actor_options = dict(actor_options)
+        self.own_ray = own_ray
+
+    def __call__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"], *,
+                 owner: "RobustPredictor", delay: DelaySpec | None = None,
+                 corrupt: bool = False, seed: int = 0) -> RayWorker:
+        return RayWorker(index, groups, specs, owner=owner, delay=delay, corrupt=corrupt,
+                         seed=seed, actor_options=self.actor_options)
+
+    def close(self) -> None:
+        if self.own_ray:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Connect this process to Ray: ``address`` (an existing cluster, e.g. ``auto`` or
+    ``ray://head:10001``), or a new local instance when None; nothing if connected already.
+    Returns True when this call connected (the caller then shuts Ray down)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False if address is None else None,
+                 logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SensaiError(f"cannot connect to Ray at {address or 'a new local instance'}: "
+                          f"{first}") from None
+    return True
+
+
+def ray_actor_options(workers: int, cluster_cpus: float, cluster_gpus: float, *,
+                      device: str = "auto", cpus: float | None = None) -> tuple[dict, int]:
+    """Ray resources of each of ``workers`` worker actors, and ONNX Runtime threads per subnet.
+
+    A GPU per worker when the cluster has GPUs and ``device`` is not ``cpu`` (an even share of
+    them when there are fewer GPUs than workers); otherwise ``cpus`` CPUs each (default: 1, or
+    an even share with the gateway when the cluster has fewer CPUs than that, as
+    :func:`serving.ray_app.build_app` does).  Raises :class:`SensaiError` when they cannot fit.
+    """
+    import math
+
+    if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device or "")):
+        raise SensaiError(f"device must be auto, cpu or cuda on the ray backend, got {device!r}")
+    if device.startswith("cuda") and cluster_gpus < 1:
+        raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
+    use_gpu = device != "cpu" and cluster_gpus >= 1
+    if cpus is not None:
+        if not cpus > 0:
+            raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
+        share = float(cpus)
+    elif cluster_cpus >= workers + (0 if use_gpu else 1):
+        share = 1.0
+    else:
+        share = max(0.01, math.floor(cluster_cpus / (workers + 1) * 100) / 100)
+        log.warning("Ray cluster has %g CPUs for %d worker actors: %.2f CPU each",
+                    cluster_cpus, workers, share)
+    if workers * share > cluster_cpus + 1e-9:
+        raise SensaiError(f"{workers} worker actors with {share:g} CPUs each do not fit the Ray "
+                          f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus")
+    opts: dict[str, Any] = {"num_cpus": share}
+    if use_gpu:
+        opts["num_gpus"] = 1.0 if cluster_gpus >= workers else \
+            math.floor(cluster_gpus / workers * 100) / 100
+    threads = 1 if use_gpu else max(1, int(share))
+    return opts, threads
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -1083,23 +1576,63 @@ def robust_predictor(artifact_dir: str | Path, *, redundancy: int, vote: bool = 
                      threads: int = 1, name: str = "sensai", deadline_s: float = 5.0,
                      delays: dict[int, str] | None = None, corrupt: Sequence[int] = (),
                      restart_delay_s: float = 0.0, hedge_ms: float = 0.0,
-                     seed: int = 0) -> RobustPredictor:
-    """The redundant class-parallel predictor of an artifact: ``workers`` processes (default G),
+                     seed: int = 0, backend: str = "local", ray_address: str | None = None,
+                     ray_cpus: float | None = None) -> RobustPredictor:
+    """The redundant class-parallel predictor of an artifact: ``workers`` workers (default G),
     cyclic placement with ``redundancy`` extra copies of every group (``2r`` in vote mode).
-    Validates everything before any process starts; blocks while the subnets load."""
+
+    ``backend="local"``: worker processes on this machine, restarted by the predictor.
+    ``backend="ray"``: worker actors on a Ray cluster (``ray_address``, or a local instance
+    started here when this process is not connected to Ray yet), restarted by Ray; each actor
+    reserves ``ray_cpus`` CPUs (default: see :func:`ray_actor_options`) or a GPU when the
+    cluster has GPUs, and runs its subnets on the device it is given.  Validates everything
+    before any worker starts; blocks while the subnets load."""
     from sensai.manifest import load_manifest
     from sensai.models import device_for_worker
 
     from .pools import runner_specs
 
+    if backend not in ("local", "ray"):
+        raise SensaiError(f"redundancy runs on the local or ray backend, not {backend!r}")
+    if backend == "ray":
+        # Actors may run on other nodes and in other working directories.
+        artifact_dir = Path(artifact_dir).resolve()
     manifest = load_manifest(artifact_dir)
     g = len(manifest.groups)
     w = check_robust_args(g, workers, redundancy, vote)
     placement = cyclic_placement(g, w, copies_for(redundancy, vote) - 1)
     parsed = {int(k): parse_delay(v) for k, v in (delays or {}).items()}
-    specs = runner_specs(artifact_dir, manifest, device=device, runtime=runtime, threads=threads)
-    devices = [str(device_for_worker(i, device)) for i in range(w)]
-    return RobustPredictor(specs, manifest, placement, redundancy=redundancy, vote=vote, name=name,
-                           deadline_s=deadline_s, delays=parsed, corrupt=corrupt,
-                           restart_delay_s=restart_delay_s, seed=seed, worker_devices=devices,
-                           hedge_ms=hedge_ms)
+    common = dict(redundancy=redundancy, vote=vote, name=name, deadline_s=deadline_s,
+                  delays=parsed, corrupt=corrupt, restart_delay_s=restart_delay_s, seed=seed,
+                  hedge_ms=hedge_ms)
+    if backend == "local":
+        specs = runner_specs(artifact_dir, manifest, device=device, runtime=runtime,
+                             threads=threads)
+        devices = [str(device_for_worker(i, device)) for i in range(w)]
+        return RobustPredictor(specs, manifest, placement, worker_devices=devices, **common)
+    # The device is chosen inside each actor (the GPU Ray gives it, else CPU); the CPU specs
+    # check the ONNX files now.
+    specs = runner_specs(artifact_dir, manifest, device="cpu", runtime=runtime, threads=threads)
+    own = ensure_ray(ray_address)
+    try:
+        import ray
+
+        res = ray.cluster_resources()
+        opts, ort_threads = ray_actor_options(w, float(res.get("CPU", 0)),
+                                              float(res.get("GPU", 0)), device=device,
+                                              cpus=ray_cpus)
+        if "num_gpus" in opts and runtime != "onnx":
+            for spec in specs:
+                if not (spec.weights_path and Path(spec.weights_path).is_file()):
+                    raise SensaiError(f"weights file {spec.weights_path} of {spec.name} does "
+                                      "not exist (needed for the torch runtime on GPUs)")
+        specs = [replace(s, threads=ort_threads) for s in specs]
+        factory = RayWorkerFactory(opts, own_ray=own)
+    except BaseException:
+        if own:
+            import ray
+
+            ray.shutdown()
+        raise
+    # On failure the predictor shuts itself down, and the factory Ray with it.
+    return RobustPredictor(specs, manifest, placement, worker_factory=factory, **common)

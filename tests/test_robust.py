@@ -22,7 +22,8 @@ import pytest
 from sensai.errors import SensaiError
 from serving.robust import (CoverageDecoder, check_robust_args, cyclic_placement, group_hosts,
                             parse_delay)
-from tests.test_serving_local import free_port, offline_scores, png, sample_images, start_gateway
+from tests.test_serving_local import (free_port, offline_scores, png, sample_images, start_gateway,
+                                     wait_for_server)
 
 N = 8
 
@@ -283,16 +284,9 @@ def test_vote_mode_outvotes_a_corrupting_worker(tiny_artifact, images):
 # Over HTTP: r = 0 and a dead worker
 
 
-def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artifact, images,
-                                                                      fmnist_spec):
-    from sensai.manifest import load_manifest
-    from serving.robust import robust_predictor
-
-    groups = load_manifest(tiny_artifact).groups
-    lost = [fmnist_spec.classes[c] for c in groups[1]]
-    # A restart delay keeps the outage open long enough to look at it.
-    pred = robust_predictor(tiny_artifact, redundancy=0, device="cpu", deadline_s=30,
-                            restart_delay_s=4.0)
+def check_r0_outage_over_http(pred, images, groups, lost, *, kill_wait_s: float = 30) -> None:
+    """With r = 0, kill worker 1 behind a real gateway: 503 naming its classes, not ready, a
+    degraded partial answer over the other groups when asked for, then recovery (any backend)."""
     server = start_gateway(pred, deadline_s=30)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -304,9 +298,9 @@ def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artif
             assert body["degraded"] is False and body["answered_by"]["subnet_01"] == "worker_01"
 
             pred.kill_worker(1)
-            deadline = time.monotonic() + 30
-            while pred.worker_states()[1] == "up":
-                assert time.monotonic() < deadline
+            deadline = time.monotonic() + kill_wait_s
+            while pred.worker_states()[1] == "up":  # until the death is noticed
+                assert time.monotonic() < deadline, "the killed worker was never marked down"
                 time.sleep(0.01)
             r = c.post("/v1/predict", content=images["png"][0])
             assert r.status_code == 503, r.text
@@ -338,6 +332,19 @@ def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artif
         server.stop()
 
 
+def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artifact, images,
+                                                                      fmnist_spec):
+    from sensai.manifest import load_manifest
+    from serving.robust import robust_predictor
+
+    groups = load_manifest(tiny_artifact).groups
+    lost = [fmnist_spec.classes[c] for c in groups[1]]
+    # A restart delay keeps the outage open long enough to look at it.
+    pred = robust_predictor(tiny_artifact, redundancy=0, device="cpu", deadline_s=30,
+                            restart_delay_s=4.0)
+    check_r0_outage_over_http(pred, images, groups, lost)
+
+
 # --------------------------------------------------------------------------------------------
 # Command line
 
@@ -346,7 +353,7 @@ def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artif
     (["--redundancy", "5"], "r+1 = 6 copies"),
     (["--redundancy", "2", "--vote", "--workers", "4"], "2r+1 = 5"),
     (["--vote"], "only apply with --redundancy"),
-    (["--redundancy", "1", "--backend", "ray"], "local backend only"),
+    (["--redundancy", "1", "--backend", "triton"], "local and ray backends"),
     (["--redundancy", "1", "--inject-delay", "9=fixed:5ms"], "no worker 9"),
     (["--redundancy", "1", "--inject-delay", "1=sometimes"], "bad delay"),
 ])
@@ -380,16 +387,7 @@ def test_sensai_serve_with_redundancy_shows_placement_and_answers(tiny_artifact,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "sensai serve did not become ready"
-            time.sleep(0.3)
+        wait_for_server(proc, url, timeout_s=120)
         info = httpx.get(f"{url}/v1/models").json()["predictor"]
         assert info["redundancy"] == 1 and info["placement"][4] == [4, 0]
         r = httpx.post(f"{url}/v1/predict", content=images["png"][0], timeout=30)

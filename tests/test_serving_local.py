@@ -71,6 +71,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_server(proc, url: str, *, timeout_s: float) -> None:
+    """Until ``sensai serve`` in ``proc`` reports ready at ``url``; fails with its stderr if it
+    exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "sensai serve did not become ready"
+        time.sleep(0.3)
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -297,16 +312,7 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "sensai serve did not become ready"
-            time.sleep(0.3)
+        wait_for_server(proc, url, timeout_s=120)
         _, images, _ = sample_images(fmnist_test, 1)
         r = httpx.post(f"{url}/v1/predict", content=png(images[0]), timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "sensai"
