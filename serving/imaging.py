@@ -39,6 +39,21 @@ def _to_8bit(img):
     return img
 
 
+def header_pixels(data: bytes) -> int | None:
+    """Width x height from the image header alone (no pixel is decoded), or None if the bytes
+    are not a readable image of an accepted format."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+                w, h = img.size
+    except Exception:  # decode_image reports what is wrong; this only sizes the work
+        return None
+    return int(w) * int(h)
+
+
 def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarray:
     """PNG/JPEG/... bytes of any size and colour mode -> float32 ``[1, C, H, W]`` per ``spec``.
 
