@@ -377,10 +377,25 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                                   gw.settings.max_body_bytes)
         req = oip.parse_infer_request(body, request.headers.get(oip.HEADER_LENGTH))
         x = _infer_input(req, gw)
-        pred = await gw.predictor.predict(x)
+        allow_partial = req.parameters.get("allow_partial", False)
+        if not isinstance(allow_partial, bool):
+            raise InputError("parameters.allow_partial must be true or false, got "
+                             f"{allow_partial!r}")
+        if allow_partial and getattr(gw.predictor, "supports_partial", False):
+            pred = await gw.predictor.predict(x, allow_partial=True)
+        else:  # predictors without partial answers answer in full or fail
+            pred = await gw.predictor.predict(x)
         gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
-        outputs = _infer_outputs(req, pred.scores, classes)
         params: dict[str, Any] = {"timings_ms": json.dumps(pred.timings_ms)}
+        covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) \
+            else None
+        if covered is not None:
+            # Scores of unanswered classes are 0; rankings must never name them.
+            outputs = _infer_outputs(req, pred.scores, classes, covered=covered)
+            params.update(degraded=True, covered_classes=json.dumps(covered),
+                          missing_classes=json.dumps(pred.missing_classes))
+        else:
+            outputs = _infer_outputs(req, pred.scores, classes)
         content, headers, media = oip.encode_infer_response(
             model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
             request_id=req.id, outputs=outputs, parameters=params)
@@ -405,8 +420,12 @@ def _infer_input(req: oip.InferRequest, gw: Gateway) -> np.ndarray:
     return check_batch(t.array, spec, gw.settings.max_batch)
 
 
-def _infer_outputs(req: oip.InferRequest, scores: np.ndarray,
-                   classes) -> list[tuple[str, np.ndarray, bool]]:
+def _infer_outputs(req: oip.InferRequest, scores: np.ndarray, classes,
+                   covered: list[int] | None = None) -> list[tuple[str, np.ndarray, bool]]:
+    ranked = scores
+    if covered is not None:  # a degraded answer: rank only the classes that were answered
+        ranked = np.full_like(scores, -np.inf)
+        ranked[:, covered] = scores[:, covered]
     wanted = req.outputs if req.outputs is not None else [oip.RequestedOutput(n) for n in OUTPUTS]
     if not wanted:
         raise InputError("'outputs' is empty: ask for 'scores' and/or 'class_index'")
@@ -416,11 +435,12 @@ def _infer_outputs(req: oip.InferRequest, scores: np.ndarray,
             raise InputError(f"unknown output {o.name!r}; outputs are {', '.join(OUTPUTS)}")
         binary = req.binary_output if o.binary is None else o.binary
         if o.classification:
-            arr = oip.classification(scores, o.classification, classes)
+            k = o.classification if covered is None else min(o.classification, len(covered))
+            arr = oip.classification(ranked, k, classes)
         elif o.name == "scores":
             arr = scores.astype(np.float32, copy=False)
         else:
-            arr = scores.argmax(axis=1).astype(np.int64)
+            arr = ranked.argmax(axis=1).astype(np.int64)
         out.append((o.name, arr, binary))
     return out
 

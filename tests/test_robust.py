@@ -9,6 +9,7 @@ worker must *lose the race* to its copies, not beat a clock.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -319,6 +320,29 @@ def check_r0_outage_over_http(pred, images, groups, lost, *, kill_wait_s: float 
             assert {p["index"] for p in part["predictions"]} == set(covered)
             assert sum(p["score"] for p in part["predictions"]) == pytest.approx(1, abs=1e-4)
             assert "subnet_01" not in part["answered_by"]
+
+            # The same over KServe v2: 503 by default, a flagged partial answer when asked.
+            x = images["x"][0]
+            v2 = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                              "data": x.ravel().tolist()}],
+                  "outputs": [{"name": "scores"}, {"name": "class_index"},
+                              {"name": "scores", "parameters": {"classification": 10}}]}
+            r = c.post("/v2/models/sensai/infer", json=v2)
+            assert r.status_code == 503 and r.json()["missing_classes"] == lost, r.text
+            r = c.post("/v2/models/sensai/infer", json={**v2, "parameters": {"allow_partial": 1}})
+            assert r.status_code == 400 and "allow_partial" in r.json()["error"]
+            r = c.post("/v2/models/sensai/infer",
+                       json={**v2, "parameters": {"allow_partial": True}})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["parameters"]["degraded"] is True
+            assert json.loads(body["parameters"]["missing_classes"]) == lost
+            assert sorted(json.loads(body["parameters"]["covered_classes"])) == sorted(covered)
+            scores, index, ranking = body["outputs"]
+            assert index["data"][0] in covered
+            assert all(scores["data"][c_] == 0 for c_ in groups[1])
+            assert [int(e.split(":")[1]) for e in ranking["data"]] and \
+                {int(e.split(":")[1]) for e in ranking["data"]} == set(covered)
 
             assert pred.wait_until_up(1, 120)
             assert c.get("/v2/health/ready").status_code == 200
