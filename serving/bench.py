@@ -414,6 +414,8 @@ def run_bench(
     ``requests`` (default: max(images, 4 x concurrency)): the throughput run. ``threads``: intra-op
     threads of every worker's runner. ``device``/``runtime``: as for ``sensai serve`` (auto: ONNX
     Runtime on CPUs, torch on GPUs), the same for every strategy. Returns what bench.json holds.
+    The HTTP client is a spawned process, so a script calling this needs the usual
+    ``if __name__ == "__main__":`` guard (the ``sensai`` command has it).
     """
     import torch
 
