@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sensai.errors import SensaiError
 
 from . import oip
-from .imaging import decode_image, header_pixels
+from .imaging import decode_image, image_to_input, open_image
 from .metrics import GatewayMetrics
 from .predictor import (InputError, ModelNotFound, PayloadTooLarge, Predictor, ServingError,
                         SubnetFailed, SubnetTimeout, check_batch, top_k_rows)
@@ -292,22 +292,20 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                                       "instead of 503/504")] = False):
         t0 = time.perf_counter()
         data = await _read_image_bytes(request)
-        pixels = header_pixels(data) if len(data) <= _INLINE_DECODE_BYTES else None
-        if pixels is not None and pixels <= _INLINE_DECODE_PIXELS:
-            # A thumbnail decodes in ~0.2 ms, less than the hop to a worker thread costs.
-            x = decode_image(data, gw.predictor.spec, gw.settings.max_image_pixels)
-        else:  # large or suspicious: off the event loop
-            x = await run_in_threadpool(decode_image, data, gw.predictor.spec,
-                                        gw.settings.max_image_pixels)
+        spec, max_pixels = gw.predictor.spec, gw.settings.max_image_pixels
+        if len(data) <= _INLINE_DECODE_BYTES:
+            img = open_image(data, max_pixels)  # the header only: bounded by the byte limit
+            if img.size[0] * img.size[1] <= _INLINE_DECODE_PIXELS:
+                # A thumbnail decodes in ~0.2 ms, less than the hop to a worker thread costs.
+                x = image_to_input(img, spec)
+            else:
+                x = await run_in_threadpool(image_to_input, img, spec)
+        else:  # large: everything off the event loop
+            x = await run_in_threadpool(decode_image, data, spec, max_pixels)
         t1 = time.perf_counter()
-        if allow_partial and getattr(gw.predictor, "supports_partial", False):
-            pred = await gw.predictor.predict(x, allow_partial=True)
-        else:  # predictors without partial answers answer in full or fail
-            pred = await gw.predictor.predict(x)
+        pred, covered = await _predict(gw, x, allow_partial)
         gw.metrics.observe_prediction(pred.timings_ms, 1)
         k = top_k or min(gw.settings.default_top_k, len(classes))
-        covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) \
-            else None
         if covered is not None:
             # Only classes that were answered may be listed; the others have no score at all.
             rows = [r for r in top_k_rows(pred.scores, len(classes), classes)[0]
@@ -381,27 +379,31 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         if not isinstance(allow_partial, bool):
             raise InputError("parameters.allow_partial must be true or false, got "
                              f"{allow_partial!r}")
-        if allow_partial and getattr(gw.predictor, "supports_partial", False):
-            pred = await gw.predictor.predict(x, allow_partial=True)
-        else:  # predictors without partial answers answer in full or fail
-            pred = await gw.predictor.predict(x)
+        pred, covered = await _predict(gw, x, allow_partial)
         gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
         params: dict[str, Any] = {"timings_ms": json.dumps(pred.timings_ms)}
-        covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) \
-            else None
+        # Scores of unanswered classes are 0; rankings must never name them.
+        outputs = _infer_outputs(req, pred.scores, classes, covered=covered)
         if covered is not None:
-            # Scores of unanswered classes are 0; rankings must never name them.
-            outputs = _infer_outputs(req, pred.scores, classes, covered=covered)
             params.update(degraded=True, covered_classes=json.dumps(covered),
                           missing_classes=json.dumps(pred.missing_classes))
-        else:
-            outputs = _infer_outputs(req, pred.scores, classes)
         content, headers, media = oip.encode_infer_response(
             model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
             request_id=req.id, outputs=outputs, parameters=params)
         return Response(content, headers=headers, media_type=media)
 
     return app
+
+
+async def _predict(gw: Gateway, x: np.ndarray, allow_partial: bool):
+    """The prediction, and the classes it covers when it is a degraded partial answer (else
+    None).  Predictors without partial answers answer in full or fail, whatever is allowed."""
+    if allow_partial and getattr(gw.predictor, "supports_partial", False):
+        pred = await gw.predictor.predict(x, allow_partial=True)
+    else:
+        pred = await gw.predictor.predict(x)
+    covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) else None
+    return pred, covered
 
 
 def _infer_input(req: oip.InferRequest, gw: Gateway) -> np.ndarray:

@@ -13,7 +13,8 @@ per worker (:mod:`serving.baselines` has the predictors, :mod:`serving.pools` th
 
 Each strategy is measured in process (the predictor called directly) and end to end over HTTP
 (the gateway of :mod:`serving.app` under uvicorn on 127.0.0.1, PNG bytes in, JSON out, sent by a
-client in its own process so that its work does not share this process's GIL), warm-up excluded. The latency runs at concurrency 1 are interleaved: the images are split into rounds and
+client in its own process so that its work does not share this process's GIL), warm-up
+excluded. The latency runs at concurrency 1 are interleaved: the images are split into rounds and
 every strategy serves a round in turn, so a change in the machine's load (shared CPUs) hits all
 strategies alike. Throughput is measured afterwards, strategy by strategy, at a chosen concurrency.
 

@@ -84,8 +84,6 @@ def _robust_options(args, groups: int) -> dict:
             "hedge_ms": args.hedge_ms, "restart_delay_s": args.restart_delay, "delays": delays,
             "backend": args.backend}
     if args.backend == "ray" and getattr(args, "ray_cpus", None) is not None:
-        if not args.ray_cpus > 0:
-            raise SensaiError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
         opts["ray_cpus"] = args.ray_cpus
     return opts
 

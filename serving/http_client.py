@@ -84,14 +84,13 @@ class HttpClientProcess:
     """Sends the benchmark's PNG requests from a separate process; blocking calls, so run them in
     a thread from async code."""
 
-    def __init__(self, pngs: list[bytes], *, start_timeout_s: float = 60.0):
+    def __init__(self, pngs: list[bytes]):
         ctx = mp.get_context("spawn")  # never fork a process holding Ray, torch or uvicorn threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, list(pngs)), daemon=True,
                                  name="sensai-bench-client")
         self._proc.start()
         child.close()
-        self._timeout = start_timeout_s
 
     def _ask(self, *msg, timeout_s: float = 3600.0):
         self._conn.send(msg)

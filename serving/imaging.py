@@ -39,30 +39,14 @@ def _to_8bit(img):
     return img
 
 
-def header_pixels(data: bytes) -> int | None:
-    """Width x height from the image header alone (no pixel is decoded), or None if the bytes
-    are not a readable image of an accepted format."""
-    from PIL import Image
+def open_image(data: bytes, max_pixels: int):
+    """Parse the header of untrusted image bytes (no pixel is decoded yet) and check its size.
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
-                w, h = img.size
-    except Exception:  # decode_image reports what is wrong; this only sizes the work
-        return None
-    return int(w) * int(h)
-
-
-def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarray:
-    """PNG/JPEG/... bytes of any size and colour mode -> float32 ``[1, C, H, W]`` per ``spec``.
-
-    Raises :class:`InputError` (400/415) for empty, unknown or corrupt data and
-    :class:`PayloadTooLarge` (413) when the picture has more than ``max_pixels`` pixels.
+    Returns the opened PIL image for :func:`image_to_input`.  Raises :class:`InputError`
+    (400/415) for empty, unknown or unreadable data and :class:`PayloadTooLarge` (413) when the
+    picture has more than ``max_pixels`` pixels.
     """
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    from sensai.data import normalize, pil_to_uint8
+    from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise InputError("empty image: send PNG or JPEG bytes as the multipart field 'image' or "
@@ -80,22 +64,40 @@ def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarra
                              f"got {len(data)} bytes starting {data[:8]!r})", status=415) from None
         except (OSError, SyntaxError, ValueError) as e:
             raise InputError(f"unreadable image: {e}") from None
-        with img:
-            w, h = img.size
-            if w < 1 or h < 1:
-                raise InputError(f"image has no pixels ({w}x{h})")
-            if w * h > max_pixels:
-                raise PayloadTooLarge(f"image is {w}x{h} = {w * h:,} pixels; the limit is "
-                                      f"{max_pixels:,} (set SENSAI_MAX_IMAGE_PIXELS)")
+    w, h = img.size
+    if w < 1 or h < 1 or w * h > max_pixels:
+        img.close()
+        if w < 1 or h < 1:
+            raise InputError(f"image has no pixels ({w}x{h})")
+        raise PayloadTooLarge(f"image is {w}x{h} = {w * h:,} pixels; the limit is "
+                              f"{max_pixels:,} (set SENSAI_MAX_IMAGE_PIXELS)")
+    return img
+
+
+def image_to_input(img, spec: "DatasetSpec") -> np.ndarray:
+    """Decode an image from :func:`open_image` (and close it) -> float32 ``[1, C, H, W]`` per
+    ``spec``; :class:`InputError` (400) when its pixel data is truncated or corrupt."""
+    from PIL import Image, ImageOps
+
+    from sensai.data import normalize, pil_to_uint8
+
+    with warnings.catch_warnings(), img:
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img.load()
             try:
-                img.load()
-                try:
-                    img = ImageOps.exif_transpose(img)  # photos from phones carry a rotation flag
-                except Exception:  # a malformed EXIF block is no reason to refuse the picture
-                    pass
-                u8 = pil_to_uint8(_to_8bit(img), spec)
-            except Image.DecompressionBombError as e:
-                raise PayloadTooLarge(f"image has too many pixels ({e})") from None
-            except (OSError, SyntaxError, ValueError, EOFError) as e:
-                raise InputError(f"image data is truncated or corrupt: {e}") from None
+                img = ImageOps.exif_transpose(img)  # photos from phones carry a rotation flag
+            except Exception:  # a malformed EXIF block is no reason to refuse the picture
+                pass
+            u8 = pil_to_uint8(_to_8bit(img), spec)
+        except Image.DecompressionBombError as e:
+            raise PayloadTooLarge(f"image has too many pixels ({e})") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as e:
+            raise InputError(f"image data is truncated or corrupt: {e}") from None
     return normalize(u8.unsqueeze(0), spec).numpy()
+
+
+def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarray:
+    """PNG/JPEG/... bytes of any size and colour mode -> float32 ``[1, C, H, W]`` per ``spec``
+    (:func:`open_image` then :func:`image_to_input`, with their errors)."""
+    return image_to_input(open_image(data, max_pixels), spec)

@@ -1513,6 +1513,11 @@ def ensure_ray(address: str | None = None) -> bool:
     return True
 
 
+def _check_ray_cpus(cpus: float | None) -> None:
+    if cpus is not None and not cpus > 0:
+        raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
+
+
 def ray_actor_options(workers: int, cluster_cpus: float, cluster_gpus: float, *,
                       device: str = "auto", cpus: float | None = None) -> tuple[dict, int]:
     """Ray resources of each of ``workers`` worker actors, and ONNX Runtime threads per subnet.
@@ -1530,8 +1535,7 @@ def ray_actor_options(workers: int, cluster_cpus: float, cluster_gpus: float, *,
         raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
     use_gpu = device != "cpu" and cluster_gpus >= 1
     if cpus is not None:
-        if not cpus > 0:
-            raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
+        _check_ray_cpus(cpus)
         share = float(cpus)
     elif cluster_cpus >= workers + (0 if use_gpu else 1):
         share = 1.0
@@ -1594,6 +1598,7 @@ def robust_predictor(artifact_dir: str | Path, *, redundancy: int, vote: bool = 
 
     if backend not in ("local", "ray"):
         raise SensaiError(f"redundancy runs on the local or ray backend, not {backend!r}")
+    _check_ray_cpus(ray_cpus)  # before Ray starts
     if backend == "ray":
         # Actors may run on other nodes and in other working directories.
         artifact_dir = Path(artifact_dir).resolve()
