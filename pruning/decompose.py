@@ -144,7 +144,7 @@ class DecomposeConfig:
                              min_channels=self.min_channels)
 
     def retrain_settings(self, n_groups: int):
-        from training.retrain import RetrainSettings
+        from sensai.training.retrain import RetrainSettings
 
         return RetrainSettings(epochs=self.retrain_epochs, samples=self.samples_for(n_groups),
                                lr=self.lr, batch_size=self.batch_size, seed=self.seed,
@@ -420,7 +420,7 @@ def _teacher_logits(layout: Layout, model: nn.Module, train: ImageDataset, spec:
                     device: torch.device, needed: np.ndarray) -> np.ndarray:
     """The original model's logits on the training images in ``needed`` (rows of other images
     are NaN); computed once per image and kept in work/ so a resumed run reuses them."""
-    from training.trainer import predict_logits
+    from sensai.training.trainer import predict_logits
 
     want = (len(train), spec.num_classes)
     z = None
@@ -467,7 +467,7 @@ def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
                 on_done: Callable, failures: dict[int, str]) -> None:
     import ray
 
-    from training.retrain import retrain_state
+    from sensai.training.retrain import retrain_state
 
     started = False
     if not ray.is_initialized():
@@ -604,7 +604,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     """
     from sensai.flops import count_flops
 
-    from training.retrain import retrain_plan, retrain_state, soft_targets
+    from sensai.training.retrain import retrain_plan, retrain_state, soft_targets
 
     from .prune import find_prunable, layer_widths, make_head, prune_to_policy
 

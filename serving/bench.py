@@ -650,7 +650,7 @@ def _prepare_class_parallel(art: Path, manifest, spec, xs, device: str, runtime:
                             threads: int) -> dict:
     import torch
 
-    from pruning.decompose import load_subnets
+    from sensai.pruning.decompose import load_subnets
     from sensai.stages import peak_activation_bytes
 
     from .pools import runner_specs

@@ -45,7 +45,7 @@ def trained_model_dir(tmp_path_factory, fmnist_spec, fmnist_train, fmnist_test):
     """fmnist_cnn trained for one short epoch on 6,000 real images (~10 s on 2 cores)."""
     import torch
 
-    from training.trainer import train
+    from sensai.training.trainer import train
 
     out = tmp_path_factory.mktemp("trained") / "fmnist_cnn"
     train(model_name="fmnist_cnn", spec=fmnist_spec, train_set=fmnist_train, test_set=fmnist_test,
@@ -62,7 +62,7 @@ TINY_DECOMPOSE = dict(use_tsne=False, features_per_class=20, stats_per_class=40,
 def tiny_artifact(tmp_path_factory, trained_model_dir):
     """A complete decomposition artifact (G=5 group heads, ONNX files, manifest, report) of
     ``trained_model_dir``, built by ``pruning.decompose.decompose`` in process (no Ray)."""
-    from pruning.decompose import DecomposeConfig, decompose
+    from sensai.pruning.decompose import DecomposeConfig, decompose
 
     out = tmp_path_factory.mktemp("artifact") / "fmnist_g5"
     decompose(trained_model_dir, out, groups=5, config=DecomposeConfig(**TINY_DECOMPOSE),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pruning.apoz import ChannelStatsAccumulator, collect_activation_stats
+from sensai.pruning.apoz import ChannelStatsAccumulator, collect_activation_stats
 from sensai.errors import SensaiError
 
 CPU = torch.device("cpu")

@@ -25,7 +25,7 @@ MAX_PIXELS = 4_000_000
 
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
-    from serving.pools import local_predictor
+    from sensai.serving.pools import local_predictor
 
     server = start_gateway(local_predictor(tiny_artifact, device="cpu"),
                            max_body_bytes=MAX_BODY, max_image_pixels=MAX_PIXELS, max_batch=8)
@@ -328,8 +328,8 @@ def faulty_gateway(tiny_artifact, tmp_path_factory):
     from sensai.export import export_onnx
     from sensai.manifest import load_manifest
     from sensai.models import create_model
-    from serving.pools import LocalPool, LocalWorker, runner_specs
-    from serving.predictor import ClassParallelPredictor
+    from sensai.serving.pools import LocalPool, LocalWorker, runner_specs
+    from sensai.serving.predictor import ClassParallelPredictor
 
     wrong = tmp_path_factory.mktemp("wrong") / "rgb.onnx"
     export_onnx(create_model("fmnist_cnn", 3, 3), (3, 28, 28), wrong)
@@ -358,8 +358,8 @@ def test_failing_subnet_gives_503_naming_it(faulty_gateway, good_tensor):
 def test_slow_subnet_gives_504_naming_it_and_no_hang(tiny_artifact, good_tensor):
     """Healthy subnets except a slow one: 504 at the deadline, then normal service."""
     from sensai.manifest import load_manifest
-    from serving.pools import LocalPool, LocalWorker, runner_specs
-    from serving.predictor import ClassParallelPredictor
+    from sensai.serving.pools import LocalPool, LocalWorker, runner_specs
+    from sensai.serving.predictor import ClassParallelPredictor
 
     manifest = load_manifest(tiny_artifact)
     specs = runner_specs(tiny_artifact, manifest, device="cpu")
@@ -388,7 +388,7 @@ def test_dead_worker_process_gives_503_then_recovers(tiny_artifact, good_tensor)
     """A subnet's worker process is killed: 503 naming it, then a fresh process serves."""
     import signal
 
-    from serving.pools import local_predictor
+    from sensai.serving.pools import local_predictor
 
     pred = local_predictor(tiny_artifact, device="cpu", processes=True, deadline_s=30)
     server = start_gateway(pred)

@@ -26,7 +26,7 @@ def artifact(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def short_run(artifact, tmp_path_factory):
-    from serving.bench import run_bench
+    from sensai.serving.bench import run_bench
 
     out = tmp_path_factory.mktemp("bench_out")
     result = run_bench(artifact, out, workers=3, replicas=2, images=20, warmup=2, concurrency=2,
@@ -87,10 +87,10 @@ def test_latency_figures_are_complete_and_consistent(short_run):
 
 
 def test_accuracy_matches_an_independent_evaluation(short_run, artifact, fmnist_spec, fmnist_test):
-    from pruning.decompose import evaluate_models, load_subnets
+    from sensai.pruning.decompose import evaluate_models, load_subnets
     from sensai.checkpoint import load_trained_model
     from sensai.data import stratified_subset
-    from training.trainer import predict_logits, top1
+    from sensai.training.trainer import predict_logits, top1
 
     _, result = short_run
     idx = stratified_subset(fmnist_test.labels, 20, 0)
@@ -160,9 +160,9 @@ def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnis
     from sensai.export import export_onnx
     from sensai.manifest import load_manifest
     from sensai.stages import export_stage_onnx, split_model
-    from serving.baselines import (ModelParallelPredictor, SingleDevicePredictor, build_workers,
+    from sensai.serving.baselines import (ModelParallelPredictor, SingleDevicePredictor, build_workers,
                                    softmax_scores)
-    from serving.pools import RunnerSpec
+    from sensai.serving.pools import RunnerSpec
 
     manifest = load_manifest(artifact)
     model, _ = load_trained_model(manifest.source.model_dir)
@@ -232,7 +232,7 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     ({"runtime": "tensorrt"}, "runtime"),
 ])
 def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
-    from serving.bench import run_bench
+    from sensai.serving.bench import run_bench
 
     with pytest.raises(SensaiError, match=match):
         run_bench(artifact, tmp_path / "out", progress=False, **kwargs)
@@ -243,7 +243,7 @@ def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
     import shutil
 
     from sensai.manifest import load_manifest, save_manifest
-    from serving.bench import run_bench
+    from sensai.serving.bench import run_bench
 
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
@@ -267,7 +267,7 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     import socket
 
     from sensai.data import encode_png
-    from serving.http_client import HttpClientProcess
+    from sensai.serving.http_client import HttpClientProcess
 
     with socket.socket() as s:  # a port nobody listens on once this closes
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from sensai.cli import main
 
 
 def config_of(artifact: Path):
-    from pruning.decompose import DecomposeConfig
+    from sensai.pruning.decompose import DecomposeConfig
 
     return DecomposeConfig.from_dict(json.loads((artifact / "work" / "settings.json").read_text())["config"])
 
@@ -43,7 +43,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
                                              fmnist_test):
     import onnxruntime as ort
 
-    from pruning.decompose import load_subnets
+    from sensai.pruning.decompose import load_subnets
     from sensai.data import normalize
     from sensai.fsutil import sha256_file
     from sensai.manifest import DecompositionManifest, load_manifest, load_model_record
@@ -104,7 +104,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
 
 
 def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
-    from pruning.decompose import evaluate_artifact
+    from sensai.pruning.decompose import evaluate_artifact
     from sensai.manifest import load_manifest
 
     m = load_manifest(tiny_artifact)
@@ -119,7 +119,7 @@ def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
 
 
 def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
-    from pruning.decompose import load_subnets
+    from sensai.pruning.decompose import load_subnets
     from sensai.errors import CheckpointError
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
@@ -135,7 +135,7 @@ def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
 
 
 def test_rerun_resumes_and_redoes_only_a_lost_subnet(tiny_artifact, trained_model_dir, tmp_path):
-    from pruning.decompose import decompose
+    from sensai.pruning.decompose import decompose
     from sensai.manifest import load_manifest
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
@@ -157,9 +157,9 @@ def test_rerun_resumes_and_redoes_only_a_lost_subnet(tiny_artifact, trained_mode
 
 def test_failure_in_one_subnet_keeps_the_others_and_rerun_finishes(tiny_artifact,
                                                                    trained_model_dir, tmp_path):
-    from pruning.decompose import RetrainFailed, decompose
+    from sensai.pruning.decompose import RetrainFailed, decompose
     from sensai.manifest import load_manifest
-    from training.retrain import retrain_state
+    from sensai.training.retrain import retrain_state
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     shutil.rmtree(art / "subnets")
@@ -271,7 +271,7 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
 
 
 def test_retrain_sampling_is_balanced(fmnist_train):
-    from training.retrain import balanced_sample, target_weights
+    from sensai.training.retrain import balanced_sample, target_weights
 
     rng = np.random.default_rng(0)
     labels = fmnist_train.labels
@@ -287,7 +287,7 @@ def test_retrain_sampling_is_balanced(fmnist_train):
     assert len(pos) == 500 and set(pos) == set(np.flatnonzero(labels[few] == 0))
     assert (labels[few][idx[tgt == 0]] == 3).all()
     # Without --samples-per-subnet the retraining budget is shared by the G subnets.
-    from pruning.decompose import DecomposeConfig
+    from sensai.pruning.decompose import DecomposeConfig
 
     assert [DecomposeConfig().samples_for(g) for g in (1, 2, 5, 10)] == [600000, 300000, 120000,
                                                                         60000]
@@ -314,7 +314,7 @@ def test_retrain_sampling_is_balanced(fmnist_train):
 
 @pytest.mark.slow
 def test_binary_decomposition_one_subnet_per_class(trained_model_dir, tmp_path):
-    from pruning.decompose import DecomposeConfig, decompose
+    from sensai.pruning.decompose import DecomposeConfig, decompose
 
     cfg = DecomposeConfig(use_tsne=False, features_per_class=10, stats_per_class=20,
                           samples_per_subnet=128, batch_size=64, policy="keep", keep_fraction=0.25,

@@ -10,7 +10,7 @@ import torch
 @pytest.fixture(scope="module")
 def pruned_subnet(trained_model_dir, fmnist_spec):
     """A really trained fmnist_cnn, pruned to half its channels with a 3-class group head."""
-    from pruning.prune import find_prunable, make_head, prune_model
+    from sensai.pruning.prune import find_prunable, make_head, prune_model
     from sensai.checkpoint import build_from_weights, load_trained_model
 
     model, record = load_trained_model(trained_model_dir)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from pruning.grouping import (BalancedKMeans, Grouping, _balanced_assign, group_classes,
+from sensai.pruning.grouping import (BalancedKMeans, Grouping, _balanced_assign, group_classes,
                               penultimate_features, plot_grouping)
 from sensai.errors import SensaiError
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pruning.apoz import ChannelStats
-from pruning.prune import (PrunableLayer, PruningPolicy, find_prunable, layer_widths, make_head,
+from sensai.pruning.apoz import ChannelStats
+from sensai.pruning.prune import (PrunableLayer, PruningPolicy, find_prunable, layer_widths, make_head,
                            prune_model, prune_to_policy, select_channels)
 from sensai.checkpoint import build_from_weights
 from sensai.errors import SensaiError

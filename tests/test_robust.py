@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sensai.errors import SensaiError
-from serving.robust import (CoverageDecoder, check_robust_args, cyclic_placement, group_hosts,
+from sensai.serving.robust import (CoverageDecoder, check_robust_args, cyclic_placement, group_hosts,
                             parse_delay)
 from tests.test_serving_local import (free_port, offline_scores, png, sample_images, start_gateway,
                                      wait_for_server)
@@ -172,7 +172,7 @@ def images(fmnist_test, fmnist_spec, tiny_artifact):
 @pytest.fixture(scope="module")
 def r1(tiny_artifact):
     """Redundancy 1 on W = G = 5 worker processes."""
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     pred = robust_predictor(tiny_artifact, redundancy=1, device="cpu", deadline_s=30)
     yield pred
@@ -267,7 +267,7 @@ def test_killed_worker_with_r1_loses_no_request_and_rejoins(r1, images):
 
 
 def test_vote_mode_outvotes_a_corrupting_worker(tiny_artifact, images):
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     pred = robust_predictor(tiny_artifact, redundancy=1, vote=True, corrupt=[2], device="cpu",
                             deadline_s=30)
@@ -363,7 +363,7 @@ def check_r0_outage_over_http(pred, images, groups, lost, *, kill_wait_s: float 
 def test_r0_dead_worker_gives_503_naming_classes_or_a_degraded_answer(tiny_artifact, images,
                                                                       fmnist_spec):
     from sensai.manifest import load_manifest
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     groups = load_manifest(tiny_artifact).groups
     lost = [fmnist_spec.classes[c] for c in groups[1]]
@@ -435,7 +435,7 @@ def test_sensai_serve_with_redundancy_shows_placement_and_answers(tiny_artifact,
 def test_bench_robust_reports_straggler_and_failure(tiny_artifact, tmp_path):
     import json
 
-    from serving.bench_robust import run_robust_bench
+    from sensai.serving.bench_robust import run_robust_bench
 
     out = tmp_path / "robust"
     res = run_robust_bench(tiny_artifact, out, redundancies=(0, 1), images=20, warmup=2,

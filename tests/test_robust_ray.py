@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from sensai.errors import SensaiError
-from serving.robust import ray_actor_options
+from sensai.serving.robust import ray_actor_options
 # The same images (and helpers) as the local backend's tests: both must answer like offline.
 from tests.test_robust import (_predict_all, check_r0_outage_over_http,  # noqa: F401
                                check_straggler_is_overtaken, images)
@@ -63,7 +63,7 @@ def ray_instance():
 def r1(ray_instance, tiny_artifact):
     """Redundancy 1 on W = G = 5 Ray actors; a restarted actor is taken back after 1 s, which
     leaves a window in which its groups are served by their copies only."""
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     pred = robust_predictor(tiny_artifact, redundancy=1, backend="ray", device="cpu",
                             deadline_s=30, ray_cpus=ACTOR_CPUS, restart_delay_s=1.0)
@@ -106,7 +106,7 @@ def test_ray_straggler_is_overtaken_by_its_copy(r1, images):
 
 
 def test_ray_vote_mode_outvotes_a_corrupting_actor(ray_instance, tiny_artifact, images):
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     pred = robust_predictor(tiny_artifact, redundancy=1, vote=True, corrupt=[2], backend="ray",
                             device="cpu", deadline_s=30, ray_cpus=ACTOR_CPUS)
@@ -176,7 +176,7 @@ def test_ray_restarts_a_killed_actor_and_no_request_is_lost(r1, images):
 def test_ray_r0_killed_actor_gives_503_naming_its_classes(ray_instance, tiny_artifact, images,
                                                          fmnist_spec):
     from sensai.manifest import load_manifest
-    from serving.robust import robust_predictor
+    from sensai.serving.robust import robust_predictor
 
     groups = load_manifest(tiny_artifact).groups
     lost = [fmnist_spec.classes[c] for c in groups[1]]

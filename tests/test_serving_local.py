@@ -41,7 +41,7 @@ def offline_scores(artifact, images_u8, spec) -> np.ndarray:
     """Offline evaluation's merged scores: the torch subnets from safetensors, merge_outputs."""
     import torch
 
-    from pruning.decompose import load_subnets
+    from sensai.pruning.decompose import load_subnets
     from sensai.data import normalize
     from sensai.merge import merge_outputs
 
@@ -59,8 +59,8 @@ def png(image_u8) -> bytes:
 
 
 def start_gateway(predictor, **settings):
-    from serving.app import BackgroundServer, create_app
-    from serving.settings import GatewaySettings
+    from sensai.serving.app import BackgroundServer, create_app
+    from sensai.serving.settings import GatewaySettings
 
     return BackgroundServer(create_app(predictor, GatewaySettings(**settings))).start()
 
@@ -91,7 +91,7 @@ def wait_for_server(proc, url: str, *, timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def local_gateway(tiny_artifact):
-    from serving.pools import local_predictor
+    from sensai.serving.pools import local_predictor
 
     server = start_gateway(local_predictor(tiny_artifact, device="cpu"))
     yield server
@@ -105,7 +105,7 @@ def client(local_gateway):
 
 
 def test_http_predictions_equal_offline_evaluation(client, tiny_artifact, fmnist_test, fmnist_spec):
-    from pruning.decompose import evaluate_models, load_subnets
+    from sensai.pruning.decompose import evaluate_models, load_subnets
 
     idx, images, labels = sample_images(fmnist_test)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
@@ -244,7 +244,7 @@ def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist
     import asyncio
 
     from sensai.data import normalize
-    from serving.pools import local_predictor
+    from sensai.serving.pools import local_predictor
 
     _, images, _ = sample_images(fmnist_test, 4)
     x = normalize(images, fmnist_spec).numpy()
@@ -266,7 +266,7 @@ def test_torch_runtime_gives_the_same_scores(tiny_artifact, fmnist_test, fmnist_
     import asyncio
 
     from sensai.data import normalize
-    from serving.pools import local_predictor
+    from sensai.serving.pools import local_predictor
 
     _, images, _ = sample_images(fmnist_test, 4)
     pred = local_predictor(tiny_artifact, device="cpu", runtime="torch")

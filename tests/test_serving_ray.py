@@ -26,7 +26,7 @@ def test_deploy_configs_follow_ray_serve_schema():
     import ray
     from ray.serve.schema import ServeDeploySchema
 
-    from serving.ray_app import RayAppArgs
+    from sensai.serving.ray_app import RayAppArgs
 
     local = ServeDeploySchema.model_validate(yaml.safe_load(RAY_SERVE_YAML.read_text()))
     kuberay = yaml.safe_load(KUBERAY_YAML.read_text())
@@ -35,13 +35,13 @@ def test_deploy_configs_follow_ray_serve_schema():
     k8s = ServeDeploySchema.model_validate(yaml.safe_load(kuberay["spec"]["serveConfigV2"]))
     for cfg in (local, k8s):
         (app,) = cfg.applications
-        assert app.import_path == "serving.ray_app:build_app"
+        assert app.import_path == "sensai.serving.ray_app:build_app"
         RayAppArgs(**app.args)  # the args the builder will receive are valid
 
 
 def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
     from sensai.errors import SensaiError
-    from serving.ray_app import build_app
+    from sensai.serving.ray_app import build_app
 
     with pytest.raises(SensaiError, match="artifact"):
         build_app({})

@@ -31,7 +31,7 @@ def test_export_writes_a_valid_onnxruntime_repository(tiny_artifact, tmp_path):
     from tritonclient.grpc import model_config_pb2 as mc
 
     from sensai.manifest import load_manifest
-    from serving.triton import export_triton_repo
+    from sensai.serving.triton import export_triton_repo
 
     manifest = load_manifest(tiny_artifact)
     out = tmp_path / "repo"
@@ -53,7 +53,7 @@ def test_export_writes_a_valid_onnxruntime_repository(tiny_artifact, tmp_path):
 def test_export_python_backend_and_gpu_pinning(tiny_artifact, tmp_path):
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from serving.triton import export_triton_repo
+    from sensai.serving.triton import export_triton_repo
 
     out = tmp_path / "repo"
     names = export_triton_repo(tiny_artifact, out, backend="python", gpus=2, threads=2)
@@ -69,7 +69,7 @@ def test_export_python_backend_and_gpu_pinning(tiny_artifact, tmp_path):
 def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
     from sensai.cli import main
     from sensai.errors import SensaiError
-    from serving.triton import export_triton_repo
+    from sensai.serving.triton import export_triton_repo
 
     out = tmp_path / "repo"
     out.mkdir()
@@ -93,7 +93,7 @@ def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def triton_server(tiny_artifact, tmp_path_factory):
-    from serving.triton import TRITON_HINT, TritonServerProcess, export_triton_repo, find_tritonserver
+    from sensai.serving.triton import TRITON_HINT, TritonServerProcess, export_triton_repo, find_tritonserver
 
     install = find_tritonserver()
     if install is None:
@@ -115,7 +115,7 @@ def test_triton_models_compute_what_onnx_runtime_computes(triton_server, tiny_ar
 
     from sensai.data import normalize
     from sensai.manifest import load_manifest
-    from serving.runners import OrtRunner
+    from sensai.serving.runners import OrtRunner
 
     _, images, _ = sample_images(fmnist_test, 4)
     x = normalize(images, fmnist_spec).numpy()
@@ -139,7 +139,7 @@ def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server
     import tritonclient.http as tc
 
     from sensai.data import normalize
-    from serving.triton import triton_predictor
+    from sensai.serving.triton import triton_predictor
 
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)

@@ -125,7 +125,7 @@ def test_untraceable_model_is_a_clear_error(images):
 
 @pytest.mark.parametrize("name", ["fmnist_cnn", "resnet20"])
 def test_onnx_stages_chain_like_the_model(name, images, tmp_path):
-    from serving.runners import OrtRunner
+    from sensai.serving.runners import OrtRunner
 
     model = _model(name)
     stages, plan = split_model(model, 3, images)

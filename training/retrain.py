@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from sensai.data import DatasetSpec, normalize
 from sensai.errors import SensaiError
 from sensai.models import classifier_layer
-from training.trainer import augment
+from sensai.training.trainer import augment
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .data import DATASET_NAMES
+from sensai.data import DATASET_NAMES
 
 
 def add_data_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    from .models import describe_models
+    from sensai.models import describe_models
 
     models = describe_models()
     if args.json:
@@ -68,10 +68,10 @@ def cmd_models(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from training.trainer import train
+    from sensai.training.trainer import train
 
-    from .data import load_split, resolve_dataset
-    from .models import DEFAULT_MODEL, create_model, select_device
+    from sensai.data import load_split, resolve_dataset
+    from sensai.models import DEFAULT_MODEL, create_model, select_device
 
     model_name = args.model or DEFAULT_MODEL
     spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
@@ -88,12 +88,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from training.trainer import predict_logits, top1
+    from sensai.training.trainer import predict_logits, top1
 
-    from .checkpoint import import_weights, load_trained_model
-    from .data import load_split, resolve_dataset
-    from .manifest import save_model_record
-    from .models import select_device
+    from sensai.checkpoint import import_weights, load_trained_model
+    from sensai.data import load_split, resolve_dataset
+    from sensai.manifest import save_model_record
+    from sensai.models import select_device
 
     spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
     record = import_weights(args.out, args.model, spec, args.weights)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from sensai.commands import add_device_arg
+    from .train import add_device_arg
 
-    from .decompose import DecomposeConfig
+    from sensai.pruning.decompose import DecomposeConfig
 
     d = DecomposeConfig()
     p = sub.add_parser(
@@ -94,7 +94,7 @@ def register(sub) -> None:
 
 
 def cmd_decompose(args) -> int:
-    from .decompose import DecomposeConfig, decompose
+    from sensai.pruning.decompose import DecomposeConfig, decompose
 
     config = DecomposeConfig(
         policy=args.policy, keep_fraction=args.keep_fraction, theta1=args.theta1,
@@ -121,7 +121,7 @@ def cmd_decompose(args) -> int:
 def cmd_evaluate(args) -> int:
     import json
 
-    from .decompose import evaluate_artifact
+    from sensai.pruning.decompose import evaluate_artifact
 
     res = evaluate_artifact(args.artifact, device=args.device, limit=args.limit,
                             data_dir=args.data_dir)

@@ -48,15 +48,15 @@ def cmd_demo(args) -> int:
     import numpy as np
     import torch
 
-    from pruning.decompose import DecomposeConfig, SettingsMismatch, decompose
-    from serving.bench import GatewayServer, render_table, run_bench
-    from serving.pools import local_predictor
-    from training.trainer import train
+    from sensai.pruning.decompose import DecomposeConfig, SettingsMismatch, decompose
+    from sensai.serving.bench import GatewayServer, render_table, run_bench
+    from sensai.serving.pools import local_predictor
+    from sensai.training.trainer import train
 
-    from .data import encode_png, load_split, resolve_dataset
-    from .errors import CheckpointError, SensaiError
-    from .manifest import load_model_record
-    from .models import DEFAULT_MODEL, select_device
+    from sensai.data import encode_png, load_split, resolve_dataset
+    from sensai.errors import CheckpointError, SensaiError
+    from sensai.manifest import load_model_record
+    from sensai.models import DEFAULT_MODEL, select_device
 
     out = Path(args.out)
     model_dir, art = out / "model", out / f"artifact_g{args.groups}"

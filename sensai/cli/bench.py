@@ -7,9 +7,9 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from sensai.commands import add_device_arg
+    from .train import add_device_arg
 
-    from .bench import STRATEGIES
+    from sensai.serving.bench import STRATEGIES
 
     p = sub.add_parser(
         "bench", help="latency benchmark: class parallel vs single device / model parallel",
@@ -58,7 +58,7 @@ def cmd_bench(args) -> int:
 
     from sensai.errors import SensaiError
 
-    from .bench import render_table, run_bench
+    from sensai.serving.bench import render_table, run_bench
 
     transports = [t for t, off in (("inprocess", args.no_inprocess), ("http", args.no_http))
                   if not off]
@@ -81,7 +81,7 @@ def cmd_bench(args) -> int:
 
 def _command_line(args) -> str:
     """The command that reproduces this run (every option that differs from its default)."""
-    from .bench import STRATEGIES
+    from sensai.serving.bench import STRATEGIES
 
     parts = ["sensai", "bench", args.artifact, "--out", args.out]
     options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
@@ -106,7 +106,7 @@ def _command_line(args) -> str:
 
 
 def register_robust(sub) -> None:
-    from .bench_robust import SCENARIOS
+    from sensai.serving.bench_robust import SCENARIOS
 
     p = sub.add_parser(
         "bench-robust", help="redundant class parallelism: stragglers and a killed worker",
@@ -152,7 +152,7 @@ def register_robust(sub) -> None:
 
 
 def cmd_bench_robust(args) -> int:
-    from .bench_robust import render_table, run_robust_bench
+    from sensai.serving.bench_robust import render_table, run_robust_bench
 
     result = run_robust_bench(
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,

@@ -1,26 +1,23 @@
 """The ``sensai`` command line: thin wrappers that parse arguments and call library functions.
 
-Each command group lives beside the code it drives and exposes ``register(subparsers)``; they are
-imported here so ``sensai --help`` lists every command, but keep heavy imports inside functions.
+This package is the one layer that may import every other one (core, training, pruning,
+serving); nothing imports it.  Each command group is a module here exposing
+``register(subparsers)``; heavy libraries (torch, Ray) are imported by the commands that run, so
+``sensai --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
-from .errors import SensaiError
+from sensai.errors import SensaiError
 
-COMMAND_MODULES = (
-    "sensai.commands",      # models, train, import
-    "pruning.commands",     # decompose, evaluate
-    "serving.commands",     # serve, predict, export-triton
-    "serving.bench_commands",  # bench
-    "sensai.demo",          # demo
-)
+from . import bench, decompose, demo, serve, train
+
+COMMAND_GROUPS = (train, decompose, serve, bench, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sensai", description="Class-parallel inference for convolutional networks (sensAI).")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        module.register(sub)
+    for group in COMMAND_GROUPS:
+        group.register(sub)
     return parser
 
 

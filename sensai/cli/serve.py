@@ -56,7 +56,7 @@ def _robust_options(args, groups: int) -> dict:
     """Validate the redundancy flags before any worker starts; kwargs for robust_predictor."""
     from sensai.errors import SensaiError
 
-    from .robust import check_robust_args, parse_delay
+    from sensai.serving.robust import check_robust_args, parse_delay
 
     if args.redundancy is None:
         extra = [f for f, on in (("--vote", args.vote), ("--workers", args.workers is not None),
@@ -144,7 +144,7 @@ def _settings(args, **extra):
 
     from sensai.errors import SensaiError
 
-    from .settings import GatewaySettings
+    from sensai.serving.settings import GatewaySettings
 
     overrides = {k: v for k, v in {
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
@@ -212,7 +212,7 @@ def _wait_for_signal() -> None:
 def cmd_serve(args) -> int:
     from sensai.errors import SensaiError
 
-    from .app import create_app
+    from sensai.serving.app import create_app
 
     settings = _settings(args)
     _check_artifact(args.artifact)
@@ -221,7 +221,7 @@ def cmd_serve(args) -> int:
         if args.processes:
             raise SensaiError("--redundancy always runs its own workers (processes or Ray "
                               "actors); drop --processes")
-        from .robust import robust_predictor
+        from sensai.serving.robust import robust_predictor
 
         if robust["backend"] == "ray":
             robust["ray_address"] = settings.ray_address
@@ -239,7 +239,7 @@ def cmd_serve(args) -> int:
         _run_uvicorn(create_app(predictor, settings), settings, args.log_level)
         return 0
     if args.backend == "local":
-        from .pools import local_predictor
+        from sensai.serving.pools import local_predictor
 
         predictor = local_predictor(args.artifact, device=settings.device, runtime=settings.runtime,
                                     threads=settings.threads_per_worker,
@@ -260,15 +260,15 @@ def _serve_triton(args, settings) -> int:
     import socket
     import tempfile
 
-    from .app import create_app
-    from .triton import TritonServerProcess, export_triton_repo, find_tritonserver, triton_predictor
+    from sensai.serving.app import create_app
+    from sensai.serving.triton import TritonServerProcess, export_triton_repo, find_tritonserver, triton_predictor
 
     server = None
     url = settings.triton_url
     if url is None:
         from sensai.errors import SensaiError
 
-        from .triton import TRITON_HINT
+        from sensai.serving.triton import TRITON_HINT
 
         install = find_tritonserver()
         if install is None:
@@ -307,7 +307,7 @@ def _serve_ray(args, settings) -> int:
     import ray
     from ray import serve
 
-    from .ray_app import APP_NAME, build_app
+    from sensai.serving.ray_app import APP_NAME, build_app
 
     own_cluster = settings.ray_address is None
     ray.init(address=settings.ray_address, include_dashboard=False if own_cluster else None,
@@ -354,8 +354,8 @@ def cmd_predict(args) -> int:
     from sensai.manifest import load_manifest
     from sensai.merge import top_k
 
-    from .imaging import decode_image
-    from .pools import local_predictor
+    from sensai.serving.imaging import decode_image
+    from sensai.serving.pools import local_predictor
 
     # The image is checked before any subnet is loaded.
     spec = load_manifest(args.artifact).dataset.to_spec()
@@ -442,7 +442,7 @@ def _print_latency(times_ms: list[float], what: str) -> None:
 
 
 def cmd_export_triton(args) -> int:
-    from .triton import export_triton_repo
+    from sensai.serving.triton import export_triton_repo
 
     names = export_triton_repo(args.artifact, args.out, backend=args.backend,
                                max_batch_size=args.max_batch, instance_kind=args.instance_kind,
