@@ -49,6 +49,8 @@ from sensai.manifest import (MANIFEST, DatasetInfo, DecompositionManifest, Model
 from sensai.merge import merge_outputs
 from sensai.models import count_params, select_device
 
+from .report import write_report
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("keep", "threshold", "params")
@@ -815,6 +817,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         records.append(SubnetRecord(
             index=g, classes=classes, head=meta["head"], num_outputs=meta["num_outputs"],
             weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
+            onnx_sha256=export_meta[g]["onnx_sha256"],
             widths=meta["widths"], params=meta["params"], flops=meta["flops"], accuracy=accuracy))
     retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": bool(use_ray),
                     "balance": "k+1 target classes with equal samples; positives repeated",
@@ -838,8 +841,6 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     manifest = DecompositionManifest.model_validate(
         {**manifest.model_dump(mode="json"), "stages": stages.data})
     save_manifest(layout.root, manifest)
-    from .report import write_report
-
     write_report(layout.root, manifest, stages.seconds())
     log.info("decomposition done in %.1f s: %s", time.perf_counter() - t_start, layout.root)
     return load_manifest(layout.root)

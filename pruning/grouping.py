@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
+from sensai.fsutil import atomic_path
 from sensai.models import classifier_layer
 
 log = logging.getLogger(__name__)
@@ -238,8 +239,6 @@ def plot_grouping(grouping: Grouping, class_names, path) -> None:
     # A bare Figure renders through Agg and never touches pyplot's global state or backend.
     import matplotlib
     from matplotlib.figure import Figure
-
-    from sensai.fsutil import atomic_path
 
     class_names = list(class_names)
     pts = np.asarray(grouping.class_points, dtype=np.float64)

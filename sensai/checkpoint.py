@@ -17,8 +17,8 @@ from torch import nn
 
 from .errors import CheckpointError
 from .fsutil import atomic_path, sha256_file
-from .manifest import MODEL_WEIGHTS, ModelRecord, load_model_record
-from .models import create_model
+from .manifest import MODEL_WEIGHTS, DatasetInfo, ModelRecord, load_model_record, save_model_record
+from .models import count_params, create_model
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,10 @@ def load_weights(path: str | Path, expected_sha256: str | None = None) -> dict[s
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
-    if expected_sha256 and sha256_file(path) != expected_sha256:
+    if expected_sha256 is not None and not expected_sha256:
+        raise CheckpointError(f"weights file {path} has an empty hash in its record; refusing "
+                              "to load what cannot be checked")
+    if expected_sha256 is not None and sha256_file(path) != expected_sha256:
         raise CheckpointError(f"weights file {path} does not match the hash in its record "
                               "(corrupt or replaced)")
     try:
@@ -96,19 +99,25 @@ def resize_to_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> nn
 
 
 def build_from_weights(arch: str, num_outputs: int, in_channels: int,
-                       state: dict[str, torch.Tensor], what: str) -> nn.Module:
-    """A (possibly pruned) network of registry architecture ``arch`` holding ``state``."""
-    model = resize_to_state_dict(create_model(arch, num_outputs, in_channels), state)
+                       state: dict[str, torch.Tensor], what: str, *,
+                       trust_code: bool = False) -> nn.Module:
+    """A (possibly pruned) network of architecture ``arch`` holding ``state`` (``trust_code``:
+    see :func:`sensai.models.create_model`)."""
+    model = resize_to_state_dict(create_model(arch, num_outputs, in_channels,
+                                              trust_code=trust_code), state)
     load_state_strict(model, state, what)
     return model.eval()
 
 
-def load_trained_model(model_dir: str | Path) -> tuple[nn.Module, ModelRecord]:
-    """Rebuild the model saved by ``sensai train``/``sensai import`` in ``model_dir`` (eval mode)."""
+def load_trained_model(model_dir: str | Path, *, trust_code: bool = False
+                       ) -> tuple[nn.Module, ModelRecord]:
+    """Rebuild the model saved by ``sensai train``/``sensai import`` in ``model_dir`` (eval mode;
+    ``trust_code``: see :func:`sensai.models.create_model`)."""
     model_dir = Path(model_dir)
     record = load_model_record(model_dir)
+    model = create_model(record.model, record.num_classes, record.in_channels,
+                         trust_code=trust_code)
     state = load_weights(model_dir / record.weights, record.weights_sha256)
-    model = create_model(record.model, record.num_classes, record.in_channels)
     load_state_strict(model, state, f"weights in {model_dir / record.weights}")
     return model.eval(), record
 
@@ -117,9 +126,6 @@ def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | P
                    test_top1: float | None = None) -> ModelRecord:
     """Adopt a user's own trained weights (safetensors, or a plain tensor state dict in a .pt/.pth
     loaded with ``weights_only=True``) for a registry model or ``package.module:factory``."""
-    from .manifest import DatasetInfo, save_model_record
-    from .models import count_params
-
     weights_path = Path(weights_path)
     if not weights_path.is_file():
         raise CheckpointError(f"weights file {weights_path} does not exist")
@@ -135,7 +141,8 @@ def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | P
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{weights_path} does not hold a state dict of tensors")
-    model = create_model(arch, spec.num_classes, spec.in_channels)
+    # The operator named ``arch`` on the command line: their consent to import it.
+    model = create_model(arch, spec.num_classes, spec.in_channels, trust_code=True)
     load_state_strict(model, state, f"weights in {weights_path}")
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)

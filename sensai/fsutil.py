@@ -1,4 +1,9 @@
-"""Atomic file writes: a crash or a bad run never leaves a half-written file in place."""
+"""Atomic file writes: a crash or a bad run never leaves a half-written file in place.
+
+The data reaches the disk (fsync of the file, then of its directory) before the rename makes it
+visible, and the file gets ordinary permissions (0644 less the umask), not mkstemp's 0600: an
+artifact written by one user is read by a serving container running as another.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +29,33 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_umask())
+        with open(tmp_path, "rb+") as f:  # whoever wrote it may not have flushed to disk
+            os.fsync(f.fileno())
         os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems do not open directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -18,11 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .data import DatasetSpec
 from .errors import CheckpointError
 from .fsutil import write_json_atomic
+from .spec import DatasetSpec
 
-SCHEMA_VERSION = 1
+MODEL_RECORD_VERSION = 1
+# 2: every subnet's ONNX file has its sha256 in the manifest, and it is checked at load.
+MANIFEST_VERSION = 2
+SHA256 = r"^[0-9a-f]{64}$"
 MODEL_RECORD = "model.json"
 MODEL_WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
@@ -73,14 +76,14 @@ class TrainInfo(_Frozen):
 
 
 class ModelRecord(_Frozen):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = MODEL_RECORD_VERSION
     kind: Literal["model"] = "model"
     model: str  # registry name or package.module:factory
     num_classes: int
     in_channels: int
     dataset: DatasetInfo
     weights: str = MODEL_WEIGHTS
-    weights_sha256: str
+    weights_sha256: str = Field(pattern=SHA256)
     params: int
     test_top1: float | None = None
     train: TrainInfo | None = None  # None for imported weights
@@ -101,8 +104,9 @@ class SubnetRecord(_Frozen):
     head: Literal["binary", "group"]  # binary: 1 logit (BCE); group: k+1 logits, 0 = "not mine"
     num_outputs: int
     weights: str
-    weights_sha256: str
+    weights_sha256: str = Field(pattern=SHA256)
     onnx: str | None = None
+    onnx_sha256: str | None = Field(None, pattern=SHA256)
     widths: dict[str, int] = Field(default_factory=dict)  # prunable layer -> output channels kept
     params: int
     flops: int
@@ -115,6 +119,8 @@ class SubnetRecord(_Frozen):
             raise ValueError(f"subnet {self.index}: a {self.head} head has {want} outputs")
         if self.head == "binary" and len(self.classes) != 1:
             raise ValueError(f"subnet {self.index}: a binary head answers for exactly one class")
+        if self.onnx is not None and self.onnx_sha256 is None:
+            raise ValueError(f"subnet {self.index}: its ONNX file has no sha256")
         return self
 
 
@@ -128,7 +134,7 @@ class SourceInfo(_Frozen):
 
 
 class DecompositionManifest(_Frozen):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = MANIFEST_VERSION
     kind: Literal["decomposition"] = "decomposition"
     model: str  # architecture every subnet was pruned from
     in_channels: int
@@ -154,6 +160,9 @@ class DecompositionManifest(_Frozen):
 
     @model_validator(mode="after")
     def _check(self):
+        if len(self.dataset.classes) != self.num_classes:
+            raise ValueError(f"{len(self.dataset.classes)} class names for {self.num_classes} "
+                             "classes")
         flat = sorted(c for g in self.groups for c in g)
         if flat != list(range(self.num_classes)):
             raise ValueError("groups must cover every class exactly once")
@@ -170,7 +179,7 @@ class DecompositionManifest(_Frozen):
         return all(len(g) == 1 for g in self.groups)
 
 
-def _load(path: Path, cls, what: str):
+def _load(path: Path, cls, what: str, version: int, upgrade: str = ""):
     if not path.is_file():
         raise CheckpointError(f"{what} {path} does not exist")
     try:
@@ -179,10 +188,10 @@ def _load(path: Path, cls, what: str):
         raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{what} {path} is not a JSON object")
-    version = raw.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise CheckpointError(f"{what} {path} has schema version {version!r}; this sensai reads "
-                              f"version {SCHEMA_VERSION}")
+    found = raw.get("schema_version")
+    if found != version:
+        raise CheckpointError(f"{what} {path} has schema version {found!r}; this sensai reads "
+                              f"version {version}{upgrade}")
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
@@ -195,7 +204,7 @@ def load_model_record(model_dir: str | Path) -> ModelRecord:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
-    return _load(model_dir / MODEL_RECORD, ModelRecord, "model record")
+    return _load(model_dir / MODEL_RECORD, ModelRecord, "model record", MODEL_RECORD_VERSION)
 
 
 def save_model_record(model_dir: str | Path, record: ModelRecord) -> None:
@@ -206,7 +215,9 @@ def load_manifest(artifact_dir: str | Path) -> DecompositionManifest:
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.is_dir():
         raise CheckpointError(f"artifact directory {artifact_dir} does not exist")
-    return _load(artifact_dir / MANIFEST, DecompositionManifest, "manifest")
+    return _load(artifact_dir / MANIFEST, DecompositionManifest, "manifest", MANIFEST_VERSION,
+                 " (re-run the same 'sensai decompose' command: it resumes and rewrites the "
+                 "manifest)")
 
 
 def save_manifest(artifact_dir: str | Path, manifest: DecompositionManifest) -> None:

@@ -12,15 +12,54 @@ prediction cannot differ between them.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    z = x - x.max(axis=axis, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=axis, keepdims=True)
+class Merger:
+    """The merge for one layout of subnet outputs, its index arrays computed once (it runs on
+    every request).  ``widths[g]``: subnet g's outputs per image (1 for a binary head, k + 1 for
+    a group of k)."""
+
+    def __init__(self, groups: Sequence[Sequence[int]], widths: Sequence[int], num_classes: int):
+        if len(widths) != len(groups) or not groups:
+            raise ValueError(f"{len(widths)} subnet outputs for {len(groups)} groups")
+        for k, (g, w) in enumerate(zip(groups, widths)):
+            if w != len(g) + 1 and not (w == 1 and len(g) == 1):
+                raise ValueError(f"a subnet for {len(g)} classes must give {len(g) + 1} "
+                                 f"outputs, got {w}")
+            if not g or min(g) < 0 or max(g) >= num_classes:
+                raise ValueError(f"group {k} must name classes in 0..{num_classes - 1}")
+        self.num_classes = int(num_classes)
+        self.widths = tuple(int(w) for w in widths)
+        self.classes = np.asarray([c for g in groups for c in g], dtype=np.intp)
+        self.binary = all(w == 1 for w in widths) and all(len(g) == 1 for g in groups)
+        self.starts = np.cumsum((0,) + self.widths[:-1]).astype(np.intp)
+        self.repeats = np.asarray(self.widths, dtype=np.intp)
+        self.keep = np.asarray([i for s, w in zip(self.starts, self.widths)
+                                for i in range(s + 1, s + w)], dtype=np.intp)
+
+    def __call__(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
+        z = np.concatenate(outputs, axis=1).astype(np.float64)
+        scores = np.zeros((z.shape[0], self.num_classes), dtype=np.float64)
+        if self.binary:  # the G logits compete in one softmax
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            scores[:, self.classes] = e / e.sum(axis=1, keepdims=True)
+            return scores.astype(np.float32)
+        # Softmax within each subnet's segment of columns, then drop each "not mine" column.
+        e = np.exp(z - np.maximum.reduceat(z, self.starts, axis=1).repeat(self.repeats, axis=1))
+        p = e / np.add.reduceat(e, self.starts, axis=1).repeat(self.repeats, axis=1)
+        scores[:, self.classes] = p[:, self.keep]
+        total = scores.sum(axis=1, keepdims=True)
+        return (scores / np.where(total > 0, total, 1.0)).astype(np.float32)
+
+
+@lru_cache(maxsize=256)
+def merger(groups: tuple[tuple[int, ...], ...], widths: tuple[int, ...],
+           num_classes: int) -> Merger:
+    return Merger(groups, widths, num_classes)
 
 
 def merge_outputs(outputs: Sequence[np.ndarray], groups: Sequence[Sequence[int]],
@@ -28,28 +67,17 @@ def merge_outputs(outputs: Sequence[np.ndarray], groups: Sequence[Sequence[int]]
     """``outputs[g]`` is subnet g's raw output ``[B, 1]`` (binary) or ``[B, k_g + 1]`` (group).
 
     Returns float32 scores ``[B, num_classes]`` whose rows sum to 1; top-1 is the argmax.
+    ``groups`` may be a subset of the decomposition's groups (a partial answer): classes of the
+    missing groups score 0.
     """
     if len(outputs) != len(groups) or not groups:
         raise ValueError(f"{len(outputs)} subnet outputs for {len(groups)} groups")
-    outs = [np.asarray(o, dtype=np.float64) for o in outputs]
-    outs = [o[:, None] if o.ndim == 1 else o for o in outs]
+    outs = [o[:, None] if o.ndim == 1 else o for o in map(np.asarray, outputs)]
     batch = outs[0].shape[0]
     if any(o.ndim != 2 or o.shape[0] != batch for o in outs):
         raise ValueError("every subnet output must be [batch, outputs] with the same batch size")
-    binary = all(len(g) == 1 for g in groups) and all(o.shape[1] == 1 for o in outs)
-    scores = np.zeros((batch, num_classes), dtype=np.float64)
-    if binary:
-        probs = _softmax(np.concatenate(outs, axis=1), axis=1)
-        for j, g in enumerate(groups):
-            scores[:, g[0]] = probs[:, j]
-        return scores.astype(np.float32)
-    for o, g in zip(outs, groups):
-        if o.shape[1] != len(g) + 1:
-            raise ValueError(f"a subnet for {len(g)} classes must give {len(g) + 1} outputs, "
-                             f"got {o.shape[1]}")
-        scores[:, list(g)] = _softmax(o, axis=1)[:, 1:]
-    total = scores.sum(axis=1, keepdims=True)
-    return (scores / np.where(total > 0, total, 1.0)).astype(np.float32)
+    return merger(tuple(tuple(int(c) for c in g) for g in groups),
+                  tuple(o.shape[1] for o in outs), int(num_classes))(outs)
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

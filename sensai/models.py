@@ -18,7 +18,7 @@ from torchvision.models import mobilenet_v2 as tv_mobilenet_v2
 from torchvision.models import resnet18 as tv_resnet18
 from torchvision.models.resnet import BasicBlock as TVBasicBlock
 
-from .errors import UnknownModelError
+from .errors import SensaiError, UnknownModelError
 
 ModelFactory = Callable[..., nn.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
@@ -53,9 +53,19 @@ def is_factory_path(name: str) -> bool:
     return ":" in name
 
 
-def create_model(name: str, num_classes: int, in_channels: int = 3, **kwargs) -> nn.Module:
-    """Build a registry model, or a user's ``package.module:factory`` with the same signature."""
+def create_model(name: str, num_classes: int, in_channels: int = 3, *, trust_code: bool = False,
+                 **kwargs) -> nn.Module:
+    """Build a registry model, or a user's ``package.module:factory`` with the same signature.
+
+    Importing a factory runs its module's code, so it happens only with ``trust_code``: the
+    operator named it themselves (``sensai train --model``), or passed ``--trust-model-code`` to
+    a command that reads the name from a file they were given.
+    """
     if is_factory_path(name):
+        if not trust_code:
+            raise UnknownModelError(
+                f"{name!r} names model code to import, which runs it; pass --trust-model-code "
+                "if you trust where it came from (registry models need no such consent)")
         module_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
@@ -329,8 +339,6 @@ def mobilenet_v2(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
 
 def select_device(preference: str = "auto") -> torch.device:
     """``auto`` -> CUDA when present, else CPU; ``cuda:1`` etc. are checked, never assumed."""
-    from .errors import SensaiError
-
     if preference == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -1,55 +1,68 @@
 """The HTTP gateway: one image in, N-way prediction out, for any :class:`Predictor`.
 
 Routes
-* ``POST /v1/predict`` - an image (multipart field ``image`` or the raw body), ``?top_k=``;
+* ``POST /v1/predict`` - an image (multipart field ``image`` or the raw body), ``?top_k=``,
+  ``?allow_partial=``;
 * Open Inference Protocol (KServe v2): ``/v2``, ``/v2/health/{live,ready}``,
   ``/v2/models/{m}[/versions/{v}]``, ``.../ready``, ``.../infer`` (FP32 ``[B, C, H, W]`` tensor of
   *normalized* input, JSON or binary) - so ``tritonclient.http`` can call the gateway directly;
-* ``GET /v1/models`` (what is served), ``GET /metrics`` (Prometheus).
+* ``GET /v1/models`` (what is served, where every worker runs), ``GET /metrics`` (Prometheus).
 
-Every error is JSON ``{"error", "status", "request_id", "subnet"}`` with a 4xx/5xx status; library
-code raises :class:`sensai.errors.SensaiError` subclasses and only this module turns them into HTTP.
-Nothing blocking runs on the event loop: image decoding goes to a worker thread, the predictor is
-async.  (No ``from __future__ import annotations`` here: FastAPI must see the route annotations,
-which refer to per-app values, as objects.)
+Every error is JSON ``{"error", "status", "request_id", "subnet", "missing_classes"}`` with a
+4xx/5xx status; library code raises :class:`sensai.errors.SensaiError` subclasses and only the
+handlers here turn them into HTTP.  The work a request may cause is bounded
+(:mod:`sensai.serving.admission`); nothing slow or unbounded runs on the event loop, so health
+checks answer whatever the other requests are doing.  The two prediction routes build their JSON
+themselves: FastAPI's response-model validation costs more than the rest of the request path.
+(No ``from __future__ import annotations`` here: FastAPI must see the route annotations, which
+refer to per-app values, as objects.)
 """
 
+import asyncio
 import json
 import logging
 import re
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Annotated
 
 import numpy as np
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sensai.errors import SensaiError
+from sensai.merge import top_k
 
 from . import oip
+from .admission import Admission
+from .contract import Prediction, Predictor
+from .errors import (InputError, ModelNotFound, Overloaded, PayloadTooLarge, ServingError,
+                     SubnetFailed, SubnetTimeout)
 from .imaging import decode_image, image_to_input, open_image
 from .metrics import GatewayMetrics
-from .predictor import (InputError, ModelNotFound, PayloadTooLarge, Predictor, ServingError,
-                        SubnetFailed, SubnetTimeout, check_batch, top_k_rows)
-from .schemas import ERROR_RESPONSES, ClassScore, ErrorResponse, ModelInfo, PredictResponse
+from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse
 from .settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 MODEL_VERSION = "1"
-INPUT_NAME = "input"
-OUTPUTS = ("scores", "class_index")
-# Images at most this big (bytes, and pixels by their header) are decoded on the event loop.
-_INLINE_DECODE_BYTES = 64 * 1024
-_INLINE_DECODE_PIXELS = 128 * 128
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Images at most this big are decoded on the event loop (~0.2 ms, less than a thread hop); the
+# header's size and PNG's text chunks are bounded, so this work is too.
+INLINE_DECODE_BYTES = 64 * 1024
+INLINE_DECODE_PIXELS = 128 * 128
+# v2 JSON bodies above this are parsed in a thread: 8 MB of JSON takes a few hundred ms.
+INLINE_PARSE_BYTES = 64 * 1024
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Answered whatever the load: never queued, never turned away.
+UNGATED = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 
 
 @dataclass
@@ -57,32 +70,39 @@ class Gateway:
     predictor: Predictor
     settings: GatewaySettings
     metrics: GatewayMetrics
+    admission: Admission
     version: str
+    max_pixels: int
 
 
-def _gateway(request: Request) -> Gateway:
+# Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
+async def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-GatewayDep = Annotated[Gateway, Depends(_gateway)]
-
-
-def _request_id(request: Request) -> str:
-    return request.state.request_id
-
-
-RequestId = Annotated[str, Depends(_request_id)]
+GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
 # --------------------------------------------------------------------------------------------
-# Pure ASGI middleware: request id, body size limit, metrics (BaseHTTPMiddleware would add a
-# task and a copy per request on the hot path).
+# Pure ASGI middleware: request id, admission, body size limit, metrics (BaseHTTPMiddleware
+# would add a task and a copy per request on the hot path).
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 class GatewayMiddleware:
     def __init__(self, app, gateway: Gateway):
         self.app = app
         self.gw = gateway
+
+    async def _reply(self, send, status: int, message: str, rid: str, extra=()) -> None:
+        body = json_bytes({"error": message, "status": status, "request_id": rid})
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", rid.encode()), *extra]})
+        await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -92,10 +112,19 @@ class GatewayMiddleware:
         limit = gw.settings.max_body_bytes
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex
+        rid = rid if REQUEST_ID.match(rid) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         t0 = time.perf_counter()
+        # The deadline covers the whole request: body, decoding, waiting, the subnets.
+        state["deadline"] = asyncio.get_running_loop().time() + gw.settings.deadline_s
+        gated = scope.get("path") not in UNGATED
+        if gated and not gw.admission.admit():
+            metrics.rejected.labels("overloaded").inc()
+            await self._reply(send, 503, f"the gateway is at its limit of "
+                              f"{gw.admission.max_requests} requests in flight; retry shortly",
+                              rid, [(b"retry-after", b"1")])
+            return
         status_box = [500]
 
         async def send_wrapper(message):
@@ -109,21 +138,11 @@ class GatewayMiddleware:
         metrics.inflight.inc()
         try:
             length = headers.get(b"content-length")
-            too_big = None
-            if length is not None:
-                try:
-                    if int(length) > limit:
-                        too_big = f"request body is {int(length):,} bytes; the limit is {limit:,}"
-                except ValueError:
-                    too_big = None
-            if too_big is not None:
+            if length is not None and length.isdigit() and int(length) > limit:
                 state["error_reason"] = "PayloadTooLarge"
-                body = ErrorResponse(error=too_big + " (set SENSAI_MAX_BODY_BYTES)", status=413,
-                                     request_id=rid).model_dump_json().encode()
-                await send_wrapper({"type": "http.response.start", "status": 413, "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-                await send_wrapper({"type": "http.response.body", "body": body})
+                await self._reply(send_wrapper, 413, f"request body is {int(length):,} bytes; "
+                                  f"the limit is {limit:,} (set SENSAI_MAX_BODY_BYTES)", rid,
+                                  [(b"connection", b"close")])
                 return
             received = [0]
 
@@ -138,6 +157,8 @@ class GatewayMiddleware:
 
             await self.app(scope, receive_limited, send_wrapper)
         finally:
+            if gated:
+                gw.admission.release()
             metrics.inflight.dec()
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
@@ -149,6 +170,7 @@ class GatewayMiddleware:
 
 
 # --------------------------------------------------------------------------------------------
+# Errors, translated here and nowhere else
 
 
 def _error(request: Request, status: int, message: str, reason: str,
@@ -168,8 +190,12 @@ def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
             gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
                                             else "failed").inc()
             log.warning("request %s: %s", getattr(request.state, "request_id", "?"), exc)
+        if isinstance(exc, Overloaded) or exc.status == 408:
+            gw.metrics.rejected.labels("overloaded" if exc.status == 503 else "slow body").inc()
+        headers = ({"Retry-After": f"{max(1, round(exc.retry_after))}"}
+                   if exc.retry_after is not None else None)
         return _error(request, exc.status, str(exc), type(exc).__name__, exc.subnet,
-                      missing_classes=getattr(exc, "missing_classes", None))
+                      headers=headers, missing_classes=exc.missing_classes)
 
     @app.exception_handler(SensaiError)
     async def _sensai_error(request: Request, exc: SensaiError):
@@ -195,28 +221,78 @@ def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
                       "internal")
 
 
-async def _read_image_bytes(request: Request) -> bytes:
-    ctype = request.headers.get("content-type", "").lower()
-    if ctype.startswith("multipart/form-data"):
-        from starlette.datastructures import UploadFile
+# --------------------------------------------------------------------------------------------
+# The request path
 
-        try:
-            form = await request.form(max_files=1, max_fields=8)
-        except StarletteHTTPException as e:  # starlette reports multipart syntax errors so
-            raise InputError(f"malformed multipart body: {e.detail}") from None
-        try:
-            field = form.get("image")
-            if field is None:
-                raise InputError("multipart body has no 'image' field")
-            if isinstance(field, UploadFile):
-                return await field.read()
-            return field.encode()
-        finally:
-            await form.close()
-    if ctype.startswith("application/x-www-form-urlencoded"):
-        raise InputError("send the image as multipart/form-data (field 'image') or as the raw "
-                         "body, not as a url-encoded form", status=415)
-    return await request.body()
+
+async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
+    """The request body (an image's bytes when ``image``: multipart field or raw body), within
+    the body time limit and a receiving slot."""
+    async with gw.admission.body(request.state.deadline):
+        ctype = request.headers.get("content-type", "").lower() if image else ""
+        if ctype.startswith("multipart/form-data"):
+            try:
+                form = await request.form(max_files=1, max_fields=8)
+            except StarletteHTTPException as e:  # starlette reports multipart syntax errors so
+                raise InputError(f"malformed multipart body: {e.detail}") from None
+            try:
+                field = form.get("image")
+                if field is None:
+                    raise InputError("multipart body has no 'image' field")
+                if isinstance(field, UploadFile):
+                    return await field.read()
+                return field.encode()
+            finally:
+                await form.close()
+        if ctype.startswith("application/x-www-form-urlencoded"):
+            raise InputError("send the image as multipart/form-data (field 'image') or as the "
+                             "raw body, not as a url-encoded form", status=415)
+        return await request.body()
+
+
+async def decode(gw: Gateway, data: bytes, deadline: float) -> np.ndarray:
+    """Image bytes -> the model's input; a thumbnail inline, anything larger in a thread, at
+    most one per core at a time."""
+    spec, limit, max_bytes = gw.predictor.spec, gw.max_pixels, gw.settings.max_decoded_bytes
+    if len(data) <= INLINE_DECODE_BYTES:
+        img = open_image(data, limit, max_bytes)  # the header only: bounded by the byte count
+        if img.size[0] * img.size[1] <= INLINE_DECODE_PIXELS:
+            return image_to_input(img, spec)
+        img.close()
+    async with gw.admission.slot(gw.admission.decoding, deadline, "image decoding"):
+        return await run_in_threadpool(decode_image, data, spec, limit, max_bytes)
+
+
+async def predict(gw: Gateway, x: np.ndarray, allow_partial: bool, deadline: float
+                  ) -> Prediction:
+    """The one path from a checked input batch to a prediction, for /v1 and /v2 alike."""
+    adm = gw.admission
+    gw.metrics.waiting.set(adm.waiting)
+    async with adm.slot(adm.predicting, deadline, "prediction"):
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise SubnetTimeout("the request's deadline passed before its subnets were asked")
+        pred = await gw.predictor.predict(x, allow_partial=allow_partial, timeout_s=left)
+    if not np.isfinite(pred.scores).all():
+        raise InputError("the input drives the network out of float range (non-finite "
+                         "scores): send normalized pixels")
+    gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
+    return pred
+
+
+def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = None
+               ) -> list[dict]:
+    """The k best classes of one row as ``{"index", "label", "score"}``, best first; a degraded
+    answer ranks only the ``covered`` classes (the others have no score at all)."""
+    if covered is not None:
+        ranked = np.full_like(scores, -np.inf)
+        ranked[:, covered] = scores[:, covered]
+        k = min(k, len(covered))
+    else:
+        ranked = scores
+    idx, _ = top_k(ranked, k)
+    return [{"index": int(i), "label": classes[int(i)], "score": float(scores[0, i])}
+            for i in idx[0]]
 
 
 def _model_metadata(gw: Gateway) -> dict:
@@ -225,7 +301,8 @@ def _model_metadata(gw: Gateway) -> dict:
         "name": gw.predictor.name,
         "versions": [MODEL_VERSION],
         "platform": "sensai",
-        "inputs": [{"name": INPUT_NAME, "datatype": "FP32", "shape": [-1, *spec.input_shape]}],
+        "inputs": [{"name": oip.INPUT_NAME, "datatype": "FP32",
+                    "shape": [-1, *spec.input_shape]}],
         "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, spec.num_classes]},
                     {"name": "class_index", "datatype": "INT64", "shape": [-1]}],
         "parameters": {"preprocessing": f"uint8 pixels / 255, minus mean {list(spec.mean)}, "
@@ -244,9 +321,8 @@ def _check_model(gw: Gateway, model_name: str, version: str | None) -> None:
 
 
 def _ready(gw: Gateway) -> bool:
-    probe = getattr(gw.predictor, "is_ready", None)
     try:
-        return bool(probe()) if callable(probe) else True
+        return bool(gw.predictor.is_ready())
     except Exception:  # a probe that fails means "not ready", not a 500
         return False
 
@@ -256,12 +332,14 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
     """The gateway for ``predictor``; ``close_predictor``: close it when the app shuts down."""
     settings = settings or GatewaySettings()
     try:
-        from importlib.metadata import version as _pkg_version
-
-        version = _pkg_version("sensai")
-    except Exception:
+        version = package_version("sensai")
+    except PackageNotFoundError:
         version = "0"
-    gw = Gateway(predictor, settings, GatewayMetrics(), version)
+    admission = Admission(max_requests=settings.max_requests,
+                          max_predictions=settings.max_predictions,
+                          body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s)
+    gw = Gateway(predictor, settings, GatewayMetrics(), admission, version,
+                 settings.image_pixels(predictor.spec.input_shape))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -282,47 +360,33 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                 "kserve_v2": f"/v2/models/{gw.predictor.name}", "metrics": "/metrics",
                 "docs": "/docs"}
 
-    @app.post("/v1/predict", response_model=PredictResponse)
-    async def predict(request: Request, gw: GatewayDep, rid: RequestId,
-                      top_k: Annotated[int | None, Query(ge=1, le=len(classes),
-                                                         description="how many classes")] = None,
-                      allow_partial: Annotated[bool, Query(
-                          description="redundant serving: when some classes have no live "
-                                      "subnet copy, answer over the others (flagged degraded) "
-                                      "instead of 503/504")] = False):
+    @app.post("/v1/predict", response_model=None,
+              responses={200: {"model": PredictResponse, "description": "the prediction"}})
+    async def predict_image(
+            request: Request, gw: GatewayDep,
+            top_k: Annotated[int | None, Query(ge=1, le=len(classes),
+                                               description="how many classes")] = None,
+            allow_partial: Annotated[bool, Query(
+                description="when some classes have no live subnet copy, answer over the "
+                            "others (flagged degraded) instead of 503/504")] = False) -> Response:
         t0 = time.perf_counter()
-        data = await _read_image_bytes(request)
-        spec, max_pixels = gw.predictor.spec, gw.settings.max_image_pixels
-        if len(data) <= _INLINE_DECODE_BYTES:
-            img = open_image(data, max_pixels)  # the header only: bounded by the byte limit
-            if img.size[0] * img.size[1] <= _INLINE_DECODE_PIXELS:
-                # A thumbnail decodes in ~0.2 ms, less than the hop to a worker thread costs.
-                x = image_to_input(img, spec)
-            else:
-                x = await run_in_threadpool(image_to_input, img, spec)
-        else:  # large: everything off the event loop
-            x = await run_in_threadpool(decode_image, data, spec, max_pixels)
+        deadline = request.state.deadline
+        x = await decode(gw, await read_body(request, gw, image=True), deadline)
         t1 = time.perf_counter()
-        pred, covered = await _predict(gw, x, allow_partial)
-        gw.metrics.observe_prediction(pred.timings_ms, 1)
-        k = top_k or min(gw.settings.default_top_k, len(classes))
-        if covered is not None:
-            # Only classes that were answered may be listed; the others have no score at all.
-            rows = [r for r in top_k_rows(pred.scores, len(classes), classes)[0]
-                    if r["index"] in set(covered)][:k]
-        else:
-            rows = top_k_rows(pred.scores, k, classes)[0]
+        pred = await predict(gw, x, allow_partial, deadline)
+        rows = top_k_rows(pred.scores, top_k or min(gw.settings.default_top_k, len(classes)),
+                          classes, pred.covered_classes)
         timings = dict(pred.timings_ms)
         timings["decode"] = round((t1 - t0) * 1e3, 3)
         timings["request"] = round((time.perf_counter() - t0) * 1e3, 3)
         best = rows[0]
-        return PredictResponse(request_id=rid, model=gw.predictor.name, label=best["label"],
-                               index=best["index"], score=best["score"],
-                               predictions=[ClassScore(**r) for r in rows], timings_ms=timings,
-                               degraded=bool(getattr(pred, "degraded", False)),
-                               covered_classes=covered,
-                               missing_classes=getattr(pred, "missing_classes", None),
-                               answered_by=getattr(pred, "answered_by", None) or None)
+        body = {"request_id": request.state.request_id, "model": gw.predictor.name,
+                "label": best["label"], "index": best["index"], "score": best["score"],
+                "predictions": rows, "timings_ms": timings, "degraded": pred.degraded,
+                "covered_classes": pred.covered_classes,
+                "missing_classes": pred.missing_classes,
+                "answered_by": pred.answered_by or None}
+        return Response(json_bytes(body), media_type="application/json")
 
     @app.get("/v1/models", response_model=ModelInfo)
     async def model_info(gw: GatewayDep):
@@ -370,129 +434,21 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
     @app.post("/v2/models/{model_name}/versions/{version}/infer")
     async def infer(request: Request, gw: GatewayDep, model_name: str, version: str | None = None):
         _check_model(gw, model_name, version)
-        body = await request.body()
-        body = oip.decode_content(body, request.headers.get("content-encoding"),
-                                  gw.settings.max_body_bytes)
-        req = oip.parse_infer_request(body, request.headers.get(oip.HEADER_LENGTH))
-        x = _infer_input(req, gw)
-        allow_partial = req.parameters.get("allow_partial", False)
-        if not isinstance(allow_partial, bool):
-            raise InputError("parameters.allow_partial must be true or false, got "
-                             f"{allow_partial!r}")
-        pred, covered = await _predict(gw, x, allow_partial)
-        gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
-        params: dict[str, Any] = {"timings_ms": json.dumps(pred.timings_ms)}
-        # Scores of unanswered classes are 0; rankings must never name them.
-        outputs = _infer_outputs(req, pred.scores, classes, covered=covered)
-        if covered is not None:
-            params.update(degraded=True, covered_classes=json.dumps(covered),
-                          missing_classes=json.dumps(pred.missing_classes))
+        deadline = request.state.deadline
+        body = await read_body(request, gw, image=False)
+        args = (body, request.headers.get("content-encoding"), gw.settings.max_body_bytes,
+                request.headers.get(oip.HEADER_LENGTH))
+        if len(body) <= INLINE_PARSE_BYTES:
+            req = oip.decode_request(*args)
+        else:
+            async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
+                req = await run_in_threadpool(oip.decode_request, *args)
+        x = oip.input_batch(req, gw.predictor.spec, gw.settings.max_batch)
+        pred = await predict(gw, x, oip.allow_partial(req), deadline)
+        outputs = oip.infer_outputs(req, pred.scores, classes, pred.covered_classes)
         content, headers, media = oip.encode_infer_response(
             model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
-            request_id=req.id, outputs=outputs, parameters=params)
+            request_id=req.id, outputs=outputs, parameters=oip.response_parameters(pred))
         return Response(content, headers=headers, media_type=media)
 
     return app
-
-
-async def _predict(gw: Gateway, x: np.ndarray, allow_partial: bool):
-    """The prediction, and the classes it covers when it is a degraded partial answer (else
-    None).  Predictors without partial answers answer in full or fail, whatever is allowed."""
-    if allow_partial and getattr(gw.predictor, "supports_partial", False):
-        pred = await gw.predictor.predict(x, allow_partial=True)
-    else:
-        pred = await gw.predictor.predict(x)
-    covered = getattr(pred, "covered_classes", None) if getattr(pred, "degraded", False) else None
-    return pred, covered
-
-
-def _infer_input(req: oip.InferRequest, gw: Gateway) -> np.ndarray:
-    spec = gw.predictor.spec
-    if len(req.inputs) != 1:
-        raise InputError(f"model takes exactly one input {INPUT_NAME!r}, got {len(req.inputs)}")
-    t = req.inputs[0]
-    if t.name != INPUT_NAME:
-        raise InputError(f"unknown input {t.name!r}; the model's input is {INPUT_NAME!r}")
-    if t.datatype != "FP32":
-        raise InputError(f"input {INPUT_NAME!r} must be FP32, got {t.datatype}")
-    want = list(spec.input_shape)
-    if len(t.shape) != 4 or t.shape[1:] != want:
-        raise InputError(f"input {INPUT_NAME!r} must have shape [batch, "
-                         f"{', '.join(map(str, want))}], got {t.shape}")
-    return check_batch(t.array, spec, gw.settings.max_batch)
-
-
-def _infer_outputs(req: oip.InferRequest, scores: np.ndarray, classes,
-                   covered: list[int] | None = None) -> list[tuple[str, np.ndarray, bool]]:
-    ranked = scores
-    if covered is not None:  # a degraded answer: rank only the classes that were answered
-        ranked = np.full_like(scores, -np.inf)
-        ranked[:, covered] = scores[:, covered]
-    wanted = req.outputs if req.outputs is not None else [oip.RequestedOutput(n) for n in OUTPUTS]
-    if not wanted:
-        raise InputError("'outputs' is empty: ask for 'scores' and/or 'class_index'")
-    out = []
-    for o in wanted:
-        if o.name not in OUTPUTS:
-            raise InputError(f"unknown output {o.name!r}; outputs are {', '.join(OUTPUTS)}")
-        binary = req.binary_output if o.binary is None else o.binary
-        if o.classification:
-            k = o.classification if covered is None else min(o.classification, len(covered))
-            arr = oip.classification(ranked, k, classes)
-        elif o.name == "scores":
-            arr = scores.astype(np.float32, copy=False)
-        else:
-            arr = ranked.argmax(axis=1).astype(np.int64)
-        out.append((o.name, arr, binary))
-    return out
-
-
-class BackgroundServer:
-    """A gateway app under uvicorn in a background thread (tests, benchmarks, notebooks).
-
-    ``port=0`` lets the OS pick a free port; :attr:`url` is known once :meth:`start` returns.
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *,
-                 log_level: str = "warning", startup_timeout_s: float = 60.0):
-        import uvicorn
-
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                     lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(self.config)
-        self.host = host
-        self.port = port
-        self.startup_timeout_s = startup_timeout_s
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> "BackgroundServer":
-        self._thread = threading.Thread(target=self.server.run, name="sensai-gateway",
-                                        daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while not self.server.started:
-            if not self._thread.is_alive():
-                raise SensaiError(f"the gateway failed to start on {self.host}:{self.port}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SensaiError(f"the gateway did not start within {self.startup_timeout_s} s")
-            time.sleep(0.02)
-        sockets = [s for srv in self.server.servers for s in srv.sockets]
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-        return self
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def __enter__(self) -> "BackgroundServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -32,13 +32,17 @@ class GatewayMetrics:
         self.subnet_errors = Counter("sensai_subnet_errors", "subnet failures and timeouts",
                                      ["subnet", "kind"], registry=r)
         self.images = Counter("sensai_images", "images (batch rows) predicted", registry=r)
+        self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
+                                "reason (overloaded, slow body)", ["reason"], registry=r)
+        self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
+                             registry=r)
 
     def observe_prediction(self, timings_ms: dict[str, float], rows: int) -> None:
         self.images.inc(rows)
         for k, v in timings_ms.items():
             if k == "total":
                 self.predict_seconds.observe(v / 1e3)
-            elif k != "merge":
+            elif k.startswith("subnet_"):
                 self.subnet_seconds.labels(k).observe(v / 1e3)
 
     def render(self) -> bytes:

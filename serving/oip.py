@@ -18,13 +18,22 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .predictor import InputError, PayloadTooLarge
+from sensai.merge import top_k
 
+from .contract import Prediction
+from .errors import InputError, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from sensai.data import DatasetSpec
+
+INPUT_NAME = "input"
+OUTPUTS = ("scores", "class_index")
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_RANK = 8
 BINARY_CONTENT_TYPE = "application/octet-stream"
 
 DTYPES: dict[str, np.dtype] = {
@@ -81,13 +90,34 @@ def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise InputError(f"request body is not valid {enc} data: {e}") from None
     if len(out) > limit or d.unconsumed_tail:
         raise PayloadTooLarge(f"request body decompresses to more than {limit:,} bytes")
+    if not d.eof:
+        raise InputError(f"request body is truncated {enc} data (the stream does not end)")
     return out
 
 
-def _shape(v: Any, where: str) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                          for d in v):
-        raise InputError(f"{where}: 'shape' must be a list of non-negative integers, got {v!r}")
+def decode_request(body: bytes, encoding: str | None, limit: int,
+                   header_length: str | None) -> InferRequest:
+    """A request body as sent (maybe compressed) -> the parsed inference request."""
+    return parse_infer_request(decode_content(body, encoding, limit), header_length)
+
+
+def _shape(v: Any, where: str, max_elements: int) -> list[int]:
+    """A tensor's shape, bounded before any arithmetic: rank, every dimension, and the element
+    count (which no request body of the size limit can exceed)."""
+    if not isinstance(v, list):
+        raise InputError(f"{where}: 'shape' must be a list of non-negative integers")
+    if len(v) > MAX_RANK:
+        raise InputError(f"{where}: 'shape' has {len(v)} dimensions; at most {MAX_RANK}")
+    n = 1
+    for d in v:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= max_elements:
+            shown = d if isinstance(d, int) and abs(d) < 10 ** 12 else "a huge number"
+            raise InputError(f"{where}: 'shape' must hold integers from 0 to {max_elements:,} "
+                             f"(got {shown!r})")
+        n *= d
+        if n > max_elements:
+            raise InputError(f"{where}: shape {v} has more elements than a request can carry "
+                             f"({max_elements:,})")
     return v
 
 
@@ -96,6 +126,14 @@ def _num_elements(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _bounded_int(text: str) -> int:
+    # Python refuses to parse integers of more than 4,300 digits (ValueError) after spending
+    # quadratic time on them; no tensor value or dimension needs more than 19.
+    if len(text.lstrip("-")) > 19:
+        raise InputError(f"an integer of {len(text)} digits in the request")
+    return int(text)
 
 
 def _params(obj: dict, where: str) -> dict:
@@ -128,7 +166,10 @@ def _json_data(data: Any, dt: np.dtype, datatype: str, shape: list[int], where: 
 
 
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
-    """The body of ``POST /v2/models/{m}/infer`` (JSON, or JSON header + binary tensors)."""
+    """The body of ``POST /v2/models/{m}/infer`` (JSON, or JSON header + binary tensors).
+
+    The work is bounded by the body's size: no tensor can claim more elements than the body
+    could carry (one byte each in JSON, their item size in binary)."""
     if header_length is not None:
         try:
             n = int(header_length)
@@ -142,7 +183,9 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     if not head.strip():
         raise InputError("empty inference request: expected a JSON object with 'inputs'")
     try:
-        req = json.loads(head)
+        req = json.loads(head, parse_int=_bounded_int)
+    except RecursionError:
+        raise InputError("inference request header is nested too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         hint = "" if header_length else f" (binary tensors need the {HEADER_LENGTH} header)"
         raise InputError(f"inference request header is not valid JSON: {e}{hint}") from None
@@ -169,7 +212,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InputError(f"{where}: unsupported datatype {datatype!r} "
                              f"(one of {', '.join(DTYPES)})")
         dt = DTYPES[datatype]
-        shape = _shape(t.get("shape"), where)
+        shape = _shape(t.get("shape"), where, max(1, len(body)))
         size = _params(t, where).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -219,8 +262,6 @@ def _bytes_tensor(strings: Sequence[bytes]) -> bytes:
 
 def classification(scores: np.ndarray, k: int, labels: Sequence[str]) -> np.ndarray:
     """Triton's classification extension: ``"score:index:label"`` for the k best, per row."""
-    from sensai.merge import top_k
-
     idx, val = top_k(scores, k)
     rows = [[f"{v:f}:{i}:{labels[i]}".encode() for i, v in zip(ri, rv)] for ri, rv in zip(idx, val)]
     return np.array(rows, dtype=object)
@@ -254,3 +295,82 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
     if not blobs:
         return js, {}, "application/json"
     return js + b"".join(blobs), {HEADER_LENGTH: str(len(js))}, BINARY_CONTENT_TYPE
+
+
+# --------------------------------------------------------------------------------------------
+# The model's side of the protocol (shared by HTTP and gRPC)
+
+
+def check_batch(x: np.ndarray, spec: "DatasetSpec", max_batch: int) -> np.ndarray:
+    """Validate a normalized input batch before any subnet sees it (shape, dtype, finite values)."""
+    if not isinstance(x, np.ndarray):
+        raise InputError("input must be an array")
+    if x.dtype != np.float32:
+        raise InputError(f"input must be FP32, got {x.dtype}")
+    want = tuple(spec.input_shape)
+    if x.ndim != 4 or tuple(x.shape[1:]) != want:
+        raise InputError(f"input shape must be [batch, {', '.join(map(str, want))}], "
+                         f"got {list(x.shape)}")
+    if not 1 <= x.shape[0] <= max_batch:
+        raise InputError(f"batch size must be between 1 and {max_batch}, got {x.shape[0]}")
+    if not np.isfinite(x).all():
+        raise InputError("input contains NaN or infinite values")
+    return np.ascontiguousarray(x)
+
+
+def input_batch(req: InferRequest, spec: "DatasetSpec", max_batch: int) -> np.ndarray:
+    """The model's input batch from a parsed request, checked."""
+    if len(req.inputs) != 1:
+        raise InputError(f"model takes exactly one input {INPUT_NAME!r}, got {len(req.inputs)}")
+    t = req.inputs[0]
+    if t.name != INPUT_NAME:
+        raise InputError(f"unknown input {t.name!r}; the model's input is {INPUT_NAME!r}")
+    if t.datatype != "FP32":
+        raise InputError(f"input {INPUT_NAME!r} must be FP32, got {t.datatype}")
+    want = list(spec.input_shape)
+    if len(t.shape) != 4 or t.shape[1:] != want:
+        raise InputError(f"input {INPUT_NAME!r} must have shape [batch, "
+                         f"{', '.join(map(str, want))}], got {t.shape}")
+    return check_batch(t.array, spec, max_batch)
+
+
+def allow_partial(req: InferRequest) -> bool:
+    value = req.parameters.get("allow_partial", False)
+    if not isinstance(value, bool):
+        raise InputError(f"parameters.allow_partial must be true or false, got {value!r}")
+    return value
+
+
+def infer_outputs(req: InferRequest, scores: np.ndarray, classes: Sequence[str],
+                  covered: list[int] | None = None) -> list[tuple[str, np.ndarray, bool]]:
+    """The requested outputs (all by default) as ``(name, array, binary?)``.  In a degraded
+    answer (``covered``) the scores of unanswered classes are 0 and rankings never name them."""
+    ranked = scores
+    if covered is not None:
+        ranked = np.full_like(scores, -np.inf)
+        ranked[:, covered] = scores[:, covered]
+    wanted = req.outputs if req.outputs is not None else [RequestedOutput(n) for n in OUTPUTS]
+    if not wanted:
+        raise InputError("'outputs' is empty: ask for 'scores' and/or 'class_index'")
+    out = []
+    for o in wanted:
+        if o.name not in OUTPUTS:
+            raise InputError(f"unknown output {o.name!r}; outputs are {', '.join(OUTPUTS)}")
+        binary = req.binary_output if o.binary is None else o.binary
+        if o.classification:
+            k = o.classification if covered is None else min(o.classification, len(covered))
+            arr = classification(ranked, k, classes)
+        elif o.name == "scores":
+            arr = scores.astype(np.float32, copy=False)
+        else:
+            arr = ranked.argmax(axis=1).astype(np.int64)
+        out.append((o.name, arr, binary))
+    return out
+
+
+def response_parameters(pred: Prediction) -> dict[str, Any]:
+    params: dict[str, Any] = {"timings_ms": json.dumps(pred.timings_ms)}
+    if pred.degraded:
+        params.update(degraded=True, covered_classes=json.dumps(pred.covered_classes),
+                      missing_classes=json.dumps(pred.missing_classes))
+    return params

@@ -1,227 +1,420 @@
-"""What the gateway serves: a :class:`Predictor` turns a normalized batch into N-way class scores.
+"""Class parallelism: one image fanned out to every subnet at once, their outputs merged.
 
-The gateway (``serving.app``) knows nothing else about where the networks run.  Class-parallel
-serving is :class:`ClassParallelPredictor`: a *pool* runs subnet ``i`` on the input (in this
-process, in Ray Serve replicas, or in a Triton server), every subnet at the same time, and the
-outputs go through :func:`sensai.merge.merge_outputs` - the same rule offline evaluation uses.
-Other strategies (the benchmark's single-device and model-parallel baselines) only have to
-implement the :class:`Predictor` protocol to be served by the same gateway.
+:class:`ClassParallelPredictor` is the only class-parallel predictor; what varies is
 
-Errors raised here are :class:`sensai.errors.SensaiError` subclasses carrying an HTTP status; the
-gateway turns them into JSON answers, the CLI into one line.
+* the *transport* (:mod:`sensai.serving.transports`): threads, processes, Ray actors, Ray Serve
+  replicas or a Triton server run the workers;
+* the *placement* (:class:`~sensai.serving.placement.Placement`): which worker hosts which
+  groups.  Without redundancy every group has its own worker; with redundancy ``r`` every group
+  has ``r + 1`` copies on distinct workers (``2r + 1`` in vote mode);
+* the *decoder* (:class:`~sensai.serving.decoder.CoverageDecoder`): per request, the first copy of
+  each group to arrive answers it (vote mode: ``r + 1`` agreeing copies), so a straggler or a
+  dead worker does not stall the answer; without redundancy it waits for every group.
+
+A request is answered as soon as every group is decided, and the outputs go through
+:func:`sensai.merge.merge_outputs` - the rule offline evaluation uses.  When some classes cannot
+be answered (every copy lost) the request fails at once with a 503 naming them, or after the
+deadline with a 504; a caller that allows partial answers gets the others, flagged ``degraded``.
+Dead or hung workers are restarted by the :class:`~sensai.serving.supervisor.Supervisor`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
+from sensai.artifact import Artifact
 from sensai.errors import SensaiError
+from sensai.merge import Merger, merge_outputs
+from sensai.models import device_for_worker
 
-if TYPE_CHECKING:
-    from sensai.data import DatasetSpec
-    from sensai.manifest import DecompositionManifest
+from .contract import Prediction, subnet_name
+from .decoder import CoverageDecoder
+from .errors import SubnetFailed, SubnetTimeout
+from .faults import DelaySpec, parse_delay
+from .messages import Done, Failure, Fault, Output, Run, Skip
+from .placement import Placement
+from .runners import RunnerSpec
+from .supervisor import Supervisor
+from .transports.base import Transport, WorkerHandle
 
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------
-# Errors with an HTTP status
+class _Request:
+    __slots__ = ("id", "loop", "future", "decoder", "allow_partial", "t0", "arrival_ms",
+                 "compute_ms", "dispatched", "done", "timed_out")
+
+    def __init__(self, req_id: int, loop: asyncio.AbstractEventLoop, decoder: CoverageDecoder,
+                 allow_partial: bool):
+        self.id = req_id
+        self.loop = loop
+        self.future = loop.create_future()
+        self.decoder = decoder
+        self.allow_partial = allow_partial
+        self.t0 = time.perf_counter()
+        self.arrival_ms: dict[int, float] = {}
+        self.compute_ms: dict[int, float] = {}
+        self.dispatched: list[WorkerHandle] = []
+        self.done = False  # no event changes the decoder any more
+        self.timed_out = False
 
 
-class ServingError(SensaiError):
-    """A request the server cannot answer; ``status`` is the HTTP status the gateway sends."""
-
-    status: int = 400
-
-    def __init__(self, message: str, *, status: int | None = None, subnet: str | None = None):
-        super().__init__(message)
-        if status is not None:
-            self.status = status
-        self.subnet = subnet
-
-
-class InputError(ServingError):
-    """The client's input is wrong (not an image, wrong tensor shape, NaN...): 4xx."""
-
-    status = 400
-
-
-class PayloadTooLarge(InputError):
-    status = 413
-
-
-class ModelNotFound(ServingError):
-    status = 404
-
-
-class SubnetFailed(ServingError):
-    """A subnet raised or its host went away: 503 naming the subnet."""
-
-    status = 503
-
-
-class SubnetTimeout(ServingError):
-    """A subnet did not answer within the request's deadline: 504 naming the subnet."""
-
-    status = 504
-
-
-# --------------------------------------------------------------------------------------------
-# The contract
-
-
-@dataclass
-class Prediction:
-    scores: np.ndarray  # [B, N] float32
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Predictor(Protocol):
-    spec: "DatasetSpec"
-    name: str
-
-    async def predict(self, x: np.ndarray) -> Prediction: ...
-
-    def describe(self) -> dict: ...
-
-    async def close(self) -> None: ...
-
-
-class SubnetPool(Protocol):
-    """Runs subnet ``i`` on a normalized batch and returns its raw output ``[B, k]``."""
-
-    names: list[str]
-
-    async def run(self, index: int, x: np.ndarray) -> np.ndarray: ...
-
-    def describe(self) -> dict: ...
-
-    async def close(self) -> None: ...
-
-
-# --------------------------------------------------------------------------------------------
-# Class parallelism
-
-
-def subnet_name(index: int) -> str:
-    return f"subnet_{index:02d}"
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class ClassParallelPredictor:
-    """Fan one batch out to every subnet of a pool at once, wait (bounded), merge.
+    """See the module docstring.  ``specs[g]`` is group ``g``'s runner recipe; a worker is one
+    device, so its subnets run on ``worker_devices[w]`` (default: one GPU per worker round robin,
+    else the CPU).  ``hedge_ms``: a worker computes its own groups at once but waits up to this
+    long before computing copies, skipped if their group is answered meanwhile.  ``delays`` /
+    ``corrupt``: fault injection per worker.  Blocks until every worker is ready."""
 
-    ``deadline_s`` bounds the whole fan-out: a subnet still running when it expires makes the
-    request fail with :class:`SubnetTimeout` naming it (its task is cancelled, so nothing waits on
-    it any more); a subnet that raises makes it fail with :class:`SubnetFailed`.
-    """
-
-    def __init__(self, pool: SubnetPool, manifest: "DecompositionManifest", *, name: str = "sensai",
-                 deadline_s: float = 5.0, backend: str = "local"):
-        if len(pool.names) != len(manifest.groups):
-            raise ValueError(f"pool has {len(pool.names)} subnets, manifest {len(manifest.groups)}")
-        self.pool = pool
+    def __init__(self, artifact: Artifact, specs: Sequence[RunnerSpec], transport: Transport,
+                 placement: Placement | None = None, *, name: str = "sensai",
+                 deadline_s: float = 5.0, hedge_ms: float = 0.0, restart_delay_s: float = 0.0,
+                 load_timeout_s: float = 600.0, probe_timeout_s: float = 30.0,
+                 hang_timeout_s: float | None = None,
+                 delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
+                 seed: int = 0, worker_devices: Sequence[str] | None = None):
+        manifest = artifact.manifest
+        self.artifact = artifact
         self.manifest = manifest
-        self.spec = manifest.dataset.to_spec()
+        self.spec = artifact.spec
         self.name = name
+        self.groups = [list(g) for g in manifest.groups]
+        self.placement = placement or Placement.cyclic(len(self.groups))
+        self.transport = transport
+        if len(specs) != len(self.groups):
+            raise ValueError(f"{len(specs)} runner specs for {len(self.groups)} groups")
+        caps = transport.capabilities
+        if not caps.several_groups and any(len(p) > 1 for p in self.placement.workers):
+            raise SensaiError(f"the {transport.name} backend runs one subnet per worker: it "
+                              "cannot host redundant copies")
+        if hedge_ms and not caps.skip:
+            raise SensaiError(f"the {transport.name} backend cannot hold copies back (hedging)")
         self.deadline_s = float(deadline_s)
-        self.backend = backend
-        self._groups = [list(g) for g in manifest.groups]
-        self._outputs = [s.num_outputs for s in manifest.subnets] or None
-
-    async def _timed(self, i: int, x: np.ndarray) -> tuple[np.ndarray, float]:
-        t0 = time.perf_counter()
-        out = await self.pool.run(i, x)
-        return out, (time.perf_counter() - t0) * 1e3
-
-    async def predict(self, x: np.ndarray) -> Prediction:
-        from sensai.merge import merge_outputs
-
-        t0 = time.perf_counter()
-        tasks = [asyncio.ensure_future(self._timed(i, x)) for i in range(len(self._groups))]
+        self.hedge_s = max(0.0, float(hedge_ms)) / 1e3
+        self.hosts = [list(h) for h in self.placement.hosts]
+        self._single_copy = all(len(h) == 1 for h in self.hosts)
+        self.need = self.placement.need
+        self._outputs = [s.num_outputs for s in manifest.subnets]
+        self._merge = Merger(self.groups, self._outputs, manifest.num_classes)
+        self._names = [subnet_name(g) for g in range(len(self.groups))]
+        self._lock = threading.Lock()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self.answered = [0] * len(self.placement.workers)
+        self.outvoted = [0] * len(self.placement.workers)
+        self.degraded_answers = 0
+        delays = {int(k): (parse_delay(v) if isinstance(v, str) else v)
+                  for k, v in (delays or {}).items()}
+        corrupt = {int(c) for c in corrupt}
+        for w in [*delays, *corrupt]:
+            if not 0 <= w < len(self.placement.workers):
+                raise SensaiError(f"no worker {w}: workers are 0..{len(self.placement.workers) - 1}")
+        if (delays or corrupt) and not caps.skip:
+            raise SensaiError(f"the {transport.name} backend has no fault injection")
+        self.workers: list[WorkerHandle] = []
+        for w, hosted in enumerate(self.placement.workers):
+            dev = worker_devices[w] if worker_devices else specs[hosted[0]].device
+            ws = [replace(specs[g], device=dev) for g in hosted]
+            self.workers.append(transport.worker(w, hosted, ws, self, delay=delays.get(w),
+                                                 corrupt=w in corrupt, seed=seed + w))
+        self._runs = [(wk.groups, self.placement.primaries(wk.index)) for wk in self.workers]
+        self.supervisor = Supervisor(self.workers, self._lock, caps, self._lose_worker,
+                                     restart_delay_s=restart_delay_s,
+                                     load_timeout_s=load_timeout_s,
+                                     probe_timeout_s=probe_timeout_s,
+                                     hang_timeout_s=hang_timeout_s)
         try:
-            done, pending = await asyncio.wait(tasks, timeout=self.deadline_s)
-        except asyncio.CancelledError:
-            for t in tasks:
-                t.cancel()
+            self.supervisor.start_all()
+        except BaseException:
+            transport.close()
             raise
-        if pending:
-            for t in pending:
-                t.cancel()
-            slow = [self.pool.names[i] for i, t in enumerate(tasks) if t in pending]
-            raise SubnetTimeout(f"{', '.join(slow)} did not answer within the "
-                                f"{self.deadline_s:g} s deadline", subnet=slow[0])
-        # Look at every task's exception (asyncio complains about unretrieved ones), then report
-        # the first failure in subnet order.
-        errors = [(i, t.exception()) for i, t in enumerate(tasks)]
-        for i, exc in errors:
-            if exc is not None:
-                name = self.pool.names[i]
-                if isinstance(exc, ServingError):
-                    raise exc
-                log.error("%s failed: %r", name, exc)
-                raise SubnetFailed(f"{name} failed: {type(exc).__name__}: {exc}", subnet=name)
-        outputs, timings = [], {}
-        for i, t in enumerate(tasks):
-            name = self.pool.names[i]
-            out, ms = t.result()
-            out = np.asarray(out)
-            want = (x.shape[0], self._outputs[i]) if self._outputs else None
-            if out.ndim == 1:
-                out = out[:, None]
-            if want is not None and tuple(out.shape) != want:
-                raise SubnetFailed(f"{name} answered shape {tuple(out.shape)}, expected {want}",
-                                   subnet=name)
-            outputs.append(out)
-            timings[name] = round(ms, 3)
-        t1 = time.perf_counter()
-        scores = merge_outputs(outputs, self._groups, self.manifest.num_classes)
+
+    # -- the request path
+
+    async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
+                      timeout_s: float | None = None) -> Prediction:
+        loop = asyncio.get_running_loop()
+        wait = self.deadline_s if timeout_s is None else max(0.0, min(self.deadline_s, timeout_s))
+        req = _Request(next(self._ids), loop, CoverageDecoder(self.hosts, need=self.need),
+                       allow_partial)
+        dec = req.decoder
+        self._requests[req.id] = req
+        timer = None
+        try:
+            with self._lock:
+                for wk in self.workers:
+                    if wk.state != "up":
+                        dec.lose(wk.index, reason=f"{wk.name} is {wk.state}")
+                if not (dec.blocked and not allow_partial):  # else fail now, computing nothing
+                    now = time.monotonic()
+                    for wk in self.workers:
+                        if wk.state == "up":
+                            if not wk.pending:
+                                wk.busy_since = now
+                            wk.pending[req.id] = now
+                            req.dispatched.append(wk)
+                finished = dec.finished(allow_partial)
+                req.done = finished
+            for wk in req.dispatched:
+                groups, primaries = self._runs[wk.index]
+                wk.send(Run(req.id, x, groups, primaries, self.hedge_s))
+            if not finished:
+                timer = loop.call_later(wait, self._expire, req)
+                await req.future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._requests.pop(req.id, None)
+            with self._lock:
+                req.done = True
+                # Answered, failed or timed out: what a worker has not computed yet is not
+                # needed.  Without copies a complete answer leaves nothing to skip.
+                busy = [] if dec.complete and self._single_copy else \
+                    [wk for wk in req.dispatched if req.id in wk.pending]
+            for wk in busy:
+                wk.send(Skip(req.id, None))
+        return self._answer(req, wait)
+
+    def _expire(self, req: _Request) -> None:
+        with self._lock:
+            if not req.done:
+                req.done = True
+                req.timed_out = True
+        _resolve(req.future)
+
+    def _answer(self, req: _Request, wait: float) -> Prediction:
+        dec = req.decoder
+        missing = dec.undecided()
+        if missing and not (req.allow_partial and dec.decided):
+            self._fail(req, missing, wait)
+        covered = sorted(dec.decided)
+        decided = [dec.decided[g] for g in covered]
         t2 = time.perf_counter()
-        timings["merge"] = round((t2 - t1) * 1e3, 3)
-        timings["total"] = round((t2 - t0) * 1e3, 3)
-        return Prediction(scores=scores, timings_ms=timings)
+        if not missing:
+            scores = self._merge([d.output for d in decided])
+        else:  # the same merge over the answered groups: 0 for the classes of the others
+            scores = merge_outputs([d.output for d in decided],
+                                   [self.groups[g] for g in covered], self.manifest.num_classes)
+        t3 = time.perf_counter()
+        names = self._names
+        timings = {names[g]: round(req.arrival_ms[g], 3) for g in covered}
+        compute = req.compute_ms
+        for g in covered:
+            timings["compute." + names[g]] = round(compute[g], 4)
+        timings["compute"] = round(max(compute.values()), 4)  # the slowest subnet: the floor
+        timings["compute_sum"] = round(sum(compute.values()), 4)
+        timings["merge"] = round((t3 - t2) * 1e3, 4)
+        timings["total"] = round((t3 - req.t0) * 1e3, 4)
+        answered_by = {}
+        for g, d in zip(covered, decided):
+            answered_by[names[g]] = self.workers[d.worker].name
+            self.answered[d.worker] += 1
+            for w in d.outvoted:
+                self.outvoted[w] += 1
+        if not missing:
+            return Prediction(scores, timings, answered_by=answered_by)
+        self.degraded_answers += 1
+        log.warning("request %d answered degraded: no answer for %s", req.id,
+                    self._describe_groups(missing))
+        return Prediction(scores, timings, degraded=True,
+                          covered_classes=sorted(c for g in covered for c in self.groups[g]),
+                          missing_classes=self._class_names(missing), answered_by=answered_by)
+
+    def _fail(self, req: _Request, missing: list[int], wait: float) -> None:
+        dec = req.decoder
+        if req.timed_out:
+            waiting = sorted({self.workers[w].name for g in missing for w in dec.waiting_on(g)})
+            raise SubnetTimeout(
+                f"no answer within the {wait:.3g} s deadline for classes "
+                f"{self._describe_groups(missing)} (waiting for "
+                f"{', '.join(waiting) or 'no live worker'})",
+                subnet=subnet_name(missing[0]), missing_classes=self._class_names(missing))
+        missing = dec.unreachable() or missing  # name the groups out of reach
+        reasons = sorted({r for g in missing for r in dec.lost_reasons.get(g, [])})
+        raise SubnetFailed(
+            f"no live copy of classes {self._describe_groups(missing)} "
+            f"({'; '.join(reasons) or 'copies lost'}; redundancy {self.placement.redundancy}); "
+            "retry, or allow a partial answer over the other classes",
+            subnet=subnet_name(missing[0]), missing_classes=self._class_names(missing))
+
+    # -- events from workers (any thread)
+
+    def deliver(self, worker: int, generation: int, event) -> None:
+        wk = self.workers[worker]
+        if generation != wk.generation:
+            return  # from an incarnation given up on
+        kind = type(event)
+        now = time.monotonic()
+        if kind is Done:
+            with self._lock:
+                wk.pending.pop(event.req, None)
+                wk.skipped += event.skipped
+                wk.last_progress = now
+            return
+        req = self._requests.get(event.req)
+        skips: list[int] = []
+        with self._lock:
+            wk.last_progress = now
+            if kind is Output:
+                wk.runs += 1
+                wk.compute_ms += event.ms
+            elif kind is Failure:
+                wk.failures += 1
+                log.error("%s: %s failed: %s", wk.name, subnet_name(event.group), event.error)
+            if req is None or req.done:
+                return  # a late copy, or a request already answered
+            dec, g = req.decoder, event.group
+            if kind is Output:
+                out = event.output
+                if out.ndim == 1:
+                    out = out[:, None]
+                if out.shape[-1] != self._outputs[g]:
+                    log.error("%s answered %s with shape %s, expected [B, %d]", wk.name,
+                              subnet_name(g), out.shape, self._outputs[g])
+                    dec.lose(worker, g, f"{wk.name} answered a wrong shape")
+                elif dec.add(g, worker, out):
+                    req.arrival_ms[g] = (time.perf_counter() - req.t0) * 1e3
+                    req.compute_ms[g] = event.ms
+                    if not dec.complete:
+                        skips = dec.waiting_on(g)
+            else:
+                dec.lose(worker, g, f"{wk.name}: {event.error}")
+            finished = dec.finished(req.allow_partial)
+            if finished:
+                req.done = True
+        for w in skips:  # the other holders of that group need not compute it
+            self.workers[w].send(Skip(req.id, (g,)))
+        if finished:
+            req.loop.call_soon_threadsafe(_resolve, req.future)
+
+    def exited(self, worker: int, generation: int, detail: str) -> None:
+        self.supervisor.exited(self.workers[worker], generation, detail)
+
+    def _lose_worker(self, wk: WorkerHandle, reason: str) -> None:
+        """``wk`` is down: its copies in flight will not arrive."""
+        with self._lock:
+            pending, wk.pending = list(wk.pending), {}
+            finished = []
+            for req_id in pending:
+                req = self._requests.get(req_id)
+                if req is None or req.done:
+                    continue
+                req.decoder.lose(wk.index, reason=reason)
+                if req.decoder.finished(req.allow_partial):
+                    req.done = True
+                    finished.append(req)
+        for req in finished:
+            try:
+                req.loop.call_soon_threadsafe(_resolve, req.future)
+            except RuntimeError:
+                pass  # that event loop is closed
+
+    # -- state
+
+    def is_ready(self) -> bool:
+        """Ready when every group can be decided by the live workers."""
+        with self._lock:
+            up = {wk.index for wk in self.workers if wk.state == "up"}
+        return (all(sum(1 for w in h if w in up) >= self.need for h in self.hosts)
+                and self.transport.healthy())
+
+    def worker_states(self) -> list[str]:
+        with self._lock:
+            return [wk.state for wk in self.workers]
+
+    def counters(self) -> dict:
+        """Work done so far (for the benchmark): subnet runs, compute ms, skipped copies."""
+        with self._lock:
+            return {"runs": sum(w.runs for w in self.workers),
+                    "compute_ms": sum(w.compute_ms for w in self.workers),
+                    "skipped": sum(w.skipped for w in self.workers),
+                    "per_worker_runs": [w.runs for w in self.workers],
+                    "answered": list(self.answered), "outvoted": list(self.outvoted)}
+
+    def _class_names(self, groups: Sequence[int]) -> list[str]:
+        names = self.spec.classes
+        return [names[c] for g in sorted(groups) for c in self.groups[g]]
+
+    def _describe_groups(self, groups: Sequence[int]) -> str:
+        names = self.spec.classes
+        return "; ".join(f"{subnet_name(g)}: " + ", ".join(f"{c} ({names[c]})"
+                                                           for c in self.groups[g])
+                         for g in sorted(groups))
+
+    def placement_table(self) -> str:
+        """One line per worker: where it runs and the subnets it hosts (printed by serve)."""
+        lines = []
+        for wk in self.workers:
+            parts = [subnet_name(g) + ("" if self.hosts[g][0] == wk.index else " (copy)")
+                     for g in wk.groups]
+            where = wk.where()
+            at = ", ".join(f"{k} {v}" for k, v in where.items() if k in ("device", "node") and v)
+            lines.append(f"  {wk.name}: {', '.join(parts)}" + (f"  [{at}]" if at else ""))
+        return "\n".join(lines)
 
     def describe(self) -> dict:
-        return {
-            "strategy": "class-parallel",
-            "backend": self.backend,
-            "model": self.manifest.model,
-            "groups": self._groups,
-            "deadline_s": self.deadline_s,
-            "pool": self.pool.describe(),
-        }
+        classes = self.spec.classes
+        with self._lock:
+            workers = [dict(wk.describe(), answered=self.answered[i], outvoted=self.outvoted[i],
+                            primary=[g for g in wk.groups if self.hosts[g][0] == i],
+                            classes=[[classes[c] for c in self.groups[g]] for g in wk.groups])
+                       for i, wk in enumerate(self.workers)]
+        return {"strategy": "class-parallel", "backend": self.transport.name,
+                "transport": self.transport.describe(), "model": self.manifest.model,
+                "groups": self.groups, "deadline_s": self.deadline_s,
+                "redundancy": self.placement.redundancy, "vote": self.placement.vote,
+                "copies_per_group": len(self.hosts[0]), "agreeing_copies_needed": self.need,
+                "hedge_ms": round(self.hedge_s * 1e3, 3),
+                "placement": [list(p) for p in self.placement.workers], "hosts": self.hosts,
+                "degraded_answers": self.degraded_answers, "workers": workers}
+
+    # -- fault injection (tests, benchmark)
+
+    def inject(self, worker: int, *, delay: DelaySpec | str | None = None,
+               corrupt: bool = False) -> None:
+        """Give worker ``worker`` a delay distribution and/or corrupt outputs (None/False: off);
+        kept across its restarts."""
+        wk = self.workers[worker]
+        wk.delay = parse_delay(delay) if isinstance(delay, str) else delay
+        wk.corrupt = bool(corrupt)
+        wk.send(Fault(wk.delay, wk.corrupt))
+
+    def kill_worker(self, worker: int) -> int | None:
+        """End worker ``worker`` as a crash would (a process: SIGKILL; a thread: abandoned; a
+        Ray actor: killed, Ray restarts it); returns its pid when it has one."""
+        if not self.transport.capabilities.kill:
+            raise SensaiError(f"the {self.transport.name} backend cannot end a worker")
+        return self.workers[worker].kill()
+
+    def wait_until_up(self, worker: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.workers[worker].state == "up":
+                return True
+            time.sleep(0.02)
+        return self.workers[worker].state == "up"
+
+    def shutdown(self) -> None:
+        self.supervisor.close()
+        self.transport.close()
 
     async def close(self) -> None:
-        await self.pool.close()
+        await asyncio.to_thread(self.shutdown)
 
 
-def check_batch(x: np.ndarray, spec: "DatasetSpec", max_batch: int) -> np.ndarray:
-    """Validate a normalized input batch before any subnet sees it (shape, dtype, finite values)."""
-    if not isinstance(x, np.ndarray):
-        raise InputError("input must be an array")
-    if x.dtype != np.float32:
-        raise InputError(f"input must be FP32, got {x.dtype}")
-    want = tuple(spec.input_shape)
-    if x.ndim != 4 or tuple(x.shape[1:]) != want:
-        raise InputError(f"input shape must be [batch, {', '.join(map(str, want))}], "
-                         f"got {list(x.shape)}")
-    if not 1 <= x.shape[0] <= max_batch:
-        raise InputError(f"batch size must be between 1 and {max_batch}, got {x.shape[0]}")
-    if not np.isfinite(x).all():
-        raise InputError("input contains NaN or infinite values")
-    return np.ascontiguousarray(x)
-
-
-def top_k_rows(scores: np.ndarray, k: int, classes: Sequence[str]) -> list[list[dict]]:
-    """Per row, the k best classes as ``{"index", "label", "score"}``, best first."""
-    from sensai.merge import top_k
-
-    idx, val = top_k(scores, k)
-    return [[{"index": int(i), "label": classes[int(i)], "score": float(v)}
-             for i, v in zip(ri, rv)] for ri, rv in zip(idx, val)]
+def worker_devices(workers: int, device: str) -> list[str]:
+    """One device per worker: GPU ``w mod n`` with ``n`` GPUs (``auto``), else as asked."""
+    return [str(device_for_worker(w, device)) for w in range(workers)]

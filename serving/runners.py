@@ -7,18 +7,27 @@ benchmark goes through a runner, so the strategies compare like with like.
   small CNNs), CUDA execution provider on a GPU when that provider is installed.
 * :class:`TorchRunner` - torch eager, for GPUs without onnxruntime-gpu.
 
-The device is picked at run time by :func:`make_runner`; nothing calls ``.cuda()`` directly.
+A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
+it is built where the runner will live, and checks the file it loads against the manifest's hash
+there.  The device is picked at run time; nothing calls ``.cuda()`` directly.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import onnxruntime as ort
+
+from sensai.artifact import Artifact, verify_file
+from sensai.errors import CheckpointError, SensaiError
 
 log = logging.getLogger(__name__)
+
+RUNTIMES = ("auto", "onnx", "torch")
 
 
 class Runner(Protocol):
@@ -30,9 +39,7 @@ class Runner(Protocol):
 
 class OrtRunner:
     def __init__(self, onnx_path: str | Path, *, threads: int = 1, device: str = "cpu",
-                 name: str | None = None):
-        import onnxruntime as ort
-
+                 name: str | None = None, num_outputs: int | None = None):
         opts = ort.SessionOptions()
         # One thread per worker: parallelism comes from running workers side by side, and
         # intra-op threads of several sessions on few cores only fight each other.
@@ -43,13 +50,24 @@ class OrtRunner:
         providers: list = ["CPUExecutionProvider"]
         if device.startswith("cuda"):
             if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise RuntimeError("device is CUDA but onnxruntime has no CUDAExecutionProvider "
-                                   "(install onnxruntime-gpu or use the torch runtime)")
+                raise CheckpointError("device is CUDA but onnxruntime has no "
+                                      "CUDAExecutionProvider (install onnxruntime-gpu or use the "
+                                      "torch runtime)")
             index = int(device.split(":")[1]) if ":" in device else 0
             providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(onnx_path), sess_options=opts, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), sess_options=opts,
+                                                providers=providers)
+        except Exception as e:  # onnxruntime raises its own types for unreadable graphs
+            raise CheckpointError(f"onnxruntime cannot load {onnx_path}: "
+                                  f"{str(e).splitlines()[0]}") from None
         self.input_name = self.session.get_inputs()[0].name
-        self.output_name = self.session.get_outputs()[0].name
+        out = self.session.get_outputs()[0]
+        self.output_name = out.name
+        width = out.shape[-1] if out.shape else None
+        if num_outputs is not None and isinstance(width, int) and width != num_outputs:
+            raise CheckpointError(f"{onnx_path} gives {width} outputs per image, the manifest "
+                                  f"says {num_outputs}")
         self.name = name or Path(onnx_path).stem
         self.device = device
 
@@ -68,23 +86,110 @@ class TorchRunner:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         torch = self._torch
+        if not x.flags.writeable:
+            x = np.array(x)  # arrays from Ray or shared buffers are read-only; torch wants its own
         with torch.inference_mode():
             out = self.model(torch.from_numpy(x).to(self.device, non_blocking=True))
+        # .cpu() waits for the device, so the caller's clock covers the whole computation.
         return out.float().cpu().numpy()
 
 
-def make_runner(*, onnx_path: str | Path | None = None, model=None, device: str = "cpu",
-                threads: int = 1, runtime: str = "auto", name: str | None = None) -> Runner:
-    """ONNX Runtime when an ONNX file is given and the runtime can use ``device``; else torch."""
-    if runtime not in ("auto", "onnx", "torch"):
-        raise ValueError(f"unknown runtime {runtime!r}")
-    if runtime in ("auto", "onnx") and onnx_path is not None:
-        try:
-            return OrtRunner(onnx_path, threads=threads, device=device, name=name)
-        except RuntimeError as e:
-            if runtime == "onnx" or model is None:
-                raise
-            log.info("falling back to torch for %s: %s", name or onnx_path, e)
-    if model is None:
-        raise ValueError("a torch model is needed for the torch runtime")
-    return TorchRunner(model, device=device, name=name or "model")
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything needed to build one subnet's runner, picklable.
+
+    ``runtime="auto"``: ONNX Runtime when the device is a CPU and an ONNX file exists, torch
+    otherwise (GPUs, or artifacts without ONNX files).  The torch network is rebuilt from its
+    safetensors weights - nothing is unpickled; an architecture given as
+    ``package.module:factory`` is imported only with ``trust_code``.
+    """
+
+    name: str
+    input_shape: tuple[int, int, int]
+    device: str = "cpu"
+    runtime: str = "auto"
+    threads: int = 1
+    onnx_path: str | None = None
+    onnx_sha256: str | None = None
+    arch: str | None = None
+    num_outputs: int = 0
+    in_channels: int = 0
+    weights_path: str | None = None
+    weights_sha256: str | None = None
+    trust_code: bool = False
+    warmup: bool = True
+
+    def resolved_runtime(self) -> str:
+        if self.runtime == "auto":
+            return "onnx" if self.device == "cpu" and self.onnx_path else "torch"
+        return self.runtime
+
+    def build(self) -> Runner:
+        if self.resolved_runtime() == "onnx":
+            if not self.onnx_path:
+                raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
+            path = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
+            runner: Runner = OrtRunner(path, threads=self.threads, device=self.device,
+                                       name=self.name, num_outputs=self.num_outputs or None)
+        else:
+            # torch only on this branch: ONNX-only workers never import it.
+            import torch
+
+            from sensai.checkpoint import build_from_weights, load_weights
+
+            if not (self.arch and self.weights_path):
+                raise CheckpointError(f"{self.name} has no weights to build a torch runner from")
+            if self.device == "cpu":
+                # Several CPU workers in one process share torch's intra-op pool; keep it small
+                # so they do not oversubscribe the cores.
+                torch.set_num_threads(max(1, self.threads))
+            path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
+            model = build_from_weights(self.arch, self.num_outputs, self.in_channels,
+                                       load_weights(path, self.weights_sha256),
+                                       f"weights of {self.name} ({path})",
+                                       trust_code=self.trust_code)
+            runner = TorchRunner(model, device=self.device, name=self.name)
+        if self.warmup:
+            # The first run allocates buffers (and compiles kernels on GPUs); do it now so the
+            # first request does not pay for it.
+            runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
+        return runner
+
+    def describe(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k in ("name", "device", "threads")}
+        d["runtime"] = self.resolved_runtime()
+        return d
+
+
+def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",
+                 threads: int = 1, trust_code: bool = False) -> list[RunnerSpec]:
+    """One :class:`RunnerSpec` per subnet of an artifact, devices round robin over GPUs.
+
+    Refuses now, with one line, what would fail later: an unknown runtime, a missing file, and
+    an architecture that names code when the torch runtime would import it without consent."""
+    from sensai.models import device_for_worker, is_factory_path  # torch: the gateway's side
+
+    if runtime not in RUNTIMES:
+        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    m = artifact.manifest
+    specs = []
+    for s in artifact.subnets:
+        spec = RunnerSpec(
+            name=s.name, input_shape=tuple(m.dataset.input_shape),
+            device=str(device_for_worker(s.index, device)), runtime=runtime, threads=threads,
+            onnx_path=str(s.onnx) if s.onnx else None, onnx_sha256=s.onnx_sha256, arch=m.model,
+            num_outputs=s.num_outputs, in_channels=m.in_channels, weights_path=str(s.weights),
+            weights_sha256=s.weights_sha256, trust_code=trust_code)
+        if spec.resolved_runtime() == "onnx":
+            if not (s.onnx and s.onnx.is_file()):
+                raise CheckpointError(f"ONNX file {s.onnx} of {s.name} does not exist")
+        else:
+            if not s.weights.is_file():
+                raise CheckpointError(f"weights file {s.weights} of {s.name} does not exist")
+            if is_factory_path(m.model) and not trust_code:
+                raise CheckpointError(
+                    f"the manifest's architecture {m.model!r} is code the torch runtime would "
+                    "import; pass --trust-model-code if you trust this artifact, or use the "
+                    "onnx runtime")
+        specs.append(spec)
+    return specs

@@ -61,12 +61,14 @@ class ModelInfo(BaseModel):
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": desc} for code, desc in (
-        (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf)"),
+        (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf, out of range)"),
         (404, "unknown model or version"),
-        (413, "body over the size limit, or an image over the pixel limit"),
+        (408, "the request body did not arrive within SENSAI_BODY_TIMEOUT_S"),
+        (413, "body over the size limit, or an image over the pixel or decoded-bytes limit"),
         (415, "unsupported image format or content encoding"),
         (422, "invalid query parameter"),
-        (503, "a subnet failed"),
-        (504, "a subnet exceeded the request deadline"),
+        (503, "some classes have no live subnet (missing_classes names them), or the gateway "
+              "is overloaded (with Retry-After)"),
+        (504, "the subnets did not answer within the request's deadline"),
     )
 }

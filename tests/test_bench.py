@@ -1,12 +1,15 @@
-"""``sensai bench`` on a tiny artifact: well-formed outputs, consistent figures, clear errors.
+"""``sensai bench`` and ``sensai bench-robust`` on a tiny artifact: well-formed outputs, consistent
+figures, the artifact's accuracy beside the latencies, per-model targets, clear errors.
 
-Real components throughout: real Fashion-MNIST images, ONNX Runtime workers, the gateway under
-uvicorn on 127.0.0.1 and an HTTP client. No timing is asserted (the CPU is shared); only that
-every figure is there and agrees with what can be recomputed independently.
+Real components throughout: real Fashion-MNIST images, ONNX Runtime on thread workers, the
+predictor ``sensai serve`` builds, the gateway under uvicorn on 127.0.0.1 and an HTTP client in
+its own process.  No timing is asserted (the CPU is shared); only that every figure is there and
+agrees with what can be recomputed independently.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -26,7 +29,7 @@ def artifact(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def short_run(artifact, tmp_path_factory):
-    from sensai.serving.bench import run_bench
+    from sensai.serving.bench.latency import run_bench
 
     out = tmp_path_factory.mktemp("bench_out")
     result = run_bench(artifact, out, workers=3, replicas=2, images=20, warmup=2, concurrency=2,
@@ -40,12 +43,14 @@ def test_outputs_are_written_and_well_formed(short_run):
 
     out, result = short_run
     on_disk = json.loads((out / "bench.json").read_text())
+    assert on_disk["kind"] == "sensai-bench" and on_disk["command"] == "test"
     assert on_disk["strategies"].keys() == result["strategies"].keys() == set(STRATS)
     with Image.open(out / "bench.png") as img:
         assert img.format == "PNG" and img.size[0] > 400 and img.size[1] > 200
     md = (out / "bench.md").read_text()
-    for text in ("## Latency", "## Where the time goes", "## Per worker", "## Targets",
-                 "single device", "model parallel", "class parallel", "data parallel",
+    for text in ("## Accuracy and size", "## Latency", "## Where the time goes", "## Per worker",
+                 "## Targets", "single device", "model parallel", "class parallel",
+                 "data parallel", "each subnet alone", "Model-parallel cut: 3 stages",
                  on_disk["machine"]["cpu_model"] or "Machine"):
         assert text in md
     assert sorted(p.name for p in (out / "models").glob("*.onnx")) == [
@@ -54,9 +59,12 @@ def test_outputs_are_written_and_well_formed(short_run):
 
     m = on_disk["machine"]
     assert m["logical_cores"] >= 1 and m["memory_gb"] > 0 and isinstance(m["gpus"], list)
+    assert m["load_average"] and m["load_average_end"]
     for pkg in ("torch", "onnxruntime", "numpy", "ray", "fastapi"):
         assert m["versions"][pkg]
-    assert on_disk["settings"]["stages"] == 3 and on_disk["settings"]["replicas"] == 2
+    st = on_disk["settings"]
+    assert st["stages"] == 3 and st["replicas"] == 2 and st["class_parallel_backend"] == "local"
+    assert on_disk["stage_plan"]["num_stages"] == 3
 
 
 def test_latency_figures_are_complete_and_consistent(short_run):
@@ -78,35 +86,89 @@ def test_latency_figures_are_complete_and_consistent(short_run):
             assert parts == pytest.approx(lat["mean"], abs=1e-3)
             assert rep["throughput"]["requests"] == 6 and rep["throughput"]["images_per_s"] > 0
             assert rep["throughput"]["concurrency"] == 2
+            # Critical path <= all the work: equal for one worker, the slowest subnet for G.
+            assert rep["compute_sum_ms"]["mean"] >= mean["compute"] - 1e-3
     workers = {k: len(result["strategies"][k]["transports"]["inprocess"]["per_worker_compute_ms"])
                for k in STRATS}
     # Every stage, subnet and replica really ran (least-busy dispatch spreads over replicas).
     assert workers == {"single": 1, "model-parallel": 3, "class-parallel": 5, "data-parallel": 2}
     cp = result["strategies"]["class-parallel"]
-    assert set(cp["isolated_compute_ms"]) == {f"subnet_{i:02d}" for i in range(5)}
+    names = {f"subnet_{i:02d}" for i in range(5)}
+    assert set(cp["transports"]["http"]["per_worker_compute_ms"]) == names
+    assert set(cp["isolated_compute_ms"]) == names
+    assert all(v["n"] == 2 for v in cp["isolated_compute_ms"].values())
+    p50s = [v["p50"] for v in cp["isolated_compute_ms"].values()]
+    assert cp["isolated_compute_ms_p50_max"] == pytest.approx(max(p50s), abs=1e-3)
+    assert cp["isolated_compute_ms_p50_sum"] == pytest.approx(sum(p50s), abs=1e-3)
+    cores = result["machine"]["usable_cores"]
+    assert cp["core_bound_floor_ms"] == pytest.approx(max(max(p50s), sum(p50s) / cores),
+                                                      abs=1e-3)
 
 
 def test_accuracy_matches_an_independent_evaluation(short_run, artifact, fmnist_spec, fmnist_test):
-    from sensai.pruning.decompose import evaluate_models, load_subnets
+    from sensai.artifact import load_artifact
     from sensai.checkpoint import load_trained_model
     from sensai.data import stratified_subset
+    from sensai.pruning.decompose import evaluate_models
     from sensai.training.trainer import predict_logits, top1
 
     _, result = short_run
     idx = stratified_subset(fmnist_test.labels, 20, 0)
-    manifest, subnets = load_subnets(artifact, "cpu")
-    model, _ = load_trained_model(manifest.source.model_dir)
+    art = load_artifact(artifact)
+    subnets = art.load_subnets("cpu")
+    model, _ = load_trained_model(art.manifest.source.model_dir)
     want_full = top1(predict_logits(model, fmnist_test, fmnist_spec, torch.device("cpu"),
                                     indices=idx), fmnist_test.labels[idx])
-    want_cp = evaluate_models(None, subnets, manifest.groups, fmnist_test, fmnist_spec,
+    want_cp = evaluate_models(None, subnets, art.groups, fmnist_test, fmnist_spec,
                               torch.device("cpu"), indices=idx, progress=None)["decomposed_top1"]
     for key in STRATS:
         want = want_cp if key == "class-parallel" else want_full
         for t in ("inprocess", "http"):  # PNG over HTTP is lossless: the same answers
             assert result["strategies"][key]["transports"][t]["top1"] == pytest.approx(want)
+    on_bench = result["accuracy"]["on_bench_images"]
+    assert on_bench == {"images": 20, "original_top1": pytest.approx(want_full),
+                        "decomposed_top1": pytest.approx(want_cp)}
 
 
-def test_params_flops_and_memory_per_worker(short_run, artifact):
+def test_bench_json_carries_accuracy_and_latency(short_run, artifact, fmnist_spec, fmnist_test):
+    """One file shows speed and accuracy: the artifact's top-1 (original, decomposed, delta),
+    re-measured here on the test images it names, and its shrink."""
+    from sensai.artifact import load_artifact
+    from sensai.checkpoint import load_trained_model
+    from sensai.data import stratified_subset
+    from sensai.pruning.decompose import evaluate_models
+
+    out, _ = short_run
+    on_disk = json.loads((out / "bench.json").read_text())
+    acc, shrink = on_disk["accuracy"], on_disk["shrink"]
+    assert on_disk["strategies"]["class-parallel"]["transports"]["http"]["latency_ms"]["p50"] > 0
+    # The fixture's decomposition evaluated on a stratified subset of 500 test images (seed 0).
+    assert acc["split"] == "test" and acc["images"] == acc["limit"] == 500
+    assert "500 images" in acc["measured_on"] and "fashion-mnist" in acc["measured_on"]
+    art = load_artifact(artifact)
+    model, _ = load_trained_model(art.manifest.source.model_dir)
+    idx = stratified_subset(fmnist_test.labels, 500, 0)
+    want = evaluate_models(model, art.load_subnets("cpu"), art.groups, fmnist_test, fmnist_spec,
+                           torch.device("cpu"), indices=idx, progress=None)
+    assert acc["original_top1"] == pytest.approx(want["original_top1"], abs=1e-5)
+    assert acc["decomposed_top1"] == pytest.approx(want["decomposed_top1"], abs=1e-5)
+    assert acc["delta_points"] == pytest.approx(
+        100 * (want["decomposed_top1"] - want["original_top1"]), abs=1e-2)
+    assert acc["original_top1_at_training"] == pytest.approx(art.manifest.source.test_top1)
+
+    src = art.manifest.source
+    assert shrink["original"] == {"params": src.params, "flops": src.flops}
+    assert shrink["largest_subnet"]["params"] == max(s.params for s in art.manifest.subnets)
+    assert shrink["largest_subnet"]["flops"] == max(s.flops for s in art.manifest.subnets)
+    assert shrink["params_ratio"] == pytest.approx(
+        src.params / shrink["largest_subnet"]["params"], rel=1e-3)
+    assert shrink["params_ratio"] > 1 and shrink["flops_ratio"] > 1
+    md = (out / "bench.md").read_text()
+    assert f"{acc['original_top1']:.4f}" in md and f"{acc['decomposed_top1']:.4f}" in md
+    assert "500 images" in md
+
+
+def test_params_flops_and_memory_per_strategy(short_run, artifact):
     from sensai.checkpoint import load_trained_model
     from sensai.flops import count_flops
     from sensai.manifest import load_manifest
@@ -125,44 +187,96 @@ def test_params_flops_and_memory_per_worker(short_run, artifact):
         r.params for r in manifest.subnets]
     assert [w["flops"] for w in s["class-parallel"]["per_worker"]] == [
         r.flops for r in manifest.subnets]
+    # Class parallel is the serving predictor: one thread worker per subnet (r = 0).
+    cp = s["class-parallel"]
+    assert cp["backend"] == "local"
+    assert [w["worker"] for w in cp["per_worker"]] == [f"worker_{i:02d}" for i in range(5)]
+    assert [w["classes"] for w in cp["per_worker"]] == manifest.groups
     for key in STRATS:
         mem = s[key]["memory"]
         assert mem["process_peak_rss_mb"] > 0
         assert mem["rss_growth_mb"] is not None  # Linux: /proc/self/statm
+        assert mem["cuda"] == {}  # CPU only
         for w in s[key]["per_worker"]:
-            assert w["weights_mb"] > 0 and w["activations_mb"] > 0 and "rss_load_mb" in w
+            assert w["weights_mb"] > 0 and w["activations_mb"] > 0
             assert w["runtime"] == "onnx" and w["device"] == "cpu" and w["threads"] == 1
 
 
 def test_targets_are_stated(short_run):
     _, result = short_run
     t = result["targets"]
-    assert t["transport"] == "http" and t["statistic"] == "p50"
-    names = [c["name"] for c in t["checks"]]
-    assert names == ["class_parallel_vs_single", "class_parallel_vs_model_parallel",
-                     "fanout_overhead_ms"]
-    s = result["strategies"]
-    p50 = {k: s[k]["transports"]["http"]["latency_ms"]["p50"] for k in STRATS}
-    ratio = t["checks"][0]["value"]
-    assert ratio == pytest.approx(p50["class-parallel"] / p50["single"], rel=1e-3)
-    for c in t["checks"]:
-        assert isinstance(c["met"], bool) and c["met"] == (c["value"] <= c["limit"])
-    assert t["note"]  # a fmnist_cnn artifact: the VGG-16-bn targets are for orientation only
+    assert t["model"] == "fmnist_cnn" and t["statistic"] == "p50"
+    # Only the set for every model applies to a fmnist_cnn artifact.
+    assert [s["name"] for s in t["sets"]] == ["fan-out overhead"]
+    (check,) = t["sets"][0]["checks"]
+    cp = result["strategies"]["class-parallel"]["transports"]
+    assert check["name"] == "fanout_overhead_ms" and check["transport"] == "http"
+    assert check["value"] == cp["http"]["breakdown_ms"]["p50"]["latency_minus_compute"]
+    assert check["inprocess_value"] == cp["inprocess"]["breakdown_ms"]["p50"][
+        "latency_minus_compute"]
+    assert isinstance(check["met"], bool) and check["met"] == (check["value"] <= check["limit"])
+    assert check["status"] == ("met" if check["met"] else "not met")
+    assert t["all_met"] == check["met"]
+
+
+def test_targets_of_another_model_are_not_reported(short_run):
+    from sensai.serving.bench.latency_report import render_markdown, render_table
+    from sensai.serving.bench.targets import (EVERY_MODEL, TARGET_SETS, FanoutOverhead, Ratio,
+                                              Target, TargetSet, evaluate_targets)
+
+    out, result = short_run
+    md, table = (out / "bench.md").read_text(), render_table(result)
+    vgg = [s for s in TARGET_SETS if s.models == ("vgg16_bn",)]
+    assert vgg  # today's set for VGG-16-bn
+    for tset in vgg:
+        for target in tset.targets:
+            rule = target.measure.rule(target.limit)
+            assert rule not in md and rule not in table
+        assert tset.name not in md
+    assert "x p50(single device)" not in md
+
+    # The same figures from a VGG-16-bn artifact would be checked against its set.
+    as_vgg = dict(copy.deepcopy(result), model="vgg16_bn")
+    checks = {c["name"]: c for s in evaluate_targets(as_vgg)["sets"] for c in s["checks"]}
+    assert set(checks) == {"class_parallel_vs_single", "class_parallel_vs_model_parallel",
+                           "fanout_overhead_ms"}
+    p50 = {k: result["strategies"][k]["transports"]["http"]["latency_ms"]["p50"] for k in STRATS}
+    assert checks["class_parallel_vs_single"]["value"] == pytest.approx(
+        p50["class-parallel"] / p50["single"], rel=1e-3)
+    assert checks["class_parallel_vs_single"]["limit"] == 0.35
+
+    # A table extended with another model's set: never reported for this one.
+    table = (*TARGET_SETS,
+             TargetSet("resnet20 only", models=("resnet20",), targets=(
+                 Target("resnet_ratio", Ratio("class-parallel", "data-parallel"), 0.123),)),
+             TargetSet("tight fan-out", models=EVERY_MODEL, targets=(
+                 Target("tight", FanoutOverhead(), 0.001),)))
+    mine = copy.deepcopy(result)
+    mine["targets"] = evaluate_targets(mine, table)
+    assert [s["name"] for s in mine["targets"]["sets"]] == ["fan-out overhead", "tight fan-out"]
+    text = render_markdown(mine)
+    assert "tight fan-out" in text and "resnet20 only" not in text and "0.123" not in text
+    assert mine["targets"]["all_met"] is False  # 1 us of overhead is never met
 
 
 def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnist_spec,
                                                                  fmnist_test, tmp_path):
-    """The pipeline's scores through ONNX stages on workers == the whole model on one worker."""
+    """The pipeline's scores through ONNX stages on thread workers == the whole model on one."""
     import asyncio
 
     from sensai.checkpoint import load_trained_model
     from sensai.data import iterate_batches, normalize
     from sensai.export import export_onnx
+    from sensai.fsutil import sha256_file
     from sensai.manifest import load_manifest
+    from sensai.serving.bench.baselines import (ModelParallel, SingleDevice, WorkerSet,
+                                                softmax_scores)
+    from sensai.serving.runners import RunnerSpec
     from sensai.stages import export_stage_onnx, split_model
-    from sensai.serving.baselines import (ModelParallelPredictor, SingleDevicePredictor, build_workers,
-                                   softmax_scores)
-    from sensai.serving.pools import RunnerSpec
+
+    def onnx_spec(name, shape, path):
+        return RunnerSpec(name=name, input_shape=tuple(shape), onnx_path=str(path),
+                          onnx_sha256=sha256_file(path), runtime="onnx")
 
     manifest = load_manifest(artifact)
     model, _ = load_trained_model(manifest.source.model_dir)
@@ -173,16 +287,14 @@ def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnis
     specs, h = [], x
     for i, st in enumerate(stages):
         export_stage_onnx(st, h, tmp_path / f"s{i}.onnx")
-        specs.append(RunnerSpec(name=f"stage_{i}", input_shape=tuple(h.shape[1:]),
-                                onnx_path=str(tmp_path / f"s{i}.onnx"), runtime="onnx"))
+        specs.append(onnx_spec(f"stage_{i}", h.shape[1:], tmp_path / f"s{i}.onnx"))
         with torch.no_grad():
             h = st(h.clone())
-    full = build_workers(["full"], [RunnerSpec(name="full", input_shape=fmnist_spec.input_shape,
-                                               onnx_path=str(tmp_path / "full.onnx"),
-                                               runtime="onnx")])
-    mp = build_workers([s.name for s in specs], specs)
-    single = SingleDevicePredictor(full[0], fmnist_spec)
-    pipeline = ModelParallelPredictor(mp, fmnist_spec, name="mp")
+    single = SingleDevice(WorkerSet(["full"], [onnx_spec("full", fmnist_spec.input_shape,
+                                                         tmp_path / "full.onnx")]),
+                          fmnist_spec, "single")
+    pipeline = ModelParallel(WorkerSet([s.name for s in specs], specs), fmnist_spec, "mp")
+    assert single.is_ready() and pipeline.is_ready()
 
     async def both():
         try:
@@ -201,6 +313,50 @@ def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnis
     assert all(ms > 0 for ms in stage_ms)
     assert b.timings_ms["compute"] == pytest.approx(sum(stage_ms), abs=1e-3)
     assert b.timings_ms["compute"] <= b.timings_ms["total"]
+    assert set(a.timings_ms) == {"compute.full", "compute", "compute_sum", "merge", "total"}
+    assert not single.is_ready()  # closed
+
+
+class _Slow(torch.nn.Module):
+    """Answers its input after a pause: a worker that misses its deadline."""
+
+    def __init__(self, pause_s: float):
+        super().__init__()
+        self.pause_s = pause_s
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.pause_s)
+        return x.flatten(1)
+
+
+def test_baselines_keep_the_deadline_like_the_predictor(fmnist_spec):
+    """A late worker is a 504 for the caller (the gateway's remaining deadline, or the
+    predictor's own), and the next request is answered normally."""
+    import asyncio
+
+    from sensai.serving.bench.baselines import ModuleSpec, SingleDevice, WorkerSet
+    from sensai.serving.errors import SubnetTimeout
+
+    shape = (1, 2, 2)
+    slow = SingleDevice(WorkerSet(["slow"], [ModuleSpec("slow", _Slow(0.3), shape)]),
+                        fmnist_spec, "single", deadline_s=5.0)
+    x = np.zeros((1, *shape), dtype=np.float32)
+
+    async def run():
+        try:
+            with pytest.raises(SubnetTimeout, match="slow gave no answer within 0.05 s") as e:
+                await slow.predict(x, timeout_s=0.05)
+            assert e.value.status == 504
+            return await slow.predict(x)
+        finally:
+            await slow.close()
+
+    pred = asyncio.run(run())
+    # The late run of the first request was dropped; this one's answer is its own.
+    np.testing.assert_allclose(pred.scores, np.full((1, 4), 0.25), atol=1e-6)
+    assert pred.timings_ms["compute"] > 0
 
 
 def test_cli_in_process_only(artifact, tmp_path, capsys):
@@ -213,14 +369,19 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "class parallel (sensAI)" in printed and "bench.json" in printed
+    assert "accuracy (from the artifact" in printed
     result = json.loads((out / "bench.json").read_text())
     assert set(result["strategies"]) == {"single", "class-parallel"}
+    assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
     assert result["command"].startswith(f"sensai bench {artifact} --out {out}")
     assert "--no-http" in result["command"]
-    check = {c["name"]: c for c in result["targets"]["checks"]}
+    checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
     # Over HTTP nothing was measured, so no target can be claimed either way.
-    assert all(c["met"] is None and c["why_not_measured"] for c in check.values())
+    assert checks and all(c["met"] is None and c["status"] == "not measured"
+                          and c["why_not_measured"] for c in checks)
+    assert result["targets"]["all_met"] is None
     assert (out / "bench.png").is_file() and (out / "bench.md").is_file()
+    assert not (out / "models").exists() or not list((out / "models").glob("stage_*.onnx"))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -230,9 +391,10 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     ({"transports": []}, "transports"),
     ({"workers": 1000}, "at most"),
     ({"runtime": "tensorrt"}, "runtime"),
+    ({"backend": "triton"}, "backend"),
 ])
 def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
-    from sensai.serving.bench import run_bench
+    from sensai.serving.bench.latency import run_bench
 
     with pytest.raises(SensaiError, match=match):
         run_bench(artifact, tmp_path / "out", progress=False, **kwargs)
@@ -243,7 +405,7 @@ def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
     import shutil
 
     from sensai.manifest import load_manifest, save_manifest
-    from sensai.serving.bench import run_bench
+    from sensai.serving.bench.latency import run_bench
 
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
@@ -267,7 +429,7 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     import socket
 
     from sensai.data import encode_png
-    from sensai.serving.http_client import HttpClientProcess
+    from sensai.serving.bench.client import HttpClientProcess
 
     with socket.socket() as s:  # a port nobody listens on once this closes
         s.bind(("127.0.0.1", 0))
@@ -280,4 +442,66 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
             client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
     finally:
         client.close()
-    assert not client._proc.is_alive()
+    assert not client.process.is_alive()
+
+
+# --------------------------------------------------------------------------------------------
+# sensai bench-robust
+
+
+def test_bench_robust_rejects_bad_arguments(artifact, tmp_path, capsys):
+    from sensai.cli import main
+
+    for argv, fragment in ((["--straggler", "7"], "worker index 0..4"),
+                           (["--delay", "soon"], "bad delay"),
+                           (["--redundancy", "5"], "r+1 = 6"),
+                           (["--kill-at", "1.5"], "--kill-at"),
+                           (["--images", "1"], "--images")):
+        assert main(["bench-robust", str(artifact), "--out", str(tmp_path / "o"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # refused before anything was started or written
+
+
+def test_bench_robust_reports_straggler_and_failure(artifact, tmp_path):
+    """r = 0 is the default serving path (worker threads): a killed worker's classes fail
+    during the outage; r = 1 answers everything, the straggler's group by its copy."""
+    from sensai.serving.bench.robust import run_robust_bench
+
+    out = tmp_path / "robust"
+    res = run_robust_bench(artifact, out, redundancies=(0, 1), images=20, warmup=2,
+                           rounds=2, delay="fixed:100ms", straggler=2, victim=1, kill_at=0.25,
+                           restart_delay_s=1.0, progress=False, command="test")
+    for f in ("robust.json", "robust.md", "robust.png"):
+        assert (out / f).stat().st_size > 0
+    on_disk = json.loads((out / "robust.json").read_text())
+    assert on_disk["kind"] == "sensai-bench-robust" and on_disk["settings"]["backend"] == "local"
+    assert on_disk["worker_transport"] == {"r=0": {"kind": "threads"}, "r=1": {"kind": "threads"}}
+    assert on_disk["placement"]["r=0"] == [[g] for g in range(5)]
+    assert on_disk["placement"]["r=1"][2] == [2, 3]  # worker 2: its own group, then a copy
+    r0, r1 = res["configs"]["r=0"]["scenarios"], res["configs"]["r=1"]["scenarios"]
+    for per in (r0, r1):
+        assert set(per) == {"none", "straggler", "failure"}
+        assert all(s["wrong"] == 0 for s in per.values())
+        assert per["none"]["errors"] == 0 and per["straggler"]["errors"] == 0
+        assert per["failure"]["restarted"] and per["failure"]["rejoined"]
+        assert per["failure"]["after_rejoin"]["errors"] == 0
+        assert per["failure"]["after_rejoin"]["victim_subnet_runs"] >= 1  # it serves again
+        assert per["failure"]["killed_pid"] is None  # a thread has no pid of its own
+        assert per["none"]["latency_ms"]["n"] == 20
+    # r = 0: the dead worker's classes cannot be answered during the outage.
+    assert r0["failure"]["errors"] >= 1 and r0["failure"]["errors_during_outage"] >= 1
+    assert all(e.startswith("503") for e in r0["failure"]["error_examples"])
+    assert r0["straggler"]["straggler_answered_share"] == 1.0
+    # r = 1: every request answered, the straggler's group mostly by its copy.
+    assert r1["failure"]["errors"] == 0
+    assert r1["failure"]["answered"] == r1["failure"]["requests"] == 20
+    assert r1["straggler"]["straggler_answered_share"] <= 0.5
+    # Work per request relative to r = 0 without faults (G subnet runs).
+    assert r0["none"]["subnet_runs_per_request"] == 5.0
+    assert r0["none"]["compute_overhead_runs"] == 1.0
+    assert 5.0 <= r1["none"]["subnet_runs_per_request"] <= 10.0
+    assert r1["none"]["compute_overhead_runs"] == pytest.approx(
+        r1["none"]["subnet_runs_per_request"] / 5.0, abs=1e-3)
+    md = (out / "robust.md").read_text()
+    assert "| r=1 | failure |" in md and "worker threads" in md

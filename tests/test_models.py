@@ -55,10 +55,12 @@ def test_unknown_model_lists_known_ones():
 
 
 def test_user_factory_path():
-    model = create_model("tests.user_models:tiny_net", 4, 1)
+    model = create_model("tests.user_models:tiny_net", 4, 1, trust_code=True)
     assert model(torch.randn(1, 1, 28, 28)).shape == (1, 4)
-    with pytest.raises(UnknownModelError):
-        create_model("tests.user_models:nope", 4, 1)
+    with pytest.raises(UnknownModelError, match="cannot import"):
+        create_model("tests.user_models:nope", 4, 1, trust_code=True)
+    with pytest.raises(UnknownModelError, match="--trust-model-code"):
+        create_model("tests.user_models:tiny_net", 4, 1)  # importing runs code: consent first
 
 
 def test_default_model_is_small():

@@ -6,94 +6,30 @@ same real Fashion-MNIST test images; tritonclient.http must be able to use the K
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
-N_IMAGES = 24
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers shared by the serving test modules
-
-
-def sample_images(fmnist_test, n: int = N_IMAGES, seed: int = 1):
-    """``n`` stratified real test images: (indices, uint8 [n,1,28,28] tensor, labels)."""
-    from sensai.data import stratified_subset
-
-    idx = stratified_subset(fmnist_test.labels, n, seed)[:n]
-    images = fmnist_test.images[idx]
-    return idx, images, fmnist_test.labels[idx]
-
-
-
-
-def offline_scores(artifact, images_u8, spec) -> np.ndarray:
-    """Offline evaluation's merged scores: the torch subnets from safetensors, merge_outputs."""
-    import torch
-
-    from sensai.pruning.decompose import load_subnets
-    from sensai.data import normalize
-    from sensai.merge import merge_outputs
-
-    manifest, subnets = load_subnets(artifact, "cpu")
-    with torch.inference_mode():
-        x = normalize(images_u8, spec)
-        outs = [m(x).float().numpy() for m in subnets]
-    return merge_outputs(outs, manifest.groups, manifest.num_classes)
-
-
-def png(image_u8) -> bytes:
-    from sensai.data import encode_png
-
-    return encode_png(image_u8)
-
-
-def start_gateway(predictor, **settings):
-    from sensai.serving.app import BackgroundServer, create_app
-    from sensai.serving.settings import GatewaySettings
-
-    return BackgroundServer(create_app(predictor, GatewaySettings(**settings))).start()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_server(proc, url: str, *, timeout_s: float) -> None:
-    """Until ``sensai serve`` in ``proc`` reports ready at ``url``; fails with its stderr if it
-    exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "sensai serve did not become ready"
-        time.sleep(0.3)
-
-
-# --------------------------------------------------------------------------------------------
+from sensai.artifact import load_artifact
+from sensai.data import normalize, pil_to_uint8
+from sensai.pruning.decompose import evaluate_models
+from sensai.serving.build import build_predictor
+from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
+                           wait_for_server)
 
 
 @pytest.fixture(scope="module")
 def local_gateway(tiny_artifact):
-    from sensai.serving.pools import local_predictor
-
-    server = start_gateway(local_predictor(tiny_artifact, device="cpu"))
+    server = start_gateway(build_predictor(tiny_artifact, device="cpu"))
     yield server
     server.stop()
 
@@ -105,8 +41,6 @@ def client(local_gateway):
 
 
 def test_http_predictions_equal_offline_evaluation(client, tiny_artifact, fmnist_test, fmnist_spec):
-    from sensai.pruning.decompose import evaluate_models, load_subnets
-
     idx, images, labels = sample_images(fmnist_test)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
     got = np.zeros_like(expected)
@@ -132,10 +66,8 @@ def test_http_predictions_equal_offline_evaluation(client, tiny_artifact, fmnist
     np.testing.assert_allclose(got, expected, atol=2e-5)
     assert (got.argmax(1) == expected.argmax(1)).all()
     # ...and the accuracy over these images is offline evaluation's.
-    manifest, subnets = load_subnets(tiny_artifact)
-    import torch
-
-    offline = evaluate_models(None, subnets, manifest.groups, fmnist_test, fmnist_spec,
+    art = load_artifact(tiny_artifact)
+    offline = evaluate_models(None, art.load_subnets(), art.groups, fmnist_test, fmnist_spec,
                               torch.device("cpu"), indices=idx, progress=None)
     assert float((got.argmax(1) == labels).mean()) == pytest.approx(offline["decomposed_top1"])
 
@@ -144,8 +76,6 @@ def test_any_size_and_colour_mode_is_converted_per_manifest(client, fmnist_test,
                                                             tiny_artifact):
     """A colour JPEG, a 16-bit PNG, an RGBA PNG, all bigger than 28x28: same path as offline."""
     from PIL import Image
-
-    from sensai.data import pil_to_uint8
 
     _, images, _ = sample_images(fmnist_test, 3)
     pics = []
@@ -179,8 +109,6 @@ def test_any_size_and_colour_mode_is_converted_per_manifest(client, fmnist_test,
 def test_tritonclient_calls_the_gateway_v2_api(local_gateway, tiny_artifact, fmnist_test,
                                                fmnist_spec):
     import tritonclient.http as tc
-
-    from sensai.data import normalize
 
     url = local_gateway.url.removeprefix("http://")
     client = tc.InferenceServerClient(url)
@@ -231,8 +159,9 @@ def test_metrics_and_model_info(client):
     info = client.get("/v1/models").json()
     assert info["name"] == "sensai" and len(info["classes"]) == 10
     assert info["predictor"]["backend"] == "local"
-    assert len(info["predictor"]["pool"]["workers"]) == 5
-    assert info["predictor"]["pool"]["workers"][0]["runtime"] == "onnx"
+    assert len(info["predictor"]["workers"]) == 5
+    assert info["predictor"]["workers"][0]["runtime"] == "onnx"
+    assert info["predictor"]["workers"][0]["transport"] == "threads"
     text = client.get("/metrics").text
     assert 'sensai_request_seconds_bucket{le="0.005",route="/v1/predict"}' in text
     assert 'sensai_subnet_seconds_count{subnet="subnet_00"}' in text
@@ -241,14 +170,9 @@ def test_metrics_and_model_info(client):
 
 
 def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
-    import asyncio
-
-    from sensai.data import normalize
-    from sensai.serving.pools import local_predictor
-
     _, images, _ = sample_images(fmnist_test, 4)
     x = normalize(images, fmnist_spec).numpy()
-    pred = local_predictor(tiny_artifact, device="cpu", processes=True)
+    pred = build_predictor(tiny_artifact, backend="processes", device="cpu")
 
     async def run():
         try:
@@ -259,17 +183,13 @@ def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist
     out = asyncio.run(run())
     np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),
                                atol=2e-5)
-    assert pred.describe()["pool"]["workers"][0]["worker"] == "process"
+    workers = pred.describe()["workers"]
+    assert workers[0]["transport"] == "processes" and workers[0]["pid"] != os.getpid()
 
 
 def test_torch_runtime_gives_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
-    import asyncio
-
-    from sensai.data import normalize
-    from sensai.serving.pools import local_predictor
-
     _, images, _ = sample_images(fmnist_test, 4)
-    pred = local_predictor(tiny_artifact, device="cpu", runtime="torch")
+    pred = build_predictor(tiny_artifact, device="cpu", runtime="torch")
     out = asyncio.run(pred.predict(normalize(images, fmnist_spec).numpy()))
     asyncio.run(pred.close())
     np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),

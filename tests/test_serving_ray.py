@@ -4,7 +4,6 @@ Ray instance, then called over HTTP on 127.0.0.1 - predictions equal offline eva
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,10 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.test_serving_local import free_port, offline_scores, png, sample_images
+from sensai.data import normalize
+from sensai.errors import SensaiError
+from sensai.serving.ray_app import RayAppArgs, build_app
+from tests.helpers import free_port, local_ray, offline_scores, png, sample_images
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_SERVE_YAML = ROOT / "deploy" / "ray-serve.yaml"
@@ -26,10 +28,8 @@ def test_deploy_configs_follow_ray_serve_schema():
     import ray
     from ray.serve.schema import ServeDeploySchema
 
-    from sensai.serving.ray_app import RayAppArgs
-
     local = ServeDeploySchema.model_validate(yaml.safe_load(RAY_SERVE_YAML.read_text()))
-    kuberay = yaml.safe_load(KUBERAY_YAML.read_text())
+    kuberay = next(yaml.safe_load_all(KUBERAY_YAML.read_text()))
     assert kuberay["apiVersion"] == "ray.io/v1" and kuberay["kind"] == "RayService"
     assert kuberay["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
     k8s = ServeDeploySchema.model_validate(yaml.safe_load(kuberay["spec"]["serveConfigV2"]))
@@ -39,10 +39,20 @@ def test_deploy_configs_follow_ray_serve_schema():
         RayAppArgs(**app.args)  # the args the builder will receive are valid
 
 
-def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
-    from sensai.errors import SensaiError
-    from sensai.serving.ray_app import build_app
+def test_kuberay_exposes_only_the_serving_port():
+    docs = list(yaml.safe_load_all(KUBERAY_YAML.read_text()))
+    service, policy = docs
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
+    assert ports == {"gcs": 6379, "serve": 8000}
+    assert policy["kind"] == "NetworkPolicy"
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": "sensai"}
+    open_rule, internal_rule = policy["spec"]["ingress"]
+    assert open_rule == {"ports": [{"port": 8000}]}  # the only port open to everyone
+    assert "ports" not in internal_rule and internal_rule["from"]  # the rest: named peers only
 
+
+def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
     with pytest.raises(SensaiError, match="artifact"):
         build_app({})
     with pytest.raises(SensaiError, match="colour"):
@@ -53,12 +63,13 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
         build_app({"artifact": str(tmp_path / "none")})
     with pytest.raises(SensaiError, match="deadline_s"):
         build_app({"artifact": str(tiny_artifact), "settings": {"deadline_s": -1}})
+    with pytest.raises(SensaiError, match="r\\+1 = 6"):
+        build_app({"artifact": str(tiny_artifact), "redundancy": 5})
 
 
 @pytest.fixture(scope="module")
 def ray_gateway(tiny_artifact, tmp_path_factory):
     """Ray on 2 CPUs; the YAML (artifact and port filled in) deployed with `serve run`."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
@@ -69,27 +80,25 @@ def ray_gateway(tiny_artifact, tmp_path_factory):
     config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
 
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
+    with local_ray(num_cpus=2) as gcs:
         serve_cli = Path(sys.executable).parent / "serve"
-        gcs = ray.get_runtime_context().gcs_address
         proc = subprocess.run([str(serve_cli), "run", "--address", gcs, "--non-blocking",
                                str(config)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"Serve app not ready: {serve.status()}"
-            time.sleep(1)
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"Serve app not ready: {serve.status()}"
+                time.sleep(1)
+            yield url
+        finally:
+            serve.shutdown()
 
 
 def test_ray_http_predictions_equal_offline(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
@@ -104,15 +113,13 @@ def test_ray_http_predictions_equal_offline(ray_gateway, tiny_artifact, fmnist_t
             np.testing.assert_allclose([got[k] for k in range(10)], expected[i], atol=2e-5)
             assert {f"subnet_{k:02d}" for k in range(5)} <= set(r.json()["timings_ms"])
         info = c.get("/v1/models").json()["predictor"]
-        assert info["backend"] == "ray" and len(info["pool"]["subnets"]) == 5
-        # 5 subnets + the gateway share the 2 CPUs of this Ray instance.
-        assert info["pool"]["subnets"][0]["num_cpus"] == pytest.approx(0.33)
+        assert info["backend"] == "ray-serve" and len(info["workers"]) == 5
+        assert info["transport"]["deployments"] == 5
+        assert all(w["state"] == "up" for w in info["workers"])
 
 
 def test_ray_kserve_v2_and_bad_input(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
     import tritonclient.http as tc
-
-    from sensai.data import normalize
 
     _, images, _ = sample_images(fmnist_test, 3)
     x = normalize(images, fmnist_spec).numpy()

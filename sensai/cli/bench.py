@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 
+from sensai.errors import SensaiError
+from sensai.serving.bench.names import BACKENDS, SCENARIOS, STRATEGIES
+
+from .train import add_device_arg
+
 
 def register(sub) -> None:
-    from .train import add_device_arg
-
-    from sensai.serving.bench import STRATEGIES
-
     p = sub.add_parser(
         "bench", help="latency benchmark: class parallel vs single device / model parallel",
         description="Measure single-image latency (p50/p90/p99/mean at concurrency 1), throughput, "
@@ -41,6 +43,9 @@ def register(sub) -> None:
                    help=f"which to run, of {', '.join(STRATEGIES)} (default: all)")
     p.add_argument("--no-http", action="store_true", help="skip the HTTP runs")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process runs")
+    p.add_argument("--backend", choices=BACKENDS, default="local",
+                   help="where class parallel's workers run, as for 'sensai serve' (default: "
+                        "%(default)s = worker threads; the baselines always run on threads)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
@@ -54,11 +59,9 @@ def register(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    import logging
-
-    from sensai.errors import SensaiError
-
-    from sensai.serving.bench import render_table, run_bench
+    # torch, onnxruntime, uvicorn: only when the command runs.
+    from sensai.serving.bench.latency import run_bench
+    from sensai.serving.bench.latency_report import render_table
 
     transports = [t for t, off in (("inprocess", args.no_inprocess), ("http", args.no_http))
                   if not off]
@@ -70,7 +73,8 @@ def cmd_bench(args) -> int:
     result = run_bench(
         args.artifact, args.out, workers=args.workers, replicas=args.replicas, images=args.images,
         warmup=args.warmup, concurrency=args.concurrency, requests=args.requests,
-        rounds=args.rounds, strategies=args.strategies, transports=transports, device=args.device,
+        rounds=args.rounds, strategies=args.strategies, transports=transports,
+        backend=args.backend, device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
         command=command, progress=not args.no_progress)
     print(render_table(result))
@@ -81,13 +85,12 @@ def cmd_bench(args) -> int:
 
 def _command_line(args) -> str:
     """The command that reproduces this run (every option that differs from its default)."""
-    from sensai.serving.bench import STRATEGIES
-
     parts = ["sensai", "bench", args.artifact, "--out", args.out]
     options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
                ("--images", args.images, 200), ("--warmup", args.warmup, 20),
                ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
-               ("--requests", args.requests, None), ("--threads", args.threads, 1),
+               ("--requests", args.requests, None), ("--backend", args.backend, "local"),
+               ("--threads", args.threads, 1),
                ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
                ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0))
     for flag, value, default in options:
@@ -106,14 +109,13 @@ def _command_line(args) -> str:
 
 
 def register_robust(sub) -> None:
-    from sensai.serving.bench_robust import SCENARIOS
-
     p = sub.add_parser(
         "bench-robust", help="redundant class parallelism: stragglers and a killed worker",
-        description="Serve the artifact with redundancy r (cyclic placement on W = G worker "
-                    "processes) and measure latency p50/p99, errors, wrong answers and the "
+        description="Serve the artifact as 'sensai serve --redundancy r' does (cyclic placement "
+                    "on W = G workers; r = 0 is the default serving path 'sensai bench' "
+                    "measures) and measure latency p50/p99, errors, wrong answers and the "
                     "compute overhead of the copies, without faults, with one worker delayed "
-                    "(a delay distribution) and with one worker SIGKILLed mid-run. Writes "
+                    "(a delay distribution) and with one worker ended mid-run. Writes "
                     "robust.json, robust.md and robust.png to --out.")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
     p.add_argument("--out", required=True, help="output directory")
@@ -121,6 +123,9 @@ def register_robust(sub) -> None:
                    help="redundancies to compare (default: 0 1)")
     p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
                    help="for r >= 1, also one configuration per hedge delay (default: 0)")
+    p.add_argument("--backend", choices=BACKENDS, default="local",
+                   help="where the workers run: local (threads, the default serving path), "
+                        "processes or ray (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
                    metavar="SCENARIO", help=f"of {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--images", type=int, default=200,
@@ -139,7 +144,7 @@ def register_robust(sub) -> None:
     p.add_argument("--interval-ms", type=float, default=10.0,
                    help="failure scenario: one request every this many ms (default: 10)")
     p.add_argument("--restart-delay", type=float, default=0.0,
-                   help="seconds the pool waits before restarting the dead worker (default: 0)")
+                   help="seconds before the dead worker is restarted (default: 0)")
     p.add_argument("--vote", action="store_true", help="vote mode (2r+1 copies, majority)")
     p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per subnet (1)")
@@ -152,12 +157,13 @@ def register_robust(sub) -> None:
 
 
 def cmd_bench_robust(args) -> int:
-    from sensai.serving.bench_robust import render_table, run_robust_bench
+    from sensai.serving.bench.robust import run_robust_bench
+    from sensai.serving.bench.robust_report import render_table
 
     result = run_robust_bench(
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
-        scenarios=args.scenarios, images=args.images, warmup=args.warmup, rounds=args.rounds,
-        delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
+        scenarios=args.scenarios, backend=args.backend, images=args.images, warmup=args.warmup,
+        rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
         interval_ms=args.interval_ms, vote=args.vote, deadline_s=args.deadline,
         restart_delay_s=args.restart_delay,
         device=args.device, runtime=args.runtime, threads=args.threads, data_dir=args.data_dir,
@@ -171,7 +177,8 @@ def cmd_bench_robust(args) -> int:
 
 def _argv_tail(args) -> list[str]:
     parts = [args.artifact, "--out", args.out, "--redundancy", *map(str, args.redundancy)]
-    for flag, value, default in (("--images", args.images, 200), ("--warmup", args.warmup, 20),
+    for flag, value, default in (("--backend", args.backend, "local"),
+                                 ("--images", args.images, 200), ("--warmup", args.warmup, 20),
                                  ("--rounds", args.rounds, 5), ("--delay", args.delay, "exp:50ms"),
                                  ("--straggler", args.straggler, 0), ("--victim", args.victim, 1),
                                  ("--kill-at", args.kill_at, 0.3),

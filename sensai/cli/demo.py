@@ -49,8 +49,11 @@ def cmd_demo(args) -> int:
     import torch
 
     from sensai.pruning.decompose import DecomposeConfig, SettingsMismatch, decompose
-    from sensai.serving.bench import GatewayServer, render_table, run_bench
-    from sensai.serving.pools import local_predictor
+    from sensai.serving.app import create_app
+    from sensai.serving.bench.latency import run_bench
+    from sensai.serving.bench.latency_report import render_table
+    from sensai.serving.build import build_predictor
+    from sensai.serving.server import BackgroundServer
     from sensai.training.trainer import train
 
     from sensai.data import encode_png, load_split, resolve_dataset
@@ -109,8 +112,8 @@ def cmd_demo(args) -> int:
               f"{ev['decomposed_top1']:.4f}  (report: {art / 'report.md'})")
 
     _step("3/5 serve the subnets behind the HTTP gateway (local backend, ONNX Runtime)")
-    predictor = local_predictor(art, device=args.device)
-    server = GatewayServer(predictor)
+    predictor = build_predictor(art, device=args.device)
+    server = BackgroundServer(create_app(predictor, close_predictor=False)).start()
     try:
         print(f"gateway listening on {server.url} (POST /v1/predict, /v2/models/sensai/infer, /metrics)")
         _step(f"4/5 predict {args.images} real test images over HTTP")
@@ -133,7 +136,7 @@ def cmd_demo(args) -> int:
                       f"  total {timing.get('total', float('nan')):.2f} ms")
         print(f"{right}/{len(idx)} right")
     finally:
-        server.close()
+        server.stop()
         import asyncio
 
         asyncio.run(predictor.close())

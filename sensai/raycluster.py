@@ -1,0 +1,74 @@
+"""The one place sensai connects to Ray (retraining tasks, serving actors, the benchmark).
+
+``connect()`` joins the cluster the operator names (``address``, else ``RAY_ADDRESS``), or starts
+a local instance bound to 127.0.0.1, so a machine's Ray ports never face the network unless the
+operator runs a cluster on purpose.  Ray 2.60's ``ray start --head`` turns token authentication
+on; a client then needs ``RAY_AUTH_MODE=token`` (see deploy/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from .errors import SensaiError
+
+LOOPBACK = "127.0.0.1"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None,
+            namespace: str | None = None, log_to_driver: bool = False) -> bool:
+    """Connect this process to Ray; nothing if it is connected already.
+
+    Returns True when this call started or joined Ray (the caller then shuts it down).
+    ``num_cpus`` applies to a new local instance only."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict = dict(logging_level=logging.WARNING, namespace=namespace,
+                        log_to_driver=log_to_driver)
+    if address is None:
+        kwargs.update(include_dashboard=False, _node_ip_address=LOOPBACK, num_cpus=num_cpus)
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SensaiError(f"cannot connect to Ray at {address or 'a new local instance'}: "
+                          f"{error_text(e)}") from None
+    return True
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a Ray error: what the remote code raised, else Ray's reason."""
+    def lines(x) -> list[str]:
+        return [ln.strip() for ln in _ANSI.sub("", str(x)).splitlines() if ln.strip()]
+
+    cause = getattr(e, "cause", None)  # RayTaskError: the exception raised remotely
+    if isinstance(cause, Exception):
+        first = lines(cause)
+        text = f"{type(cause).__name__}: {first[0]}" if first else type(cause).__name__
+    elif getattr(e, "actor_init_failed", False) and lines(e):
+        # The constructor raised: Ray's message ends with the remote traceback's last line.
+        text = f"loading failed: {lines(e)[-1]}"
+    else:
+        first = lines(e)
+        text = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def cluster_resources() -> tuple[float, float]:
+    """(CPUs, GPUs) of the connected cluster."""
+    import ray
+
+    res = ray.cluster_resources()
+    return float(res.get("CPU", 0)), float(res.get("GPU", 0))
+
+
+def share(total: float, parts: int) -> float:
+    """An even share of ``total`` for ``parts`` claimants that always fits: Ray adds up
+    fractional resources, and 3 x round(2/3, 2) = 2.01 > 2 never schedules."""
+    return max(0.01, int(total / parts * 100) / 100)

@@ -1,0 +1,248 @@
+"""What ``sensai bench`` and ``sensai bench-robust`` share, written once.
+
+* the real test images (a stratified subset of the test split; normalized arrays for in-process
+  calls, PNG bytes for HTTP - PNG is lossless, so both give the same answers);
+* the drivers that time one request: :class:`InProcessDriver` (the predictor called directly)
+  and :class:`HttpDriver` (the gateway of :mod:`sensai.serving.app` under
+  :class:`~sensai.serving.server.BackgroundServer`, called from :class:`.client.HttpClientProcess`);
+* warm-up, latency at concurrency 1 in interleaved rounds (every candidate serves a round in
+  turn, so a change in the machine's load hits them alike), throughput at a concurrency, and
+  :func:`quiet_gc` to keep the garbage collector's pauses out of the timed requests;
+* the result envelope (kind, schema version, command, artifact, model, dataset, settings,
+  machine, load averages), the argument checks and the json/md/png writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sensai.artifact import Artifact
+from sensai.data import encode_png, load_split, normalize, resolve_dataset, stratified_subset
+from sensai.errors import SensaiError
+from sensai.fsutil import write_json_atomic, write_text_atomic
+from sensai.manifest import utc_now
+from sensai.spec import DatasetSpec
+
+from ..app import create_app
+from ..contract import Predictor
+from ..server import BackgroundServer
+from ..settings import GatewaySettings
+from .client import HttpClientProcess
+from .machine import load_average, machine_description
+from .stats import summarize
+
+SCHEMA_VERSION = 2  # 2: the harness on the unified predictor; accuracy and per-model targets
+
+# One timed request: (latency ms, predicted class index, the predictor's timings_ms).
+Timed = tuple[float, int, dict]
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and output
+
+
+def check_int(name: str, value, low: int) -> None:
+    """``value`` must be an integer >= ``low`` (None: the default applies)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < low):
+        raise SensaiError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail now, not after the measurements, when ``out`` cannot be written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".bench-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+
+
+def progress_bar(enabled: bool, desc: str = "bench"):
+    return tqdm(total=0, desc=desc, unit="req", disable=not enabled, leave=False)
+
+
+def envelope(kind: str, *, command: str | None, artifact: Artifact, spec: DatasetSpec,
+             settings: dict[str, Any]) -> dict[str, Any]:
+    """The fields every benchmark result starts with."""
+    return {"kind": kind, "schema_version": SCHEMA_VERSION, "command": command,
+            "created": utc_now(), "artifact": str(artifact.root), "model": artifact.manifest.model,
+            "dataset": spec.name, "groups": artifact.groups, "settings": settings,
+            "machine": machine_description()}
+
+
+def finish(result: dict[str, Any], t_start: float) -> None:
+    result["machine"]["load_average_end"] = load_average()
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+
+
+def write_outputs(out: Path, stem: str, result: dict[str, Any], markdown: str,
+                  plot: Callable[[dict, Path], None]) -> None:
+    """``stem.json``, ``stem.md`` and ``stem.png`` in ``out``, each written atomically."""
+    write_json_atomic(out / f"{stem}.json", result)
+    write_text_atomic(out / f"{stem}.md", markdown)
+    plot(result, out / f"{stem}.png")
+
+
+# --------------------------------------------------------------------------------------------
+# The images
+
+
+@dataclass
+class TestImages:
+    """The same real test images for every candidate: ``xs[j]`` is a normalized ``[1, C, H, W]``
+    float32 array, ``pngs[j]`` its PNG bytes (when HTTP needs them), ``labels[j]`` its class."""
+
+    xs: list[np.ndarray]
+    labels: np.ndarray
+    pngs: list[bytes]
+    indices: np.ndarray  # into the test split
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def batch(self, count: int) -> torch.Tensor:
+        """The first ``count`` images as one tensor (export checks, activation estimates)."""
+        return torch.from_numpy(np.concatenate(self.xs[:count]))
+
+
+def check_dataset(spec: DatasetSpec) -> None:
+    """The test split must be where the spec says (fails with one line otherwise)."""
+    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+
+
+def load_test_images(spec: DatasetSpec, count: int, seed: int, *, png: bool) -> TestImages:
+    test = load_split(spec, "test")
+    idx = stratified_subset(test.labels, count, seed)
+    u8 = torch.stack([test[int(i)][0] for i in idx])
+    xs = [normalize(u8[i:i + 1], spec).numpy() for i in range(len(idx))]
+    pngs = [encode_png(u8[i]) for i in range(len(idx))] if png else []
+    return TestImages(xs, np.asarray(test.labels)[idx], pngs, np.asarray(idx))
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers
+
+
+class InProcessDriver:
+    """Calls the predictor from this event loop: no HTTP, no serialisation."""
+
+    transport = "inprocess"
+
+    def __init__(self, predictor: Predictor, images: TestImages):
+        self.predictor, self.xs = predictor, images.xs
+
+    async def one(self, j: int) -> Timed:
+        t0 = time.perf_counter()
+        pred = await self.predictor.predict(self.xs[j])
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms
+
+    async def sequential(self, indices: Sequence[int]) -> list[Timed]:
+        return [await self.one(int(j)) for j in indices]
+
+    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+        counter = iter(range(n_requests))
+        latencies: list[float] = []
+
+        async def client() -> None:
+            for j in counter:
+                latencies.append((await self.one(j % len(self.xs)))[0])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return time.perf_counter() - t0, latencies
+
+    async def close(self) -> None:
+        pass
+
+
+class HttpDriver:
+    """PNG requests to the predictor's own gateway (on 127.0.0.1, a free port) from the
+    benchmark's client process.  Use :meth:`start`."""
+
+    transport = "http"
+
+    def __init__(self, server: BackgroundServer, client: HttpClientProcess):
+        self.server, self.client = server, client
+
+    @classmethod
+    async def start(cls, predictor: Predictor, client: HttpClientProcess,
+                    settings: GatewaySettings | None = None) -> "HttpDriver":
+        app = create_app(predictor, settings or GatewaySettings(), close_predictor=False)
+        server = await asyncio.to_thread(BackgroundServer(app).start)
+        return cls(server, client)
+
+    async def _ask(self, fn, *args):
+        try:
+            return await asyncio.to_thread(fn, self.server.url, *args)
+        except RuntimeError as e:
+            raise SensaiError(f"HTTP benchmark client: {e}") from None
+
+    async def sequential(self, indices: Sequence[int]) -> list[Timed]:
+        return await self._ask(self.client.sequential, [int(j) for j in indices])
+
+    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+        r = await self._ask(self.client.concurrent, n_requests, concurrency)
+        return r["seconds"], r["latencies"]
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.server.stop)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement steps
+
+
+async def warm_up(driver, n_images: int, count: int) -> None:
+    """``count`` untimed requests: first requests allocate buffers, open connections, fill
+    caches."""
+    if count:
+        await driver.sequential([j % n_images for j in range(count)])
+
+
+def rounds_of(n: int, rounds: int) -> list[np.ndarray]:
+    """The image indices ``0..n-1`` in ``min(rounds, n)`` consecutive chunks."""
+    return np.array_split(np.arange(n), min(rounds, n))
+
+
+@contextmanager
+def quiet_gc() -> Iterator[None]:
+    """``with quiet_gc(): <measure>``: everything alive now is moved out of the collector's
+    sight (``gc.freeze``), so the collections run between timed runs (to keep a collector pause
+    out of them) take milliseconds, not the half second a full pass over torch and the rest
+    takes."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+async def interleaved(keys: Sequence[str], n: int, rounds: int,
+                      run_chunk: Callable[[str, np.ndarray], Awaitable[None]]) -> None:
+    """Every key serves each round's images in turn, rounds one after the other, so a change in
+    the machine's load hits every key alike."""
+    for chunk in rounds_of(n, rounds):
+        for key in keys:
+            gc.collect()
+            await run_chunk(key, chunk)
+
+
+async def throughput(driver, n_requests: int, concurrency: int) -> dict[str, Any]:
+    gc.collect()
+    wall, latencies = await driver.concurrent(n_requests, concurrency)
+    return {"concurrency": concurrency, "requests": n_requests, "seconds": round(wall, 3),
+            "images_per_s": round(n_requests / wall, 2), "latency_ms": summarize(latencies)}

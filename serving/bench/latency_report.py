@@ -1,0 +1,280 @@
+"""``sensai bench``'s report: the terminal table, ``bench.md`` and ``bench.png``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .names import LABELS, TRANSPORTS
+from .render import fmt, horizontal_boxplot, human, md_table, pyplot, save_figure, text_table
+from .targets import all_checks
+
+LATENCY_HEADER = ["strategy", "transport", "workers", "p50 ms", "p90 ms", "p99 ms", "mean ms",
+                  "img/s", "compute p50", "transport p50", "merge p50", "top-1"]
+WORKER_HEADER = ["strategy", "workers", "params/worker (max)", "MACs/worker (max)", "MACs total",
+                 "weights+act. MB/worker (max)", "RSS growth MB", "peak RSS growth MB",
+                 "CUDA MB (torch peak / device)"]
+TARGET_HEADER = ["target set", "target", "value", "other transport (reference)", "status"]
+STATUS_MD = {"met": "met", "not met": "NOT met", "not measured": "not measured"}
+
+
+def _short(key: str) -> str:
+    return LABELS[key].replace(" (sensAI)", "")
+
+
+def latency_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for key, s in result.get("strategies", {}).items():
+        for transport, t in s.get("transports", {}).items():
+            lat, b = t["latency_ms"], t["breakdown_ms"]["p50"]
+            rows.append([LABELS[key], transport, str(s["workers"]), fmt(lat["p50"]),
+                         fmt(lat["p90"]), fmt(lat["p99"]), fmt(lat["mean"]),
+                         fmt(t["throughput"]["images_per_s"], 1), fmt(b["compute"]),
+                         fmt(b["transport"]), fmt(b["merge"], 3), fmt(t["top1"], 4)])
+    return rows
+
+
+def worker_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for key, s in result.get("strategies", {}).items():
+        m, per = s["memory"], s["per_worker"]
+        rows.append([LABELS[key], str(s["workers"]), human(s["params_max_per_worker"]),
+                     human(s["flops_max_per_worker"]), human(s["flops_total"]),
+                     fmt(max((w["weights_mb"] + w["activations_mb"] for w in per), default=None)),
+                     fmt(m["rss_growth_mb"]), fmt(m["peak_rss_growth_mb"]),
+                     ", ".join(f"{d}: {v['torch_peak_mb']} / {v['device_used_mb']}"
+                               for d, v in m["cuda"].items()) or "-"])
+    return rows
+
+
+def target_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for tset in result.get("targets", {}).get("sets", []):
+        for c in tset["checks"]:
+            other = "inprocess" if c["transport"] == "http" else "http"
+            rows.append([tset["name"], c["rule"], f"{fmt(c['value'], 3)} ({c['transport']})",
+                         f"{fmt(c.get(other + '_value'), 3)} ({other})", STATUS_MD[c["status"]]])
+    return rows
+
+
+def accuracy_line(result: dict) -> str:
+    a, s = result["accuracy"], result["shrink"]
+    delta = f"{a['delta_points']:+.2f} points" if a["delta_points"] is not None else "-"
+    return (f"accuracy (from the artifact, {a['measured_on']}): original top-1 "
+            f"{fmt(a['original_top1'], 4)}, decomposed {fmt(a['decomposed_top1'], 4)} ({delta}); "
+            f"largest subnet {fmt(s['params_ratio'])}x fewer params, "
+            f"{fmt(s['flops_ratio'])}x fewer MACs than the original")
+
+
+def render_table(result: dict) -> str:
+    parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
+             text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result)]
+    for c in all_checks(result.get("targets", {})):
+        parts.append(f"target {c['rule']} ({c['transport']}): {fmt(c['value'], 3)} -> "
+                     f"{c['status'].upper()}")
+    return "\n".join(parts)
+
+
+def _accuracy_section(result: dict) -> list[str]:
+    a, s, m = result["accuracy"], result["shrink"], result["accuracy"].get("on_bench_images", {})
+    delta = f"{a['delta_points']:+.2f}" if a["delta_points"] is not None else "-"
+    rows = [["original model", fmt(a["original_top1"], 4), human(s["original"]["params"]),
+             human(s["original"]["flops"]), fmt(m.get("original_top1"), 4)],
+            [f"decomposed ({s['subnets']} subnets, merged)", fmt(a["decomposed_top1"], 4),
+             f"{human(s['largest_subnet']['params'])} (largest subnet; "
+             f"{human(s['params_all_subnets'])} in all)",
+             f"{human(s['largest_subnet']['flops'])} (largest subnet; "
+             f"{human(s['flops_all_subnets'])} in all)",
+             fmt(m.get("decomposed_top1"), 4)]]
+    lines = ["## Accuracy and size", "",
+             md_table(["model", "top-1 (artifact)", "params", "MACs / image",
+                       f"top-1 on the {m.get('images', '-')} bench images"], rows), "",
+             f"Top-1 difference: {delta} points, measured by `sensai decompose` on "
+             f"{a['measured_on']}."]
+    if a.get("original_top1_at_training") is not None:
+        lines[-1] += (f" The original's top-1 recorded at training (whole test split): "
+                      f"{fmt(a['original_top1_at_training'], 4)}.")
+    lines += [f"The largest subnet has {fmt(s['params_ratio'])}x fewer parameters and "
+              f"{fmt(s['flops_ratio'])}x fewer MACs than the original. The last column is this "
+              "run's own answers on its images (PNG over HTTP is lossless: the same answers "
+              "as in process).", ""]
+    return lines
+
+
+def _summary_lines(result: dict) -> list[str]:
+    """One sentence per transport comparing the strategies' p50 latency and throughput."""
+    s = result["strategies"]
+    out = []
+    for t in TRANSPORTS:
+        def get(key: str, what: str):
+            rep = s.get(key, {}).get("transports", {}).get(t)
+            if rep is None:
+                return None
+            return rep["latency_ms"]["p50"] if what == "p50" else rep["throughput"]["images_per_s"]
+
+        parts = []
+        cp, single, mp = get("class-parallel", "p50"), get("single", "p50"), get(
+            "model-parallel", "p50")
+        if cp and single:
+            parts.append(f"class parallel p50 is {cp / single:.2f}x the single device's")
+        if cp and mp:
+            parts.append(f"{cp / mp:.2f}x model parallel's")
+        dp = get("data-parallel", "p50")
+        if dp and single:
+            thr = get("data-parallel", "thr"), get("single", "thr")
+            parts.append(f"data parallel p50 is {dp / single:.2f}x the single device's (one image "
+                         f"is not cut up) for {thr[0] / thr[1]:.2f}x its throughput")
+        if parts:
+            out += [f"{'In process' if t == 'inprocess' else 'Over HTTP'}: " + "; ".join(parts)
+                    + ".", ""]
+    return out
+
+
+def _targets_section(result: dict) -> list[str]:
+    t = result.get("targets", {})
+    lines = ["## Targets (p50)", ""]
+    if not t.get("sets"):
+        return lines + [f"No target set applies to {result['model']}.", ""]
+    return lines + [md_table(TARGET_HEADER, target_rows(result)), "",
+                    "Only the target sets that apply to this artifact's model are listed.", ""]
+
+
+def render_markdown(result: dict) -> str:
+    m, st, v = result["machine"], result["settings"], result["machine"]["versions"]
+    gpu = ", ".join(f"{x['name']} ({x['memory_gb']} GB)" for x in m["gpus"]) or "none"
+    lines = [
+        f"# sensai bench: {result['model']} on {result['dataset']}",
+        "",
+        f"Command: `{result.get('command') or 'run_bench(...)'}`",
+        "",
+        f"Artifact `{result['artifact']}`, {st['subnets']} subnets (groups {result['groups']}); "
+        f"{st['images']} real test images at batch 1 and concurrency 1 in {st['rounds']} "
+        f"interleaved rounds after {st['warmup']} warm-up requests per strategy and transport; "
+        f"throughput: {st['throughput_requests']} requests at concurrency {st['concurrency']}. "
+        f"Every worker: runtime {', '.join(st.get('runtime_resolved') or [st['runtime']])} "
+        f"(--runtime {st['runtime']}) on {st['device_resolved']}, {st['threads_per_worker']} "
+        f"thread(s). Class parallel: the predictor `sensai serve` builds (backend "
+        f"{st['class_parallel_backend']}); the baselines run on worker threads. Model parallel: "
+        f"{st['stages']} stages; data parallel: {st['replicas']} replicas.",
+        "",
+        f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
+        f"({m['usable_cores']} usable), {m['memory_gb']} GB; GPU: {gpu}; load average "
+        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end. "
+        f"torch {v.get('torch')}, onnxruntime {v.get('onnxruntime')}, numpy {v.get('numpy')}, "
+        f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
+        f"python {v.get('python')}.",
+        "",
+        *_accuracy_section(result),
+        "## Latency (ms, one image per request)",
+        "",
+        md_table(LATENCY_HEADER, latency_rows(result)),
+        "",
+        *_summary_lines(result),
+        "compute: the runners' own time measured inside the workers - the one run (single, "
+        "data parallel), the sum of the stages (model parallel), the slowest subnet (class "
+        "parallel: the floor). transport: latency - compute - merge (hand-offs to the workers, "
+        "fan-out and gather; over HTTP also the request, PNG decoding and JSON). merge: outputs "
+        "-> class scores (softmax, or merge_outputs for the subnets).",
+        "",
+        "## Where the time goes (mean ms; the parts add up to the mean latency)",
+        "",
+    ]
+    rows = []
+    for key, s in result["strategies"].items():
+        for transport, t in s["transports"].items():
+            b = t["breakdown_ms"]["mean"]
+            rows.append([LABELS[key], transport, fmt(t["latency_ms"]["mean"]), fmt(b["compute"]),
+                         fmt(b["dispatch"]), fmt(b["http"]), fmt(b["merge"], 3),
+                         fmt(t["compute_sum_ms"]["mean"])])
+    lines += [md_table(["strategy", "transport", "latency", "compute (critical path)",
+                        "dispatch (in predictor)", "http + decode (outside)", "merge",
+                        "work done (all workers)"], rows), ""]
+    cp = result["strategies"].get("class-parallel")
+    if cp and cp.get("isolated_compute_ms"):
+        floor = cp.get("core_bound_floor_ms")
+        lines += [
+            "Class parallel, each subnet alone (no neighbour competing for the cores): p50 "
+            f"compute of the slowest {fmt(cp['isolated_compute_ms_p50_max'])} ms, sum over "
+            f"subnets {fmt(cp['isolated_compute_ms_p50_sum'])} ms"
+            + (f"; with {m['usable_cores']} usable core(s) the subnets of one image cannot all be "
+               f"done in less than {fmt(floor)} ms (the core-bound floor)"
+               if floor is not None else "") + ".", ""]
+    elsewhere = (" (with --backend " + st["class_parallel_backend"] + ", class parallel's "
+                 "workers live in other processes, which these figures do not see)"
+                 if st["class_parallel_backend"] != "local" else "")
+    lines += ["## Per worker", "", md_table(WORKER_HEADER, worker_rows(result)), "",
+              "MACs: multiply-accumulates of convolutions and linear layers per image "
+              "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
+              "alive at once (a lower bound of the runtime's working memory). Memory is per "
+              "strategy, measured while it was loaded and warmed up: the workers are threads of "
+              "this process, so the figures are the growth of its RSS and of its peak RSS (the "
+              f"peak is reset before each strategy){elsewhere}.", ""]
+    if result.get("stage_plan"):
+        p = result["stage_plan"]
+        lines += [f"Model-parallel cut: {p['num_stages']} stages after "
+                  f"{', '.join(p['boundaries']) or '-'} (MACs per stage "
+                  f"{', '.join(human(x) for x in p['stage_macs'])}; at most "
+                  f"{p['max_stages']} stages possible).", ""]
+    lines += _targets_section(result)
+    busiest = max((s["workers"] for s in result["strategies"].values()), default=0)
+    cores = m.get("usable_cores")
+    if cores and not m["gpus"] and busiest * st["threads_per_worker"] > cores:
+        lines += [f"Note: up to {busiest} workers x {st['threads_per_worker']} thread(s) shared "
+                  f"{cores} usable cores, so the workers of one request waited for a core; "
+                  "that wait counts as transport (dispatch), and a worker's compute time includes "
+                  "time its thread was preempted. The 'each subnet alone' figures above show the "
+                  "compute without that competition.", ""]
+    lines += ["The machine's cores may have been shared with other work while this ran (see the "
+              "load averages); compare figures from one run, not across runs.", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Latency distribution per strategy and transport, and the mean latency split in parts."""
+    plt = pyplot()
+    strategies = result["strategies"]
+    transports = [t for t in TRANSPORTS if any(t in s["transports"] for s in strategies.values())]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    palette = {"inprocess": "#4C72B0", "http": "#DD8452"}
+    ax = axes[0]
+    data, labels, colors = [], [], []
+    for key, s in strategies.items():
+        for t in transports:
+            samples = s["transports"].get(t, {}).get("latencies_ms")
+            if samples:
+                data.append(samples)
+                labels.append(f"{_short(key)}\n{t}")
+                colors.append(palette[t])
+    horizontal_boxplot(ax, data, labels, colors)
+    ax.set_xlabel("latency per image (ms), whiskers p1-p99")
+    ax.set_title(f"{result['model']}: latency at concurrency 1")
+    ax.grid(axis="x", alpha=0.3)
+
+    ax = axes[1]
+    names, comp, disp, http, merge = [], [], [], [], []
+    for key, s in strategies.items():
+        for t in transports:
+            rep = s["transports"].get(t)
+            if not rep:
+                continue
+            b = rep["breakdown_ms"]["mean"]
+            names.append(f"{_short(key)}\n{t}")
+            comp.append(b["compute"] or 0)
+            disp.append(max(0.0, b["dispatch"] or 0))
+            http.append(max(0.0, b["http"] or 0))
+            merge.append(b["merge"] or 0)
+    y = np.arange(len(names))
+    left = np.zeros(len(names))
+    for vals, label, c in ((comp, "compute (critical path)", "#55A868"),
+                           (disp, "dispatch / fan-out", "#C44E52"),
+                           (merge, "merge", "#8172B2"), (http, "HTTP + decode", "#937860")):
+        ax.barh(y, vals, left=left, label=label, color=c)
+        left += np.asarray(vals, dtype=float)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean ms per image")
+    ax.set_title("where the time goes")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    save_figure(fig, path)

@@ -1,0 +1,186 @@
+"""The machine a benchmark ran on, and the memory a strategy takes while it loads.
+
+:func:`machine_description` records what the figures must be read against (CPU, cores, GPUs,
+library versions, load).  :class:`MemoryProbe` measures one strategy: the growth of this
+process's resident set and of its peak (Linux: the kernel's peak mark is reset first), and on
+GPUs the growth of torch's peak allocation and of the device's memory in use.  Workers that are
+threads of this process share its resident set, so memory is attributed per strategy, not per
+worker.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import resource
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Sequence
+
+import onnxruntime as ort
+import torch
+
+log = logging.getLogger(__name__)
+
+VERSIONED = ("torch", "onnxruntime", "numpy", "ray", "fastapi", "uvicorn", "httpx", "onnx",
+             "sensai")
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def load_average() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _cpu() -> tuple[str | None, int | None]:
+    cpu_model, physical, phys_id = None, set(), None
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and cpu_model is None:
+            cpu_model = value
+        elif key == "physical id":
+            phys_id = value
+        elif key == "core id":
+            physical.add((phys_id, value))
+    return cpu_model or platform.processor() or platform.machine() or None, len(physical) or None
+
+
+def _gpus() -> tuple[list[dict], str | None]:
+    try:
+        if not torch.cuda.is_available():
+            return [], None
+        gpus = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name,
+                         "memory_gb": round(p.total_memory / 1024 ** 3, 1)})
+        return gpus, torch.version.cuda
+    except Exception as e:  # a broken CUDA install should not stop a CPU benchmark
+        log.warning("cannot query GPUs: %s", e)
+        return [], None
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU model and cores, memory, GPUs, library versions, load - to read the figures against."""
+    cpu_model, physical = _cpu()
+    mem_total = None
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            mem_total = round(int(line.split()[1]) / 1024 ** 2, 1)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    gpus, cuda = _gpus()
+    versions = {"python": platform.python_version()}
+    for pkg in VERSIONED:
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    try:
+        providers = ort.get_available_providers()
+    except Exception:
+        providers = []
+    return {"cpu_model": cpu_model, "logical_cores": os.cpu_count(), "physical_cores": physical,
+            "usable_cores": usable, "memory_gb": mem_total, "gpus": gpus, "cuda": cuda,
+            "onnxruntime_providers": providers,
+            "os": f"{platform.system()} {platform.release()}", "load_average": load_average(),
+            "versions": versions}
+
+
+def rss_bytes() -> int | None:
+    """Current resident set of this process (Linux), else None."""
+    statm = _read("/proc/self/statm")
+    return int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm else None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set (since the last :func:`reset_peak_rss`, or since the process started)."""
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(ru if sys.platform == "darwin" else ru * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class CudaMemory:
+    """GPU memory a strategy takes while it loads and warms up, per CUDA device it uses.
+
+    ``torch_peak_mb``: growth of torch's peak allocation over the baseline at :meth:`start`;
+    ``device_used_mb``: growth of the memory in use on the whole device (``cudaMemGetInfo``),
+    which also sees ONNX Runtime's allocations.  No-op without CUDA devices.
+    """
+
+    def __init__(self, devices: Sequence[str]):
+        self.devices = sorted({str(d) for d in devices if str(d).startswith("cuda")})
+        self._before: dict[str, tuple[int, int]] = {}
+
+    def start(self) -> None:
+        if not self.devices:
+            return
+        for d in self.devices:
+            dev = torch.device(d)
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            free, total = torch.cuda.mem_get_info(dev)
+            self._before[d] = (torch.cuda.memory_allocated(dev), total - free)
+
+    def growth_mb(self) -> dict[str, dict[str, float]]:
+        if not self.devices:
+            return {}
+        out = {}
+        for d in self.devices:
+            dev = torch.device(d)
+            torch.cuda.synchronize(dev)
+            alloc0, used0 = self._before.get(d, (0, 0))
+            free, total = torch.cuda.mem_get_info(dev)
+            peak = torch.cuda.max_memory_allocated(dev)
+            out[d] = {"torch_peak_mb": round((peak - alloc0) / 1e6, 2),
+                      "device_used_mb": round(((total - free) - used0) / 1e6, 2)}
+        return out
+
+
+class MemoryProbe:
+    """``with MemoryProbe(devices) as probe: <load a strategy>``, then ``probe.figures``."""
+
+    def __init__(self, devices: Sequence[str] = ()):
+        self.cuda = CudaMemory(devices)
+        self.figures: dict[str, Any] = {}
+
+    def __enter__(self) -> "MemoryProbe":
+        gc.collect()
+        self._peak_reset = reset_peak_rss()
+        self.cuda.start()
+        self._rss0 = rss_bytes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        rss0, rss1, peak = self._rss0, rss_bytes(), peak_rss_bytes()
+        self.figures = {
+            "rss_growth_mb": round((rss1 - rss0) / 1e6, 2) if rss0 and rss1 else None,
+            "peak_rss_growth_mb": (round((peak - rss0) / 1e6, 2)
+                                   if rss0 and self._peak_reset else None),
+            "process_peak_rss_mb": round(peak / 1e6, 1),
+            "peak_scope": ("since this strategy started loading" if self._peak_reset
+                           else "process lifetime (peak reset unavailable)"),
+            "cuda": self.cuda.growth_mb() if exc[0] is None else {},
+        }

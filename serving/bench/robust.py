@@ -1,0 +1,409 @@
+"""``sensai bench-robust``: latency, errors and compute cost of redundant class parallelism.
+
+Every configuration (redundancy ``r``, and for ``r >= 1`` optionally a hedge delay) is the
+predictor ``sensai serve ART --redundancy r [--hedge-ms h]`` builds
+(:func:`~sensai.serving.build.build_predictor`): W = G workers on the chosen backend (``local``:
+worker threads, the default serving path that ``sensai bench`` measures; ``processes``; ``ray``),
+cyclic placement.  ``r = 0`` is the default serving path itself, so the cost of redundancy is
+measured against it.  The same real test images are sent one at a time (concurrency 1, in
+process) under three scenarios:
+
+* ``none`` - no fault: the reference latency;
+* ``straggler`` - one worker sleeps before every request, its delay drawn from a distribution
+  (``--delay``, e.g. ``exp:50ms``);
+* ``failure`` - one worker is ended while a request is in flight (at ``--kill-at`` of the run; a
+  thread is abandoned and replaced, a process SIGKILLed, a Ray actor killed); it is restarted and
+  rejoins.  Requests are paced (one every ``interval_ms``) so the error count reflects the
+  outage's length rather than how fast errors come back.
+
+The ``none`` and ``straggler`` runs are interleaved in rounds across configurations; ``failure``
+runs one configuration at a time (an outage is a wall-clock event).  Every answer is compared with
+the offline answer (the same ONNX subnets run in this process, merged with
+:func:`sensai.merge.merge_outputs`): ``wrong`` counts answers whose top-1 or scores differ.
+``errors`` counts requests answered with an error (503: no live copy of some classes, 504:
+deadline); latency figures are over answered requests.
+
+Outputs in ``out_dir``: ``robust.json``, ``robust.md``, ``robust.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+from sensai.merge import merge_outputs
+
+from ..build import build_predictor
+from ..errors import ServingError
+from ..faults import parse_delay
+from ..placement import check_redundancy
+from ..predictor import ClassParallelPredictor
+from ..runners import RUNTIMES, runner_specs
+from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
+                      load_test_images, progress_bar, quiet_gc, write_outputs)
+from .names import BACKENDS, SCENARIOS
+from .robust_report import plot, render_markdown
+from .stats import summarize
+
+log = logging.getLogger(__name__)
+
+AFTER_REJOIN = 20  # requests sent after the victim rejoined, to check it serves again
+
+
+def config_key(r: int, hedge_ms: float) -> str:
+    return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
+
+
+def check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
+                   kill_at, rounds, groups: int, vote: bool, interval_ms: float,
+                   backend: str, runtime: str) -> None:
+    if not redundancies:
+        raise SensaiError("give at least one --redundancy")
+    for r in redundancies:
+        check_redundancy(groups, None, r, vote)
+    if any(not h >= 0 for h in hedges):
+        raise SensaiError("--hedge-ms must be >= 0")
+    bad = [s for s in scenarios if s not in SCENARIOS]
+    if bad or not scenarios:
+        raise SensaiError(f"unknown scenario {', '.join(bad) or '(none)'}; choose from "
+                          f"{', '.join(SCENARIOS)}")
+    for name, v, low in (("--images", images, 2), ("--warmup", warmup, 0),
+                         ("--rounds", rounds, 1)):
+        check_int(name, v, low)
+    parse_delay(delay)
+    for name, v in (("--straggler", straggler), ("--victim", victim)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:
+            raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
+    if not 0.0 <= kill_at < 1.0:
+        raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
+    if not interval_ms >= 0:
+        raise SensaiError(f"--interval-ms must be >= 0, got {interval_ms}")
+    if backend not in BACKENDS:
+        raise SensaiError(f"unknown backend {backend!r} for bench-robust; choose one of "
+                          f"{', '.join(BACKENDS)}")
+    if runtime not in RUNTIMES:
+        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+
+
+def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
+                      threads: int = 1) -> np.ndarray:
+    """The answers to compare with: every subnet run in this process on CPU, merged."""
+    runners = [s.build() for s in runner_specs(artifact, device="cpu", runtime=runtime,
+                                               threads=threads)]
+    x = np.concatenate(xs)
+    outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
+    return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
+
+
+class Run:
+    """Per-request records of one configuration in one scenario."""
+
+    def __init__(self) -> None:
+        self.latency: list[float] = []
+        self.errors: list[str] = []
+        self.wrong = 0
+        self.degraded = 0
+        self.answered_by: list[dict[str, str]] = []
+        self.runs = 0
+        self.compute_ms = 0.0
+        self.skipped = 0
+        self.requests = 0
+
+    def add_work(self, before: dict, after: dict) -> None:
+        self.runs += after["runs"] - before["runs"]
+        self.compute_ms += after["compute_ms"] - before["compute_ms"]
+        self.skipped += after["skipped"] - before["skipped"]
+
+    def report(self, extra: dict | None = None) -> dict[str, Any]:
+        per = max(1, self.requests)
+        out = {"requests": self.requests, "answered": len(self.latency),
+               "errors": len(self.errors), "wrong": self.wrong, "degraded": self.degraded,
+               "latency_ms": summarize(self.latency),
+               "subnet_runs_per_request": round(self.runs / per, 3),
+               "compute_ms_per_request": round(self.compute_ms / per, 4),
+               "copies_skipped_per_request": round(self.skipped / per, 3),
+               "error_examples": sorted(set(self.errors))[:3],
+               "latencies_ms": [round(v, 4) for v in self.latency]}
+        out.update(extra or {})
+        return out
+
+
+async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Run, *,
+                      kill=None) -> None:
+    run.requests += 1
+    t0 = time.perf_counter()
+    task = asyncio.ensure_future(pred.predict(x))
+    if kill is not None:
+        await asyncio.sleep(0)  # the request is dispatched to every worker...
+        kill()  # ...and one of them dies while it is in flight
+    try:
+        p = await task
+    except ServingError as e:
+        run.errors.append(f"{e.status}: {e}")
+        return
+    run.latency.append((time.perf_counter() - t0) * 1e3)
+    run.answered_by.append(dict(p.answered_by))
+    run.degraded += bool(p.degraded)
+    if int(p.scores[0].argmax()) != int(ref.argmax()) or not np.allclose(p.scores[0], ref,
+                                                                          atol=1e-5):
+        run.wrong += 1
+
+
+async def settle(pred: ClassParallelPredictor, timeout: float = 5.0) -> None:
+    """Let copies still being computed for the last request finish, so counters are complete."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(w.pending for w in pred.workers):
+        await asyncio.sleep(0.005)
+
+
+def _straggler_figures(pred: ClassParallelPredictor, run: Run, straggler: int,
+                       delay: str) -> dict[str, Any]:
+    """How often the delayed worker's own groups were still answered by it."""
+    own = [f"subnet_{g:02d}" for g in pred.placement.workers[straggler]
+           if pred.hosts[g][0] == straggler]
+    name = pred.workers[straggler].name
+    total = sum(1 for a in run.answered_by for s in own if s in a)
+    by_it = sum(1 for a in run.answered_by for s in own if a.get(s) == name)
+    return {"straggler": name, "straggler_delay": delay, "straggler_groups": own,
+            "straggler_answered_share": round(by_it / total, 4) if total else None}
+
+
+async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs, *, warmup: int,
+                   rounds: int, straggler: int, delay: str, victim: int, kill_at: float,
+                   rejoin_timeout_s: float, interval_s: float,
+                   bar) -> dict[str, dict[str, dict]]:
+    n = len(xs)
+    results: dict[str, dict[str, dict]] = {k: {} for k in preds}
+    for key, pred in preds.items():
+        bar.set_description(f"warm-up {key}")
+        for j in range(warmup):
+            await pred.predict(xs[j % n])
+            bar.update(1)
+    for scenario in [s for s in SCENARIOS if s in scenarios and s != "failure"]:
+        runs = {k: Run() for k in preds}
+
+        async def run_chunk(key: str, chunk) -> None:
+            pred = preds[key]
+            bar.set_description(f"{scenario}: {key}")
+            await settle(pred)
+            before = pred.counters()
+            for j in chunk:
+                await one_request(pred, xs[j], refs[j], runs[key])
+                bar.update(1)
+            await settle(pred)
+            runs[key].add_work(before, pred.counters())
+
+        if scenario == "straggler":
+            for pred in preds.values():
+                pred.inject(straggler, delay=delay)
+        try:
+            await interleaved(list(preds), n, rounds, run_chunk)
+        finally:
+            if scenario == "straggler":
+                for pred in preds.values():
+                    pred.inject(straggler, delay=None)
+        for key, pred in preds.items():
+            extra = (_straggler_figures(pred, runs[key], straggler, delay)
+                     if scenario == "straggler" else None)
+            results[key][scenario] = runs[key].report(extra)
+    if "failure" in scenarios:
+        for key, pred in preds.items():
+            bar.set_description(f"failure: {key}")
+            results[key]["failure"] = await _failure(pred, xs, refs, victim, kill_at,
+                                                     rejoin_timeout_s, interval_s, bar)
+    return results
+
+
+async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at: float,
+                   rejoin_timeout_s: float, interval_s: float, bar) -> dict:
+    n = len(xs)
+    run = Run()
+    kill_index = int(kill_at * n)
+    wk = pred.workers[victim]
+    events: dict[str, Any] = {}
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        # Poll the worker's state to time the outage: ended -> restarted -> up again.
+        seen_down = False
+        while not stop.is_set():
+            up = pred.worker_states()[victim] == "up"
+            if "kill" in events:
+                if not up and not seen_down:
+                    seen_down = True
+                    events["down"] = time.perf_counter()
+                elif up and seen_down and "up" not in events:
+                    events["up"] = time.perf_counter()
+            await asyncio.sleep(0.002)
+
+    def kill() -> None:
+        events["kill"] = time.perf_counter()
+        events["pid"] = pred.kill_worker(victim)
+
+    restarts0 = wk.restarts
+    await settle(pred)
+    before = pred.counters()
+    watcher = asyncio.ensure_future(watch())
+    errors_in_outage = 0
+    next_start = time.perf_counter()
+    try:
+        for j in range(n):
+            # Paced arrivals: a request that fails fast must not let the next ones rush in, or
+            # the error count would measure how quickly errors come back, not the outage.
+            wait = next_start - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            next_start = time.perf_counter() + interval_s
+            was = len(run.errors)
+            await one_request(pred, xs[j], refs[j], run, kill=kill if j == kill_index else None)
+            if len(run.errors) > was and "kill" in events and "up" not in events:
+                errors_in_outage += 1
+            bar.update(1)
+        await settle(pred)
+        run.add_work(before, pred.counters())
+        # Wait for the rejoin, then check the worker serves again.
+        rejoined = await asyncio.to_thread(pred.wait_until_up, victim, rejoin_timeout_s)
+        await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await watcher
+    after = Run()
+    runs0 = pred.counters()["per_worker_runs"][victim]
+    for j in range(min(n, AFTER_REJOIN)):
+        await one_request(pred, xs[j], refs[j], after)
+    await settle(pred)
+    rejoin_runs = pred.counters()["per_worker_runs"][victim] - runs0
+    outage = (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
+    return run.report({
+        "victim": wk.name, "killed_pid": events.get("pid"), "kill_at_request": kill_index,
+        "restarted": wk.restarts > restarts0, "rejoined": bool(rejoined),
+        "outage_s": round(outage, 3) if outage is not None else None,
+        "errors_during_outage": errors_in_outage,
+        "after_rejoin": {"requests": after.requests, "errors": len(after.errors),
+                         "wrong": after.wrong, "victim_subnet_runs": rejoin_runs},
+    })
+
+
+def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) -> None:
+    """Compute overheads relative to r = 0 without faults (one full answer's work), and p99
+    relative to the same configuration without faults."""
+    base = measured.get(base_key, {}).get("none") if base_key else None
+    for per in measured.values():
+        none = per.get("none")
+        for scen, rep in per.items():
+            if base and base["subnet_runs_per_request"]:
+                rep["compute_overhead_runs"] = round(
+                    rep["subnet_runs_per_request"] / base["subnet_runs_per_request"], 3)
+                rep["compute_overhead_time"] = (round(
+                    rep["compute_ms_per_request"] / base["compute_ms_per_request"], 3)
+                    if base["compute_ms_per_request"] else None)
+            if scen != "none" and none and none["latency_ms"]["p99"] and rep["latency_ms"]["p99"]:
+                rep["p99_vs_no_fault"] = round(rep["latency_ms"]["p99"]
+                                               / none["latency_ms"]["p99"], 3)
+
+
+def run_robust_bench(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    redundancies: Sequence[int] = (0, 1),
+    hedges_ms: Sequence[float] = (0.0,),
+    scenarios: Sequence[str] = SCENARIOS,
+    backend: str = "local",
+    images: int = 200,
+    warmup: int = 20,
+    rounds: int = 5,
+    delay: str = "exp:50ms",
+    straggler: int = 0,
+    victim: int = 1,
+    kill_at: float = 0.3,
+    interval_ms: float = 10.0,
+    vote: bool = False,
+    deadline_s: float = 5.0,
+    restart_delay_s: float = 0.0,
+    rejoin_timeout_s: float = 120.0,
+    device: str = "cpu",
+    runtime: str = "auto",
+    threads: int = 1,
+    data_dir: str | None = None,
+    seed: int = 0,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the robust benchmark on the artifact in ``artifact_dir``; write robust.json,
+    robust.md and robust.png to ``out_dir``; return what robust.json holds.
+
+    ``redundancies`` x ``hedges_ms`` (hedges only for r >= 1) are the configurations, each on
+    W = G workers of ``backend``.  ``straggler``/``victim``: worker indices that get the
+    ``delay`` / are ended (at request ``kill_at`` x ``images``; in that scenario a request starts
+    every ``interval_ms``, or right after the previous one if it took longer).
+    ``restart_delay_s``: how long the predictor waits before restarting the dead worker
+    (stretches the outage).
+    """
+    artifact = load_artifact(artifact_dir)
+    g = len(artifact.groups)
+    scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
+    redundancies = sorted({int(r) for r in redundancies})
+    hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
+    check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
+                   kill_at, rounds, g, vote, interval_ms, backend, runtime)
+    spec = artifact.spec.with_data_dir(data_dir)
+    check_dataset(spec)
+    out = Path(out_dir)
+    check_out_dir(out)
+    t_start = time.perf_counter()
+
+    imgs = load_test_images(spec, images, seed, png=False)
+    xs = imgs.xs
+    refs = offline_reference(artifact, xs, runtime=runtime, threads=threads)
+    configs = [(r, 0.0) for r in redundancies if r == 0] + [
+        (r, h) for r in redundancies if r > 0 for h in hedges]
+    settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
+                "backend": backend, "images": len(xs), "warmup": warmup, "rounds": rounds,
+                "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
+                "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
+                "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
+                "runtime": runtime, "threads_per_worker": threads, "seed": seed, "batch": 1,
+                "concurrency": 1, "transport": "inprocess"}
+    result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
+    preds: dict[str, ClassParallelPredictor] = {}
+    bar = progress_bar(progress, "bench-robust")
+    try:
+        bar.total = len(configs) * (warmup + len(xs) * len(scenarios))
+        bar.refresh()
+        for r, h in configs:
+            key = config_key(r, h)
+            bar.set_description(f"start {key}")
+            preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
+                                         vote=vote, device=device, runtime=runtime,
+                                         threads=threads, deadline_s=deadline_s, hedge_ms=h,
+                                         restart_delay_s=restart_delay_s, seed=seed)
+        result["placement"] = {k: [list(w) for w in p.placement.workers]
+                               for k, p in preds.items()}
+        result["worker_transport"] = {k: p.transport.describe() for k, p in preds.items()}
+        with quiet_gc():
+            measured = asyncio.run(_measure(
+                preds, scenarios, xs, refs, warmup=warmup, rounds=rounds, straggler=straggler,
+                delay=delay, victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
+                interval_s=interval_ms / 1e3, bar=bar))
+    finally:
+        bar.close()
+        for p in preds.values():
+            p.shutdown()
+    _relative_costs(measured, config_key(0, 0.0) if 0 in redundancies else None)
+    result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
+                             "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
+                             "scenarios": measured[k]}
+                         for (r, h), k in zip(configs, preds)}
+    finish(result, t_start)
+    write_outputs(out, "robust", result, render_markdown(result), plot)
+    return result

@@ -1,0 +1,82 @@
+"""Statistics of the benchmark's samples: percentiles, and one request's latency split in parts.
+
+Every request of a strategy reports the same ``timings_ms`` keys (:mod:`.baselines` and the
+class-parallel predictor alike): ``total`` (inside the predictor), ``compute`` (the critical path:
+the one run, the sum of the stages, the slowest subnet), ``compute_sum`` (work done by all
+workers), ``merge`` (outputs -> class scores) and ``compute.<worker>`` per worker.  The rest of a
+request's latency is ``transport``: inside the predictor (``dispatch``: hand-offs, fan-out and
+gather) and outside it (``http``: the request, image decoding, the JSON answer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+STATS = ("p50", "p90", "p99", "mean", "min", "max")
+
+
+def rounded(v: float | None, nd: int = 4) -> float | None:
+    """``v`` rounded, or None when it is missing or not finite (JSON has no NaN)."""
+    return round(float(v), nd) if v is not None and math.isfinite(float(v)) else None
+
+
+def summarize(values: Sequence[float]) -> dict[str, float | None]:
+    """p50/p90/p99, mean, min, max and count of the finite values (None for each when empty)."""
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+    if not len(a):
+        return {k: None for k in STATS} | {"n": 0}
+    p50, p90, p99 = (round(float(v), 4) for v in np.percentile(a, [50, 90, 99]))
+    return {"p50": p50, "p90": p90, "p99": p99, "mean": round(float(a.mean()), 4),
+            "min": round(float(a.min()), 4), "max": round(float(a.max()), 4), "n": int(len(a))}
+
+
+def _nan_stat(fn, a: np.ndarray) -> float | None:
+    return rounded(fn(a)) if np.isfinite(a).any() else None
+
+
+@dataclass
+class Samples:
+    """Per-request figures of one strategy over one transport at concurrency 1."""
+
+    latency: list[float] = field(default_factory=list)  # client side, ms
+    total: list[float] = field(default_factory=list)  # inside the predictor
+    compute: list[float] = field(default_factory=list)  # critical path
+    compute_sum: list[float] = field(default_factory=list)
+    merge: list[float] = field(default_factory=list)
+    per_worker: dict[str, list[float]] = field(default_factory=dict)
+    correct: int = 0
+    answered: int = 0
+
+    def add(self, latency_ms: float, timings: dict[str, float], correct: bool) -> None:
+        self.latency.append(latency_ms)
+        self.total.append(float(timings.get("total", float("nan"))))
+        self.compute.append(float(timings.get("compute", float("nan"))))
+        self.compute_sum.append(float(timings.get("compute_sum", float("nan"))))
+        self.merge.append(float(timings.get("merge", 0.0)))
+        for k, v in timings.items():
+            if k.startswith("compute."):
+                self.per_worker.setdefault(k[len("compute."):], []).append(float(v))
+        self.correct += bool(correct)
+        self.answered += 1
+
+    def report(self) -> dict[str, Any]:
+        lat, total = np.asarray(self.latency), np.asarray(self.total)
+        comp, merge = np.asarray(self.compute), np.asarray(self.merge)
+        parts = {"compute": comp, "merge": merge, "transport": lat - comp - merge,
+                 "dispatch": total - comp - merge, "http": lat - total}
+        mean = {k: _nan_stat(np.nanmean, v) for k, v in parts.items()}
+        p50 = {k: _nan_stat(np.nanmedian, v) for k, v in parts.items()}
+        p50["latency_minus_compute"] = _nan_stat(np.nanmedian, lat - comp)
+        return {
+            "latency_ms": summarize(self.latency),
+            # Means add up to the mean latency; medians of parts do not add up.
+            "breakdown_ms": {"mean": mean, "p50": p50},
+            "compute_sum_ms": summarize(self.compute_sum),
+            "per_worker_compute_ms": {k: summarize(v) for k, v in sorted(self.per_worker.items())},
+            "top1": round(self.correct / self.answered, 5) if self.answered else None,
+            "images": self.answered,
+        }

@@ -1,0 +1,220 @@
+"""How ``sensai bench`` builds each strategy, and what each costs per worker.
+
+1. ``single`` - the original model on one worker;
+2. ``model-parallel`` - the original model cut into K contiguous stages (:mod:`sensai.stages`) on
+   K workers;
+3. ``class-parallel`` - sensAI: exactly the predictor ``sensai serve`` builds
+   (:func:`~sensai.serving.build.build_predictor`, the gateway's default settings; backend
+   ``local`` = worker threads unless asked otherwise);
+4. ``data-parallel`` - R replicas of the original model.
+
+The baselines (:mod:`.baselines`) run on the same thread workers as the default class-parallel
+backend, with the same runtime, device and threads per worker.  Their ONNX files (the full
+model, the stages) are exported into ``out/models``.  Each strategy is loaded under a
+:class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sensai.artifact import Artifact
+from sensai.checkpoint import load_trained_model
+from sensai.errors import CheckpointError, SensaiError
+from sensai.export import export_onnx
+from sensai.flops import count_flops
+from sensai.fsutil import sha256_file
+from sensai.models import count_params, device_for_worker
+from sensai.stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
+
+from ..build import build_predictor
+from ..contract import Predictor
+from ..predictor import worker_devices
+from ..runners import RunnerSpec, runner_specs
+from ..settings import GatewaySettings
+from .baselines import BASELINES, ModuleSpec, WorkerSet
+from .harness import TestImages
+from .machine import MemoryProbe
+from .names import LABELS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recipe:
+    """What a strategy's workers run (one runner recipe each) and what each one costs."""
+
+    key: str
+    names: list[str]
+    specs: list  # RunnerSpec, or ModuleSpec for torch stages
+    workers: list[dict[str, Any]]  # params, flops, weights_mb, activations_mb per worker
+
+
+@dataclass
+class Strategy:
+    key: str
+    predictor: Predictor
+    recipe: Recipe
+    info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
+
+
+def resolved_runtime(runtime: str, device: str) -> str:
+    """``auto``: ONNX Runtime on CPUs, torch on GPUs (as :class:`RunnerSpec` resolves it)."""
+    if runtime == "auto":
+        return "onnx" if device == "cpu" else "torch"
+    return runtime
+
+
+def load_original(artifact: Artifact):
+    """The model the artifact was decomposed from (the baselines run it), checked by hash."""
+    source = artifact.manifest.source
+    try:
+        model, record = load_trained_model(source.model_dir)
+    except CheckpointError as e:
+        raise CheckpointError(f"the baselines need the original model the artifact was made "
+                              f"from ({source.model_dir}): {e}") from None
+    if record.weights_sha256 != source.weights_sha256:
+        raise CheckpointError(f"the model in {source.model_dir} is not the one {artifact.root} "
+                              "was decomposed from (weights hash differs)")
+    return model.eval(), record
+
+
+def stage_count(model, input_shape: Sequence[int], k: int, *, explicit: bool) -> int:
+    """K checked against where the model can be cut, before any long work."""
+    k_max = plan_stages(trace(model, torch.zeros(1, *input_shape)), 1)[0].max_stages
+    if k <= k_max:
+        return k
+    if explicit:
+        raise SensaiError(f"--workers {k}: {model.__class__.__name__} can be cut into at most "
+                          f"{k_max} stages with one tensor between consecutive stages")
+    # The default K is G; a small model may have fewer places to cut.
+    log.warning("model parallel: the model can be cut into at most %d stages; using %d instead "
+                "of G=%d", k_max, k_max, k)
+    return k_max
+
+
+def _cost(params: int, flops: int, activation_bytes: int, **extra) -> dict[str, Any]:
+    return {"params": params, "flops": flops, "weights_mb": round(params * 4 / 1e6, 3),
+            "activations_mb": round(activation_bytes / 1e6, 3), **extra}
+
+
+def prepare_baselines(model, record, artifact: Artifact, images: TestImages, models_dir: Path, *,
+                      stages: int, replicas: int, strategies: Sequence[str], device: str,
+                      runtime: str, threads: int,
+                      status: Callable[[str], None]) -> tuple[dict[str, Recipe], dict | None]:
+    """Recipes of the baselines in ``strategies``, and the model-parallel stage plan."""
+    spec = artifact.spec
+    check = images.batch(32)
+    cost = _cost(count_params(model), count_flops(model, spec.input_shape),
+                 peak_activation_bytes(model, check[:2]))
+    devices = [str(device_for_worker(i, device)) for i in range(max(stages, replicas))]
+    full_onnx = models_dir / "full.onnx"
+    if (any(resolved_runtime(runtime, d) == "onnx" for d in devices)
+            and {"single", "data-parallel"} & set(strategies)):
+        status("export full model")
+        export_onnx(model, spec.input_shape, full_onnx, check_batch=check)
+    full_sha = sha256_file(full_onnx) if full_onnx.is_file() else None
+
+    def full(name: str, i: int) -> RunnerSpec:
+        return RunnerSpec(
+            name=name, input_shape=tuple(spec.input_shape), device=devices[i], runtime=runtime,
+            threads=threads, onnx_path=str(full_onnx) if full_sha else None,
+            onnx_sha256=full_sha, arch=record.model, num_outputs=record.num_classes,
+            in_channels=record.in_channels,
+            weights_path=str(Path(artifact.manifest.source.model_dir) / record.weights),
+            weights_sha256=record.weights_sha256)
+
+    recipes: dict[str, Recipe] = {}
+    if "single" in strategies:
+        recipes["single"] = Recipe("single", ["full"], [full("full", 0)], [dict(cost)])
+    if "data-parallel" in strategies:
+        names = [f"replica_{i:02d}" for i in range(replicas)]
+        recipes["data-parallel"] = Recipe("data-parallel", names,
+                                          [full(nm, i) for i, nm in enumerate(names)],
+                                          [dict(cost) for _ in names])
+    plan = None
+    if "model-parallel" in strategies:
+        status(f"cut into {stages} stages")
+        modules, stage_plan = split_model(model, stages, check)
+        plan = stage_plan.to_dict()
+        names = [f"stage_{i:02d}" for i in range(stage_plan.num_stages)]
+        specs, infos, h = [], [], check
+        for i, (stage, name) in enumerate(zip(modules, names)):
+            in_shape = tuple(h.shape[1:])
+            act = peak_activation_bytes(stage, h[:2].clone())
+            if resolved_runtime(runtime, devices[i]) == "onnx":
+                status(f"export stage {i + 1}/{stage_plan.num_stages}")
+                path = models_dir / f"{name}.onnx"
+                export_stage_onnx(stage, h, path)
+                specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
+                                        runtime="onnx", threads=threads, onnx_path=str(path),
+                                        onnx_sha256=sha256_file(path)))
+            else:
+                specs.append(ModuleSpec(name, stage, in_shape, device=devices[i], threads=threads))
+            with torch.no_grad():
+                h = stage(h.clone())
+            infos.append(_cost(stage_plan.stage_params[i], stage_plan.stage_macs[i], act,
+                               input_shape=[1, *in_shape]))
+        recipes["model-parallel"] = Recipe("model-parallel", names, specs, infos)
+    return recipes, plan
+
+
+def prepare_class_parallel(artifact: Artifact, images: TestImages, *, device: str, runtime: str,
+                           threads: int) -> Recipe:
+    """The subnets' recipes (checks their files now) and what each subnet costs."""
+    specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads)
+    example = images.batch(2)
+    infos = []
+    for rec, sub in zip(artifact.manifest.subnets, artifact.load_subnets("cpu")):
+        infos.append(_cost(rec.params, rec.flops, peak_activation_bytes(sub.eval(), example),
+                           classes=list(rec.classes)))
+    return Recipe("class-parallel", [s.name for s in specs], specs, infos)
+
+
+def _worker_fields(worker: dict, spec) -> dict[str, Any]:
+    return {"device": worker.get("device"), "runtime": worker.get("runtime"),
+            "threads": spec.threads, "worker": worker.get("name")}
+
+
+def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
+          threads: int, settings: GatewaySettings) -> Strategy:
+    """Load one strategy's workers (blocking) under a memory probe."""
+    key = recipe.key
+    if key == "class-parallel":
+        devices = worker_devices(len(recipe.specs), device)
+    else:
+        devices = [s.device for s in recipe.specs]
+    with MemoryProbe(devices) as probe:
+        if key == "class-parallel":
+            # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
+            predictor = build_predictor(
+                artifact.root, backend=backend, device=device, runtime=runtime,
+                threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
+                hang_timeout_s=settings.hang_timeout())
+            described = predictor.describe()["workers"]
+        else:
+            workers = WorkerSet(recipe.names, recipe.specs)
+            predictor = BASELINES[key](workers, artifact.spec, key,
+                                       deadline_s=settings.deadline_s)
+            described = workers.describe()
+    per_worker = [dict(info, name=name, **_worker_fields(w, spec))
+                  for info, name, w, spec in zip(recipe.workers, recipe.names, described,
+                                                 recipe.specs)]
+    info = {
+        "label": LABELS[key],
+        "workers": len(per_worker),
+        "backend": backend if key == "class-parallel" else "local",
+        "per_worker": per_worker,
+        "params_max_per_worker": max(w["params"] for w in per_worker),
+        "flops_max_per_worker": max(w["flops"] for w in per_worker),
+        "params_total": sum(w["params"] for w in per_worker),
+        "flops_total": sum(w["flops"] for w in per_worker),
+        "memory": probe.figures,
+        "transports": {},
+    }
+    return Strategy(key, predictor, recipe, info)

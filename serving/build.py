@@ -1,0 +1,134 @@
+"""The class-parallel predictor of an artifact, on the transport the operator chose.
+
+:func:`build_predictor` is what ``sensai serve``, ``sensai predict``, the benchmark and the demo
+call: it validates every setting against the artifact before any worker starts, then blocks while
+the subnets load.  :func:`launch_triton` starts a ``tritonserver`` for an artifact when the
+operator has none.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+from sensai.raycluster import cluster_resources, connect
+
+from .faults import DelaySpec
+from .placement import Placement
+from .predictor import ClassParallelPredictor, worker_devices
+from .runners import runner_specs
+from .settings import BACKENDS
+from .transports.processes import Processes
+from .transports.ray_actors import RayActors, actor_resources
+from .transports.threads import Threads
+from .triton_repo import export_triton_repo
+from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
+
+
+def check_settings(backend: str, *, redundancy: int = 0, vote: bool = False,
+                   hedge_ms: float = 0.0, ray_cpus: float | None = None) -> None:
+    """What no backend can honour, refused before anything starts (Ray, Triton, workers)."""
+    if backend not in BACKENDS:
+        raise SensaiError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if hedge_ms < 0:
+        raise SensaiError(f"--hedge-ms must be >= 0, got {hedge_ms}")
+    if ray_cpus is not None and not ray_cpus > 0:
+        raise SensaiError(f"--ray-cpus must be > 0, got {ray_cpus}")
+    if backend == "triton" and (redundancy or vote or hedge_ms):
+        raise SensaiError("--redundancy, --vote and --hedge-ms need workers that host several "
+                          "subnets; Triton runs one model per subnet (use the local, processes "
+                          "or ray backend)")
+
+
+def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redundancy: int = 0,
+                    vote: bool = False, workers: int | None = None, device: str = "auto",
+                    runtime: str = "auto", threads: int = 1, name: str = "sensai",
+                    deadline_s: float = 5.0, hedge_ms: float = 0.0,
+                    restart_delay_s: float = 0.0, hang_timeout_s: float | None = None,
+                    delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
+                    seed: int = 0, ray_address: str | None = None, ray_cpus: float | None = None,
+                    triton_url: str | None = None, trust_code: bool = False
+                    ) -> ClassParallelPredictor:
+    """``workers`` (default G) workers on ``backend``, with ``redundancy`` extra copies of every
+    group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest."""
+    check_settings(backend, redundancy=redundancy, vote=vote, hedge_ms=hedge_ms,
+                   ray_cpus=ray_cpus)
+    if backend == "ray":
+        artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories
+    artifact = load_artifact(artifact_dir)
+    placement = Placement.cyclic(len(artifact.subnets), workers, redundancy, vote)
+    n = len(placement.workers)
+    common = dict(name=name, deadline_s=deadline_s, hedge_ms=hedge_ms,
+                  restart_delay_s=restart_delay_s, hang_timeout_s=hang_timeout_s,
+                  delays=delays, corrupt=corrupt, seed=seed)
+    if backend in ("local", "processes"):
+        specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads,
+                             trust_code=trust_code)
+        transport = Threads() if backend == "local" else Processes()
+        return ClassParallelPredictor(artifact, specs, transport, placement,
+                                      worker_devices=worker_devices(n, device), **common)
+    if backend == "triton":
+        from .transports.triton import Triton
+
+        if not triton_url:
+            raise SensaiError("the triton backend needs the URL of a Triton server "
+                              "(--triton-url host:port)")
+        specs = runner_specs(artifact, device="cpu", runtime="onnx")
+        return ClassParallelPredictor(artifact, specs, Triton(triton_url, timeout_s=deadline_s),
+                                      placement, **common)
+    # The device is chosen inside each actor (the GPU Ray gives it, else CPU); the CPU specs
+    # check the files now.
+    specs = runner_specs(artifact, device="cpu", runtime=runtime, threads=threads,
+                         trust_code=trust_code)
+    own = connect(ray_address)
+    try:
+        cpus, gpus = cluster_resources()
+        opts, ort_threads = actor_resources(n, cpus, gpus, device=device, cpus=ray_cpus)
+        if "num_gpus" in opts and runtime != "onnx":
+            for s in artifact.subnets:
+                if not s.weights.is_file():
+                    raise SensaiError(f"weights file {s.weights} of {s.name} does not exist "
+                                      "(needed for the torch runtime on GPUs)")
+        specs = [replace(s, threads=ort_threads) for s in specs]
+        transport = RayActors(opts, own_ray=own)
+    except BaseException:
+        if own:
+            import ray
+
+            ray.shutdown()
+        raise
+    return ClassParallelPredictor(artifact, specs, transport, placement, **common)
+
+
+def free_ports(n: int) -> list[int]:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServerProcess:
+    """A ``tritonserver`` on 127.0.0.1 serving the artifact's subnets (exported into the
+    server's private directory, removed when it stops)."""
+    install = find_tritonserver()
+    if install is None:
+        raise SensaiError(TRITON_HINT + ", or pass --triton-url")
+    backend = "onnxruntime" if "onnxruntime" in install.backends() or not install.backends() \
+        else "python"
+    http, grpc, metrics = free_ports(3)
+    server = TritonServerProcess(None, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                 install=install)
+    try:
+        server.repo = server.workdir / "models"
+        export_triton_repo(artifact_dir, server.repo, backend=backend, threads=threads)
+        server.backend = backend
+        return server.start()
+    except BaseException:
+        server.stop()
+        raise

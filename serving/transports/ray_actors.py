@@ -1,0 +1,374 @@
+"""Workers as Ray actors (``--backend ray``): one actor per worker, anywhere on a Ray cluster,
+restarted by Ray itself when it dies.
+
+The gateway holds the actor handles and calls them directly - no Serve proxy or router on the
+request path.  A request becomes one ``run`` call per hosted group (own groups first), executed
+one at a time in submission order by the actor; each result is handed to the predictor the moment
+it arrives.  Skips, fault settings, pings and a long-lived ``watch`` call go to a separate
+concurrency group, so they reach an actor that is busy computing.  The ``watch`` call fails as
+soon as the actor dies, which is how its death is noticed without waiting for a request.
+
+Actors are created with ``max_restarts=-1`` (Ray restarts them; the constructor reloads the
+subnets) and ``max_task_retries=0`` (a call in flight when the actor dies fails at once instead of
+being replayed late; its group is answered by a copy meanwhile).  The same actor body serves as a
+Ray Serve deployment (:mod:`.ray_serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from sensai.errors import SensaiError
+from sensai.raycluster import error_text, share
+
+from ..messages import Done, Failure, Fault, Output, Ready, Run, Skip
+from ..worker_core import MEMORY, WorkerCore
+from .base import Capabilities, Sink, WorkerHandle
+
+log = logging.getLogger(__name__)
+
+PUT_BYTES = 64 * 1024  # inputs above this go to the object store once per request
+
+
+class RayWorkerBody:
+    """The worker inside a Ray actor or Serve replica: its hosted subnets' runners and the
+    in-worker loop of :mod:`sensai.serving.worker_core`, one ``run`` call per (request, group)."""
+
+    def __init__(self, name: str, hosted: list, fault: Fault, seed: int):
+        import ray
+
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU(s): inside, it is cuda:0.
+        self.device = "cuda:0" if ray.get_gpu_ids() else "cpu"
+        self.name = name
+        specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
+        self.runtime = specs[0][1].resolved_runtime() if specs else None
+        self.core = WorkerCore({g: spec.build() for g, spec in specs}, delay=fault.delay,
+                               corrupt=fault.corrupt, seed=seed)
+        self.started: OrderedDict[int, int] = OrderedDict()  # request -> its run calls begun
+        self.lock = threading.Lock()
+        self.watch_stop: threading.Event | None = None
+        ctx = ray.get_runtime_context()
+        self.node = ctx.get_node_id()
+        log.info("%s ready on %s (%s), node %s", name, self.device, self.runtime, self.node)
+
+    def ping(self) -> Ready:
+        return Ready(os.getpid(), self.device, self.runtime, self.node)
+
+    def fault(self, f: Fault) -> None:
+        self.core.fault(f)
+
+    def skip(self, s: Skip) -> None:
+        self.core.skip(s)
+
+    def watch(self) -> None:
+        """Returns only when a newer watch replaces it: the caller learns of this actor's death
+        when the call fails, without waiting for a request to fail."""
+        ev = threading.Event()
+        with self.lock:
+            if self.watch_stop is not None:
+                self.watch_stop.set()
+            self.watch_stop = ev
+        ev.wait()
+
+    def run(self, req: int, group: int, x: np.ndarray, calls: int, copy: bool,
+            hedge_s: float) -> Output | Failure | None:
+        """Group ``group`` of request ``req``, one of the ``calls`` calls this worker gets for it
+        (None when it was skipped)."""
+        with self.lock:
+            begun = self.started.get(req, 0)
+            self.started[req] = begun + 1
+            self.started.move_to_end(req)
+            while len(self.started) > MEMORY:
+                self.started.popitem(last=False)
+        if begun == 0:
+            self.core.begin(req)
+        try:
+            return self.core.compute(req, group, x, copy=copy, hedge_s=hedge_s)
+        finally:
+            if begun + 1 >= calls:
+                self.core.end(req)
+                with self.lock:
+                    self.started.pop(req, None)
+
+
+_ACTOR_CLASS = None
+
+
+def actor_class():
+    """The Ray actor class (made on first use, so the other transports never import Ray)."""
+    global _ACTOR_CLASS
+    if _ACTOR_CLASS is None:
+        import ray
+
+        _ACTOR_CLASS = ray.remote(max_restarts=-1, max_task_retries=0,
+                                  concurrency_groups={"control": 4})(RayWorkerBody)
+    return _ACTOR_CLASS
+
+
+def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
+                    device: str = "auto", cpus: float | None = None) -> tuple[dict, int]:
+    """Ray resources of each of ``workers`` worker actors, and ONNX Runtime threads per subnet.
+
+    A GPU per worker when the cluster has GPUs and ``device`` is not ``cpu`` (an even share of
+    them when there are fewer GPUs than workers); otherwise ``cpus`` CPUs each (default: 1, or an
+    even share when the cluster has fewer CPUs than workers - always one that fits, so the
+    workers start on any cluster).  Raises :class:`SensaiError` when they cannot fit.
+    """
+    if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device or "")):
+        raise SensaiError(f"device must be auto, cpu or cuda on the ray backend, got {device!r}")
+    if device.startswith("cuda") and cluster_gpus < 1:
+        raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
+    if cpus is not None and not cpus > 0:
+        raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
+    use_gpu = device != "cpu" and cluster_gpus >= 1
+    if cpus is not None:
+        per = float(cpus)
+    elif cluster_cpus >= workers:
+        per = 1.0
+    else:
+        per = share(cluster_cpus, workers)
+        log.warning("Ray cluster has %g CPUs for %d worker actors: %.2f CPU each", cluster_cpus,
+                    workers, per)
+    if workers * per > cluster_cpus + 1e-9:
+        raise SensaiError(f"{workers} worker actors with {per:g} CPUs each do not fit the Ray "
+                          f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus")
+    opts: dict[str, Any] = {"num_cpus": per}
+    if use_gpu:
+        opts["num_gpus"] = 1.0 if cluster_gpus >= workers else \
+            math.floor(cluster_gpus / workers * 100) / 100
+    return opts, (1 if use_gpu else max(1, int(per)))
+
+
+class RayActorWorker(WorkerHandle):
+    """The gateway's handle on one worker actor."""
+
+    transport = "ray"
+
+    def __init__(self, *args, actor_options: dict | None = None, closing=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.actor_options = dict(actor_options or {})
+        self.actor = None  # Ray owns the process
+        self.actor_id: str | None = None
+        self._calls: dict[int, list[int]] = {}  # request -> [calls in flight, skipped]
+        self._calls_lock = threading.Lock()
+        self._death: str | None = None
+        self._closing = closing or threading.Event()
+
+    def start(self) -> None:
+        """First start: create the actor.  After a death: a new generation of the same actor,
+        which Ray restarts by itself (a new actor only if Ray gave up on the old one)."""
+        self.generation += 1
+        self._death = None
+        if self.actor is None:
+            self.actor = actor_class().options(**self.actor_options).remote(
+                self.name, list(zip(self.groups, self.specs)), Fault(self.delay, self.corrupt),
+                self.seed)
+            self.actor_id = self.actor._actor_id.hex()
+
+    def _control(self, method: str, returns: bool = True):
+        opts: dict[str, Any] = {"concurrency_group": "control"}
+        if not returns:
+            opts["num_returns"] = 0  # fire and forget: no result, no unobserved error
+        return getattr(self.actor, method).options(**opts)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the actor (created, or restarted by Ray) answers ``ping``, which it does
+        once its constructor has loaded the subnets; then bring its fault settings up to date
+        and give it a ``watch`` call for this generation."""
+        import ray
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
+
+        if self.actor is None:
+            raise SensaiError(f"{self.name} was never started")
+        deadline = time.monotonic() + timeout
+        ref = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s "
+                                  "(is the Ray cluster short of resources?)")
+            if self._closing.is_set():
+                raise SensaiError(f"{self.name}: shutting down")
+            if ref is None:
+                ref = self._control("ping").remote()
+            try:
+                info: Ready = ray.get(ref, timeout=min(left, 2.0))
+                break
+            except GetTimeoutError:
+                continue  # still loading or waiting for resources: keep the same ping
+            except ActorDiedError as e:
+                # Dead for good (its constructor raised, or Ray stopped restarting it): the
+                # next start creates a new actor.
+                self.actor = None
+                raise SensaiError(f"{self.name}: {error_text(e)}") from None
+            except RayActorError:
+                ref = None  # Ray is restarting it: ask again
+                time.sleep(0.1)
+        self.pid, self.device, self.runtime, self.node = info.pid, info.device, info.runtime, \
+            info.node
+        try:  # a restarted actor was built with its creation arguments
+            ray.get(self._control("fault").remote(
+                Fault(self.delay, self.corrupt, self.seed + 7919 * self.generation)),
+                timeout=max(1.0, deadline - time.monotonic()))
+        except RayError as e:
+            raise SensaiError(f"{self.name} failed right after loading its subnets: "
+                              f"{error_text(e)}") from None
+        gen = self.generation
+        self._control("watch").remote().future().add_done_callback(
+            lambda fut: self._watch_done(gen, fut))
+
+    def probe(self, timeout: float) -> bool:
+        import ray
+        from ray.exceptions import RayError
+
+        if self.actor is None:
+            return False
+        try:
+            ray.get(self._control("ping").remote(), timeout=timeout)
+            return True
+        except (RayError, TimeoutError):
+            return False
+
+    def send(self, msg) -> None:
+        actor = self.actor
+        if actor is None:
+            return
+        kind = type(msg)
+        if kind is Run:
+            self._run(msg)
+        elif kind is Skip:
+            with self._calls_lock:
+                busy = msg.req in self._calls
+            if busy:  # nothing left to skip once its calls are done
+                self._control("skip", returns=False).remote(msg)
+        elif kind is Fault:
+            self._control("fault", returns=False).remote(msg)
+
+    def _run(self, msg: Run) -> None:
+        import ray
+
+        gen = self.generation
+        x = ray.put(msg.x) if msg.x.nbytes > PUT_BYTES else msg.x
+        n = len(msg.groups)
+        with self._calls_lock:
+            self._calls[msg.req] = [n, 0]
+        for j, g in enumerate(msg.groups):
+            ref = self.actor.run.remote(msg.req, g, x, n, j >= msg.primaries, msg.hedge_s)
+            # The callback runs in a Ray thread when the result arrives.
+            ref.future().add_done_callback(lambda fut, g=g: self._done(msg.req, g, gen, fut))
+
+    def _done(self, req: int, group: int, gen: int, fut) -> None:
+        from ray.exceptions import RayActorError, TaskCancelledError
+
+        skipped = 0
+        try:
+            res = fut.result()
+        except RayActorError as e:
+            self._died(gen, e)
+            return
+        except TaskCancelledError:
+            res = None
+        except Exception as e:  # the call itself failed: this copy is lost, the worker lives
+            res = None
+            self.sink.deliver(self.index, gen, Failure(req, group, error_text(e)))
+        if res is None:
+            skipped = 1
+        else:
+            self.sink.deliver(self.index, gen, res)
+        with self._calls_lock:
+            left = self._calls.get(req)
+            if left is None:
+                return
+            left[0] -= 1
+            left[1] += skipped
+            finished = left[0] <= 0
+            if finished:
+                del self._calls[req]
+        if finished:
+            self.sink.deliver(self.index, gen, Done(req, left[1]))
+
+    def _watch_done(self, gen: int, fut) -> None:
+        exc = fut.exception()
+        if exc is not None:  # None: replaced by a newer watch
+            self._died(gen, exc)
+
+    def _died(self, gen: int, exc: BaseException) -> None:
+        if gen == self.generation and self._death is None:
+            self._death = error_text(exc)
+        with self._calls_lock:
+            self._calls.clear()
+        self.sink.exited(self.index, gen, f"died ({self._death or error_text(exc)})")
+
+    def exit_detail(self) -> str:
+        return self._death or ""
+
+    def kill(self) -> int | None:
+        """Kill the actor's process; Ray restarts it (unless we are shutting down)."""
+        import ray
+
+        actor = self.actor
+        if actor is None or not ray.is_initialized():
+            return None
+        pid = self.pid
+        ray.kill(actor, no_restart=self._closing.is_set())
+        return pid
+
+    def stop(self, timeout: float = 5.0) -> None:
+        import ray
+
+        self._closing.set()
+        actor, self.actor = self.actor, None
+        if actor is not None and ray.is_initialized():
+            ray.kill(actor, no_restart=True)
+
+    def where(self) -> dict:
+        return {**super().where(), "actor_id": self.actor_id,
+                "resources": dict(self.actor_options)}
+
+
+class RayActors:
+    """The Ray actor transport: every worker an actor with ``actor_options`` (resources,
+    scheduling); ``own_ray``: shut Ray down on close (this process started it)."""
+
+    name = "ray"
+    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+
+    def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False):
+        self.actor_options = actor_options
+        self.own_ray = own_ray
+        self.closing = threading.Event()
+
+    def options_for(self, index: int) -> dict:
+        opts = self.actor_options
+        return dict(opts[index] if isinstance(opts, (list, tuple)) else opts)
+
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+               ) -> RayActorWorker:
+        return RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
+                              closing=self.closing, **faults)
+
+    def healthy(self) -> bool:
+        import ray
+
+        return ray.is_initialized()
+
+    def describe(self) -> dict:
+        return {"kind": "ray-actors"}
+
+    def close(self) -> None:
+        self.closing.set()
+        if self.own_ray:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()

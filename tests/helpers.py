@@ -1,0 +1,96 @@
+"""Helpers shared by the serving test modules (real images, offline reference, gateways)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import torch
+
+from sensai.artifact import load_artifact
+from sensai.data import encode_png, normalize, stratified_subset
+from sensai.merge import merge_outputs
+from sensai.raycluster import connect
+from sensai.serving.app import create_app
+from sensai.serving.server import BackgroundServer
+from sensai.serving.settings import GatewaySettings
+
+N_IMAGES = 24
+
+
+def sample_images(fmnist_test, n: int = N_IMAGES, seed: int = 1):
+    """``n`` stratified real test images: (indices, uint8 [n,1,28,28] tensor, labels)."""
+    idx = stratified_subset(fmnist_test.labels, n, seed)[:n]
+    return idx, fmnist_test.images[idx], fmnist_test.labels[idx]
+
+
+def offline_scores(artifact, images_u8, spec) -> np.ndarray:
+    """Offline evaluation's merged scores: the torch subnets from safetensors, merge_outputs."""
+    art = load_artifact(artifact)
+    with torch.inference_mode():
+        x = normalize(images_u8, spec)
+        outs = [m(x).float().numpy() for m in art.load_subnets("cpu")]
+    return merge_outputs(outs, art.groups, art.manifest.num_classes)
+
+
+def png(image_u8) -> bytes:
+    return encode_png(image_u8)
+
+
+def start_gateway(predictor, **settings) -> BackgroundServer:
+    return BackgroundServer(create_app(predictor, GatewaySettings(**settings))).start()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_server(proc, url: str, *, timeout_s: float) -> None:
+    """Until ``sensai serve`` in ``proc`` reports ready at ``url``; fails with its stderr if it
+    exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "sensai serve did not become ready"
+        time.sleep(0.3)
+
+
+def predict_all(predictor, xs, **kw):
+    """One request per image, one after another, in a fresh event loop."""
+    async def run():
+        return [await predictor.predict(x[None], **kw) for x in xs]
+
+    return asyncio.run(run())
+
+
+def wait_until(condition, timeout_s: float, what: str, period_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(period_s)
+
+
+@contextmanager
+def local_ray(num_cpus: int):
+    """A Ray instance of ``num_cpus`` CPUs on 127.0.0.1 for the tests inside; yields its GCS
+    address (for ``--ray-address`` of a ``sensai`` subprocess)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(num_cpus=num_cpus)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

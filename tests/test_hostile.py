@@ -1,0 +1,319 @@
+"""One client must not be able to stall or exhaust the gateway.  Each case over real HTTP on
+127.0.0.1 against the real gateway and subnets: the work a request may cause is bounded, the
+answer is a JSON 4xx/503 at once, and everybody else is still served.
+
+No timing thresholds: where "at once" matters, the order of events is asserted instead (a health
+check sent during a heavy request finishes before it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import io
+import json
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from sensai.data import normalize
+from sensai.serving.build import build_predictor
+from tests.helpers import png, sample_images, start_gateway
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def good(fmnist_test, fmnist_spec):
+    _, u8, _ = sample_images(fmnist_test, 2)
+    return {"png": png(u8[0]), "x": normalize(u8, fmnist_spec).numpy()}
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_artifact):
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_requests=64, max_predictions=8)
+    yield server, pred
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    with httpx.Client(base_url=gateway[0].url, timeout=60) as c:
+        yield c
+
+
+def assert_json_error(r: httpx.Response, status: int, *fragments: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert body["status"] == status and body["request_id"]
+    for f in fragments:
+        assert f.lower() in body["error"].lower(), body["error"]
+    return body
+
+
+def still_serving(client, good) -> None:
+    r = client.post("/v1/predict", content=good["png"])
+    assert r.status_code == 200, r.text
+
+
+def v2(client, body: bytes, **headers):
+    return client.post("/v2/models/sensai/infer", content=body, headers=headers)
+
+
+# --------------------------------------------------------------------------------------------
+# KServe v2 bodies that used to cost minutes or end in a 500
+
+
+def test_a_shape_with_100k_dimensions_is_refused_before_any_arithmetic(client, good):
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2] * 100_000,
+                                   "data": []}]}).encode()
+    assert_json_error(v2(client, body), 400, "dimensions")
+    still_serving(client, good)
+
+
+@pytest.mark.parametrize("dim", ["9" * 5000, str(2 ** 64), "-1"])
+def test_a_huge_or_negative_dimension_is_a_400(client, good, dim):
+    body = ('{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, %s], "data": []}]}'
+            % dim).encode()
+    err = assert_json_error(v2(client, body), 400)
+    assert len(err["error"]) < 300  # the huge number is not echoed back
+    still_serving(client, good)
+
+
+def test_deeply_nested_json_is_a_400(client, good):
+    body = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_json_error(v2(client, body), 400, "nested too deeply")
+    still_serving(client, good)
+
+
+def test_an_integer_of_thousands_of_digits_is_a_400(client, good):
+    data = "[" + "7" * 5000 + "]"
+    body = ('{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1], "data": %s}]}'
+            % data).encode()
+    assert_json_error(v2(client, body), 400, "digits")
+    still_serving(client, good)
+
+
+def test_a_finite_input_that_overflows_the_network_is_a_400_not_nan(client, good):
+    x = np.full_like(good["x"][:1], 3e38)
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.ravel().tolist()}]}).encode()
+    r = v2(client, body)
+    assert "NaN" not in r.text
+    assert_json_error(r, 400, "non-finite")
+    r = client.post("/v2/models/sensai/infer", json={"inputs": [
+        {"name": "input", "datatype": "FP32", "shape": list(x.shape),
+         "data": x.ravel().tolist()}]}, params={})
+    assert r.status_code == 400
+
+
+def test_a_truncated_gzip_body_is_a_400(client, good):
+    x = good["x"][:1]
+    body = gzip.compress(json.dumps({"inputs": [
+        {"name": "input", "datatype": "FP32", "shape": list(x.shape),
+         "data": x.ravel().tolist()}]}).encode())
+    assert v2(client, body, **{"content-encoding": "gzip"}).status_code == 200
+    assert_json_error(v2(client, body[:-12], **{"content-encoding": "gzip"}), 400, "truncated")
+    still_serving(client, good)
+
+
+# --------------------------------------------------------------------------------------------
+# Images whose decoding would cost too much
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def test_a_16_bit_picture_over_the_limits_costs_nothing(client, good):
+    """5000 x 5000 16-bit grey is ~50 KB on the wire and 50 MB decoded (670 MB before): over
+    the default pixel limit for a 28x28 model, refused from the header."""
+    big = png_bytes(Image.new("I;16", (5000, 5000), 1234))
+    assert len(big) < 200_000
+    assert_json_error(client.post("/v1/predict", content=big), 413, "pixels")
+    still_serving(client, good)
+
+
+def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
+    """Under the pixel limit but over the decoded-bytes budget (RGBA at 4 bytes a pixel)."""
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_decoded_bytes=4_000_000)
+    try:
+        rgba = png_bytes(Image.new("RGBA", (1500, 1500), (10, 20, 30, 255)))
+        grey = png_bytes(Image.new("L", (1500, 1500), 10))
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            assert_json_error(c.post("/v1/predict", content=rgba), 413, "decoded")
+            assert c.post("/v1/predict", content=grey).status_code == 200  # 2.25 MB decoded
+    finally:
+        server.stop()
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_burst_of_large_legal_images_keeps_memory_bounded(client, good):
+    """24 at once, each 1900x1900 RGBA (14 MB decoded): decoding is limited to one per core, so
+    the peak memory grows by a few decodes' worth, not 24 (~1 GB here before)."""
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak mark (Linux)
+    base = peak_rss_mb()
+    img = png_bytes(Image.new("RGBA", (1900, 1900), (200, 100, 50, 255)))
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/predict", content=img) for _ in range(24)])
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 1, statuses
+    growth = peak_rss_mb() - base
+    cores = os.cpu_count() or 1
+    assert growth < 150 * cores + 100, f"peak RSS grew by {growth:.0f} MB"
+    still_serving(client, good)
+
+
+def ztxt_thumbnail(chunks: int) -> bytes:
+    """A 16x16 PNG carrying many compressed text chunks of 1 MB each."""
+    base = png_bytes(Image.new("L", (16, 16), 7))
+    text = zlib.compress(b"A" * (1 << 20), 9)
+    chunk = b"Comment\x00\x00" + text
+    extra = b"".join(struct.pack(">I", len(chunk)) + b"zTXt" + chunk +
+                     struct.pack(">I", zlib.crc32(b"zTXt" + chunk)) for _ in range(chunks))
+    return base[:33] + extra + base[33:]  # after the 8-byte signature and the IHDR chunk
+
+
+def test_text_chunks_are_bounded_and_health_answers_meanwhile(client, good):
+    bomb = ztxt_thumbnail(200)
+    assert len(bomb) < 1_000_000
+    r = client.post("/v1/predict", content=bomb)
+    assert_json_error(r, 400)
+    still_serving(client, good)
+
+
+def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
+    x = np.random.default_rng(0).standard_normal((64, 1, 28, 28)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.ravel().tolist()}]}).encode()
+    assert len(body) > 900_000  # parsed in a thread (over 64 KiB)
+
+    async def race():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
+            heavy = asyncio.ensure_future(c.post("/v2/models/sensai/infer", content=body))
+            await asyncio.sleep(0.01)  # the heavy request is being read and parsed
+            health = await c.get("/v2/health/live")
+            done_first = not heavy.done()
+            return health, done_first, await heavy
+
+    health, health_first, heavy = asyncio.run(race())
+    assert health.status_code == 200 and heavy.status_code == 200, heavy.text
+    assert health_first, "the health check waited for the heavy request"
+
+
+# --------------------------------------------------------------------------------------------
+# Admission: in-flight limit, queue with a deadline, slow bodies
+
+
+def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
+    """Four requests may be in flight, one at a time in the predictor, each taking ~0.5 s:
+    a burst of 16 gets 200s and fast JSON 503s with Retry-After - never a 504 or a 500 - and
+    health checks answer throughout."""
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_requests=4, max_predictions=1, deadline_s=2.0)
+    try:
+        pred.inject(0, delay="fixed:500ms")
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                tasks = [asyncio.ensure_future(c.post("/v1/predict", content=good["png"]))
+                         for _ in range(16)]
+                await asyncio.sleep(0.05)
+                health = await c.get("/v2/health/live")
+                return health, await asyncio.gather(*tasks)
+
+        health, responses = asyncio.run(burst())
+        assert health.status_code == 200
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 503}, statuses
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1"
+                assert r.headers["content-type"].startswith("application/json")
+                assert r.json()["status"] == 503
+        pred.inject(0, delay=None)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            assert c.post("/v1/predict", content=good["png"]).status_code == 200
+            text = c.get("/metrics").text
+            assert 'sensai_rejected_total{reason="overloaded"}' in text
+    finally:
+        server.stop()
+
+
+def test_the_deadline_covers_waiting_for_a_prediction_slot(tiny_artifact, good):
+    """One prediction at a time, a subnet taking 1.5 s, deadline 1 s: the second request waits
+    for the slot the first holds until its own deadline, and is then given only what is left
+    of its deadline - counted from its arrival - not a fresh second."""
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_predictions=1, deadline_s=1.0)
+    try:
+        pred.inject(0, delay="fixed:1500ms")
+
+        async def two():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                first = asyncio.ensure_future(c.post("/v1/predict", content=good["png"]))
+                await asyncio.sleep(0.2)
+                second = await c.post("/v1/predict", content=good["png"])
+                return await first, second
+
+        first, second = asyncio.run(two())
+        assert_json_error(first, 504, "deadline")
+        err = assert_json_error(second, 504)["error"]
+        given = float(re.search(r"within the ([0-9.e-]+) s deadline", err).group(1))
+        assert given < 0.9, err
+    finally:
+        pred.inject(0, delay=None)
+        server.stop()
+
+
+def test_a_slow_body_gets_408_and_does_not_block_others(tiny_artifact, good):
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, body_timeout_s=1.0, max_requests=8)
+    try:
+        host, port = "127.0.0.1", server.port
+        slow = []
+        for _ in range(3):  # slow-loris clients: headers, part of the body, then nothing
+            s = socket.create_connection((host, port))
+            s.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                      b"Content-Length: 5000\r\n\r\n" + good["png"][:100])
+            slow.append(s)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/predict", content=good["png"])  # served meanwhile
+            assert r.status_code == 200, r.text
+        for s in slow:
+            s.settimeout(30)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), head
+            s.close()
+    finally:
+        server.stop()

@@ -1,0 +1,170 @@
+"""The structure the code promises, checked on the code itself (its imports, as written):
+
+* layers: the core (``sensai/`` but the CLI) imports no stage; training, pruning and serving
+  import only the core (serving never training or pruning); only the CLI imports everything,
+  and nothing imports the CLI;
+* no ``_private`` name is imported from another module;
+* imports sit at the top of a module - a project module may be imported inside a function only
+  when it pulls in a heavy optional dependency (torch, which an ONNX-only worker process must
+  not load; Ray; tritonclient) - and the CLI may import lazily so ``sensai --help`` stays fast;
+* every package folder is installed (listed in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"sensai": "sensai", "serving": "sensai.serving", "pruning": "sensai.pruning",
+           "training": "sensai.training"}
+HEAVY = ("torch", "torchvision", "ray", "tritonclient")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted installed name -> file, for every module of the project."""
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = modules()
+
+
+def layer(name: str) -> str:
+    if name.startswith("sensai.cli") or name == "sensai.__main__":
+        return "cli"
+    for stage in ("serving", "pruning", "training"):
+        if name.startswith(f"sensai.{stage}"):
+            return stage
+    return "core"
+
+
+def imports(name: str):
+    """(imported module, names, line, inside a function?) for every import in module ``name``."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inner = {id(x) for f in funcs for x in ast.walk(f) if x is not f}
+    # `if TYPE_CHECKING:` imports are for annotations only: never executed.
+    typing_only = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(n.test) for x in ast.walk(n)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, [], node.lineno, id(node) in inner
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            yield target, names, node.lineno, id(node) in inner
+
+
+def project(target: str) -> str | None:
+    """The project module an import refers to (a module, or the package of an imported name)."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def top_level_heavy() -> set[str]:
+    """Project modules that import a heavy dependency at their top level, directly or through
+    another project module."""
+    direct = {}
+    for name in MODULES:
+        deps = set()
+        for target, _, _, inner in imports(name):
+            if inner:
+                continue
+            if target.split(".")[0] in HEAVY:
+                deps.add("HEAVY")
+            elif (p := project(target)) and p != name:
+                deps.add(p)
+        direct[name] = deps
+    heavy, changed = set(), True
+    while changed:
+        changed = False
+        for name, deps in direct.items():
+            if name not in heavy and ("HEAVY" in deps or deps & heavy):
+                heavy.add(name)
+                changed = True
+    return heavy
+
+
+ALLOWED = {"core": {"core"}, "training": {"core", "training"}, "pruning": {"core", "pruning"},
+           "serving": {"core", "serving"}, "cli": {"core", "training", "pruning", "serving", "cli"}}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_layers(name):
+    own = layer(name)
+    for target, _, line, _ in imports(name):
+        p = project(target)
+        if p is None:
+            continue
+        assert layer(p) in ALLOWED[own], \
+            f"{MODULES[name].relative_to(ROOT)}:{line}: the {own} layer imports {p} ({layer(p)})"
+
+
+def test_only_the_entry_point_imports_the_cli():
+    for name in MODULES:
+        if layer(name) == "cli":
+            continue
+        for target, _, line, _ in imports(name):
+            assert layer(project(target) or "x") != "cli", f"{name}:{line} imports the CLI"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_private_names_across_modules(name):
+    for target, names, line, _ in imports(name):
+        if project(target) and project(target) != name:
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            assert not private, f"{MODULES[name].relative_to(ROOT)}:{line}: imports {private} " \
+                                f"from {target}"
+
+
+def test_imports_are_at_the_top():
+    heavy = top_level_heavy()
+    assert "sensai.checkpoint" in heavy and "sensai.artifact" not in heavy
+    bad = []
+    for name in MODULES:
+        if layer(name) == "cli":
+            continue  # the CLI imports what a command needs when it runs
+        for target, _, line, inner in imports(name):
+            p = project(target)
+            if inner and p is not None and p not in heavy:
+                bad.append(f"{MODULES[name].relative_to(ROOT)}:{line}: {target}")
+    assert not bad, "project imports inside functions (of light modules):\n" + "\n".join(bad)
+
+
+def test_onnx_only_workers_load_nothing_heavy():
+    heavy = top_level_heavy()
+    for name in ("sensai.artifact", "sensai.manifest", "sensai.serving.runners",
+                 "sensai.serving.worker_core", "sensai.serving.transports.processes",
+                 "sensai.serving.transports.threads"):
+        assert name not in heavy, name
+
+
+def test_every_package_is_installed():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert found == listed, f"not installed: {sorted(found - listed)}; " \
+                            f"listed but absent: {sorted(listed - found)}"
+    for folder, package in FOLDERS.items():
+        if package != "sensai":
+            assert config["package-dir"][package] == folder
