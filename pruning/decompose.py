@@ -39,21 +39,29 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sensai.artifact import load_artifact
 from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
 from sensai.data import DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split, \
     normalize, resolve_dataset, stratified_subset
 from sensai.errors import CheckpointError, SensaiError
+from sensai.export import export_onnx
+from sensai.flops import count_flops
 from sensai.fsutil import atomic_path, sha256_file, write_json_atomic
+from sensai.learning import predict_logits
 from sensai.manifest import (MANIFEST, DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
                              SubnetRecord, load_manifest, save_manifest)
 from sensai.merge import merge_outputs
 from sensai.models import count_params, select_device
+from sensai.raycluster import connect, error_text
 
+from .apoz import ChannelStats, collect_activation_stats
+from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
+from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("keep", "threshold", "params")
+POLICIES = ("keep", "threshold", "params", "shrink")
 STAGES = ("grouping", "stats", "prune", "retrain", "export", "evaluate", "artifact")
 CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 
@@ -68,21 +76,25 @@ AUTO_MIN_SAMPLES = 20_000
 class DecomposeConfig:
     """Every knob that changes what a decomposition produces (all recorded in the manifest).
 
-    Defaults were measured on fmnist_cnn / Fashion-MNIST (see the project notes): the ``params``
-    policy at 0.25 makes every subnet >= 4x smaller than the original whatever the architecture;
-    600k retraining images in total (60k per subnet at G = 10), half of each subnet's negatives
-    drawn where the original model is most tempted to answer with the subnet's classes,
-    distillation from the original at weight 0.7 and AdamW at lr 5e-3 keep the merged top-1
-    within a few tenths of a point of the original's.  Retraining dominates the cost:
-    ``samples_per_subnet`` trades accuracy for time.
+    Defaults were measured on fmnist_cnn / Fashion-MNIST (BENCHMARKS.md, "Decomposition: shrink
+    against accuracy"): the ``shrink`` policy at 10 makes every subnet >= 10x smaller than the
+    original in parameters *and* multiply-accumulates, whatever the architecture; 600k retraining
+    images in total (60k per subnet at G = 10) in batches of 32 (a 10x smaller subnet needs more
+    steps, not more images: batch 128 lost 0.9 points at G = 10 where 32 lost 0.14), half of each
+    subnet's negatives drawn where the original model is most tempted to answer with the
+    subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
+    Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.
     """
 
     # pruning
-    policy: str = "params"
+    policy: str = "shrink"
     keep_fraction: float = 0.5
     theta1: float = 0.73
     theta2: float = 0.01
     params_fraction: float | None = 0.25
+    shrink: float | None = 10.0
+    allocation: str = "uniform"
+    prune_residual: bool = False
     min_channels: int = 2
     zero_threshold: float = 0.005
     stats_per_class: int = 500
@@ -95,10 +107,11 @@ class DecomposeConfig:
     samples_per_subnet: int | None = None  # None: AUTO_TOTAL_SAMPLES / G, at least AUTO_MIN
     negative_share: float | None = None
     distill: float = 0.7
+    distill_temperature: float = 1.0
     hard_negatives: float = 0.5
     optimizer: str = "adam"
     lr: float = 0.005
-    batch_size: int = 128
+    batch_size: int = 32
     seed: int = 0
     # export
     opset: int = 17
@@ -120,6 +133,15 @@ class DecomposeConfig:
                                   "10x smaller than the original)")
             if not (0 < self.params_fraction <= 1):
                 raise SensaiError(f"--params-fraction must be in (0, 1], got {self.params_fraction}")
+        if self.policy == "shrink":
+            if self.shrink is None:
+                raise SensaiError("--policy shrink needs --shrink (e.g. 10 for subnets with 10x "
+                                  "fewer parameters and MACs than the original)")
+            if not (math.isfinite(self.shrink) and self.shrink >= 1):
+                raise SensaiError(f"--shrink must be a number >= 1, got {self.shrink}")
+        if self.allocation not in ALLOCATIONS:
+            raise SensaiError(f"unknown --allocation {self.allocation!r}; choose one of: "
+                              f"{', '.join(ALLOCATIONS)}")
         if not (0 <= self.theta1 <= 1):
             raise SensaiError(f"--theta1 is a fraction of zeros in [0, 1], got {self.theta1}")
         if not (self.theta2 >= 0 and math.isfinite(self.theta2)):
@@ -139,18 +161,16 @@ class DecomposeConfig:
         return self
 
     def pruning_policy(self):
-        from .prune import PruningPolicy
-
         return PruningPolicy(kind=self.policy, theta1=self.theta1, theta2=self.theta2,
                              keep_fraction=self.keep_fraction, params_fraction=self.params_fraction,
-                             min_channels=self.min_channels)
+                             min_channels=self.min_channels, shrink=self.shrink,
+                             allocation=self.allocation)
 
     def retrain_settings(self, n_groups: int):
-        from sensai.training.retrain import RetrainSettings
-
         return RetrainSettings(epochs=self.retrain_epochs, samples=self.samples_for(n_groups),
                                lr=self.lr, batch_size=self.batch_size, seed=self.seed,
                                negative_share=self.negative_share, distill=self.distill,
+                               temperature=self.distill_temperature,
                                hard_negatives=self.hard_negatives, optimizer=self.optimizer)
 
     def to_dict(self) -> dict[str, Any]:
@@ -385,7 +405,6 @@ def _save_stats(path: Path, stats: dict) -> None:
 
 
 def _load_stats(path: Path) -> dict | None:
-    from .apoz import ChannelStats
 
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -422,8 +441,6 @@ def _teacher_logits(layout: Layout, model: nn.Module, train: ImageDataset, spec:
                     device: torch.device, needed: np.ndarray) -> np.ndarray:
     """The original model's logits on the training images in ``needed`` (rows of other images
     are NaN); computed once per image and kept in work/ so a resumed run reuses them."""
-    from sensai.training.trainer import predict_logits
-
     want = (len(train), spec.num_classes)
     z = None
     try:
@@ -465,17 +482,19 @@ def _run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str, tot
             bar.update(1)
 
 
-def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
-                on_done: Callable, failures: dict[int, str]) -> None:
+def retrain_on_node(**job) -> tuple[dict, dict]:
+    """``retrain_state`` as a Ray task; the metrics name the node that did the work."""
     import ray
 
-    from sensai.training.retrain import retrain_state
+    state, metrics = retrain_state(**job)
+    return state, {**metrics, "node": ray.get_runtime_context().get_node_id()}
 
-    started = False
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        started = True
+
+def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
+                on_done: Callable, failures: dict[int, str], address: str | None) -> None:
+    import ray
+
+    started = connect(address)
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
         if device != "cpu" and gpus >= 1:
@@ -485,7 +504,10 @@ def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
             if device.startswith("cuda"):
                 raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
             options, task_device, threads = {"num_cpus": 1}, "cpu", 1
-        remote = ray.remote(retrain_state).options(max_retries=1, **options)
+        # SPREAD: subnets go to different nodes when there are several; a task whose node dies
+        # is run again elsewhere (a subnet's retraining is deterministic, so a rerun is the same).
+        remote = ray.remote(retrain_on_node).options(max_retries=3, scheduling_strategy="SPREAD",
+                                                     **options)
         pending: dict = {}
         it = iter(jobs)
         exhausted = False
@@ -505,13 +527,8 @@ def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
                     g = pending.pop(ref)
                     try:
                         state, metrics = ray.get(ref)
-                    except ray.exceptions.RayTaskError as e:
-                        cause = getattr(e, "cause", None) or e
-                        msg = str(cause).strip().splitlines()
-                        failures[g] = f"{type(cause).__name__}: {msg[-1] if msg else ''}"
-                        log.error("retraining subnet %d failed: %s", g, failures[g])
                     except ray.exceptions.RayError as e:
-                        failures[g] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+                        failures[g] = error_text(e)
                         log.error("retraining subnet %d failed: %s", g, failures[g])
                     else:
                         on_done(g, state, metrics)
@@ -592,24 +609,22 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
               config: DecomposeConfig = DecomposeConfig(), device: str = "auto",
               data_dir: str | None = None, workers: int | None = None, use_ray: bool = True,
               force: bool = False, eval_limit: int | None = None,
-              retrain_fn: Callable | None = None) -> DecompositionManifest:
+              retrain_fn: Callable | None = None,
+              ray_address: str | None = None,
+              trust_code: bool = False) -> DecompositionManifest:
     """Decompose the model saved in ``model_dir`` into ``groups`` subnets written to ``out_dir``.
 
     ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: one GPU per task when the
     cluster has GPUs, chosen by Ray).  ``workers``: subnets retrained at the same time (default:
     one per GPU, else one per CPU core).  ``use_ray=False`` retrains one after another in this
-    process.  ``eval_limit`` evaluates on a stratified subset of the test split.
-    ``retrain_fn`` replaces :func:`training.retrain.retrain_state` for in-process runs (same
+    process; ``ray_address`` names a Ray cluster to retrain on (default: ``RAY_ADDRESS``, else
+    a local instance).  ``trust_code``: the model may be a ``package.module:factory`` to import
+    (the operator's consent).  ``eval_limit`` evaluates on a stratified subset of the test split.
+    ``retrain_fn`` replaces :func:`pruning.retrain.retrain_state` for in-process runs (same
     signature), e.g. for a custom training loop.
     Raises :class:`SensaiError` for bad input before any long work, and :class:`RetrainFailed`
     (after saving every other subnet) when some subnets could not be retrained.
     """
-    from sensai.flops import count_flops
-
-    from sensai.training.retrain import retrain_plan, retrain_state, soft_targets
-
-    from .prune import find_prunable, layer_widths, make_head, prune_to_policy
-
     t_start = time.perf_counter()
     # ---- validation, all before any long work
     config = config.validate()
@@ -619,7 +634,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     if eval_limit is not None and eval_limit < 1:
         raise SensaiError(f"--eval-limit must be at least 1, got {eval_limit}")
     model_dir = Path(model_dir)
-    model, record = load_trained_model(model_dir)
+    model, record = load_trained_model(model_dir, trust_code=trust_code)
     n_groups = _check_groups(groups, record.num_classes)
     spec = _resolve_spec(record, data_dir)
     policy = config.pruning_policy()
@@ -653,10 +668,10 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
 
     # ---- 2. activation statistics on each group's own training images
     t0 = time.perf_counter()
-    layers = find_prunable(model, example)
+    layers = find_prunable(model, example, residual=config.prune_residual)
     if not layers:
         raise SensaiError(f"{record.model} has no prunable conv -> ReLU layers")
-    relus = [layer.relu for layer in layers]
+    relus = sorted({r for layer in layers for r in layer.relus})
     stats: dict[int, dict] = {}
     did = False
     for g, classes in enumerate(tqdm(group_list, desc="stats: groups", unit="group")):
@@ -704,7 +719,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
 
     def on_done(g: int, state: dict, metrics: dict) -> None:
         sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
-                                 state, f"retrained subnet {g}")
+                                 state, f"retrained subnet {g}", trust_code=trust_code)
         sha = save_weights(layout.root / layout.weights_rel(g), sub)
         write_json_atomic(layout.retrain_meta(g), {
             "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
@@ -735,11 +750,12 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             state = load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"])
             idx, targets = plans.pop(g)
             uniq, positions = np.unique(idx, return_inverse=True)
-            soft = (soft_targets(teacher[uniq], group_list[g], binary=binary)
+            soft = (soft_targets(teacher[uniq], group_list[g], binary=binary,
+                                 temperature=config.distill_temperature)
                     if teacher is not None else None)
             yield {"index": g, "soft": soft, "arch": record.model,
                    "num_outputs": pruned_meta[g]["num_outputs"],
-                   "in_channels": record.in_channels, "state": state,
+                   "in_channels": record.in_channels, "state": state, "trust_code": trust_code,
                    "images": _gather(train_set(), uniq), "positions": positions.astype(np.int64),
                    "targets": targets, "spec": spec.to_dict(), "settings": retrain_settings.to_dict(),
                    "binary": binary}
@@ -751,7 +767,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                         {"samples": 0, "seconds": 0.0})
         elif use_ray and retrain_fn is None:
             _run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
-                        len(todo), on_done, failures)
+                        len(todo), on_done, failures, ray_address)
         else:
             _run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
                             failures)
@@ -765,8 +781,6 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                             "re-run the same command to retrain only the missing ones", failures)
 
     # ---- 5. ONNX export, checked against torch on real test images
-    from sensai.export import export_onnx
-
     t0 = time.perf_counter()
     did = False
     test = load_split(spec, "test")
@@ -778,7 +792,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         w_sha = _read_json(layout.retrain_meta(g))["weights_sha256"]
         sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
                                  load_weights(layout.root / layout.weights_rel(g), w_sha),
-                                 f"subnet {g}")
+                                 f"subnet {g}", trust_code=trust_code)
         subnets.append(sub)
         meta = _read_json(layout.export_meta(g))
         if not (meta and meta.get("weights_sha256") == w_sha and meta.get("opset") == config.opset
@@ -832,7 +846,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         groups=group_list,
         grouping={**grouping_method, "features_per_class": config.features_per_class},
         pruning={**policy.to_dict(), "zero_threshold": config.zero_threshold,
-                 "stats_per_class": config.stats_per_class, "prunable_layers": len(layers)},
+                 "stats_per_class": config.stats_per_class, "prunable_layers": len(layers),
+                 "prune_residual": config.prune_residual},
         retrain=retrain_info,
         subnets=records,
         evaluation={k: v for k, v in evaluation.items() if k != "weights_sha256"},
@@ -847,7 +862,6 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
 
 
 def collect_stats(model, dataset, spec, device, indices, zero_threshold, relus, progress=None):
-    from .apoz import collect_activation_stats
 
     return collect_activation_stats(model, dataset, spec, device, indices=indices,
                                     zero_threshold=zero_threshold, modules=relus, progress=progress)
@@ -857,31 +871,9 @@ def collect_stats(model, dataset, spec, device, indices, zero_threshold, relus, 
 # Reading an artifact back
 
 
-def _inside(root: Path, rel: str) -> Path:
-    path = (root / rel).resolve()
-    if not path.is_relative_to(root.resolve()):
-        raise CheckpointError(f"manifest in {root} points outside the artifact ({rel})")
-    return path
-
-
-def load_subnets(artifact_dir: str | Path, device: str | torch.device = "cpu"
-                 ) -> tuple[DecompositionManifest, list[nn.Module]]:
-    """The manifest and every subnet rebuilt from it (safetensors checked against their hash)."""
-    root = Path(artifact_dir)
-    manifest = load_manifest(root)
-    if not manifest.subnets:
-        raise CheckpointError(f"manifest in {root} lists no subnets")
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    models = []
-    for rec in manifest.subnets:
-        state = load_weights(_inside(root, rec.weights), rec.weights_sha256)
-        models.append(build_from_weights(manifest.model, rec.num_outputs, manifest.in_channels,
-                                         state, f"subnet {rec.index} weights ({rec.weights})").to(dev))
-    return manifest, models
-
-
 def evaluate_artifact(artifact_dir: str | Path, *, device: str = "auto", limit: int | None = None,
-                      data_dir: str | None = None, seed: int = 0) -> dict[str, Any]:
+                      data_dir: str | None = None, seed: int = 0,
+                      trust_code: bool = False) -> dict[str, Any]:
     """Original vs merged decomposed top-1 on the test split (``limit``: stratified subset).
 
     The original model is taken from the directory the manifest names; when it is gone (or its
@@ -891,14 +883,15 @@ def evaluate_artifact(artifact_dir: str | Path, *, device: str = "auto", limit: 
     if limit is not None and limit < 1:
         raise SensaiError(f"--limit must be at least 1, got {limit}")
     dev = select_device(str(device))
-    manifest, subnets = load_subnets(artifact_dir, dev)
+    artifact = load_artifact(artifact_dir)
+    manifest, subnets = artifact.manifest, artifact.load_subnets(dev, trust_code=trust_code)
     spec = manifest.dataset.to_spec()
     if data_dir is not None:
         spec = spec.with_data_dir(data_dir)
     resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
     original, note = None, None
     try:
-        original, rec = load_trained_model(manifest.source.model_dir)
+        original, rec = load_trained_model(manifest.source.model_dir, trust_code=trust_code)
         if rec.weights_sha256 != manifest.source.weights_sha256:
             original, note = None, "original weights changed since the decomposition"
     except CheckpointError as e:

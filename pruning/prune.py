@@ -18,13 +18,14 @@ import copy
 import logging
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from sensai.errors import SensaiError
+from sensai.flops import count_flops
 from sensai.models import classifier_layer, count_params
 
 from .apoz import ChannelStats
@@ -87,12 +88,31 @@ def _is_depthwise(m: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class PrunableLayer:
-    conv: str      # nn.Conv2d whose output channels may be removed
+    """One unit of output channels that can be removed independently of every other unit.
+
+    Usually one convolution and the ReLU after it.  A residual path is one unit too (only when
+    asked for, see :func:`find_prunable`): every convolution writing into it (``conv`` and
+    ``coupled``) loses the same channels, and its statistics are the average over every ReLU
+    that carries it (``relu`` and ``more_relus``).
+    """
+
+    conv: str      # nn.Conv2d whose output channels may be removed (the unit's root)
     relu: str      # nn.ReLU whose output carries those channels (where statistics are recorded)
     channels: int
+    coupled: tuple[str, ...] = ()     # further convolutions losing the same channels
+    more_relus: tuple[str, ...] = ()  # further ReLUs carrying the same channels
+
+    @property
+    def relus(self) -> tuple[str, ...]:
+        return (self.relu, *self.more_relus)
+
+    @property
+    def residual(self) -> bool:
+        return bool(self.coupled)
 
 
-def find_prunable(model: nn.Module, example_input: torch.Tensor) -> list[PrunableLayer]:
+def find_prunable(model: nn.Module, example_input: torch.Tensor, *, residual: bool = False
+                  ) -> list[PrunableLayer]:
     """Convolutions whose output channels can be removed independently of any other convolution.
 
     A convolution qualifies when its pruning group (everything coupled to its output channels):
@@ -102,6 +122,11 @@ def find_prunable(model: nn.Module, example_input: torch.Tensor) -> list[Prunabl
     is used: it is the activation the next dense layer actually reads.  The classifier is never a
     root, so the number of outputs never changes.  ``example_input`` is one batch of the model's
     input, e.g. ``torch.zeros(1, C, H, W)``.  Returns layers in module order.
+
+    ``residual=True`` also returns every residual path as one unit: the convolutions whose outputs
+    meet in element-wise additions lose the same channels together (Torch-Pruning keeps the
+    additions consistent), scored by every ReLU that carries the path.  sensAI itself never
+    prunes these; they are what is left to cut once the channels inside the blocks are thin.
     """
     import torch_pruning as tp
 
@@ -109,32 +134,47 @@ def find_prunable(model: nn.Module, example_input: torch.Tensor) -> list[Prunabl
     graph = _build_graph(model, example_input, relu_trace)
     OPTYPE = tp.ops.OPTYPE
     out: list[PrunableLayer] = []
+    seen: set[str] = set()
+    names = {m: n for n, m in model.named_modules()}
     for name, conv in model.named_modules():
         if not isinstance(conv, nn.Conv2d) or conv not in graph.module2node or conv.out_channels < 2:
             continue
-        if conv.groups > 1 and not _is_depthwise(conv):
+        if name in seen or (conv.groups > 1 and not _is_depthwise(conv)):
             continue
         channels = conv.out_channels
         group = graph.get_pruning_group(conv, tp.prune_conv_out_channels, idxs=list(range(channels)))
-        ok, relus = True, []
+        ok, merged, relus, coupled = True, False, [], []
         for item in group:
             dep, idxs = item.dep, item.idxs
             node, target = dep.target, dep.target.module
             if node.type == OPTYPE.OUTPUT:
                 ok = False  # the channels would change the network's output
             elif node.type == OPTYPE.ELEMENTWISE and len(node.inputs) > 1:
-                ok = False  # two tensors meet channel by channel: a residual (or gating) path
+                merged = True  # two tensors meet channel by channel: a residual (or gating) path
             elif isinstance(target, nn.Conv2d) and target.groups > 1 and not _is_depthwise(target):
                 ok = False  # grouped convolutions need whole groups removed
             elif (target is not conv and isinstance(target, (nn.Conv2d, nn.Linear))
                   and not _is_depthwise(target) and graph.is_out_channel_pruning_fn(dep.handler)):
-                ok = False  # tied to another layer's outputs
+                if not isinstance(target, nn.Conv2d) or list(idxs) != list(range(channels)):
+                    ok = False  # tied to a linear layer's outputs or to part of another layer
+                else:
+                    coupled.append(names[target])
             if not ok:
                 break
             traced = relu_trace.get(node.grad_fn)
             if traced is not None and traced[2] == channels and list(idxs) == list(range(channels)):
                 relus.append(traced)
-        if ok and relus:
+        if not ok or not relus or ((merged or coupled) and not residual):
+            continue
+        if merged or coupled:
+            # One unit for the whole path, its ReLUs in call order.
+            relus = sorted(set(relus), key=lambda t: t[1])
+            coupled = sorted(set(coupled) - {name})
+            seen.update(coupled)
+            out.append(PrunableLayer(conv=name, relu=relus[0][0], channels=channels,
+                                     coupled=tuple(coupled),
+                                     more_relus=tuple(t[0] for t in relus[1:])))
+        else:
             relu_name = max(relus, key=lambda t: t[1])[0]
             out.append(PrunableLayer(conv=name, relu=relu_name, channels=channels))
     log.debug("prunable convolutions: %s", [p.conv for p in out])
@@ -150,6 +190,10 @@ def layer_widths(model: nn.Module) -> dict[str, int]:
 # Which channels to keep
 
 
+POLICY_KINDS = ("threshold", "keep", "params", "shrink")
+ALLOCATIONS = ("uniform", "apoz", "activity")
+
+
 @dataclass(frozen=True)
 class PruningPolicy:
     """How many and which channels each prunable layer keeps.
@@ -158,19 +202,25 @@ class PruningPolicy:
     |activation| >= ``theta2``.  ``keep``: every layer keeps the ``ceil(keep_fraction * C)``
     channels with the lowest APoZ (ties: higher mean |a| first).  ``params``: the largest uniform
     keep fraction whose subnet has at most ``params_fraction`` of the original parameters.
+    ``shrink``: the largest keep fraction whose subnet has at most ``1 / shrink`` of the original
+    parameters *and* at most ``1 / shrink`` of its multiply-accumulates; ``allocation`` says how
+    that fraction is shared out over the layers.
     No layer ever drops below ``min_channels``.
     """
 
-    kind: Literal["threshold", "keep", "params"] = "keep"
+    kind: Literal["threshold", "keep", "params", "shrink"] = "keep"
     theta1: float = 0.73
     theta2: float = 0.01
     keep_fraction: float = 0.25
     params_fraction: float | None = None
     min_channels: int = 2
+    shrink: float | None = None
+    allocation: str = "uniform"
 
     def __post_init__(self):
-        if self.kind not in ("threshold", "keep", "params"):
-            raise ValueError(f"pruning policy kind must be threshold, keep or params, got {self.kind!r}")
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"pruning policy kind must be one of {', '.join(POLICY_KINDS)}, "
+                             f"got {self.kind!r}")
         if not 0.0 <= self.theta1 <= 1.0:
             raise ValueError(f"theta1 (APoZ threshold) must be in [0, 1], got {self.theta1}")
         if not self.theta2 >= 0.0:
@@ -181,6 +231,13 @@ class PruningPolicy:
             raise ValueError("the params policy needs params_fraction")
         if self.params_fraction is not None and not 0.0 < self.params_fraction <= 1.0:
             raise ValueError(f"params_fraction must be in (0, 1], got {self.params_fraction}")
+        if self.kind == "shrink" and self.shrink is None:
+            raise ValueError("the shrink policy needs shrink")
+        if self.shrink is not None and not (math.isfinite(self.shrink) and self.shrink >= 1.0):
+            raise ValueError(f"shrink must be a finite number >= 1, got {self.shrink}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, "
+                             f"got {self.allocation!r}")
         if (not isinstance(self.min_channels, (int, np.integer)) or isinstance(self.min_channels, bool)
                 or self.min_channels < 1):
             raise ValueError(f"min_channels must be a positive integer, got {self.min_channels!r}")
@@ -195,6 +252,11 @@ class PruningPolicy:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether the keep fraction is searched for to meet a size budget."""
+        return self.kind in ("params", "shrink")
+
 
 def _ranking(stats: ChannelStats) -> np.ndarray:
     """Channel indices from most to least useful: low APoZ first, then high mean |a|, then index."""
@@ -204,30 +266,46 @@ def _ranking(stats: ChannelStats) -> np.ndarray:
 
 
 def _stats_for(layer: PrunableLayer, stats: Mapping[str, ChannelStats]) -> ChannelStats:
-    s = stats.get(layer.relu)
-    if s is None:
-        raise ValueError(f"no activation statistics for {layer.relu!r} (layer {layer.conv!r})")
-    if len(s.apoz) != layer.channels or len(s.mean_abs) != layer.channels:
-        raise ValueError(f"statistics for {layer.relu!r} have {len(s.apoz)} channels, layer "
-                         f"{layer.conv!r} has {layer.channels}")
-    return s
+    """The unit's statistics; a residual path averages every ReLU that carries it."""
+    found = []
+    for relu in layer.relus:
+        s = stats.get(relu)
+        if s is None:
+            raise ValueError(f"no activation statistics for {relu!r} (layer {layer.conv!r})")
+        if len(s.apoz) != layer.channels or len(s.mean_abs) != layer.channels:
+            raise ValueError(f"statistics for {relu!r} have {len(s.apoz)} channels, layer "
+                             f"{layer.conv!r} has {layer.channels}")
+        found.append(s)
+    if len(found) == 1:
+        return found[0]
+    return ChannelStats(apoz=np.mean([s.apoz for s in found], axis=0),
+                        mean_abs=np.mean([s.mean_abs for s in found], axis=0),
+                        count=sum(s.count for s in found))
+
+
+def channel_ranking(layer: PrunableLayer, stats: Mapping[str, ChannelStats]) -> np.ndarray:
+    """The unit's channel indices from most to least useful to the group (see ``_ranking``)."""
+    return _ranking(_stats_for(layer, stats))
 
 
 def select_channels(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats],
-                    policy: PruningPolicy, *, keep_fraction: float | None = None
+                    policy: PruningPolicy, *,
+                    keep_fraction: float | Mapping[str, float] | None = None
                     ) -> dict[str, np.ndarray]:
     """Conv name -> sorted indices of the channels to keep, for every layer in ``layers``.
 
     ``stats`` is keyed by ReLU module name (as returned by ``collect_activation_stats``).  For the
-    ``params`` policy pass the uniform ``keep_fraction`` found by the budget search (what
-    :func:`prune_to_policy` does); it overrides ``policy.keep_fraction`` for the ``keep`` policy too.
+    budgeted policies pass the keep fraction found by the budget search, one number for every layer
+    or one per conv name (what :func:`prune_to_policy` does); it overrides
+    ``policy.keep_fraction`` for the ``keep`` policy too.
     """
-    if policy.kind == "params" and keep_fraction is None:
-        raise ValueError("the params policy needs the keep fraction found by its budget search; "
-                         "use prune_to_policy")
-    frac = policy.keep_fraction if keep_fraction is None else float(keep_fraction)
-    if not 0.0 <= frac <= 1.0:
-        raise ValueError(f"keep fraction must be in [0, 1], got {frac}")
+    if policy.budgeted and keep_fraction is None:
+        raise ValueError(f"the {policy.kind} policy needs the keep fraction found by its budget "
+                         "search; use prune_to_policy")
+    if keep_fraction is None:
+        keep_fraction = policy.keep_fraction
+    fracs = (dict(keep_fraction) if isinstance(keep_fraction, Mapping)
+             else {layer.conv: float(keep_fraction) for layer in layers})
     keep: dict[str, np.ndarray] = {}
     for layer in layers:
         s = _stats_for(layer, stats)
@@ -240,6 +318,9 @@ def select_channels(layers: Sequence[PrunableLayer], stats: Mapping[str, Channel
             if len(kept) < floor:
                 kept += [i for i in order if drop[i]][:floor - len(kept)]
         else:
+            frac = fracs.get(layer.conv)
+            if frac is None or not 0.0 <= frac <= 1.0:
+                raise ValueError(f"keep fraction of {layer.conv!r} must be in [0, 1], got {frac}")
             # The epsilon stops float noise (0.3 * 10 = 3.0000000000000004) from adding a channel.
             n = min(c, max(floor, math.ceil(frac * c - 1e-9)))
             kept = order[:n]
@@ -298,54 +379,166 @@ def _keep_counts(keep: Mapping[str, np.ndarray]) -> tuple:
     return tuple(sorted((k, len(v)) for k, v in keep.items()))
 
 
+@dataclass(frozen=True)
+class SizeBudget:
+    """Most parameters and multiply-accumulates a subnet may keep (``None``: no limit)."""
+
+    params: float | None
+    macs: float | None
+    input_shape: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, policy: PruningPolicy, model: nn.Module, example_input: torch.Tensor
+           ) -> "SizeBudget":
+        shape = tuple(int(d) for d in example_input.shape[1:])
+        params = count_params(model)
+        if policy.kind == "params":
+            return cls(params=policy.params_fraction * params, macs=None, input_shape=shape)
+        return cls(params=params / policy.shrink,
+                   macs=count_flops(model, shape) / policy.shrink, input_shape=shape)
+
+    def measure(self, model: nn.Module) -> tuple[int, int | None]:
+        macs = count_flops(model, self.input_shape) if self.macs is not None else None
+        return count_params(model), macs
+
+    def fits(self, size: tuple[int, int | None]) -> bool:
+        params, macs = size
+        return ((self.params is None or params <= self.params)
+                and (self.macs is None or macs <= self.macs))
+
+
+def allocation_weights(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats],
+                       policy: PruningPolicy) -> dict[str, float]:
+    """How much of the budget each layer gets, relative to the others (largest = 1).
+
+    ``uniform``: all equal.  ``apoz``: the share of channels sensAI's threshold rule would keep for
+    this group (channels that are mostly zero on the group's images need no room).  ``activity``:
+    the participation ratio (sum m)^2 / (C sum m^2) of the channels' mean |a| — 1 when every
+    channel is equally active, small when a few channels carry the group's signal.
+    """
+    weights = {}
+    for layer in layers:
+        s = _stats_for(layer, stats)
+        apoz, m = np.asarray(s.apoz, np.float64), np.asarray(s.mean_abs, np.float64)
+        if policy.allocation == "apoz":
+            alive = ~((apoz >= policy.theta1) & (m < policy.theta2))
+            w = alive.mean()
+        elif policy.allocation == "activity":
+            w = m.sum() ** 2 / (len(m) * (m ** 2).sum()) if (m ** 2).sum() > 0 else 0.0
+        else:
+            w = 1.0
+        weights[layer.conv] = float(w)
+    top = max(weights.values(), default=1.0)
+    floor = 1.0 / max((layer.channels for layer in layers), default=1)
+    # A layer every channel of which looks dead still gets a sliver, so the level reaches it.
+    return {k: max(v / top, floor) if top > 0 else 1.0 for k, v in weights.items()}
+
+
+def layer_fractions(weights: Mapping[str, float], level: float) -> dict[str, float]:
+    """Per-layer keep fractions at budget ``level`` in [0, 1]: 0 puts every layer at its floor,
+    1 keeps everything; they only grow with ``level``, which the budget search relies on."""
+    low = min(weights.values(), default=1.0)
+    return {k: min(1.0, level * w / low) for k, w in weights.items()}
+
+
 def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
                     stats: Mapping[str, ChannelStats], policy: PruningPolicy,
-                    example_input: torch.Tensor) -> tuple[nn.Module, dict[str, np.ndarray]]:
+                    example_input: torch.Tensor, *, reference: nn.Module | None = None
+                    ) -> tuple[nn.Module, dict[str, np.ndarray]]:
     """Select channels by ``policy`` and prune; returns ``(pruned copy, kept indices per conv)``.
 
-    For the ``params`` policy the uniform keep fraction is found by bisection: the parameter count
-    only grows with the fraction, so the largest fraction within budget is found in about
-    log2(2 x widest layer) trial prunings.  An unreachable budget raises :class:`SensaiError`.
+    For the budgeted policies (``params``, ``shrink``) the keep fraction is found by bisection:
+    parameters and MACs only grow with it, so the largest fraction within budget is found in about
+    log2(2 x widest layer) trial prunings, each measured on the real pruned network.  The budget is
+    a fraction of ``reference`` (default: ``model``), so an already pruned subnet can be pruned
+    further towards a budget stated against the original.  An unreachable budget raises
+    :class:`SensaiError`.
     """
-    if policy.kind != "params":
+    if not policy.budgeted:
         keep = select_channels(layers, stats, policy)
         return prune_model(model, keep, example_input), keep
 
-    original = count_params(model)
-    budget = policy.params_fraction * original
-    tried: dict[tuple, tuple[int, nn.Module, dict]] = {}
+    budget = SizeBudget.of(policy, model if reference is None else reference, example_input)
+    tried: dict[tuple, tuple[tuple, nn.Module, dict]] = {}
 
-    def trial(frac: float):
-        keep = select_channels(layers, stats, policy, keep_fraction=frac)
+    def measured(keep: dict[str, np.ndarray]):
         key = _keep_counts(keep)
         if key not in tried:
             pruned = prune_model(model, keep, example_input)
-            tried[key] = (count_params(pruned), pruned, keep)
+            tried[key] = (budget.measure(pruned), pruned, keep)
         return tried[key]
 
+    weights = allocation_weights(layers, stats, policy)
+
+    def trial(level: float):
+        return measured(select_channels(layers, stats, policy,
+                                        keep_fraction=layer_fractions(weights, level)))
+
     full = trial(1.0)
-    if full[0] <= budget:
+    if budget.fits(full[0]):
         return full[1], full[2]
     smallest = trial(0.0)
-    if smallest[0] > budget:
-        raise SensaiError(
-            f"cannot prune to {policy.params_fraction:g} of the parameters: even keeping only "
-            f"{policy.min_channels} channel(s) per prunable layer leaves {smallest[0]:,} of "
-            f"{original:,} ({smallest[0] / original:.3f}); the classifier and residual-path layers "
-            "are not pruned — use a larger params fraction")
+    if not budget.fits(smallest[0]):
+        raise SensaiError(_unreachable(policy, model if reference is None else reference, budget,
+                                       smallest[0]))
     lo, hi = 0.0, 1.0
     widest = max((layer.channels for layer in layers), default=1)
-    # Below 1/(2*widest) no layer's ceil(f*C) changes any more.
-    while hi - lo > 1.0 / (2 * widest):
+    spread = max(weights.values()) / min(weights.values())
+    # Below 1/(2 * widest * spread) no layer's ceil(f*C) changes any more.
+    while hi - lo > 1.0 / (2 * widest * spread):
         mid = (lo + hi) / 2
-        if trial(mid)[0] <= budget:
+        if budget.fits(trial(mid)[0]):
             lo = mid
         else:
             hi = mid
-    params, pruned, keep = trial(lo)
-    log.info("params policy: keep fraction %.4f -> %d params (%.3f of %d, budget %.3f)", lo, params,
-             params / original, original, policy.params_fraction)
+    best = trial(lo)
+    if policy.kind == "shrink":
+        best = _fill(layers, stats, best, measured, budget, weights)
+    (params, macs), pruned, keep = best
+    log.info("%s policy: level %.4f -> %d params (budget %.0f), %s MACs (budget %s)", policy.kind,
+             lo, params, budget.params, macs, budget.macs)
     return pruned, keep
+
+
+def _fill(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats], best: tuple,
+          measured: Callable, budget: SizeBudget, weights: Mapping[str, float]) -> tuple:
+    """Spend what the bisection left of the budget one channel at a time, so it is met as tightly
+    as whole channels allow: a narrow layer's ceil(f * C) moves in big steps (one channel of 16 is
+    6%), which leaves up to a whole step of every budget unused.
+
+    The layer furthest below its share (kept / (C x weight)) gets the next channel; a layer that
+    cannot take one more never can later, as sizes only grow.
+    """
+    keep = dict(best[2])
+    open_ = {layer.conv: layer for layer in layers if len(keep[layer.conv]) < layer.channels}
+    while open_:
+        conv = min(open_, key=lambda c: (len(keep[c]) / (open_[c].channels * max(weights[c], 1e-9)),
+                                         c))
+        layer = open_[conv]
+        grown = {**keep, conv: np.sort(channel_ranking(layer, stats)[:len(keep[conv]) + 1])}
+        candidate = measured(grown)
+        if budget.fits(candidate[0]):
+            keep, best = grown, candidate
+            if len(grown[conv]) == layer.channels:
+                del open_[conv]
+        else:
+            del open_[conv]
+    return best
+
+
+def _unreachable(policy: PruningPolicy, model: nn.Module, budget: SizeBudget,
+                 smallest: tuple[int, int | None]) -> str:
+    params, macs = smallest
+    original = count_params(model)
+    what = (f"{policy.params_fraction:g} of the parameters" if policy.kind == "params"
+            else f"{policy.shrink:g}x fewer parameters and MACs")
+    left = f"{params:,} of {original:,} parameters ({params / original:.3f})"
+    if macs is not None:
+        left += f" and {macs / (budget.macs * policy.shrink):.3f} of the MACs"
+    return (f"cannot prune to {what}: even keeping only {policy.min_channels} channel(s) per "
+            f"prunable layer leaves {left}; the classifier and layers that are not pruned "
+            f"(e.g. the residual path) stay whole — ask for a smaller reduction"
+            + ("" if policy.kind == "params" else " or prune the residual path too"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,6 +60,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "keep": f"keep the {pol.get('keep_fraction')} most active channels per layer",
         "threshold": f"APoZ >= {pol.get('theta1')} unless mean |a| >= {pol.get('theta2')}",
         "params": f"prune to {pol.get('params_fraction')} of the parameters",
+        "shrink": f"at least {pol.get('shrink')}x fewer parameters and MACs per subnet "
+                  f"({pol.get('allocation')} allocation"
+                  + (", residual paths pruned too)" if pol.get("prune_residual") else ")"),
     }.get(pol.get("kind"), str(pol.get("kind")))
     lines = [
         f"# sensAI decomposition of {rep['model']} on {rep['dataset']}",

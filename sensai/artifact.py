@@ -10,6 +10,7 @@ not import torch (only rebuilding torch subnets does), so ONNX-only workers stay
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def verify_file(path: Path, sha256: str | None, what: str) -> Path:
         raise CheckpointError(f"{what} {path} does not match its sha256 in the manifest "
                               "(corrupt or replaced)")
     return path
+
+
+def verify_bytes(data: bytes, sha256: str | None, what: str) -> bytes:
+    """A file's content shipped to where it is used (e.g. through Ray to another node), checked
+    there against the manifest's sha256 like a file on disk."""
+    if not sha256:
+        raise CheckpointError(f"{what} has no sha256 in the manifest; refusing to load what "
+                              "cannot be checked")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{what} does not match its sha256 in the manifest (corrupt in "
+                              "transit or replaced)")
+    return data
 
 
 @dataclass(frozen=True)

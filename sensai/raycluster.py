@@ -15,6 +15,7 @@ import re
 from .errors import SensaiError
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -25,21 +26,33 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     Returns True when this call started or joined Ray (the caller then shuts it down).
     ``num_cpus`` applies to a new local instance only."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None or is_loopback(address):
+        # Ray turns a loopback address into the machine's network address before connecting
+        # (it assumes a multi-host cluster); this switch, read when Ray is imported, keeps
+        # 127.0.0.1 what it says.  It has no effect once Ray is imported.
+        os.environ.setdefault(LOOPBACK_SWITCH, "0")
     import ray
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict = dict(logging_level=logging.WARNING, namespace=namespace,
                         log_to_driver=log_to_driver)
     if address is None:
         kwargs.update(include_dashboard=False, _node_ip_address=LOOPBACK, num_cpus=num_cpus)
     try:
-        ray.init(address=address, **kwargs)
+        # "local": a new instance even when another Ray runs on this machine (ray.init(None)
+        # would silently join the last cluster started here, e.g. a `ray start` left running).
+        ray.init(address=address or "local", **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SensaiError(f"cannot connect to Ray at {address or 'a new local instance'}: "
                           f"{error_text(e)}") from None
     return True
+
+
+def is_loopback(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def error_text(e: BaseException) -> str:
@@ -58,6 +71,21 @@ def error_text(e: BaseException) -> str:
         first = lines(e)
         text = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def alive_nodes() -> list[dict]:
+    """The cluster's live nodes, head first then by address: id, address, CPUs, GPUs."""
+    import ray
+
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        out.append({"id": n["NodeID"], "address": n.get("NodeManagerAddress"),
+                    "head": "node:__internal_head__" in res,
+                    "cpus": float(res.get("CPU", 0)), "gpus": float(res.get("GPU", 0))})
+    return sorted(out, key=lambda n: (not n["head"], n["address"] or "", n["id"]))
 
 
 def cluster_resources() -> tuple[float, float]:

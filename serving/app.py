@@ -8,6 +8,10 @@ Routes
   *normalized* input, JSON or binary) - so ``tritonclient.http`` can call the gateway directly;
 * ``GET /v1/models`` (what is served, where every worker runs), ``GET /metrics`` (Prometheus).
 
+With ``settings.grpc_port`` set, the app's lifespan also serves the Open Inference Protocol over
+gRPC (:mod:`sensai.serving.grpc_server`) on the same event loop, predictor and admission, through
+the same helpers (:func:`v2_infer`, :func:`predict`, :func:`check_model`...).
+
 Every error is JSON ``{"error", "status", "request_id", "subnet", "missing_classes"}`` with a
 4xx/5xx status; library code raises :class:`sensai.errors.SensaiError` subclasses and only the
 handlers here turn them into HTTP.  The work a request may cause is bounded
@@ -116,14 +120,19 @@ class GatewayMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         t0 = time.perf_counter()
-        # The deadline covers the whole request: body, decoding, waiting, the subnets.
-        state["deadline"] = asyncio.get_running_loop().time() + gw.settings.deadline_s
+        # The deadline covers the whole request: body, decoding, waiting (also the wait for the
+        # event loop before this line, estimated by its lag), the subnets.
+        state["deadline"] = (asyncio.get_running_loop().time() + gw.settings.deadline_s
+                             - gw.admission.lag)
         gated = scope.get("path") not in UNGATED
         if gated and not gw.admission.admit():
-            metrics.rejected.labels("overloaded").inc()
-            await self._reply(send, 503, f"the gateway is at its limit of "
-                              f"{gw.admission.max_requests} requests in flight; retry shortly",
-                              rid, [(b"retry-after", b"1")])
+            busy = gw.admission.requests >= gw.admission.max_requests
+            metrics.rejected.labels("max_requests" if busy else "loop_lag").inc()
+            metrics.requests.labels("unadmitted", scope.get("method", ""), "503").inc()
+            why = (f"at its limit of {gw.admission.max_requests} requests in flight" if busy
+                   else f"behind by {gw.admission.lag * 1e3:.0f} ms")
+            await self._reply(send, 503, f"the gateway is {why}; retry shortly", rid,
+                              [(b"retry-after", b"1")])
             return
         status_box = [500]
 
@@ -145,6 +154,7 @@ class GatewayMiddleware:
                                   [(b"connection", b"close")])
                 return
             received = [0]
+            waiting_body = [False]
 
             async def receive_limited():
                 message = await receive()
@@ -153,9 +163,20 @@ class GatewayMiddleware:
                     if received[0] > limit:
                         raise PayloadTooLarge(f"request body is over the limit of {limit:,} bytes "
                                               "(set SENSAI_MAX_BODY_BYTES)")
+                    more = message.get("more_body", False)
+                    if more and not waiting_body[0] and gated:
+                        gw.admission.start_receiving()
+                        waiting_body[0] = True
+                    elif not more and waiting_body[0]:
+                        gw.admission.done_receiving()
+                        waiting_body[0] = False
                 return message
 
-            await self.app(scope, receive_limited, send_wrapper)
+            try:
+                await self.app(scope, receive_limited, send_wrapper)
+            finally:
+                if waiting_body[0]:
+                    gw.admission.done_receiving()
         finally:
             if gated:
                 gw.admission.release()
@@ -183,15 +204,22 @@ def _error(request: Request, status: int, message: str, reason: str,
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def count_error(gw: Gateway, exc: ServingError, request_id: str) -> None:
+    """The metrics and log line of a request that ended in ``exc`` (HTTP and gRPC alike)."""
+    if isinstance(exc, (SubnetFailed, SubnetTimeout)) and exc.subnet:
+        gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
+                                        else "failed").inc()
+        log.warning("request %s: %s", request_id, exc)
+    if isinstance(exc, Overloaded):
+        gw.metrics.rejected.labels(exc.reason).inc()
+    elif exc.status == 408:
+        gw.metrics.rejected.labels("slow_body").inc()
+
+
 def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError):
-        if isinstance(exc, (SubnetFailed, SubnetTimeout)) and exc.subnet:
-            gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
-                                            else "failed").inc()
-            log.warning("request %s: %s", getattr(request.state, "request_id", "?"), exc)
-        if isinstance(exc, Overloaded) or exc.status == 408:
-            gw.metrics.rejected.labels("overloaded" if exc.status == 503 else "slow body").inc()
+        count_error(gw, exc, getattr(request.state, "request_id", "?"))
         headers = ({"Retry-After": f"{max(1, round(exc.retry_after))}"}
                    if exc.retry_after is not None else None)
         return _error(request, exc.status, str(exc), type(exc).__name__, exc.subnet,
@@ -280,6 +308,15 @@ async def predict(gw: Gateway, x: np.ndarray, allow_partial: bool, deadline: flo
     return pred
 
 
+async def v2_infer(gw: Gateway, req: oip.InferRequest, deadline: float
+                   ) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
+    """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC)."""
+    x = oip.input_batch(req, gw.predictor.spec, gw.settings.max_batch)
+    pred = await predict(gw, x, oip.allow_partial(req), deadline)
+    return pred, oip.infer_outputs(req, pred.scores, gw.predictor.spec.classes,
+                                   pred.covered_classes)
+
+
 def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = None
                ) -> list[dict]:
     """The k best classes of one row as ``{"index", "label", "score"}``, best first; a degraded
@@ -295,7 +332,11 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
             for i in idx[0]]
 
 
-def _model_metadata(gw: Gateway) -> dict:
+def v2_server_metadata(gw: Gateway) -> dict:
+    return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
+
+
+def v2_model_metadata(gw: Gateway) -> dict:
     spec = gw.predictor.spec
     return {
         "name": gw.predictor.name,
@@ -311,7 +352,7 @@ def _model_metadata(gw: Gateway) -> dict:
     }
 
 
-def _check_model(gw: Gateway, model_name: str, version: str | None) -> None:
+def check_model(gw: Gateway, model_name: str, version: str | None) -> None:
     if model_name != gw.predictor.name:
         raise ModelNotFound(f"unknown model {model_name!r}; this server serves "
                             f"{gw.predictor.name!r}")
@@ -320,7 +361,7 @@ def _check_model(gw: Gateway, model_name: str, version: str | None) -> None:
                             f"(versions: {MODEL_VERSION})")
 
 
-def _ready(gw: Gateway) -> bool:
+def predictor_ready(gw: Gateway) -> bool:
     try:
         return bool(gw.predictor.is_ready())
     except Exception:  # a probe that fails means "not ready", not a 500
@@ -337,15 +378,32 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         version = "0"
     admission = Admission(max_requests=settings.max_requests,
                           max_predictions=settings.max_predictions,
-                          body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s)
+                          body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s,
+                          max_lag_s=settings.max_loop_lag_s)
     gw = Gateway(predictor, settings, GatewayMetrics(), admission, version,
                  settings.image_pixels(predictor.spec.input_shape))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        if close_predictor:
-            await predictor.close()
+        grpc = None
+        admission.start()
+        try:
+            if settings.grpc_port is not None:
+                from .grpc_server import GrpcServer  # grpc and tritonclient: only when asked
+
+                try:
+                    grpc = app.state.grpc = await GrpcServer(gw).start(settings.host,
+                                                                        settings.grpc_port)
+                except BaseException as e:
+                    app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
+                    raise
+            yield
+        finally:
+            await admission.stop()
+            if grpc is not None:
+                await grpc.stop()
+            if close_predictor:
+                await predictor.close()
 
     app = FastAPI(title="sensai gateway", version=version, lifespan=lifespan,
                   description="Class-parallel CNN inference (sensAI)", responses=ERROR_RESPONSES)
@@ -403,7 +461,7 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
 
     @app.get("/v2")
     async def server_metadata(gw: GatewayDep):
-        return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
+        return v2_server_metadata(gw)
 
     @app.get("/v2/health/live")
     async def live():
@@ -411,29 +469,29 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
 
     @app.get("/v2/health/ready")
     async def ready(request: Request, gw: GatewayDep):
-        if not await run_in_threadpool(_ready, gw):
+        if not await run_in_threadpool(predictor_ready, gw):
             return _error(request, 503, "not ready", "not_ready")
         return {"ready": True}
 
     @app.get("/v2/models/{model_name}")
     @app.get("/v2/models/{model_name}/versions/{version}")
     async def model_metadata(gw: GatewayDep, model_name: str, version: str | None = None):
-        _check_model(gw, model_name, version)
-        return _model_metadata(gw)
+        check_model(gw, model_name, version)
+        return v2_model_metadata(gw)
 
     @app.get("/v2/models/{model_name}/ready")
     @app.get("/v2/models/{model_name}/versions/{version}/ready")
     async def model_ready(request: Request, gw: GatewayDep, model_name: str,
                           version: str | None = None):
-        _check_model(gw, model_name, version)
-        if not await run_in_threadpool(_ready, gw):
+        check_model(gw, model_name, version)
+        if not await run_in_threadpool(predictor_ready, gw):
             return _error(request, 503, f"model {model_name!r} is not ready", "not_ready")
         return {"name": model_name, "ready": True}
 
     @app.post("/v2/models/{model_name}/infer")
     @app.post("/v2/models/{model_name}/versions/{version}/infer")
     async def infer(request: Request, gw: GatewayDep, model_name: str, version: str | None = None):
-        _check_model(gw, model_name, version)
+        check_model(gw, model_name, version)
         deadline = request.state.deadline
         body = await read_body(request, gw, image=False)
         args = (body, request.headers.get("content-encoding"), gw.settings.max_body_bytes,
@@ -443,9 +501,7 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         else:
             async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
                 req = await run_in_threadpool(oip.decode_request, *args)
-        x = oip.input_batch(req, gw.predictor.spec, gw.settings.max_batch)
-        pred = await predict(gw, x, oip.allow_partial(req), deadline)
-        outputs = oip.infer_outputs(req, pred.scores, classes, pred.covered_classes)
+        pred, outputs = await v2_infer(gw, req, deadline)
         content, headers, media = oip.encode_infer_response(
             model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
             request_id=req.id, outputs=outputs, parameters=oip.response_parameters(pred))

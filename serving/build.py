@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import socket
 from dataclasses import replace
+import logging
 from pathlib import Path
 from typing import Sequence
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.raycluster import cluster_resources, connect
+from sensai.raycluster import alive_nodes, cluster_resources, connect
 
 from .faults import DelaySpec
 from .placement import Placement
@@ -23,10 +24,12 @@ from .predictor import ClassParallelPredictor, worker_devices
 from .runners import runner_specs
 from .settings import BACKENDS
 from .transports.processes import Processes
-from .transports.ray_actors import RayActors, actor_resources
+from .transports.ray_actors import RayActors, actor_resources, node_options
 from .transports.threads import Threads
 from .triton_repo import export_triton_repo
 from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
+
+log = logging.getLogger(__name__)
 
 
 def check_settings(backend: str, *, redundancy: int = 0, vote: bool = False,
@@ -85,6 +88,8 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     specs = runner_specs(artifact, device="cpu", runtime=runtime, threads=threads,
                          trust_code=trust_code)
     own = connect(ray_address)
+    import ray  # heavy, only the ray backend needs it; imported after connect() set Ray up
+
     try:
         cpus, gpus = cluster_resources()
         opts, ort_threads = actor_resources(n, cpus, gpus, device=device, cpus=ray_cpus)
@@ -93,12 +98,21 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                 if not s.weights.is_file():
                     raise SensaiError(f"weights file {s.weights} of {s.name} does not exist "
                                       "(needed for the torch runtime on GPUs)")
-        specs = [replace(s, threads=ort_threads) for s in specs]
-        transport = RayActors(opts, own_ray=own)
+        nodes = alive_nodes()
+        per_worker = opts
+        if len(nodes) > 1:
+            per_worker, node_of, shared = node_options(opts, placement, nodes,
+                                                       use_gpu="num_gpus" in opts)
+            if shared:
+                log.warning("copies of subnet(s) %s share a node: losing that node loses them "
+                            "(%d nodes for %d workers with redundancy %d)",
+                            ", ".join(map(str, shared)), len(nodes), n, redundancy)
+        # The files travel through Ray's object store: no shared filesystem needed, and each
+        # actor checks them against the manifest's hashes where it loads them.
+        specs = [replace(s, threads=ort_threads).shipped(ray.put) for s in specs]
+        transport = RayActors(per_worker, own_ray=own, nodes=nodes)
     except BaseException:
         if own:
-            import ray
-
             ray.shutdown()
         raise
     return ClassParallelPredictor(artifact, specs, transport, placement, **common)

@@ -59,8 +59,9 @@ class Overloaded(ServingError):
 
     status = 503
 
-    def __init__(self, message: str, *, retry_after: float = 1.0):
+    def __init__(self, message: str, *, reason: str, retry_after: float = 1.0):
         super().__init__(message, retry_after=retry_after)
+        self.reason = reason  # the metrics label: which bound turned the request away
 
 
 class RequestTimeout(ServingError):

@@ -33,7 +33,8 @@ class GatewayMetrics:
                                      ["subnet", "kind"], registry=r)
         self.images = Counter("sensai_images", "images (batch rows) predicted", registry=r)
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
-                                "reason (overloaded, slow body)", ["reason"], registry=r)
+                                "reason (max_requests, loop_lag, max_receiving, "
+                                "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
 

@@ -101,7 +101,7 @@ def decode_request(body: bytes, encoding: str | None, limit: int,
     return parse_infer_request(decode_content(body, encoding, limit), header_length)
 
 
-def _shape(v: Any, where: str, max_elements: int) -> list[int]:
+def bounded_shape(v: Any, where: str, max_elements: int) -> list[int]:
     """A tensor's shape, bounded before any arithmetic: rank, every dimension, and the element
     count (which no request body of the size limit can exceed)."""
     if not isinstance(v, list):
@@ -121,7 +121,7 @@ def _shape(v: Any, where: str, max_elements: int) -> list[int]:
     return v
 
 
-def _num_elements(shape: Sequence[int]) -> int:
+def num_elements(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -152,8 +152,8 @@ def _json_data(data: Any, dt: np.dtype, datatype: str, shape: list[int], where: 
         raise InputError(f"{where}: 'data' is not a regular array: {e}") from None
     if arr.dtype.kind not in "biuf" or (arr.dtype.kind == "b" and datatype != "BOOL"):
         raise InputError(f"{where}: 'data' must hold {datatype} numbers")
-    if arr.size != _num_elements(shape):
-        raise InputError(f"{where}: shape {shape} needs {_num_elements(shape)} elements, "
+    if arr.size != num_elements(shape):
+        raise InputError(f"{where}: shape {shape} needs {num_elements(shape)} elements, "
                          f"'data' has {arr.size}")
     try:
         with np.errstate(over="raise", invalid="ignore"):
@@ -212,7 +212,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InputError(f"{where}: unsupported datatype {datatype!r} "
                              f"(one of {', '.join(DTYPES)})")
         dt = DTYPES[datatype]
-        shape = _shape(t.get("shape"), where, max(1, len(body)))
+        shape = bounded_shape(t.get("shape"), where, max(1, len(body)))
         size = _params(t, where).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -223,7 +223,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             if offset + size > len(binary):
                 raise InputError(f"{where}: binary_data_size {size} runs past the end of the "
                                  f"body ({len(binary) - offset} bytes left)")
-            want = _num_elements(shape) * dt.itemsize
+            want = num_elements(shape) * dt.itemsize
             if size != want:
                 raise InputError(f"{where}: shape {shape} of {datatype} needs {want} bytes, "
                                  f"binary_data_size is {size}")

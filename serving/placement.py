@@ -105,3 +105,61 @@ class Placement:
     def primaries(self, worker: int) -> int:
         """How many of ``worker``'s groups it is the primary (copy 0) for."""
         return sum(1 for g in self.workers[worker] if self.hosts[g][0] == worker)
+
+
+def spread(placement: Placement, nodes: int) -> tuple[list[int], list[int]]:
+    """Node of each worker: as even as possible over ``nodes`` nodes, with the copies of every
+    group on distinct nodes whenever that is possible (then losing one node never loses a
+    group).  Returns ``(node of each worker, groups whose copies must share a node)``.
+
+    Cyclic placement puts a group's copies on consecutive workers, so this is a colouring of a
+    cycle in which every r+1 consecutive workers differ: a small search finds one (the worker
+    counts are small), and when none exists the least shared one is kept.
+    """
+    workers = len(placement.workers)
+    if nodes < 1:
+        raise SensaiError("need at least one node")
+    quota = [workers // nodes + (1 if n < workers % nodes else 0) for n in range(nodes)]
+    hosts = [list(h) for h in placement.hosts]
+    of_worker: list[list[int]] = [[g for g, h in enumerate(hosts) if w in h]
+                                  for w in range(workers)]
+    best: list[int] | None = None
+    best_shared = workers + 1
+    assign = [-1] * workers
+    used = [0] * nodes
+    steps = [0]
+
+    def shared(upto: int) -> int:
+        """Groups whose assigned copies (among workers < upto) share a node."""
+        bad = 0
+        for h in hosts:
+            seen = [assign[w] for w in h if w < upto]
+            bad += len(seen) != len(set(seen))
+        return bad
+
+    def search(w: int) -> None:
+        nonlocal best, best_shared
+        steps[0] += 1
+        if steps[0] > 200_000 or best_shared == 0:
+            return
+        if w == workers:
+            s = shared(workers)
+            if s < best_shared:
+                best, best_shared = list(assign), s
+            return
+        if shared(w) >= best_shared:
+            return
+        for n in sorted(range(nodes), key=lambda n: used[n]):  # fill the emptiest first
+            if used[n] >= quota[n]:
+                continue
+            assign[w] = n
+            used[n] += 1
+            clash = any(assign[v] == n for g in of_worker[w] for v in hosts[g] if v < w)
+            if not clash or best_shared > 0:
+                search(w + 1)
+            used[n] -= 1
+            assign[w] = -1
+
+    search(0)
+    assert best is not None
+    return best, [g for g, h in enumerate(hosts) if len({best[w] for w in h}) != len(h)]

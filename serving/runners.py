@@ -15,14 +15,14 @@ there.  The device is picked at run time; nothing calls ``.cuda()`` directly.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
-from sensai.artifact import Artifact, verify_file
+from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Runner(Protocol):
 
 
 class OrtRunner:
-    def __init__(self, onnx_path: str | Path, *, threads: int = 1, device: str = "cpu",
+    def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
                  name: str | None = None, num_outputs: int | None = None):
         opts = ort.SessionOptions()
         # One thread per worker: parallelism comes from running workers side by side, and
@@ -55,20 +55,21 @@ class OrtRunner:
                                       "torch runtime)")
             index = int(device.split(":")[1]) if ":" in device else 0
             providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+        what = name or (f"{len(onnx)} bytes of ONNX" if isinstance(onnx, bytes) else onnx)
         try:
-            self.session = ort.InferenceSession(str(onnx_path), sess_options=opts,
-                                                providers=providers)
+            self.session = ort.InferenceSession(onnx if isinstance(onnx, bytes) else str(onnx),
+                                                sess_options=opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own types for unreadable graphs
-            raise CheckpointError(f"onnxruntime cannot load {onnx_path}: "
+            raise CheckpointError(f"onnxruntime cannot load {what}: "
                                   f"{str(e).splitlines()[0]}") from None
         self.input_name = self.session.get_inputs()[0].name
         out = self.session.get_outputs()[0]
         self.output_name = out.name
         width = out.shape[-1] if out.shape else None
         if num_outputs is not None and isinstance(width, int) and width != num_outputs:
-            raise CheckpointError(f"{onnx_path} gives {width} outputs per image, the manifest "
+            raise CheckpointError(f"{what} gives {width} outputs per image, the manifest "
                                   f"says {num_outputs}")
-        self.name = name or Path(onnx_path).stem
+        self.name = name or (Path(onnx).stem if not isinstance(onnx, bytes) else "onnx")
         self.device = device
 
     def run(self, x: np.ndarray) -> np.ndarray:
@@ -118,6 +119,10 @@ class RunnerSpec:
     weights_sha256: str | None = None
     trust_code: bool = False
     warmup: bool = True
+    # The files' contents (bytes, or Ray object refs to them) for workers that may not see the
+    # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
+    onnx_blob: Any = None
+    weights_blob: Any = None
 
     def resolved_runtime(self) -> str:
         if self.runtime == "auto":
@@ -128,8 +133,12 @@ class RunnerSpec:
         if self.resolved_runtime() == "onnx":
             if not self.onnx_path:
                 raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
-            path = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
-            runner: Runner = OrtRunner(path, threads=self.threads, device=self.device,
+            if self.onnx_blob is not None:
+                onnx = verify_bytes(fetch(self.onnx_blob), self.onnx_sha256,
+                                    f"ONNX file of {self.name} ({self.onnx_path})")
+            else:
+                onnx = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
+            runner: Runner = OrtRunner(onnx, threads=self.threads, device=self.device,
                                        name=self.name, num_outputs=self.num_outputs or None)
         else:
             # torch only on this branch: ONNX-only workers never import it.
@@ -143,10 +152,17 @@ class RunnerSpec:
                 # Several CPU workers in one process share torch's intra-op pool; keep it small
                 # so they do not oversubscribe the cores.
                 torch.set_num_threads(max(1, self.threads))
-            path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
-            model = build_from_weights(self.arch, self.num_outputs, self.in_channels,
-                                       load_weights(path, self.weights_sha256),
-                                       f"weights of {self.name} ({path})",
+            if self.weights_blob is not None:
+                from safetensors.torch import load as load_safetensors
+
+                data = verify_bytes(fetch(self.weights_blob), self.weights_sha256,
+                                    f"weights of {self.name} ({self.weights_path})")
+                state = load_safetensors(data)
+            else:
+                path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
+                state = load_weights(path, self.weights_sha256)
+            model = build_from_weights(self.arch, self.num_outputs, self.in_channels, state,
+                                       f"weights of {self.name} ({self.weights_path})",
                                        trust_code=self.trust_code)
             runner = TorchRunner(model, device=self.device, name=self.name)
         if self.warmup:
@@ -155,10 +171,35 @@ class RunnerSpec:
             runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
         return runner
 
+    def shipped(self, put) -> "RunnerSpec":
+        """This spec with its files' contents attached (``put``: e.g. ``ray.put``), read and
+        checked here first."""
+        onnx = weights = None
+        if self.onnx_path:
+            onnx = put(verify_file(Path(self.onnx_path), self.onnx_sha256,
+                                   "ONNX file").read_bytes())
+        if self.weights_path and Path(self.weights_path).is_file():
+            weights = put(verify_file(Path(self.weights_path), self.weights_sha256,
+                                      "weights file").read_bytes())
+        return replace(self, onnx_blob=onnx, weights_blob=weights)
+
     def describe(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k in ("name", "device", "threads")}
+        d = {k: v for k, v in fields_of(self).items() if k in ("name", "device", "threads")}
         d["runtime"] = self.resolved_runtime()
         return d
+
+
+def fields_of(spec: RunnerSpec) -> dict:
+    return {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+
+
+def fetch(blob) -> bytes:
+    """A shipped file's bytes: as given, or from Ray's object store (on a Ray worker)."""
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        return bytes(blob)
+    import ray  # only Ray ships object refs
+
+    return ray.get(blob)
 
 
 def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",

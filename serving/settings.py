@@ -31,6 +31,9 @@ class GatewaySettings(BaseSettings):
                                  "others wait, up to their deadline")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
                                   "this long (408)")
+    max_loop_lag_s: float | None = Field(
+        None, gt=0, description="while the event loop runs this late, new requests get 503 at "
+                                "once (default: a quarter of the deadline, at most 0.25 s)")
     max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
     deadline_s: float = Field(5.0, gt=0, description="deadline of a whole request, from its "
                               "arrival (body, decoding, waiting, the subnets)")
@@ -47,6 +50,9 @@ class GatewaySettings(BaseSettings):
     triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535,
+                                  description="also serve KServe v2 over gRPC on this port, same "
+                                              "host (None: off; 0: the kernel picks one)")
 
     def image_pixels(self, input_shape) -> int:
         """The image size limit: as set, or the largest picture worth decoding for a model of

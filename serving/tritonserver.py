@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +25,8 @@ from pathlib import Path
 import httpx
 
 from sensai.errors import SensaiError
+
+from . import child
 
 log = logging.getLogger(__name__)
 
@@ -218,13 +219,8 @@ class TritonServerProcess:
         return " | ".join(lines[-n:])
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            child.stop(self.proc, timeout_s)
         if getattr(self, "_log", None):
             self._log.close()
         shutil.rmtree(self._workdir, ignore_errors=True)

@@ -12,6 +12,9 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Every Ray instance of the tests is on 127.0.0.1; keep Ray from swapping that for the machine's
+# network address when connecting (what sensai.raycluster.connect does for loopback addresses).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 FMNIST_DIR = Path(os.environ.get("SENSAI_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 

@@ -2,9 +2,9 @@
 figures, the artifact's accuracy beside the latencies, per-model targets, clear errors.
 
 Real components throughout: real Fashion-MNIST images, ONNX Runtime on thread workers, the
-predictor ``sensai serve`` builds, the gateway under uvicorn on 127.0.0.1 and an HTTP client in
-its own process.  No timing is asserted (the CPU is shared); only that every figure is there and
-agrees with what can be recomputed independently.
+predictor ``sensai serve`` builds, the gateway under uvicorn on 127.0.0.1 (and its gRPC server)
+and an HTTP/gRPC client in its own process.  No timing is asserted (the CPU is shared); only
+that every figure is there and agrees with what can be recomputed independently.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 from sensai.errors import CheckpointError, SensaiError
 
 STRATS = ("single", "model-parallel", "class-parallel", "data-parallel")
+TRANSPORTS = ("inprocess", "http", "http-v2", "grpc")
+REMOTE = TRANSPORTS[1:]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_latency_figures_are_complete_and_consistent(short_run):
     assert 15 <= n <= 20
     for key in STRATS:
         s = result["strategies"][key]
-        assert set(s["transports"]) == {"inprocess", "http"}
+        assert set(s["transports"]) == set(TRANSPORTS)
         for t, rep in s["transports"].items():
             lat = rep["latency_ms"]
             assert lat["n"] == n == len(rep["latencies_ms"]) == rep["images"]
@@ -105,12 +107,42 @@ def test_latency_figures_are_complete_and_consistent(short_run):
                                                       abs=1e-3)
 
 
+def test_remote_transports_are_timed_against_their_floor(short_run):
+    """http, http-v2 and grpc: each request paired with the same client's bare request to the
+    same server just before it; p50(latency - bare - compute) per strategy and transport."""
+    from sensai.serving.bench.latency_report import render_table
+
+    out, result = short_run
+    n = result["settings"]["images"]
+    assert result["settings"]["transports"] == list(TRANSPORTS)
+    for key in STRATS:
+        reps = result["strategies"][key]["transports"]
+        assert reps["inprocess"]["floor_ms"] is None and "floors_ms" not in reps["inprocess"]
+        assert reps["inprocess"]["breakdown_ms"]["p50"]["latency_minus_floor_minus_compute"] \
+            is None
+        for t in REMOTE:
+            rep = reps[t]
+            assert len(rep["floors_ms"]) == len(rep["latencies_ms"]) == rep["floor_ms"]["n"] == n
+            assert 0 < rep["floor_ms"]["min"] <= rep["floor_ms"]["p50"] <= rep["floor_ms"]["max"]
+            p50 = rep["breakdown_ms"]["p50"]
+            # Every floor is > 0, so the median of the differences is below the other median.
+            assert p50["latency_minus_floor_minus_compute"] < p50["latency_minus_compute"]
+            assert rep["throughput"]["requests"] == 6
+    md = (out / "bench.md").read_text()
+    for heading in ("### in process (`inprocess`)", "### HTTP, PNG upload (`http`)",
+                    "### HTTP, KServe v2 binary tensor (`http-v2`)", "### gRPC, KServe v2 (`grpc`)",
+                    "`GET /v2/health/live`", "`ServerLive`", "p50(lat - bare - compute)",
+                    "bare GET - slowest subnet's compute) <= 0.5 ms"):
+        assert heading in md
+    assert "grpc" in render_table(result) and "http-v2" in render_table(result)
+
+
 def test_accuracy_matches_an_independent_evaluation(short_run, artifact, fmnist_spec, fmnist_test):
     from sensai.artifact import load_artifact
     from sensai.checkpoint import load_trained_model
     from sensai.data import stratified_subset
     from sensai.pruning.decompose import evaluate_models
-    from sensai.training.trainer import predict_logits, top1
+    from sensai.learning import predict_logits, top1
 
     _, result = short_run
     idx = stratified_subset(fmnist_test.labels, 20, 0)
@@ -123,7 +155,7 @@ def test_accuracy_matches_an_independent_evaluation(short_run, artifact, fmnist_
                               torch.device("cpu"), indices=idx, progress=None)["decomposed_top1"]
     for key in STRATS:
         want = want_cp if key == "class-parallel" else want_full
-        for t in ("inprocess", "http"):  # PNG over HTTP is lossless: the same answers
+        for t in TRANSPORTS:  # PNG is lossless, tensors are sent as they are: the same answers
             assert result["strategies"][key]["transports"][t]["top1"] == pytest.approx(want)
     on_bench = result["accuracy"]["on_bench_images"]
     assert on_bench == {"images": 20, "original_top1": pytest.approx(want_full),
@@ -206,17 +238,31 @@ def test_targets_are_stated(short_run):
     _, result = short_run
     t = result["targets"]
     assert t["model"] == "fmnist_cnn" and t["statistic"] == "p50"
-    # Only the set for every model applies to a fmnist_cnn artifact.
-    assert [s["name"] for s in t["sets"]] == ["fan-out overhead"]
+    # Only the sets for every model apply to a fmnist_cnn artifact.
+    assert [s["name"] for s in t["sets"]] == ["fan-out overhead",
+                                              "overhead above each transport's floor"]
     (check,) = t["sets"][0]["checks"]
     cp = result["strategies"]["class-parallel"]["transports"]
     assert check["name"] == "fanout_overhead_ms" and check["transport"] == "http"
     assert check["value"] == cp["http"]["breakdown_ms"]["p50"]["latency_minus_compute"]
     assert check["inprocess_value"] == cp["inprocess"]["breakdown_ms"]["p50"][
         "latency_minus_compute"]
-    assert isinstance(check["met"], bool) and check["met"] == (check["value"] <= check["limit"])
-    assert check["status"] == ("met" if check["met"] else "not met")
-    assert t["all_met"] == check["met"]
+    # Per transport, against the same client's bare request on the same server (issue 10).
+    per = {c["name"]: c for c in t["sets"][1]["checks"]}
+    assert {n: (c["transport"], c["limit"]) for n, c in per.items()} == {
+        "over_floor_http_v2_ms": ("http-v2", 0.5), "over_floor_png_upload_ms": ("http", 0.8),
+        "fanout_overhead_inprocess_ms": ("inprocess", 0.15)}
+    for name, key in (("over_floor_http_v2_ms", "http-v2"), ("over_floor_png_upload_ms", "http")):
+        assert per[name]["value"] == cp[key]["breakdown_ms"]["p50"][
+            "latency_minus_floor_minus_compute"]
+        assert "bare GET" in per[name]["rule"] and per[name]["reference_transport"] == "inprocess"
+    assert per["fanout_overhead_inprocess_ms"]["value"] == cp["inprocess"]["breakdown_ms"][
+        "p50"]["latency_minus_compute"]
+    checks = [check, *per.values()]
+    for c in checks:
+        assert isinstance(c["met"], bool) and c["met"] == (c["value"] <= c["limit"])
+        assert c["status"] == ("met" if c["met"] else "not met")
+    assert t["all_met"] == all(c["met"] for c in checks)
 
 
 def test_targets_of_another_model_are_not_reported(short_run):
@@ -226,8 +272,8 @@ def test_targets_of_another_model_are_not_reported(short_run):
 
     out, result = short_run
     md, table = (out / "bench.md").read_text(), render_table(result)
-    vgg = [s for s in TARGET_SETS if s.models == ("vgg16_bn",)]
-    assert vgg  # today's set for VGG-16-bn
+    vgg = [s for s in TARGET_SETS if s.models in (("vgg16_bn",), ("vgg11_bn",))]
+    assert len(vgg) == 2  # today's sets for VGG-16-bn and the demo model
     for tset in vgg:
         for target in tset.targets:
             rule = target.measure.rule(target.limit)
@@ -239,11 +285,26 @@ def test_targets_of_another_model_are_not_reported(short_run):
     as_vgg = dict(copy.deepcopy(result), model="vgg16_bn")
     checks = {c["name"]: c for s in evaluate_targets(as_vgg)["sets"] for c in s["checks"]}
     assert set(checks) == {"class_parallel_vs_single", "class_parallel_vs_model_parallel",
-                           "fanout_overhead_ms"}
+                           "accuracy_loss_points", "fanout_overhead_ms", "over_floor_http_v2_ms",
+                           "over_floor_png_upload_ms", "fanout_overhead_inprocess_ms"}
     p50 = {k: result["strategies"][k]["transports"]["http"]["latency_ms"]["p50"] for k in STRATS}
     assert checks["class_parallel_vs_single"]["value"] == pytest.approx(
         p50["class-parallel"] / p50["single"], rel=1e-3)
     assert checks["class_parallel_vs_single"]["limit"] == 0.35
+    # Accuracy is checked from the same bench.json: points lost against the original.
+    loss = checks["accuracy_loss_points"]
+    assert loss["value"] == pytest.approx(-result["accuracy"]["delta_points"], abs=1e-3)
+    assert loss["limit"] == 0.5 and loss["met"] == (loss["value"] <= 0.5)
+
+    # The demo model's set: its own limit, never VGG-16-bn's.
+    as_demo = dict(copy.deepcopy(result), model="vgg11_bn")
+    demo = {c["name"]: c for s in evaluate_targets(as_demo)["sets"] for c in s["checks"]}
+    assert demo["class_parallel_vs_single"]["limit"] == 0.7
+    assert "class_parallel_vs_model_parallel" not in demo and "accuracy_loss_points" in demo
+    no_acc = dict(copy.deepcopy(as_demo), accuracy={"delta_points": None})
+    (gone,) = [c for s in evaluate_targets(no_acc)["sets"] for c in s["checks"]
+               if c["name"] == "accuracy_loss_points"]
+    assert gone["met"] is None and "top-1" in gone["why_not_measured"]
 
     # A table extended with another model's set: never reported for this one.
     table = (*TARGET_SETS,
@@ -253,7 +314,8 @@ def test_targets_of_another_model_are_not_reported(short_run):
                  Target("tight", FanoutOverhead(), 0.001),)))
     mine = copy.deepcopy(result)
     mine["targets"] = evaluate_targets(mine, table)
-    assert [s["name"] for s in mine["targets"]["sets"]] == ["fan-out overhead", "tight fan-out"]
+    assert [s["name"] for s in mine["targets"]["sets"]] == [
+        "fan-out overhead", "overhead above each transport's floor", "tight fan-out"]
     text = render_markdown(mine)
     assert "tight fan-out" in text and "resnet20 only" not in text and "0.123" not in text
     assert mine["targets"]["all_met"] is False  # 1 us of overhead is never met
@@ -376,12 +438,34 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     assert result["command"].startswith(f"sensai bench {artifact} --out {out}")
     assert "--no-http" in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
-    # Over HTTP nothing was measured, so no target can be claimed either way.
-    assert checks and all(c["met"] is None and c["status"] == "not measured"
-                          and c["why_not_measured"] for c in checks)
+    # Over HTTP nothing was measured, so no target there can be claimed either way.
+    remote = [c for c in checks if c["transport"] != "inprocess"]
+    assert remote and all(c["met"] is None and c["status"] == "not measured"
+                          and c["why_not_measured"] for c in remote)
+    (local,) = [c for c in checks if c["transport"] == "inprocess"]
+    assert local["name"] == "fanout_overhead_inprocess_ms" and isinstance(local["met"], bool)
     assert result["targets"]["all_met"] is None
     assert (out / "bench.png").is_file() and (out / "bench.md").is_file()
     assert not (out / "models").exists() or not list((out / "models").glob("stage_*.onnx"))
+
+
+def test_cli_transports_flag(artifact, tmp_path):
+    """--transports picks the ways of calling; the targets on the others are not measured."""
+    from sensai.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["bench", str(artifact), "--out", str(out), "--images", "4", "--warmup", "1",
+                 "--rounds", "1", "--concurrency", "2", "--requests", "2", "--strategies",
+                 "class-parallel", "--transports", "grpc", "http-v2", "--no-progress"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["settings"]["transports"] == ["http-v2", "grpc"]  # canonical order
+    rep = result["strategies"]["class-parallel"]["transports"]
+    assert set(rep) == {"http-v2", "grpc"} and all(r["top1"] is not None for r in rep.values())
+    assert "--transports grpc http-v2" in result["command"]
+    checks = {c["name"]: c for s in result["targets"]["sets"] for c in s["checks"]}
+    assert isinstance(checks["over_floor_http_v2_ms"]["met"], bool)
+    assert checks["over_floor_png_upload_ms"]["status"] == "not measured"
+    assert checks["fanout_overhead_inprocess_ms"]["status"] == "not measured"
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -434,12 +518,18 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     with socket.socket() as s:  # a port nobody listens on once this closes
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = HttpClientProcess([encode_png(fmnist_test[0][0])])
+    client = HttpClientProcess([encode_png(fmnist_test[0][0])], [bytes(4 * 784)], [1, 1, 28, 28])
     try:
         with pytest.raises(RuntimeError, match="ConnectError"):
             client.sequential(f"http://127.0.0.1:{port}", [0])
         with pytest.raises(RuntimeError, match="ConnectError"):
             client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
+        with pytest.raises(RuntimeError, match="ConnectError"):
+            client.timed("http-v2", f"http://127.0.0.1:{port}", "sensai", [0])
+        with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+            client.timed("grpc", f"127.0.0.1:{port}", "sensai", [0])
+        with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+            client.concurrent(f"127.0.0.1:{port}", 2, 2, "grpc", "sensai")
     finally:
         client.close()
     assert not client.process.is_alive()

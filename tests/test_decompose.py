@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sensai.cli import main
+from tests.helpers import local_ray
 
 
 def config_of(artifact: Path):
@@ -43,7 +44,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
                                              fmnist_test):
     import onnxruntime as ort
 
-    from sensai.pruning.decompose import load_subnets
+    from sensai.artifact import load_artifact
     from sensai.data import normalize
     from sensai.fsutil import sha256_file
     from sensai.manifest import DecompositionManifest, load_manifest, load_model_record
@@ -55,7 +56,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
     record = load_model_record(trained_model_dir)
     assert m.model == "fmnist_cnn" and m.num_classes == 10 and m.source.params == record.params
     assert len(m.groups) == 5 and sorted(c for g in m.groups for c in g) == list(range(10))
-    assert m.pruning["kind"] == "params" and m.pruning["params_fraction"] == 0.25
+    assert m.pruning["kind"] == "shrink" and m.pruning["shrink"] == 10
     assert m.pruning["zero_threshold"] == 0.005 and m.retrain["distill"] == 0.7
     assert m.retrain["optimizer"] == "adam" and m.retrain["hard_negatives"] == 0.5
     assert m.retrain["samples"] == 384 and m.retrain["epochs"] == 1
@@ -64,13 +65,14 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
         assert s.head == "group" and s.num_outputs == len(s.classes) + 1
         assert sha256_file(tiny_artifact / s.weights) == s.weights_sha256
         assert (tiny_artifact / s.onnx).is_file()
-        # The default params policy keeps at most a quarter of the parameters.
-        assert m.source.params / s.params >= 4 and m.source.flops / s.flops >= 3.5
+        # The default shrink policy: at least 10x fewer parameters and multiply-accumulates.
+        assert m.source.params / s.params >= 10 and m.source.flops / s.flops >= 10
         assert s.widths and max(s.widths.values()) < 128
         assert set(s.accuracy) >= {"decomposed_top1", "original_top1", "subnet_balanced"}
 
     # Subnets rebuilt from the manifest alone compute what their ONNX files compute.
-    manifest, subnets = load_subnets(tiny_artifact)
+    art = load_artifact(tiny_artifact)
+    manifest, subnets = art.manifest, art.load_subnets()
     x = normalize(fmnist_test.images[:64], fmnist_spec)
     outs = []
     for rec, net in zip(manifest.subnets, subnets):
@@ -93,7 +95,7 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
 
     rep = json.loads((tiny_artifact / "report.json").read_text())
     assert rep["decomposed"]["test_top1"] == ev["decomposed_top1"]
-    assert rep["decomposed"]["min_params_reduction"] >= 4
+    assert rep["decomposed"]["min_params_reduction"] >= 10
     assert set(rep["stage_seconds"]) == set(m.stages)
     md = (tiny_artifact / "report.md").read_text()
     assert "test top-1" in md and "Subnets" in md
@@ -119,14 +121,14 @@ def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
 
 
 def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
-    from sensai.pruning.decompose import load_subnets
+    from sensai.artifact import load_artifact
     from sensai.errors import CheckpointError
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     weights = art / "subnets" / "subnet_01.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
-    with pytest.raises(CheckpointError, match="hash"):
-        load_subnets(art)
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_artifact(art).load_subnets()
     assert main(["evaluate", str(art), "--limit", "50", "--device", "cpu"]) == 2
 
 
@@ -159,7 +161,7 @@ def test_failure_in_one_subnet_keeps_the_others_and_rerun_finishes(tiny_artifact
                                                                    trained_model_dir, tmp_path):
     from sensai.pruning.decompose import RetrainFailed, decompose
     from sensai.manifest import load_manifest
-    from sensai.training.retrain import retrain_state
+    from sensai.pruning.retrain import retrain_state
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     shutil.rmtree(art / "subnets")
@@ -227,6 +229,9 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
     (["--policy", "magic"], "unknown pruning policy 'magic'"),
     (["--policy", "keep", "--keep-fraction", "1.5"], "--keep-fraction"),
     (["--policy", "params", "--params-fraction", "1.5"], "--params-fraction must be in (0, 1]"),
+    (["--shrink", "0.5"], "--shrink must be a number >= 1"),
+    (["--allocation", "magic"], "unknown --allocation 'magic'"),
+    (["--distill-temperature", "0"], "--distill-temperature"),
     (["--distill", "2"], "--distill"),
     (["--optimizer", "lbfgs"], "unknown optimizer"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
@@ -253,8 +258,8 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
                         "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
                         "--samples-per-subnet", "384", "--batch-size", "64",
-                        "--params-fraction", "0.5", "--no-ray")
-    assert code == 2 and "other settings" in err and "params_fraction: 0.25 -> 0.5" in err
+                        "--shrink", "5", "--no-ray")
+    assert code == 2 and "other settings" in err and "shrink: 10.0 -> 5.0" in err
     assert "--force" in err and len(err.splitlines()) == 1
     assert subnet_files(art) == before  # nothing touched
 
@@ -271,7 +276,7 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
 
 
 def test_retrain_sampling_is_balanced(fmnist_train):
-    from sensai.training.retrain import balanced_sample, target_weights
+    from sensai.pruning.retrain import balanced_sample, target_weights
 
     rng = np.random.default_rng(0)
     labels = fmnist_train.labels
@@ -334,8 +339,8 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
 
     from sensai.manifest import load_manifest
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray(num_cpus=2):
+        node = ray.get_runtime_context().get_node_id()
         art = tmp_path / "art"
         code = main(["decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
                      "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
@@ -344,12 +349,11 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         captured = capsys.readouterr()
         assert code == 0, captured.err
         assert "decomposed fmnist_cnn into 2 subnets" in captured.out
-    finally:
-        ray.shutdown()
     m = load_manifest(art)
     assert m.retrain["ray"] is True and m.grouping["tsne"] is True
     assert sorted(len(g) for g in m.groups) == [5, 5]
     for s in m.subnets:
         metrics = m.retrain["subnets"][str(s.index)]
         assert metrics["threads"] == 1 and metrics["samples"] == 384  # ran in a Ray task on CPU
+        assert metrics["node"] == node
         assert s.num_outputs == 6

@@ -15,19 +15,24 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
-    args = ["demo", "--out", str(out), "--epochs", "1", "--train-limit", "3000",
+    args = ["demo", "--out", str(out), "--model", "fmnist_cnn", "--train-limit", "3000",
             "--samples-per-subnet", "2000", "--images", "4", "--bench-images", "12"]
     assert main(args) == 0
     text = capsys.readouterr().out
     for step in ("1/5 train", "2/5 decompose", "3/5 serve", "4/5 predict", "5/5 single-image"):
         assert step in text
     assert len(re.findall(r"test image +\d+: predicted", text)) == 4 and "/4 right" in text
-    manifest = json.loads((out / "artifact_g2" / "manifest.json").read_text())
+    manifest = json.loads((out / "fmnist_cnn_g2" / "manifest.json").read_text())
     assert len(manifest["subnets"]) == 2
     assert manifest["retrain"]["samples"] == 2000
-    bench = json.loads((out / "bench_g2" / "bench.json").read_text())
+    bench = json.loads((out / "bench_fmnist_cnn_g2" / "bench.json").read_text())
     assert set(bench["strategies"]) >= {"single", "model-parallel", "class-parallel"}
-    assert (out / "bench_g2" / "bench.png").stat().st_size > 0
+    assert bench["settings"]["transports"] == ["inprocess", "http"]
+    # Speed and accuracy side by side; no target of another model (the demo model's) printed.
+    assert bench["accuracy"]["decomposed_top1"] == manifest["evaluation"]["decomposed_top1"]
+    assert "slowest subnet's compute" in text and "accuracy_loss" not in json.dumps(bench["targets"])
+    assert "NOT MEASURED (needs class-parallel measured over http-v2)" in text
+    assert (out / "bench_fmnist_cnn_g2" / "bench.png").stat().st_size > 0
 
     # A second run finds the model and the artifact and does not redo them.
     assert main(args + ["--no-bench"]) == 0
@@ -40,7 +45,7 @@ def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
     assert main(changed + ["--no-bench"]) == 0
     text = capsys.readouterr().out
     assert "made with other settings" in text and "decomposes again" in text
-    manifest = json.loads((out / "artifact_g2" / "manifest.json").read_text())
+    manifest = json.loads((out / "fmnist_cnn_g2" / "manifest.json").read_text())
     assert manifest["retrain"]["samples"] == 1500
 
 
@@ -50,4 +55,6 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert "--groups must be between 1 and 10" in err and "Traceback" not in err
     assert main(["demo", "--out", str(tmp_path / "d"), "--train-limit", "3"]) == 2
     assert "--train-limit must be at least 10" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
+    assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

@@ -27,6 +27,7 @@ import pytest
 from PIL import Image
 
 from sensai.data import normalize
+from sensai.serving.admission import Admission
 from sensai.serving.build import build_predictor
 from tests.helpers import png, sample_images, start_gateway
 
@@ -232,9 +233,9 @@ def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
 def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
     """Four requests may be in flight, one at a time in the predictor, each taking ~0.5 s:
     a burst of 16 gets 200s and fast JSON 503s with Retry-After - never a 504 or a 500 - and
-    health checks answer throughout."""
+    health checks answer throughout.  (The deadline leaves the four admitted ones time.)"""
     pred = build_predictor(tiny_artifact, device="cpu")
-    server = start_gateway(pred, max_requests=4, max_predictions=1, deadline_s=2.0)
+    server = start_gateway(pred, max_requests=4, max_predictions=1, deadline_s=20.0)
     try:
         pred.inject(0, delay="fixed:500ms")
 
@@ -259,7 +260,8 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             assert c.post("/v1/predict", content=good["png"]).status_code == 200
             text = c.get("/metrics").text
-            assert 'sensai_rejected_total{reason="overloaded"}' in text
+            assert 'sensai_rejected_total{reason="max_requests"}' in text
+            assert 'sensai_requests_total{method="POST",route="unadmitted",status="503"}' in text
     finally:
         server.stop()
 
@@ -317,3 +319,26 @@ def test_a_slow_body_gets_408_and_does_not_block_others(tiny_artifact, good):
             s.close()
     finally:
         server.stop()
+
+
+def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
+    """Requests wait on the event loop before any counter sees them; the loop's lag is measured
+    and, while it is over the limit, new requests are turned away (and it counts against the
+    deadline of those admitted)."""
+    adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=1,
+                    max_lag_s=0.05)
+
+    async def go():
+        adm.start()
+        await asyncio.sleep(0.1)
+        assert adm.admit()
+        adm.release()
+        time.sleep(0.4)  # something held the loop
+        await asyncio.sleep(0.025)  # the lag timer, overdue, runs first
+        assert adm.lag > 0.05 and not adm.admit()  # 0.2 s smoothed
+        await asyncio.sleep(0.5)  # quiet again
+        assert adm.lag < 0.05 and adm.admit()
+        adm.release()
+        await adm.stop()
+
+    asyncio.run(go())

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from sensai.pruning.apoz import ChannelStats
-from sensai.pruning.prune import (PrunableLayer, PruningPolicy, find_prunable, layer_widths, make_head,
-                           prune_model, prune_to_policy, select_channels)
+from sensai.pruning.prune import (PrunableLayer, PruningPolicy, channel_ranking, find_prunable,
+                                  layer_widths, make_head, prune_model, prune_to_policy,
+                                  select_channels)
 from sensai.checkpoint import build_from_weights
 from sensai.errors import SensaiError
 from sensai.flops import count_flops
@@ -40,7 +41,8 @@ def _random_model(name: str) -> nn.Module:
 
 def _random_stats(layers, seed=0):
     rng = np.random.default_rng(seed)
-    return {l.relu: ChannelStats(rng.random(l.channels), rng.random(l.channels), 100) for l in layers}
+    return {r: ChannelStats(rng.random(l.channels), rng.random(l.channels), 100)
+            for l in layers for r in l.relus}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -257,3 +259,96 @@ def test_count_flops_fmnist_cnn():
     assert all(not m._forward_hooks for m in model.modules())
     with pytest.raises(ValueError, match="input_shape"):
         count_flops(model, (28, 28))
+
+
+# --------------------------------------------------------------------------------------------
+# The shrink budget (parameters and MACs) and residual paths
+
+
+def _size(model):
+    return count_params(model), count_flops(model, (1, 28, 28))
+
+
+def _one_more_fits(model, layers, stats, keep, limit_p, limit_m):
+    """Whether some layer could keep one more channel (its next best) and stay within budget."""
+    for l in layers:
+        n = len(keep[l.conv])
+        if n == l.channels:
+            continue
+        grown = {**keep, l.conv: np.sort(channel_ranking(l, stats)[:n + 1])}
+        p, m = _size(prune_model(model, grown, X1))
+        if p <= limit_p and m <= limit_m:
+            return l.conv
+    return None
+
+
+@pytest.mark.parametrize("name,residual,shrink", [("fmnist_cnn", False, 10), ("fmnist_cnn", False, 4),
+                                                  ("resnet20", False, 10), ("resnet20", True, 10),
+                                                  ("resnet20", True, 20)])
+def test_shrink_budget_met_exactly_on_params_and_macs(name, residual, shrink):
+    model = _random_model(name)
+    layers = find_prunable(model, X1, residual=residual)
+    stats = _random_stats(layers)
+    params, macs = _size(model)
+    pruned, keep = prune_to_policy(model, layers, stats, PruningPolicy("shrink", shrink=shrink), X1)
+    p, m = _size(pruned)
+    assert params / p >= shrink and macs / m >= shrink
+    # Exactly: not one more channel fits anywhere.
+    assert _one_more_fits(model, layers, stats, keep, params / shrink, macs / shrink) is None
+    # No layer is emptied, and the kept channels are the best ranked ones.
+    for l in layers:
+        assert 2 <= len(keep[l.conv]) <= l.channels
+    assert pruned(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_shrink_policy_validation_and_unreachable_budget():
+    for kwargs, match in (({"kind": "shrink"}, "needs shrink"), ({"kind": "shrink", "shrink": 0.5}, ">= 1"),
+                          ({"kind": "shrink", "shrink": float("inf")}, ">= 1"),
+                          ({"kind": "shrink", "shrink": 4, "allocation": "magic"}, "allocation")):
+        with pytest.raises(ValueError, match=match):
+            PruningPolicy(**kwargs)
+    model = _random_model("resnet20")
+    layers = find_prunable(model, X1)
+    with pytest.raises(SensaiError, match="cannot prune to 20x fewer parameters and MACs.*residual"):
+        prune_to_policy(model, layers, _random_stats(layers), PruningPolicy("shrink", shrink=20), X1)
+
+
+def test_residual_paths_are_pruned_as_coupled_groups():
+    model = _random_model("resnet20")
+    inner = find_prunable(model, X1)
+    assert not any(l.residual for l in inner)
+    units = find_prunable(model, X1, residual=True)
+    paths = [l for l in units if l.residual]
+    # One unit per stage: the stem / each block's last conv / the projection write into it.
+    assert [(l.conv, l.channels) for l in paths] == [("conv1", 16), ("layer2.0.conv2", 32),
+                                                     ("layer3.0.conv2", 64)]
+    assert set(paths[1].coupled) == {"layer2.0.shortcut.0", "layer2.1.conv2", "layer2.2.conv2"}
+    assert paths[0].relus == ("relu", "layer1.0.relu2", "layer1.1.relu2", "layer1.2.relu2")
+    assert {l.conv for l in units} - {l.conv for l in paths} == {l.conv for l in inner}
+
+    rng = np.random.default_rng(3)
+    keep = {l.conv: np.sort(rng.choice(l.channels, l.channels // 2, replace=False)) for l in units}
+    pruned = prune_model(model, keep, X1)
+    widths = layer_widths(pruned)
+    for l in paths:  # every conv of a path loses the same channels
+        assert {widths[c] for c in (l.conv, *l.coupled)} == {l.channels // 2}
+    # The pruned net is the original with the dropped channels silenced at every ReLU carrying them.
+    modules = dict(model.named_modules())
+    handles = []
+    for l in units:
+        drop = torch.from_numpy(np.setdiff1d(np.arange(l.channels), keep[l.conv]))
+        for relu in l.relus:
+            def silence(mod, inp, out, drop=drop):
+                out[:, drop] = 0
+                return out
+            handles.append(modules[relu].register_forward_hook(silence))
+    x = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(x)
+        for h in handles:
+            h.remove()
+        out = pruned.eval()(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    rebuilt = build_from_weights("resnet20", 10, 1, pruned.state_dict(), "pruned test weights")
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), out, rtol=0, atol=1e-6)

@@ -7,7 +7,8 @@ from sensai.checkpoint import load_trained_model, save_weights
 from sensai.cli import main
 from sensai.errors import CheckpointError
 from sensai.manifest import load_model_record
-from sensai.training.trainer import predict_logits, top1, train
+from sensai.learning import predict_logits, top1
+from sensai.training.trainer import train
 
 
 def test_trained_model_round_trip(trained_model_dir, fmnist_spec, fmnist_test):

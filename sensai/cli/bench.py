@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import BACKENDS, SCENARIOS, STRATEGIES
+from sensai.serving.bench.names import BACKENDS, SCENARIOS, STRATEGIES, TRANSPORTS
 
 from .train import add_device_arg
 
@@ -19,8 +19,10 @@ def register(sub) -> None:
                     "params/MACs and memory per worker, and top-1, of the original model on one "
                     "worker, the original model cut into K pipeline stages on K workers, the G "
                     "subnets on G workers (sensAI) and R data-parallel replicas - on the same real "
-                    "test images, in process and over HTTP through the gateway. Writes bench.json, "
-                    "bench.md and bench.png to --out.")
+                    "test images, in process and through the gateway over HTTP (PNG upload, KServe "
+                    "v2 binary tensor) and gRPC (KServe v2), each remote request paired with the "
+                    "same client's bare request to the same server. Writes bench.json, bench.md "
+                    "and bench.png to --out.")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--workers", "-K", type=int, default=None,
@@ -41,7 +43,13 @@ def register(sub) -> None:
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                    metavar="STRATEGY",
                    help=f"which to run, of {', '.join(STRATEGIES)} (default: all)")
-    p.add_argument("--no-http", action="store_true", help="skip the HTTP runs")
+    p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
+                   metavar="TRANSPORT",
+                   help=f"how to call each strategy, of {', '.join(TRANSPORTS)}: in process, "
+                        "PNG upload to /v1/predict, KServe v2 binary tensor over HTTP, KServe v2 "
+                        "over gRPC (default: all)")
+    p.add_argument("--no-http", action="store_true",
+                   help="skip every remote transport (http, http-v2, grpc)")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process runs")
     p.add_argument("--backend", choices=BACKENDS, default="local",
                    help="where class parallel's workers run, as for 'sensai serve' (default: "
@@ -56,6 +64,7 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     register_robust(sub)
+    register_load(sub)
 
 
 def cmd_bench(args) -> int:
@@ -63,10 +72,10 @@ def cmd_bench(args) -> int:
     from sensai.serving.bench.latency import run_bench
     from sensai.serving.bench.latency_report import render_table
 
-    transports = [t for t, off in (("inprocess", args.no_inprocess), ("http", args.no_http))
-                  if not off]
+    transports = [t for t in args.transports
+                  if not (args.no_inprocess if t == "inprocess" else args.no_http)]
     if not transports:
-        raise SensaiError("--no-http and --no-inprocess leave nothing to measure")
+        raise SensaiError("--transports, --no-http and --no-inprocess leave nothing to measure")
     command = _command_line(args)
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -98,6 +107,8 @@ def _command_line(args) -> str:
             parts += [flag, str(value)]
     if list(args.strategies) != list(STRATEGIES):
         parts += ["--strategies", *args.strategies]
+    if list(args.transports) != list(TRANSPORTS):
+        parts += ["--transports", *args.transports]
     for flag in ("no_http", "no_inprocess"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
@@ -197,4 +208,115 @@ def _argv_tail(args) -> list[str]:
         parts += ["--scenarios", *args.scenarios]
     if args.vote:
         parts.append("--vote")
+    return parts
+
+
+# --------------------------------------------------------------------------------------------
+# sensai bench-load (issue 12: soak and overload of the gateway)
+
+
+def register_load(sub) -> None:
+    from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
+
+    p = sub.add_parser(
+        "bench-load", help="soak and overload the HTTP gateway: memory, errors, 503s, health",
+        description="Start 'sensai serve ART' as a process of its own on 127.0.0.1, warm it up, "
+                    "then drive it with PNG uploads to /v1/predict from separate client "
+                    "processes: a soak at a fixed concurrency (throughput, p50/p99, status "
+                    "codes, the gateway's RSS over time and its growth after warm-up), then an "
+                    "open-loop overload at several times the soak's throughput (status codes, "
+                    "p50/p99 of the admitted and of the rejected requests, health afterwards). "
+                    "Writes load.json, load.md, load.png and gateway.log to --out; stops the "
+                    "gateway in every case.")
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
+                   help="the gateway's backend, as for 'sensai serve' (default: local, or "
+                        "$SENSAI_BACKEND)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="the gateway's whole-request deadline in seconds (default: 5, or "
+                        "$SENSAI_DEADLINE_S)")
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="SENSAI_MAX_REQUESTS for the gateway: requests in flight before it "
+                        "answers 503 at once (default: 256, or as set)")
+    p.add_argument("--max-predictions", type=int, default=None,
+                   help="SENSAI_MAX_PREDICTIONS for the gateway: requests in the predictor at "
+                        "once (default: 32, or as set)")
+    p.add_argument("--env", action="append", default=[], metavar="SENSAI_NAME=VALUE",
+                   help="another gateway setting for the gateway's environment, e.g. "
+                        "SENSAI_REDUNDANCY=1 (repeatable)")
+    p.add_argument("--concurrency", "-c", type=int, default=16,
+                   help="soak (and warm-up): requests always in flight (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=2,
+                   help="client processes sharing the load (default: %(default)s)")
+    p.add_argument("--warmup-seconds", type=float, default=30.0,
+                   help="warm-up at the soak's concurrency, not counted (default: %(default)s)")
+    p.add_argument("--soak-seconds", type=float, default=600.0,
+                   help="soak duration (default: %(default)s)")
+    p.add_argument("--overload-seconds", type=float, default=60.0,
+                   help="overload duration (default: %(default)s)")
+    p.add_argument("--overload-factor", type=float, default=4.0,
+                   help="overload arrival rate in multiples of the soak's throughput "
+                        "(default: %(default)s)")
+    p.add_argument("--overload-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="overload arrival rate in requests/s (overrides --overload-factor)")
+    p.add_argument("--overload-connections", type=int, default=None,
+                   help="connections the overload may use (default: the gateway's "
+                        "max_requests + --concurrency)")
+    p.add_argument("--sample-seconds", type=float, default=5.0,
+                   help="RSS sampling period, and the bins of the timelines (default: "
+                        "%(default)s)")
+    p.add_argument("--images", type=int, default=200,
+                   help="real test images, sent in turn (default: %(default)s)")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
+    p.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="seconds the gateway may take to become ready (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_load)
+
+
+def cmd_bench_load(args) -> int:
+    from sensai.serving.bench.load import parse_env, run_load_bench
+    from sensai.serving.bench.load_report import render_table
+
+    result = run_load_bench(
+        args.artifact, args.out, backend=args.backend, concurrency=args.concurrency,
+        clients=args.clients, warmup_s=args.warmup_seconds, soak_s=args.soak_seconds,
+        overload_s=args.overload_seconds, overload_factor=args.overload_factor,
+        overload_rate=args.overload_rate, overload_connections=args.overload_connections,
+        sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
+        max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
+        data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
+        command=shlex.join(["sensai", "bench-load", *_load_argv(args)]),
+        progress=not args.no_progress)
+    print(render_table(result))
+    out = Path(args.out)
+    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} "
+          f"(gateway output: {out / 'gateway.log'})")
+    return 0
+
+
+def _load_argv(args) -> list[str]:
+    parts = [args.artifact, "--out", args.out]
+    for flag, value, default in (("--backend", args.backend, None),
+                                 ("--deadline", args.deadline, None),
+                                 ("--max-requests", args.max_requests, None),
+                                 ("--max-predictions", args.max_predictions, None),
+                                 ("--concurrency", args.concurrency, 16),
+                                 ("--clients", args.clients, 2),
+                                 ("--warmup-seconds", args.warmup_seconds, 30.0),
+                                 ("--soak-seconds", args.soak_seconds, 600.0),
+                                 ("--overload-seconds", args.overload_seconds, 60.0),
+                                 ("--overload-factor", args.overload_factor, 4.0),
+                                 ("--overload-rate", args.overload_rate, None),
+                                 ("--overload-connections", args.overload_connections, None),
+                                 ("--sample-seconds", args.sample_seconds, 5.0),
+                                 ("--images", args.images, 200),
+                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
+                                 ("--startup-timeout", args.startup_timeout, 180.0)):
+        if value != default:
+            parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    for item in args.env:
+        parts += ["--env", item]
     return parts

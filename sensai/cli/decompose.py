@@ -28,7 +28,8 @@ def register(sub) -> None:
     g.add_argument("--policy", default=d.policy,
                    help="keep: the --keep-fraction most active channels per layer; threshold: "
                         "prune APoZ >= --theta1 unless mean |a| >= --theta2 (sensAI's rule); "
-                        "params: prune to --params-fraction of the parameters "
+                        "params: prune to --params-fraction of the parameters; "
+                        "shrink: at least --shrink times fewer parameters and MACs "
                         "(default: %(default)s)")
     g.add_argument("--keep-fraction", type=float, default=d.keep_fraction,
                    help="channels kept per layer by --policy keep (default: %(default)s)")
@@ -37,6 +38,16 @@ def register(sub) -> None:
     g.add_argument("--params-fraction", type=float, default=d.params_fraction,
                    help="most parameters a subnet may keep, as a fraction of the original's, "
                         "for --policy params (default: %(default)s, i.e. >= 4x smaller)")
+    g.add_argument("--shrink", type=float, default=d.shrink,
+                   help="for --policy shrink: every subnet has at most 1/SHRINK of the original's "
+                        "parameters and of its MACs (default: %(default)s)")
+    g.add_argument("--allocation", default=d.allocation,
+                   help="how --policy params/shrink share the budget over the layers: uniform = "
+                        "the same keep fraction everywhere (default: %(default)s)")
+    g.add_argument("--prune-residual", action=argparse.BooleanOptionalAction,
+                   default=d.prune_residual,
+                   help="also prune residual-path channels, as coupled groups across the "
+                        "additions (sensAI prunes only inside blocks; default: off)")
     g.add_argument("--min-channels", type=int, default=d.min_channels,
                    help="never keep fewer channels in a layer (default: %(default)s)")
     g.add_argument("--zero-threshold", type=float, default=d.zero_threshold,
@@ -63,6 +74,10 @@ def register(sub) -> None:
     g.add_argument("--distill", type=float, default=d.distill,
                    help="weight in [0, 1] of the original model's soft targets in the retraining "
                         "loss (default: %(default)s)")
+    g.add_argument("--distill-temperature", type=float, default=d.distill_temperature,
+                   help="temperature T > 0 of the distillation term: teacher and subnet outputs "
+                        "are divided by T (and the term scaled by T^2); larger T weighs the "
+                        "teacher's ranking of unlikely classes more (default: %(default)s)")
     g.add_argument("--hard-negatives", type=float, default=d.hard_negatives,
                    help="share in [0, 1] of the negatives drawn by how strongly the original model "
                         "mistakes them for the subnet's classes (default: %(default)s)")
@@ -74,12 +89,17 @@ def register(sub) -> None:
                    help="subnets retrained at once (default: one per GPU, else one per CPU core)")
     g.add_argument("--no-ray", action="store_true",
                    help="retrain the subnets one after another in this process")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: RAY_ADDRESS, "
+                        "else a local instance)")
     p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
     p.add_argument("--opset", type=int, default=d.opset, help="ONNX opset (default: %(default)s)")
     p.add_argument("--eval-limit", type=int, default=None,
                    help="evaluate on a stratified subset of this many test images (default: all)")
     p.add_argument("--force", action="store_true",
                    help="start over, replacing what an earlier decomposition wrote in --out")
+    p.add_argument("--trust-model-code", action="store_true",
+                   help="the model is a package.module:factory: import it (that runs its code)")
     add_device_arg(p)
     p.set_defaults(func=cmd_decompose)
 
@@ -89,6 +109,8 @@ def register(sub) -> None:
                    help="evaluate on a stratified subset of this many test images (default: all)")
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--trust-model-code", action="store_true",
+                   help="the model is a package.module:factory: import it (that runs its code)")
     add_device_arg(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -98,16 +120,20 @@ def cmd_decompose(args) -> int:
 
     config = DecomposeConfig(
         policy=args.policy, keep_fraction=args.keep_fraction, theta1=args.theta1,
-        theta2=args.theta2, params_fraction=args.params_fraction, min_channels=args.min_channels,
+        theta2=args.theta2, params_fraction=args.params_fraction, shrink=args.shrink,
+        allocation=args.allocation, prune_residual=args.prune_residual,
+        min_channels=args.min_channels,
         zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
         use_tsne=args.tsne, features_per_class=args.features_per_class,
         retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
         negative_share=args.negative_share, distill=args.distill,
+        distill_temperature=args.distill_temperature,
         hard_negatives=args.hard_negatives, optimizer=args.optimizer,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=args.workers,
-                         use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit)
+                         use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit,
+                         ray_address=args.ray_address, trust_code=args.trust_model_code)
     ev = manifest.evaluation
     worst = min(manifest.source.params / max(1, s.params) for s in manifest.subnets)
     orig = ev.get("original_top1")
@@ -124,7 +150,7 @@ def cmd_evaluate(args) -> int:
     from sensai.pruning.decompose import evaluate_artifact
 
     res = evaluate_artifact(args.artifact, device=args.device, limit=args.limit,
-                            data_dir=args.data_dir)
+                            data_dir=args.data_dir, trust_code=args.trust_model_code)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

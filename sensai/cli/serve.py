@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -70,10 +71,14 @@ def add_redundancy_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe v2)")
+    p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe "
+                                     "v2) and, with --grpc-port, KServe v2 over gRPC")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve KServe v2 over gRPC on this port, same host (default: off, "
+                        "or $SENSAI_GRPC_PORT)")
     p.add_argument("--model-name", default=None, help="name under /v2/models (default sensai)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds a request may wait for the subnets (default 5)")
@@ -128,6 +133,7 @@ def settings_from(args) -> GatewaySettings:
         backend = "processes"
     overrides = {k: v for k, v in {
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
+        "grpc_port": getattr(args, "grpc_port", None),
         "model_name": getattr(args, "model_name", None),
         "deadline_s": getattr(args, "deadline", None), "backend": backend,
         "redundancy": getattr(args, "redundancy", None),
@@ -170,6 +176,8 @@ def cmd_serve(args) -> int:
     workers = check_redundancy(len(artifact.subnets), args.workers, settings.redundancy,
                                settings.vote)
     delays = injected_delays(args.inject_delay, workers)
+    if settings.grpc_port:
+        check_port_free(settings.host, settings.grpc_port, "--grpc-port")
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -189,14 +197,32 @@ def cmd_serve(args) -> int:
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
               f"{len(predictor.workers)} {predictor.transport.name} workers, redundancy "
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "
-              f"on http://{settings.host}:{settings.port}\nplacement:\n"
-              f"{predictor.placement_table()}", file=sys.stderr)
-        run_uvicorn(create_app(predictor, settings), host=settings.host, port=settings.port,
-                    log_level=args.log_level)
+              f"on http://{settings.host}:{settings.port}"
+              + (f" and gRPC port {settings.grpc_port}" if settings.grpc_port is not None
+                 else "") + f"\nplacement:\n{predictor.placement_table()}", file=sys.stderr)
+        app = create_app(predictor, settings)
+        try:
+            run_uvicorn(app, host=settings.host, port=settings.port, log_level=args.log_level)
+        except SystemExit:  # uvicorn's exit when the app's startup (the gRPC server) failed
+            failed = getattr(app.state, "startup_error", None)
+            if failed is None:
+                raise
+            raise SensaiError(f"the gateway did not start: {failed}") from None
     finally:
         if server is not None:
             server.stop()
     return 0
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Fail in one line, before any worker starts, when something listens on ``port``."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SensaiError(f"{flag} {port}: cannot listen on {host}:{port} "
+                              f"({e.strerror or e})") from None
 
 
 def cmd_predict(args) -> int:

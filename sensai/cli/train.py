@@ -89,7 +89,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from sensai.training.trainer import predict_logits, top1
+    from sensai.learning import predict_logits, top1
 
     from sensai.checkpoint import import_weights, load_trained_model
     from sensai.data import load_split, resolve_dataset

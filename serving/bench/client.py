@@ -1,22 +1,37 @@
-"""The benchmark's HTTP client, in its own spawned process.
+"""The benchmark's HTTP and gRPC client, in its own spawned process.
 
 A client sharing the gateway's process (and GIL) adds its own JSON parsing and socket work to every
 measured request, and the two event loops delay each other; a real caller sits on another process or
 machine.  The child process imports this module (and the light package ``__init__`` files above
-it) and httpx, nothing heavier, so it starts in well under a second.
+it) and httpx, nothing heavier, so it starts in well under a second; grpc and tritonclient's
+service stubs are imported only when a gRPC request is asked for.
+
+Transports (:data:`.names.TRANSPORTS` but ``inprocess``): ``http`` - the PNG upload to
+``/v1/predict``; ``http-v2`` - the KServe v2 binary tensor (JSON header + raw float32 bytes, all
+outputs binary); ``grpc`` - KServe v2 ``ModelInfer`` with ``raw_input_contents``.  Every request
+is built before its clock starts.  :meth:`HttpClientProcess.timed` also times, just before each
+request, the same client's bare request to the same server (``GET /v2/health/live``, gRPC
+``ServerLive``): the floor no request on that transport can go below.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import multiprocessing as mp
+import struct
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 PREDICT = "/v1/predict"
 HEADERS = {"content-type": "image/png"}
+LIVE = "/v2/health/live"
+V2_HEADER = "inference-header-content-length"
+TIMEOUT_S = 120.0
 
 
 def _parse(resp, url: str) -> tuple[int, dict]:
@@ -26,17 +41,81 @@ def _parse(resp, url: str) -> tuple[int, dict]:
     return int(body["index"]), body["timings_ms"]
 
 
+def _parse_v2(resp, url: str) -> tuple[int, dict]:
+    """A binary v2 answer: the JSON header, then each binary output's bytes in order."""
+    if resp.status_code != 200:
+        raise RuntimeError(f"gateway at {url} answered {resp.status_code}: {resp.text[:200]}")
+    body = resp.content
+    n = int(resp.headers.get(V2_HEADER, len(body)))
+    head, offset, pred = json.loads(body[:n]), n, None
+    for out in head["outputs"]:
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if out["name"] == "class_index":
+            pred = struct.unpack_from("<q", body, offset)[0] if size is not None else out["data"][0]
+        offset += size or 0
+    return int(pred), json.loads(head["parameters"]["timings_ms"])
+
+
+def _grpc_answer(resp) -> tuple[int, dict]:
+    k = [o.name for o in resp.outputs].index("class_index")
+    return (int.from_bytes(resp.raw_output_contents[k][:8], "little", signed=True),
+            json.loads(resp.parameters["timings_ms"].string_param))
+
+
+class _Tensors:
+    """The normalized images (float32 bytes of shape ``shape``) as ready-to-send requests."""
+
+    def __init__(self, tensors: list[bytes], shape: list[int]):
+        self.tensors, self.shape = tensors, shape
+        self._grpc: dict[tuple[str, int], Any] = {}
+
+    def v2_body(self, j: int) -> tuple[bytes, dict[str, str]]:
+        t = self.tensors[j]
+        head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": self.shape,
+                                       "parameters": {"binary_data_size": len(t)}}],
+                           "parameters": {"binary_data_output": True}},
+                          separators=(",", ":")).encode()
+        return head + t, {V2_HEADER: str(len(head)), "content-type": "application/octet-stream"}
+
+    def grpc_request(self, model: str, j: int):
+        req = self._grpc.get((model, j))
+        if req is None:
+            from tritonclient.grpc import service_pb2 as pb
+
+            req = self._grpc[(model, j)] = pb.ModelInferRequest(
+                model_name=model, raw_input_contents=[self.tensors[j]],
+                inputs=[pb.ModelInferRequest.InferInputTensor(name="input", datatype="FP32",
+                                                              shape=self.shape)])
+        return req
+
+
 class _Client:
     """Runs in the child: one keep-alive connection per gateway for sequential requests."""
 
-    def __init__(self, pngs: list[bytes]):
+    def __init__(self, pngs: list[bytes], tensors: list[bytes] | None = None,
+                 shape: list[int] | None = None):
         self.pngs = pngs
+        self.tensors = _Tensors(tensors or [], shape or [])
         self.clients: dict = {}
+        self.channels: dict = {}
 
-    def sequential(self, url: str, indices: list[int]) -> list[tuple[float, int, dict]]:
+    def _http(self, url: str) -> httpx.Client:
         client = self.clients.get(url)
         if client is None:
-            client = self.clients[url] = httpx.Client(base_url=url, timeout=120.0)
+            client = self.clients[url] = httpx.Client(base_url=url, timeout=TIMEOUT_S)
+        return client
+
+    def _stub(self, target: str):
+        if target not in self.channels:
+            import grpc
+            from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+            channel = grpc.insecure_channel(target)
+            self.channels[target] = (channel, pb_grpc.GRPCInferenceServiceStub(channel))
+        return self.channels[target][1]
+
+    def sequential(self, url: str, indices: list[int]) -> list[tuple[float, int, dict]]:
+        client = self._http(url)
         out = []
         for j in indices:
             t0 = time.perf_counter()
@@ -46,18 +125,67 @@ class _Client:
             out.append((ms, pred, timings))
         return out
 
-    async def concurrent(self, url: str, n_requests: int, concurrency: int) -> dict[str, Any]:
+    def _calls(self, transport: str, address: str, model: str):
+        """(bare request, prepare(image) -> request, send(request) -> answer, parse(answer) ->
+        (predicted index, timings)) of one transport, on this client's connection."""
+        if transport == "grpc":
+            from tritonclient.grpc import service_pb2 as pb
+
+            stub, live = self._stub(address), pb.ServerLiveRequest()
+            return (lambda: stub.ServerLive(live, timeout=TIMEOUT_S),
+                    lambda j: self.tensors.grpc_request(model, j),
+                    lambda req: stub.ModelInfer(req, timeout=TIMEOUT_S), _grpc_answer)
+        client = self._http(address)
+
+        def bare() -> None:
+            resp = client.get(LIVE)
+            if resp.status_code != 200:
+                raise RuntimeError(f"gateway at {address} answered {resp.status_code} to {LIVE}")
+
+        if transport == "http":
+            return (bare, lambda j: self.pngs[j],
+                    lambda png: client.post(PREDICT, content=png, headers=HEADERS),
+                    lambda resp: _parse(resp, address))
+        path = f"/v2/models/{model}/infer"
+        return (bare, self.tensors.v2_body,
+                lambda body: client.post(path, content=body[0], headers=body[1]),
+                lambda resp: _parse_v2(resp, address))
+
+    def timed(self, transport: str, address: str, model: str,
+              indices: list[int]) -> list[tuple[float, int, dict, float]]:
+        """(latency ms, predicted index, timings, bare request ms) per image: each request just
+        after the same client's bare request to the same server."""
+        bare, prepare, send, parse = self._calls(transport, address, model)
+        out = []
+        for j in indices:
+            request = prepare(j)
+            t0 = time.perf_counter()
+            bare()
+            t1 = time.perf_counter()
+            answer = send(request)
+            t2 = time.perf_counter()
+            out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
+        return out
+
+    async def concurrent(self, url: str, n_requests: int, concurrency: int,
+                         transport: str = "http", model: str = "sensai") -> dict[str, Any]:
+        if transport == "grpc":
+            return await self._concurrent_grpc(url, n_requests, concurrency, model)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, limits=limits) as client:
             counter = iter(range(n_requests))
             latencies: list[float] = []
+            path = PREDICT if transport == "http" else f"/v2/models/{model}/infer"
 
             async def one_client() -> None:
                 for j in counter:
+                    if transport == "http":
+                        content, headers = self.pngs[j % len(self.pngs)], HEADERS
+                    else:
+                        content, headers = self.tensors.v2_body(j % len(self.tensors.tensors))
                     t0 = time.perf_counter()
-                    resp = await client.post(PREDICT, content=self.pngs[j % len(self.pngs)],
-                                             headers=HEADERS)
-                    _parse(resp, url)
+                    resp = await client.post(path, content=content, headers=headers)
+                    (_parse if transport == "http" else _parse_v2)(resp, url)
                     latencies.append((time.perf_counter() - t0) * 1e3)
 
             # Warm the pool's connections so the timed part does not pay for TCP set-up.
@@ -66,14 +194,186 @@ class _Client:
             await asyncio.gather(*(one_client() for _ in range(concurrency)))
             return {"seconds": time.perf_counter() - t0, "latencies": latencies}
 
+    async def _concurrent_grpc(self, target: str, n_requests: int, concurrency: int,
+                               model: str) -> dict[str, Any]:
+        """``concurrency`` callers sharing one channel (gRPC multiplexes them on a connection)."""
+        import grpc
+        from tritonclient.grpc import service_pb2 as pb
+        from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            counter = iter(range(n_requests))
+            latencies: list[float] = []
+
+            async def one_client() -> None:
+                for j in counter:
+                    req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
+                    t0 = time.perf_counter()
+                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
+                    latencies.append((time.perf_counter() - t0) * 1e3)
+
+            await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one_client() for _ in range(concurrency)))
+            return {"seconds": time.perf_counter() - t0, "latencies": latencies}
+
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
+        for channel, _ in self.channels.values():
+            channel.close()
 
 
-def _serve(conn, pngs: list[bytes]) -> None:
+class _Connection:
+    """One keep-alive HTTP/1.1 connection of :func:`load_phase`, on asyncio streams: a small
+    fraction of httpx's work per request, whose pool's bookkeeping also grows with the requests
+    waiting for a connection (under overload the client, not the gateway, became the
+    bottleneck).  Enough for the gateway, whose answers all carry Content-Length."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, data: bytes) -> tuple[int, bytes]:
+        """Send ``data`` (a whole request), read the answer: (status, body)."""
+        reused = self.writer is not None
+        try:
+            return await self._exchange(data)
+        except ConnectionError:
+            if not reused:
+                raise
+            # The gateway closed this connection while it was idle (keep-alive timeout) before
+            # reading the request: send it again on a new one.
+            return await self._exchange(data)
+
+    async def _exchange(self, data: bytes) -> tuple[int, bytes]:
+        try:
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(data)
+            line = await self.reader.readline()
+            if not line:
+                raise ConnectionResetError("the gateway closed the connection")
+            status, length, close = int(line.split()[1]), None, False
+            while (line := await self.reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"connection":
+                    close = value.strip().lower() == b"close"
+            body = await (self.reader.read() if length is None
+                          else self.reader.readexactly(length))
+        except BaseException:  # a timeout or an error leaves the stream in an unknown state
+            self.close()
+            raise
+        if close or length is None:
+            self.close()
+        return status, body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def load_phase(pngs: list[bytes], url: str, *, seconds: float, concurrency: int = 0,
+                     rate: float = 0.0, connections: int = 0, preopen: int = 0,
+                     expected: list[int] | None = None, timeout_s: float = 60.0,
+                     first: int = 0) -> dict[str, Any]:
+    """``sensai bench-load``'s traffic for ``seconds``: closed loop (``concurrency`` requests
+    always in flight) or, given ``rate``, open loop (a request every 1/rate s whatever the
+    answers; ``preopen`` connections opened first, a new one whenever all are busy, up to
+    ``connections``).  Per request: ``t``, when it started (``time.monotonic()``, the same
+    clock in every process; open loop: when it was due), ``ms``, its latency from then, and
+    ``status`` (0: no answer, its exception's type counted in ``failures``); ``wrong``: 200
+    answers whose top-1 is not ``expected[image]``; open loop: ``lag_ms``, how late each
+    request got a connection and left, and ``sent_in_time``, how many left before the end."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    head = f"HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    requests = [f"POST {PREDICT} {head}Content-Type: image/png\r\nContent-Length: {len(p)}"
+                f"\r\n\r\n".encode() + p for p in pngs]
+    live = f"GET {LIVE} {head}\r\n".encode()
+    out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
+                           "wrong": 0, "failures": {}}
+    images = itertools.count(first)
+    conns = [_Connection(host, port) for _ in range(concurrency or preopen or connections)]
+    free: asyncio.Queue = asyncio.Queue()
+
+    async def one(conn: _Connection, due: float) -> int:
+        j = next(images) % len(requests)
+        status = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, body = await conn.request(requests[j])
+            if status == 200 and expected is not None and json.loads(body)["index"] != expected[j]:
+                out["wrong"] += 1
+        except (OSError, EOFError, TimeoutError) as e:
+            out["failures"][type(e).__name__] = out["failures"].get(type(e).__name__, 0) + 1
+        except (ValueError, KeyError, TypeError, IndexError):  # not an answer we can read
+            if status == 200:
+                out["wrong"] += 1
+            else:
+                out["failures"]["BadResponse"] = out["failures"].get("BadResponse", 0) + 1
+        out["t"].append(due)
+        out["ms"].append((time.monotonic() - due) * 1e3)
+        out["status"].append(status)
+        return status
+
+    async def closed(conn: _Connection) -> None:
+        while (now := time.monotonic()) < end:
+            if not await one(conn, now):
+                await asyncio.sleep(0.05)  # no answer (gateway gone?): do not spin
+
+    async def due_at(due: float) -> None:
+        if free.empty() and len(conns) < connections:
+            conn = _Connection(host, port)
+            conns.append(conn)
+        else:  # queued here when all the connections allowed are busy: counted as lag
+            conn = await free.get()
+        now = time.monotonic()
+        out["lag_ms"].append((now - due) * 1e3)
+        out["sent_in_time"] += now < end
+        try:
+            await one(conn, due)
+        finally:
+            free.put_nowait(conn)
+
+    try:
+        # Open the connections first, so the phase does not pay for TCP set-up.
+        await asyncio.gather(*(c.request(live) for c in conns))
+        t0 = time.monotonic()
+        end = t0 + seconds
+        if rate:
+            for c in conns:
+                free.put_nowait(c)
+            tasks: set[asyncio.Task] = set()
+            k = 0
+            while (due := t0 + k / rate) < end:
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                task = asyncio.create_task(due_at(due))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                k += 1
+            await asyncio.gather(*list(tasks))
+        else:
+            await asyncio.gather(*(closed(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
+    out["t0"] = t0
+    out["seconds"] = time.monotonic() - t0
+    out["connections"] = len(conns)
+    return out
+
+
+def _serve(conn, pngs: list[bytes], tensors: list[bytes] | None = None,
+           shape: list[int] | None = None) -> None:
     """Body of the client process: answer the benchmark's requests until told to close."""
-    client = _Client(pngs)
+    client = _Client(pngs, tensors, shape)
     try:
         while True:
             msg = conn.recv()
@@ -82,8 +382,12 @@ def _serve(conn, pngs: list[bytes]) -> None:
             try:
                 if msg[0] == "sequential":
                     conn.send(("ok", client.sequential(msg[1], msg[2])))
+                elif msg[0] == "timed":
+                    conn.send(("ok", client.timed(*msg[1:])))
                 elif msg[0] == "concurrent":
-                    conn.send(("ok", asyncio.run(client.concurrent(msg[1], msg[2], msg[3]))))
+                    conn.send(("ok", asyncio.run(client.concurrent(*msg[1:]))))
+                elif msg[0] == "load":
+                    conn.send(("ok", asyncio.run(load_phase(client.pngs, msg[1], **msg[2]))))
                 else:
                     conn.send(("error", f"unknown request {msg[0]!r}"))
             except Exception as e:  # reported to the benchmark, which raises it there
@@ -95,14 +399,17 @@ def _serve(conn, pngs: list[bytes]) -> None:
 
 
 class HttpClientProcess:
-    """Sends the benchmark's PNG requests from a separate process; blocking calls, so run them in
-    a thread from async code.  A failure in the child comes back as :class:`RuntimeError`."""
+    """Sends the benchmark's requests from a separate process; blocking calls, so run them in
+    a thread from async code.  A failure in the child comes back as :class:`RuntimeError`.
+    ``pngs``: the images as PNG (``http``); ``tensors``: the same images normalized, as float32
+    bytes of shape ``shape`` (``http-v2``, ``grpc``)."""
 
-    def __init__(self, pngs: list[bytes]):
+    def __init__(self, pngs: list[bytes], tensors: list[bytes] | None = None,
+                 shape: list[int] | None = None):
         ctx = mp.get_context("spawn")  # never fork a process holding Ray, torch or uvicorn threads
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, list(pngs)), daemon=True,
-                                   name="sensai-bench-client")
+        self.process = ctx.Process(target=_serve, args=(child, list(pngs), tensors, shape),
+                                   daemon=True, name="sensai-bench-client")
         self.process.start()
         child.close()
 
@@ -119,9 +426,22 @@ class HttpClientProcess:
         """One request at a time: (latency ms, predicted index, gateway timings) per image."""
         return self._ask("sequential", url, [int(j) for j in indices])
 
-    def concurrent(self, url: str, n_requests: int, concurrency: int) -> dict[str, Any]:
-        """``n_requests`` requests from ``concurrency`` clients: seconds and per-request latencies."""
-        return self._ask("concurrent", url, int(n_requests), int(concurrency))
+    def timed(self, transport: str, address: str, model: str,
+              indices) -> list[tuple[float, int, dict, float]]:
+        """One request at a time over ``transport`` to the gateway at ``address`` (a URL, or
+        host:port for gRPC) serving ``model``, each just after the bare request: (latency ms,
+        predicted index, gateway timings, bare request ms) per image."""
+        return self._ask("timed", transport, address, model, [int(j) for j in indices])
+
+    def concurrent(self, url: str, n_requests: int, concurrency: int, transport: str = "http",
+                   model: str = "sensai") -> dict[str, Any]:
+        """``n_requests`` requests from ``concurrency`` clients: seconds and per-request
+        latencies."""
+        return self._ask("concurrent", url, int(n_requests), int(concurrency), transport, model)
+
+    def load(self, url: str, **plan) -> dict[str, Any]:
+        """One phase of ``sensai bench-load`` (:func:`load_phase`'s keywords and answer)."""
+        return self._ask("load", url, plan, timeout_s=float(plan["seconds"]) + 600.0)
 
     def close(self) -> None:
         try:

@@ -3,8 +3,10 @@
 * the real test images (a stratified subset of the test split; normalized arrays for in-process
   calls, PNG bytes for HTTP - PNG is lossless, so both give the same answers);
 * the drivers that time one request: :class:`InProcessDriver` (the predictor called directly)
-  and :class:`HttpDriver` (the gateway of :mod:`sensai.serving.app` under
-  :class:`~sensai.serving.server.BackgroundServer`, called from :class:`.client.HttpClientProcess`);
+  and :class:`RemoteDriver` (the gateway of :mod:`sensai.serving.app` under
+  :class:`~sensai.serving.server.BackgroundServer`, called over HTTP or gRPC from
+  :class:`.client.HttpClientProcess`, each request paired with the bare request that is its
+  transport's floor);
 * warm-up, latency at concurrency 1 in interleaved rounds (every candidate serves a round in
   turn, so a change in the machine's load hits them alike), throughput at a concurrency, and
   :func:`quiet_gc` to keep the garbage collector's pauses out of the timed requests;
@@ -43,8 +45,9 @@ from .stats import summarize
 
 SCHEMA_VERSION = 2  # 2: the harness on the unified predictor; accuracy and per-model targets
 
-# One timed request: (latency ms, predicted class index, the predictor's timings_ms).
-Timed = tuple[float, int, dict]
+# One timed request: (latency ms, predicted class index, the predictor's timings_ms, and for a
+# remote transport the bare request's ms just before it - None in process).
+Timed = tuple[float, int, dict, float | None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class InProcessDriver:
         t0 = time.perf_counter()
         pred = await self.predictor.predict(self.xs[j])
         ms = (time.perf_counter() - t0) * 1e3
-        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms
+        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms, None
 
     async def sequential(self, indices: Sequence[int]) -> list[Timed]:
         return [await self.one(int(j)) for j in indices]
@@ -168,33 +171,42 @@ class InProcessDriver:
         pass
 
 
-class HttpDriver:
-    """PNG requests to the predictor's own gateway (on 127.0.0.1, a free port) from the
-    benchmark's client process.  Use :meth:`start`."""
+class RemoteDriver:
+    """Requests over ``transport`` (``http``: PNG upload, ``http-v2``: KServe v2 binary tensor,
+    ``grpc``: KServe v2 over gRPC) to the predictor's own gateway on 127.0.0.1 (free ports; with
+    its gRPC server for ``grpc``), from the benchmark's client process.  Use :meth:`start`."""
 
-    transport = "http"
-
-    def __init__(self, server: BackgroundServer, client: HttpClientProcess):
-        self.server, self.client = server, client
+    def __init__(self, transport: str, server: BackgroundServer, client: HttpClientProcess,
+                 address: str, model: str):
+        self.transport, self.server, self.client = transport, server, client
+        self.address, self.model = address, model
 
     @classmethod
-    async def start(cls, predictor: Predictor, client: HttpClientProcess,
-                    settings: GatewaySettings | None = None) -> "HttpDriver":
-        app = create_app(predictor, settings or GatewaySettings(), close_predictor=False)
+    async def start(cls, transport: str, predictor: Predictor, client: HttpClientProcess,
+                    settings: GatewaySettings | None = None) -> "RemoteDriver":
+        # A free port for gRPC, and none for the others (whatever SENSAI_GRPC_PORT says: every
+        # strategy has a gateway of its own).
+        settings = (settings or GatewaySettings()).model_copy(
+            update={"grpc_port": 0 if transport == "grpc" else None})
+        app = create_app(predictor, settings, close_predictor=False)
         server = await asyncio.to_thread(BackgroundServer(app).start)
-        return cls(server, client)
+        address = (f"{server.host}:{app.state.grpc.port}" if transport == "grpc"
+                   else server.url)
+        return cls(transport, server, client, address, predictor.name)
 
     async def _ask(self, fn, *args):
         try:
-            return await asyncio.to_thread(fn, self.server.url, *args)
+            return await asyncio.to_thread(fn, *args)
         except RuntimeError as e:
-            raise SensaiError(f"HTTP benchmark client: {e}") from None
+            raise SensaiError(f"{self.transport} benchmark client: {e}") from None
 
     async def sequential(self, indices: Sequence[int]) -> list[Timed]:
-        return await self._ask(self.client.sequential, [int(j) for j in indices])
+        return await self._ask(self.client.timed, self.transport, self.address, self.model,
+                               [int(j) for j in indices])
 
     async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
-        r = await self._ask(self.client.concurrent, n_requests, concurrency)
+        r = await self._ask(self.client.concurrent, self.address, n_requests, concurrency,
+                            self.transport, self.model)
         return r["seconds"], r["latencies"]
 
     async def close(self) -> None:

@@ -3,11 +3,15 @@
 One run measures, on the same real test images, the same runtime and the same thread/device
 budget per worker, the strategies of :mod:`.strategies` (single device, model parallel, class
 parallel, data parallel), each in process (the predictor called directly) and end to end over
-HTTP (its own gateway on 127.0.0.1, PNG bytes in, JSON out, sent from a client process), warm-up
-excluded.  Latency is taken at concurrency 1 in interleaved rounds, throughput afterwards at a
-chosen concurrency.  Each request's latency is split into compute, merge and transport
-(:mod:`.stats`).  Class parallel's subnets are also timed one at a time, each alone on a worker
-("each subnet alone"), to separate their own compute from competition for the cores.
+each remote transport - ``http`` (PNG upload to ``/v1/predict``), ``http-v2`` (KServe v2 binary
+tensor) and ``grpc`` (KServe v2 over gRPC) - against its own gateway on 127.0.0.1, from a client
+in its own process, warm-up excluded.  Latency is taken at concurrency 1 in interleaved rounds,
+throughput afterwards at a chosen concurrency.  Each request's latency is split into compute,
+merge and transport (:mod:`.stats`); over a remote transport the same client also times the bare
+request to the same server just before each request (``GET /v2/health/live``, gRPC
+``ServerLive``), the floor that transport puts under any request.  Class parallel's subnets are
+also timed one at a time, each alone on a worker ("each subnet alone"), to separate their own
+compute from competition for the cores.
 
 Outputs in ``out_dir``: ``bench.json`` (every figure, raw latencies, the artifact's accuracy and
 shrink, the targets that apply to its model, settings, machine), ``bench.md``, ``bench.png`` and
@@ -31,7 +35,7 @@ from ..settings import GatewaySettings
 from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
-from .harness import (HttpDriver, InProcessDriver, TestImages, check_dataset, check_int,
+from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_int,
                       check_out_dir, envelope, finish, interleaved, load_test_images,
                       progress_bar, quiet_gc, throughput, warm_up, write_outputs)
 from .latency_report import plot, render_markdown
@@ -101,9 +105,10 @@ def run_bench(
     class parallel's workers run, as for ``sensai serve`` (the baselines always run on worker
     threads).  ``threads``: intra-op threads of every worker's runner.  ``device``/``runtime``: as
     for ``sensai serve`` (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
-    ``isolated_images``: images on which each subnet is also timed alone.  The HTTP client is a
-    spawned process, so a script calling this needs the usual ``if __name__ == "__main__":``
-    guard (the ``sensai`` command has it).
+    ``isolated_images``: images on which each subnet is also timed alone.  ``transports``: any
+    of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
+    process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
+    ``sensai`` command has it).
     """
     check_settings(workers=workers, replicas=replicas, images=images, warmup=warmup,
                    concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
@@ -213,11 +218,13 @@ async def _measure(built: list[Strategy], imgs: TestImages, transports: Sequence
         drivers: dict[str, Any] = {}
         client = None
         try:
-            if transport == "http":
-                client = HttpClientProcess(imgs.pngs)
+            if transport != "inprocess":
+                client = HttpClientProcess(imgs.pngs, [x.tobytes() for x in imgs.xs],
+                                           list(imgs.xs[0].shape))
             for s in built:
-                drivers[s.key] = (InProcessDriver(s.predictor, imgs) if transport == "inprocess"
-                                  else await HttpDriver.start(s.predictor, client, gateway))
+                drivers[s.key] = (
+                    InProcessDriver(s.predictor, imgs) if transport == "inprocess"
+                    else await RemoteDriver.start(transport, s.predictor, client, gateway))
             for s in built:
                 bar.set_description(f"{transport}: warm-up {s.key}")
                 await warm_up(drivers[s.key], n, warmup)
@@ -227,8 +234,8 @@ async def _measure(built: list[Strategy], imgs: TestImages, transports: Sequence
             async def run_chunk(key: str, chunk) -> None:
                 bar.set_description(f"{transport}: latency {key}")
                 timed = await drivers[key].sequential(chunk)
-                for j, (ms, pred, timings) in zip(chunk, timed):
-                    samples[key].add(ms, timings, pred == int(imgs.labels[j]))
+                for j, (ms, pred, timings, floor) in zip(chunk, timed):
+                    samples[key].add(ms, timings, pred == int(imgs.labels[j]), floor)
                 bar.update(len(chunk))
 
             await interleaved([s.key for s in built], n, rounds, run_chunk)
@@ -239,6 +246,8 @@ async def _measure(built: list[Strategy], imgs: TestImages, transports: Sequence
                 rep = samples[s.key].report()
                 rep["throughput"] = thr
                 rep["latencies_ms"] = [round(v, 4) for v in samples[s.key].latency]
+                if samples[s.key].floor:  # request by request, beside latencies_ms
+                    rep["floors_ms"] = [round(v, 4) for v in samples[s.key].floor]
                 s.info["transports"][transport] = rep
         finally:
             for d in drivers.values():

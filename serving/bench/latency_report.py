@@ -6,12 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .names import LABELS, TRANSPORTS
+from .names import BARE_REQUESTS, LABELS, TRANSPORT_LABELS, TRANSPORTS
 from .render import fmt, horizontal_boxplot, human, md_table, pyplot, save_figure, text_table
 from .targets import all_checks
 
 LATENCY_HEADER = ["strategy", "transport", "workers", "p50 ms", "p90 ms", "p99 ms", "mean ms",
-                  "img/s", "compute p50", "transport p50", "merge p50", "top-1"]
+                  "img/s", "compute p50", "transport p50", "merge p50", "bare p50",
+                  "p50(lat - bare - compute)", "top-1"]
 WORKER_HEADER = ["strategy", "workers", "params/worker (max)", "MACs/worker (max)", "MACs total",
                  "weights+act. MB/worker (max)", "RSS growth MB", "peak RSS growth MB",
                  "CUDA MB (torch peak / device)"]
@@ -23,15 +24,28 @@ def _short(key: str) -> str:
     return LABELS[key].replace(" (sensAI)", "")
 
 
-def latency_rows(result: dict) -> list[list[str]]:
+def measured_transports(result: dict) -> list[str]:
+    strategies = result.get("strategies", {}).values()
+    return [t for t in TRANSPORTS if any(t in s.get("transports", {}) for s in strategies)]
+
+
+def latency_rows(result: dict, only: str | None = None) -> list[list[str]]:
+    """One row per strategy and transport (``only``: that transport's rows)."""
     rows = []
     for key, s in result.get("strategies", {}).items():
         for transport, t in s.get("transports", {}).items():
+            if only is not None and transport != only:
+                continue
             lat, b = t["latency_ms"], t["breakdown_ms"]["p50"]
+            floor = t.get("floor_ms") or {}
+            # In process there is no request: the floor is 0.
+            over = b.get("latency_minus_floor_minus_compute") if floor else b.get(
+                "latency_minus_compute")
             rows.append([LABELS[key], transport, str(s["workers"]), fmt(lat["p50"]),
                          fmt(lat["p90"]), fmt(lat["p99"]), fmt(lat["mean"]),
                          fmt(t["throughput"]["images_per_s"], 1), fmt(b["compute"]),
-                         fmt(b["transport"]), fmt(b["merge"], 3), fmt(t["top1"], 4)])
+                         fmt(b["transport"]), fmt(b["merge"], 3), fmt(floor.get("p50")),
+                         fmt(over), fmt(t["top1"], 4)])
     return rows
 
 
@@ -52,7 +66,8 @@ def target_rows(result: dict) -> list[list[str]]:
     rows = []
     for tset in result.get("targets", {}).get("sets", []):
         for c in tset["checks"]:
-            other = "inprocess" if c["transport"] == "http" else "http"
+            other = c.get("reference_transport") or ("inprocess" if c["transport"] == "http"
+                                                     else "http")
             rows.append([tset["name"], c["rule"], f"{fmt(c['value'], 3)} ({c['transport']})",
                          f"{fmt(c.get(other + '_value'), 3)} ({other})", STATUS_MD[c["status"]]])
     return rows
@@ -71,8 +86,9 @@ def render_table(result: dict) -> str:
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result)]
     for c in all_checks(result.get("targets", {})):
+        why = f" ({c['why_not_measured']})" if c["why_not_measured"] else ""
         parts.append(f"target {c['rule']} ({c['transport']}): {fmt(c['value'], 3)} -> "
-                     f"{c['status'].upper()}")
+                     f"{c['status'].upper()}{why}")
     return "\n".join(parts)
 
 
@@ -106,7 +122,7 @@ def _summary_lines(result: dict) -> list[str]:
     """One sentence per transport comparing the strategies' p50 latency and throughput."""
     s = result["strategies"]
     out = []
-    for t in TRANSPORTS:
+    for t in measured_transports(result):
         def get(key: str, what: str):
             rep = s.get(key, {}).get("transports", {}).get(t)
             if rep is None:
@@ -126,9 +142,25 @@ def _summary_lines(result: dict) -> list[str]:
             parts.append(f"data parallel p50 is {dp / single:.2f}x the single device's (one image "
                          f"is not cut up) for {thr[0] / thr[1]:.2f}x its throughput")
         if parts:
-            out += [f"{'In process' if t == 'inprocess' else 'Over HTTP'}: " + "; ".join(parts)
-                    + ".", ""]
+            label = "In process" if t == "inprocess" else TRANSPORT_LABELS[t]
+            out += [f"{label}: " + "; ".join(parts) + ".", ""]
     return out
+
+
+def _latency_tables(result: dict) -> list[str]:
+    """One table per transport, the strategies as rows."""
+    lines = []
+    header = [h for i, h in enumerate(LATENCY_HEADER) if i != 1]
+    for t in measured_transports(result):
+        rows = [[c for i, c in enumerate(r) if i != 1] for r in latency_rows(result, t)]
+        floor = ("no request: the floor is 0, the last-but-one column is p50(latency - compute)"
+                 if t == "inprocess" else
+                 f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just "
+                 "before each request; the last-but-one column is the p50, request by request, "
+                 "of latency - bare - compute")
+        lines += [f"### {TRANSPORT_LABELS[t]} (`{t}`)", "", md_table(header, rows), "",
+                  f"{floor}.", ""]
+    return lines
 
 
 def _targets_section(result: dict) -> list[str]:
@@ -168,14 +200,15 @@ def render_markdown(result: dict) -> str:
         *_accuracy_section(result),
         "## Latency (ms, one image per request)",
         "",
-        md_table(LATENCY_HEADER, latency_rows(result)),
-        "",
+        *_latency_tables(result),
         *_summary_lines(result),
         "compute: the runners' own time measured inside the workers - the one run (single, "
         "data parallel), the sum of the stages (model parallel), the slowest subnet (class "
         "parallel: the floor). transport: latency - compute - merge (hand-offs to the workers, "
-        "fan-out and gather; over HTTP also the request, PNG decoding and JSON). merge: outputs "
-        "-> class scores (softmax, or merge_outputs for the subnets).",
+        "fan-out and gather; over HTTP/gRPC also the request, decoding and the answer). merge: "
+        "outputs -> class scores (softmax, or merge_outputs for the subnets). http: the PNG "
+        "upload to /v1/predict (JSON answer); http-v2: the KServe v2 binary tensor (binary "
+        "answer); grpc: KServe v2 ModelInfer with raw tensor contents.",
         "",
         "## Where the time goes (mean ms; the parts add up to the mean latency)",
         "",
@@ -185,10 +218,12 @@ def render_markdown(result: dict) -> str:
         for transport, t in s["transports"].items():
             b = t["breakdown_ms"]["mean"]
             rows.append([LABELS[key], transport, fmt(t["latency_ms"]["mean"]), fmt(b["compute"]),
-                         fmt(b["dispatch"]), fmt(b["http"]), fmt(b["merge"], 3),
+                         fmt(b["dispatch"]), fmt(b["http"]),
+                         fmt((t.get("floor_ms") or {}).get("mean")), fmt(b["merge"], 3),
                          fmt(t["compute_sum_ms"]["mean"])])
     lines += [md_table(["strategy", "transport", "latency", "compute (critical path)",
-                        "dispatch (in predictor)", "http + decode (outside)", "merge",
+                        "dispatch (in predictor)", "request + decode (outside)",
+                        "bare request (timed apart)", "merge",
                         "work done (all workers)"], rows), ""]
     cp = result["strategies"].get("class-parallel")
     if cp and cp.get("isolated_compute_ms"):
@@ -231,12 +266,15 @@ def render_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Latency distribution per strategy and transport, and the mean latency split in parts."""
+    """Latency distribution per strategy and transport, and the mean latency split in parts
+    (over a remote transport, the request's part split at its floor, the bare request)."""
     plt = pyplot()
     strategies = result["strategies"]
-    transports = [t for t in TRANSPORTS if any(t in s["transports"] for s in strategies.values())]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    palette = {"inprocess": "#4C72B0", "http": "#DD8452"}
+    transports = measured_transports(result)
+    n_rows = sum(len(s["transports"]) for s in strategies.values())
+    fig, axes = plt.subplots(1, 2, figsize=(13, max(4.8, 1.5 + 0.38 * n_rows)))
+    palette = {"inprocess": "#4C72B0", "http": "#DD8452", "http-v2": "#C9A227",
+               "grpc": "#2A9D8F"}
     ax = axes[0]
     data, labels, colors = [], [], []
     for key, s in strategies.items():
@@ -252,7 +290,7 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(axis="x", alpha=0.3)
 
     ax = axes[1]
-    names, comp, disp, http, merge = [], [], [], [], []
+    names, comp, disp, bare, http, merge = [], [], [], [], [], []
     for key, s in strategies.items():
         for t in transports:
             rep = s["transports"].get(t)
@@ -262,19 +300,24 @@ def plot(result: dict, path: Path) -> None:
             names.append(f"{_short(key)}\n{t}")
             comp.append(b["compute"] or 0)
             disp.append(max(0.0, b["dispatch"] or 0))
-            http.append(max(0.0, b["http"] or 0))
+            outside = max(0.0, b["http"] or 0)
+            floor = min(outside, (rep.get("floor_ms") or {}).get("mean") or 0.0)
+            bare.append(floor)
+            http.append(outside - floor)
             merge.append(b["merge"] or 0)
     y = np.arange(len(names))
     left = np.zeros(len(names))
     for vals, label, c in ((comp, "compute (critical path)", "#55A868"),
                            (disp, "dispatch / fan-out", "#C44E52"),
-                           (merge, "merge", "#8172B2"), (http, "HTTP + decode", "#937860")):
+                           (merge, "merge", "#8172B2"),
+                           (bare, "bare request (the transport's floor)", "#BBBBBB"),
+                           (http, "request + decode beyond the floor", "#937860")):
         ax.barh(y, vals, left=left, label=label, color=c)
         left += np.asarray(vals, dtype=float)
     ax.set_yticks(y, names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("mean ms per image")
     ax.set_title("where the time goes")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     ax.grid(axis="x", alpha=0.3)
     save_figure(fig, path)

@@ -103,6 +103,30 @@ def rss_bytes() -> int | None:
     return int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm else None
 
 
+def process_rss_bytes(pid: int) -> int | None:
+    """Resident set (``VmRSS``) of process ``pid`` (Linux), or None when it is gone."""
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """The processes below ``pid`` - children, their children, ... - from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        stat = _read(f"{entry}/stat") if entry.name.isdigit() else None
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(
+                int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set (since the last :func:`reset_peak_rss`, or since the process started)."""
     for line in (_read("/proc/self/status") or "").splitlines():

@@ -1,7 +1,14 @@
 """The benchmark's vocabulary (no dependencies, so the CLI's ``--help`` stays fast)."""
 
 STRATEGIES = ("single", "model-parallel", "class-parallel", "data-parallel")
-TRANSPORTS = ("inprocess", "http")
+# inprocess: the predictor called directly; http: a PNG upload to /v1/predict; http-v2: a KServe
+# v2 binary tensor over HTTP; grpc: KServe v2 over gRPC (raw tensor contents).
+TRANSPORTS = ("inprocess", "http", "http-v2", "grpc")
+TRANSPORT_LABELS = {"inprocess": "in process", "http": "HTTP, PNG upload",
+                    "http-v2": "HTTP, KServe v2 binary tensor", "grpc": "gRPC, KServe v2"}
+# The bare request each remote transport's client also times on the same server: its floor.
+BARE_REQUESTS = {"http": "GET /v2/health/live", "http-v2": "GET /v2/health/live",
+                 "grpc": "ServerLive"}
 LABELS = {"single": "single device", "model-parallel": "model parallel",
           "class-parallel": "class parallel (sensAI)", "data-parallel": "data parallel"}
 # Where the class-parallel predictor's workers run (``build_predictor``'s backends; Triton needs

@@ -5,7 +5,10 @@ class-parallel predictor alike): ``total`` (inside the predictor), ``compute`` (
 the one run, the sum of the stages, the slowest subnet), ``compute_sum`` (work done by all
 workers), ``merge`` (outputs -> class scores) and ``compute.<worker>`` per worker.  The rest of a
 request's latency is ``transport``: inside the predictor (``dispatch``: hand-offs, fan-out and
-gather) and outside it (``http``: the request, image decoding, the JSON answer).
+gather) and outside it (``http``: the request, image decoding, the JSON answer).  Over a remote
+transport each request also has its *floor*: the same client's bare request to the same server
+just before it (``floor_ms``), and ``latency_minus_floor_minus_compute`` is, request by request,
+what the gateway and the fan-out add on top of the transport's own cost and the critical path.
 """
 
 from __future__ import annotations
@@ -47,12 +50,16 @@ class Samples:
     compute: list[float] = field(default_factory=list)  # critical path
     compute_sum: list[float] = field(default_factory=list)
     merge: list[float] = field(default_factory=list)
+    floor: list[float] = field(default_factory=list)  # the bare request's ms (remote only)
     per_worker: dict[str, list[float]] = field(default_factory=dict)
     correct: int = 0
     answered: int = 0
 
-    def add(self, latency_ms: float, timings: dict[str, float], correct: bool) -> None:
+    def add(self, latency_ms: float, timings: dict[str, float], correct: bool,
+            floor_ms: float | None = None) -> None:
         self.latency.append(latency_ms)
+        if floor_ms is not None:
+            self.floor.append(float(floor_ms))
         self.total.append(float(timings.get("total", float("nan"))))
         self.compute.append(float(timings.get("compute", float("nan"))))
         self.compute_sum.append(float(timings.get("compute_sum", float("nan"))))
@@ -71,8 +78,12 @@ class Samples:
         mean = {k: _nan_stat(np.nanmean, v) for k, v in parts.items()}
         p50 = {k: _nan_stat(np.nanmedian, v) for k, v in parts.items()}
         p50["latency_minus_compute"] = _nan_stat(np.nanmedian, lat - comp)
+        remote = len(self.floor) == len(self.latency) > 0
+        p50["latency_minus_floor_minus_compute"] = (
+            _nan_stat(np.nanmedian, lat - np.asarray(self.floor) - comp) if remote else None)
         return {
             "latency_ms": summarize(self.latency),
+            "floor_ms": summarize(self.floor) if remote else None,
             # Means add up to the mean latency; medians of parts do not add up.
             "breakdown_ms": {"mean": mean, "p50": p50},
             "compute_sum_ms": summarize(self.compute_sum),

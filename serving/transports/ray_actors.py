@@ -32,6 +32,7 @@ from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
 from ..messages import Done, Failure, Fault, Output, Ready, Run, Skip
+from ..placement import Placement, spread
 from ..worker_core import MEMORY, WorkerCore
 from .base import Capabilities, Sink, WorkerHandle
 
@@ -149,6 +150,29 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     return opts, (1 if use_gpu else max(1, int(per)))
 
 
+def node_options(base: dict, placement: Placement, nodes: list[dict], *,
+                 use_gpu: bool) -> tuple[list[dict], list[int], list[int]]:
+    """Per-worker actor options that spread the workers over ``nodes`` (the copies of a group on
+    distinct nodes when possible: :func:`~sensai.serving.placement.spread`), with a CPU share
+    that fits each node.  Returns ``(options per worker, node index per worker, groups whose
+    copies share a node)``.  The node is a soft preference: if it dies, Ray restarts the actor
+    wherever there is room."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    kind = "gpus" if use_gpu else "cpus"
+    usable = [n for n in nodes if n[kind] > 0] or nodes
+    node_of, shared = spread(placement, len(usable))
+    opts = []
+    for w, n in enumerate(node_of):
+        o = dict(base)
+        if not use_gpu:
+            on_node = node_of.count(n)
+            o["num_cpus"] = min(o["num_cpus"], share(usable[n]["cpus"], on_node))
+        o["scheduling_strategy"] = NodeAffinitySchedulingStrategy(usable[n]["id"], soft=True)
+        opts.append(o)
+    return opts, [nodes.index(usable[n]) for n in node_of], shared
+
+
 class RayActorWorker(WorkerHandle):
     """The gateway's handle on one worker actor."""
 
@@ -163,6 +187,7 @@ class RayActorWorker(WorkerHandle):
         self._calls_lock = threading.Lock()
         self._death: str | None = None
         self._closing = closing or threading.Event()
+        self.owner_nodes: dict[str, str] = {}  # node id -> address, filled by the transport
 
     def start(self) -> None:
         """First start: create the actor.  After a death: a new generation of the same actor,
@@ -332,8 +357,11 @@ class RayActorWorker(WorkerHandle):
             ray.kill(actor, no_restart=True)
 
     def where(self) -> dict:
-        return {**super().where(), "actor_id": self.actor_id,
-                "resources": dict(self.actor_options)}
+        resources = {k: v for k, v in self.actor_options.items() if k != "scheduling_strategy"}
+        planned = self.actor_options.get("scheduling_strategy")
+        return {**super().where(), "actor_id": self.actor_id, "resources": resources,
+                "node_planned": getattr(planned, "node_id", None),
+                "node_address": self.owner_nodes.get(self.node)}
 
 
 class RayActors:
@@ -343,10 +371,12 @@ class RayActors:
     name = "ray"
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
-    def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False):
+    def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False,
+                 nodes: Sequence[dict] = ()):
         self.actor_options = actor_options
         self.own_ray = own_ray
         self.closing = threading.Event()
+        self.node_addresses = {n["id"]: n["address"] for n in nodes}
 
     def options_for(self, index: int) -> dict:
         opts = self.actor_options
@@ -354,8 +384,10 @@ class RayActors:
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> RayActorWorker:
-        return RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
-                              closing=self.closing, **faults)
+        w = RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
+                           closing=self.closing, **faults)
+        w.owner_nodes = self.node_addresses
+        return w
 
     def healthy(self) -> bool:
         import ray
@@ -363,7 +395,7 @@ class RayActors:
         return ray.is_initialized()
 
     def describe(self) -> dict:
-        return {"kind": "ray-actors"}
+        return {"kind": "ray-actors", "nodes": len(self.node_addresses)}
 
     def close(self) -> None:
         self.closing.set()

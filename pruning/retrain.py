@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec, normalize
 from sensai.errors import SensaiError
-from sensai.models import classifier_layer
-from sensai.training.trainer import augment
+from sensai.models import classifier_layer, select_device
+from sensai.learning import augment
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class RetrainSettings:
     flip: bool = True  # random horizontal flips, as in full training
     negative_share: float | None = None  # None: k+1 equal shares; else negatives' sample fraction
     distill: float = 0.0  # weight of the teacher's (original model's) soft targets in the loss
+    temperature: float = 1.0  # softening of teacher and student in the distillation term
     hard_negatives: float = 0.0  # share of negatives drawn by how much the teacher confuses them
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
     seed: int = 0
@@ -70,6 +72,9 @@ class RetrainSettings:
             raise SensaiError(f"--hard-negatives must be in [0, 1], got {self.hard_negatives}")
         if not (0 <= self.distill <= 1):
             raise SensaiError(f"--distill must be in [0, 1], got {self.distill}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise SensaiError(f"--distill-temperature must be a positive number, got "
+                              f"{self.temperature}")
         if self.weight_decay < 0 or not (0 <= self.momentum < 1):
             raise SensaiError("weight decay must be >= 0 and momentum in [0, 1)")
         return self
@@ -162,14 +167,16 @@ def retrain_plan(labels: np.ndarray, classes: Sequence[int], settings: RetrainSe
     return np.concatenate(idx), np.concatenate(tgt)
 
 
-def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: bool) -> np.ndarray:
+def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: bool,
+                 temperature: float = 1.0) -> np.ndarray:
     """What the original model says, in the subnet's output terms (float32).
 
-    The teacher's softmax ``q`` over all N classes, folded to the subnet's head: binary ->
-    ``[q_c]``; group -> ``[1 - sum(q_g), q_g...]`` ("not mine" takes the mass of every other
-    class).  A subnet matching these reproduces the original's ranking through the merge rule.
+    The teacher's softmax ``q`` over all N classes (of its logits / ``temperature``), folded to the
+    subnet's head: binary -> ``[q_c]``; group -> ``[1 - sum(q_g), q_g...]`` ("not mine" takes the
+    mass of every other class).  A subnet matching these reproduces the original's ranking through
+    the merge rule.
     """
-    z = np.asarray(teacher_logits, dtype=np.float64)
+    z = np.asarray(teacher_logits, dtype=np.float64) / float(temperature)
     q = np.exp(z - z.max(axis=1, keepdims=True))
     q /= q.sum(axis=1, keepdims=True)
     mine = q[:, list(classes)]
@@ -230,12 +237,14 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
         loss = (w * hard).sum() / w.sum()
         if q is None:
             return loss
+        # Softened as the targets were; T^2 keeps the gradient's scale independent of T (Hinton).
+        t = settings.temperature
         if binary:
-            sq = nn.functional.binary_cross_entropy_with_logits(logit, q.reshape(-1),
+            sq = nn.functional.binary_cross_entropy_with_logits(logit / t, q.reshape(-1),
                                                                 reduction="none")
         else:
-            sq = -(q * logp).sum(dim=1)
-        return (1 - distill) * loss + distill * (w * sq).sum() / w.sum()
+            sq = -(q * torch.log_softmax(out / t, dim=1)).sum(dim=1)
+        return (1 - distill) * loss + distill * t * t * (w * sq).sum() / w.sum()
 
     total_steps = max(1, math.ceil(n / settings.batch_size))
     warm = max(1, int(0.03 * total_steps))
@@ -325,20 +334,20 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
                   images: np.ndarray, positions: np.ndarray, targets: np.ndarray,
                   spec: dict, settings: dict, *, binary: bool, device: str = "auto",
                   soft: np.ndarray | None = None, threads: int | None = None,
-                  progress: str | None = None,
+                  progress: str | None = None, trust_code: bool = False,
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Rebuild the subnet from ``state``, retrain it, return its new CPU state dict and metrics.
 
     Everything comes in as plain arrays and dicts so this runs unchanged in a Ray task (the device
     is chosen here, at run time, on whatever worker got the task) or in the calling process.
+    ``trust_code``: the architecture may be a ``package.module:factory`` to import.
     """
-    from sensai.checkpoint import build_from_weights
-    from sensai.models import select_device
 
     if threads:
         torch.set_num_threads(int(threads))
     dev = select_device(device)
-    model = build_from_weights(arch, num_outputs, in_channels, state, "pruned subnet weights")
+    model = build_from_weights(arch, num_outputs, in_channels, state, "pruned subnet weights",
+                               trust_code=trust_code)
     metrics = retrain_model(model, torch.from_numpy(np.ascontiguousarray(images)), positions,
                             targets, DatasetSpec.from_dict(spec), RetrainSettings(**settings),
                             binary=binary, device=dev, soft=soft, progress=progress)

@@ -1,0 +1,770 @@
+"""``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
+serve (overload).
+
+The gateway is ``sensai serve ART`` in a process of its own on 127.0.0.1 (so its resident set is
+its own), started with the backend and gateway settings given, and always stopped at the end
+(SIGTERM: it drains and stops its workers; SIGKILL if it does not exit; with ``setpriv`` it also
+gets SIGTERM should this process die).  Real test images are sent as PNG uploads to
+``/v1/predict`` from :class:`~.client.HttpClientProcess` client processes, and every 200 answer
+is checked against offline evaluation's top-1.
+
+1. **warm-up**: closed loop at the soak's concurrency, not counted;
+2. **soak**: closed loop - ``concurrency`` requests always in flight - for ``soak_s``; the
+   gateway's RSS (``/proc/<pid>/status`` ``VmRSS``, and with its descendant processes) is
+   sampled every ``sample_s`` throughout the run; its growth is the mean of the soak's last
+   minute against the first sample after warm-up;
+3. **overload**: open loop at ``overload_factor`` x the soak's throughput (or ``overload_rate``)
+   for ``overload_s``: requests leave at that rate, evenly spaced, whatever the answers; a new
+   connection is opened whenever every open one is busy (up to the gateway's ``max_requests``
+   plus the arrivals of one deadline), so the client does not limit the requests in flight;
+   latency counts from when a request was due, and how late requests left is reported; the
+   gateway's own counts and latency histogram (``/metrics``) are read before and after;
+4. **health afterwards**: ``/v2/health/ready`` and sequential predictions compared with offline
+   evaluation.
+
+Targets (reported, with their values, never asserted): a soak of 10 minutes at concurrency 16
+with 0 errors and RSS growth under 5 % after warm-up; under overload only 200 or 503 answers,
+p99 of the admitted requests within the deadline, the server healthy afterwards.
+
+Outputs in ``out_dir``: ``load.json``, ``load.md``, ``load.png``, and ``gateway.log`` (the
+gateway's own output).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+
+from .. import child
+from ..settings import BACKENDS, GatewaySettings
+from .client import HttpClientProcess
+from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
+                      load_test_images, progress_bar, write_outputs)
+from .load_report import plot, render_markdown
+from .machine import descendant_pids, process_rss_bytes
+from .robust import offline_reference
+from .stats import summarize
+
+SOAK_TARGET_S = 600.0
+SOAK_TARGET_CONCURRENCY = 16
+RSS_GROWTH_LIMIT_PCT = 5.0
+LAST_WINDOW_S = 60.0  # the soak's end, compared with its start
+HEALTH_IMAGES = 20  # predictions checked after the overload
+RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
+SETPRIV = shutil.which("setpriv")
+PREDICT_ROUTE = "/v1/predict"
+# Settings the benchmark sets itself (--backend, --deadline, the address).
+OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE_S")
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _check_seconds(name: str, value, *, zero: bool = False) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value >= 0 if zero else value > 0))
+    if not ok:
+        raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``["SENSAI_MAX_PREDICTIONS=8", ...]`` -> a dict; each must name a gateway setting."""
+    env = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise SensaiError(f"--env wants NAME=VALUE (e.g. SENSAI_MAX_PREDICTIONS=8), got "
+                              f"{item!r}")
+        env[key] = value
+    return env
+
+
+def gateway_settings(*, backend: str | None, deadline_s: float | None,
+                     max_requests: int | None, max_predictions: int | None,
+                     env: dict[str, str]) -> tuple[GatewaySettings, dict[str, str]]:
+    """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
+    overridden by ``env`` and the options), and the variables to add to its environment."""
+    extra = {}
+    for key, value in env.items():
+        name = key[len("SENSAI_"):].lower()
+        if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
+            raise SensaiError(f"--env {key}: not a gateway setting (e.g. SENSAI_MAX_PREDICTIONS, "
+                              "SENSAI_REDUNDANCY; see deploy/README.md)")
+        if key in OWN_SETTINGS:
+            raise SensaiError(f"--env {key}: set by the benchmark itself (use --backend and "
+                              "--deadline; the gateway listens on 127.0.0.1)")
+        extra[key] = str(value)
+    for key, value in (("SENSAI_MAX_REQUESTS", max_requests),
+                       ("SENSAI_MAX_PREDICTIONS", max_predictions)):
+        if value is not None:
+            extra[key] = str(value)
+    if backend is not None and backend not in BACKENDS:
+        raise SensaiError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
+    overrides |= {k: v for k, v in (("backend", backend), ("deadline_s", deadline_s))
+                  if v is not None}
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
+    return settings, extra
+
+
+def check_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
+                   overload_s: float, overload_factor: float, overload_rate: float | None,
+                   overload_connections: int | None, sample_s: float, images: int,
+                   startup_timeout_s: float) -> None:
+    check_int("--concurrency", concurrency, 1)
+    check_int("--clients", clients, 1)
+    if clients > concurrency:
+        raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
+                          "every client process keeps at least one request in flight")
+    check_int("--images", images, 1)
+    check_int("--overload-connections", overload_connections, clients)
+    _check_seconds("--warmup-seconds", warmup_s, zero=True)
+    for name, v in (("--soak-seconds", soak_s), ("--overload-seconds", overload_s),
+                    ("--overload-factor", overload_factor), ("--sample-seconds", sample_s),
+                    ("--startup-timeout", startup_timeout_s)):
+        _check_seconds(name, v)
+    if overload_rate is not None:
+        _check_seconds("--overload-rate", overload_rate)
+    if not Path("/proc/self/status").is_file():
+        raise SensaiError("bench-load reads the gateway's memory from /proc: Linux only")
+
+
+def split(n: int, parts: int) -> list[int]:
+    """``n`` in ``parts`` near-equal integers (10, 3 -> 4, 3, 3)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def files_per_process() -> int:
+    """Connections the gateway may hold (it inherits this process's open-file limit), less some
+    to spare."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else max(1, soft - 64)
+
+
+def check_open_files(connections: int) -> None:
+    if connections > files_per_process():
+        raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
+                          f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
+                          "or lower --overload-connections")
+
+
+# --------------------------------------------------------------------------------------------
+# The gateway process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayProcess:
+    """``sensai serve ART`` on 127.0.0.1 in a process (and session) of its own; its output goes
+    to ``log_path``.  :meth:`start` waits until it is ready; :meth:`stop` always ends it."""
+
+    def __init__(self, artifact: Path, *, port: int, backend: str | None,
+                 deadline_s: float | None, env: dict[str, str], log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = [sys.executable, "-m", "sensai", "serve", str(artifact), "--host",
+                     "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        if backend is not None:
+            self.argv += ["--backend", backend]
+        if deadline_s is not None:
+            self.argv += ["--deadline", f"{deadline_s:g}"]
+        self.env = dict(env)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.startup_s: float | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> str:
+        """The gateway's command line, with the environment variables set for it."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        return " ".join([*env, shlex.join(["sensai", *self.argv[3:]])])
+
+    def launch(self) -> None:
+        # setpriv (util-linux): SIGTERM to the gateway should this process die, even SIGKILLed.
+        # The parent is the thread that starts it: this one, which outlives the run.
+        guard = [SETPRIV, "--pdeathsig", "TERM", "--"] if SETPRIV else []
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([*guard, *self.argv], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=os.environ | self.env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise SensaiError(f"the gateway exited with status {self.proc.returncode} before "
+                                  f"it was ready: {self.last_line()} (log: {self.log_path})")
+            try:
+                if httpx.get(f"{self.url}/v2/health/ready", timeout=2.0).status_code == 200:
+                    self.startup_s = round(time.monotonic() - t0, 2)
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise SensaiError(f"the gateway was not ready after {timeout_s:g} s: "
+                                  f"{self.last_line()} (log: {self.log_path})")
+            time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def last_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
+                     if ln.strip()]
+        except OSError:
+            lines = []
+        return lines[-1].strip() if lines else "(no output)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (the gateway drains and stops its workers), SIGKILL if it is still there
+        after ``timeout_s``; the process is reaped either way."""
+        if self.proc is not None:
+            self.exit_code = child.stop(self.proc, timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM unwinds this process like Ctrl-C does, so the gateway is stopped either way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+
+
+class RssSampler:
+    """The gateway's RSS over time: ``t`` in seconds since ``t0`` (the gateway ready), the
+    phase, the gateway process's own resident set and with its descendant processes (worker
+    processes of ``--backend processes``; a local Ray instance), in MB (10^6 bytes)."""
+
+    def __init__(self, pid: int, t0: float, period_s: float):
+        self.pid, self.t0, self.period_s = pid, t0, period_s
+        self.samples: list[dict[str, Any]] = []
+        self.next_due = t0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_due
+
+    def sample(self, phase: str) -> dict[str, Any] | None:
+        now = time.monotonic()
+        t = round(now - self.t0, 3)
+        if self.samples and t <= self.samples[-1]["t"]:
+            return self.samples[-1]
+        rss = process_rss_bytes(self.pid)
+        if rss is None:
+            return None
+        others = [process_rss_bytes(p) for p in descendant_pids(self.pid)]
+        tree = rss + sum(r for r in others if r)
+        s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
+             "tree_rss_mb": round(tree / 1e6, 2), "processes": 1 + sum(1 for r in others if r)}
+        self.samples.append(s)
+        self.next_due = now + self.period_s
+        return s
+
+
+def _timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
+              bin_s: float) -> list[dict[str, Any]]:
+    """The phase in bins of ``bin_s`` from ``start``: requests sent (by when they were sent, or
+    due), and answers (by when they came back): status codes, 200s per second, p50/p99 of the
+    200s."""
+    bins = []
+    n_bins = max(1, round(span / bin_s))  # the last bin takes the remainder: up to 1.5 bins
+
+    def bin_of(x: np.ndarray) -> np.ndarray:
+        return np.clip(((x - start) // bin_s).astype(int), 0, n_bins - 1)
+
+    sent, back = bin_of(t), bin_of(t + ms / 1e3)
+    for b in range(n_bins):
+        sel = back == b
+        width = bin_s if b < n_bins - 1 else max(span - b * bin_s, 1e-3)
+        ok = sel & (status == 200)
+        codes = Counter(int(s) for s in status[sel])
+        p50, p99 = (np.percentile(ms[ok], [50, 99]) if ok.any() else (None, None))
+        bins.append({"t": round(start + b * bin_s, 3), "seconds": round(width, 3),
+                     "sent": int((sent == b).sum()), "answered": int(sel.sum()),
+                     "ok_per_s": round(int(ok.sum()) / width, 2),
+                     "status_counts": {str(k): v for k, v in sorted(codes.items())},
+                     "p50_ok_ms": None if p50 is None else round(float(p50), 3),
+                     "p99_ok_ms": None if p99 is None else round(float(p99), 3)})
+    return bins
+
+
+def phase_report(outs: list[dict[str, Any]], *, t0: float, bin_s: float) -> dict[str, Any]:
+    """What the clients recorded in one phase, merged: counts, throughput, latencies, the
+    timeline (``t`` in seconds since ``t0``)."""
+    t = np.concatenate([np.asarray(o["t"], dtype=np.float64) for o in outs]) - t0
+    ms = np.concatenate([np.asarray(o["ms"], dtype=np.float64) for o in outs])
+    status = np.concatenate([np.asarray(o["status"], dtype=np.int64) for o in outs])
+    start = min(o["t0"] for o in outs) - t0
+    wall = max(o["t0"] + o["seconds"] for o in outs) - t0 - start
+    codes = Counter(int(s) for s in status)
+    ok = status == 200
+    failures: Counter = Counter()
+    for o in outs:
+        failures.update(o["failures"])
+    n = int(len(status))
+    return {
+        "start_s": round(start, 3), "seconds": round(wall, 3), "requests": n,
+        "status_counts": {str(k): v for k, v in sorted(codes.items())},
+        "ok": int(ok.sum()), "errors": n - int(ok.sum()),
+        "not_200_or_503": int(((status != 200) & (status != 503)).sum()),
+        "no_answer": codes.get(0, 0), "failures": dict(failures),
+        "wrong": sum(o["wrong"] for o in outs),
+        "throughput_rps": round(int(ok.sum()) / wall, 2) if wall > 0 else None,
+        "answers_per_s": round((n - codes.get(0, 0)) / wall, 2) if wall > 0 else None,
+        "latency_ms": summarize(ms.tolist()),
+        "latency_ok_ms": summarize(ms[ok].tolist()),
+        "latency_rejected_ms": summarize(ms[status == 503].tolist()),
+        "timeline": _timeline(t, ms, status, start, wall, bin_s),
+    }
+
+
+def scrape_metrics(url: str) -> dict[str, Any] | None:
+    """From the gateway's ``/metrics``: POST requests by status, and the latency histogram of
+    ``/v1/predict`` as the gateway measures it (from when its middleware sees a request)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    statuses: Counter = Counter()
+    rejected: Counter = Counter()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "sensai_requests_total" and s.labels.get("method") == "POST":
+                statuses[s.labels["status"]] += int(s.value)
+            elif s.name == "sensai_rejected_total":
+                rejected[s.labels.get("reason", "")] += int(s.value)
+            elif (s.name == "sensai_request_seconds_bucket"
+                  and s.labels.get("route") == PREDICT_ROUTE):
+                buckets[float(s.labels["le"])] = s.value
+    return {"status": statuses, "rejected": rejected, "buckets": buckets}
+
+
+def server_view(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """The gateway's own count of a phase's requests by status (``sensai_requests_total``,
+    which leaves out the requests turned away on arrival at ``max_requests``), of the requests
+    it turned away (``sensai_rejected_total`` by reason: on arrival or after waiting for the
+    predictor), and the histogram bucket its p50/p99 of ``/v1/predict`` fall in (``<=`` that
+    many ms)."""
+    if before is None or after is None:
+        return None
+    codes = after["status"] - before["status"]
+    rejected = after["rejected"] - before["rejected"]
+    les = sorted(after["buckets"])
+    counts = np.array([after["buckets"][le] - before["buckets"].get(le, 0.0) for le in les])
+    total = counts[-1] if len(counts) else 0.0
+
+    def at_most(q: float) -> float | None:
+        if not total:
+            return None
+        le = les[int(np.searchsorted(counts, q * total))]
+        return None if math.isinf(le) else round(le * 1e3, 3)
+
+    return {"status_counts": {k: v for k, v in sorted(codes.items())},
+            "rejected": dict(sorted(rejected.items())),
+            "predict_requests": int(total),
+            "predict_latency_ms_at_most": {"p50": at_most(0.5), "p99": at_most(0.99)}}
+
+
+def rss_growth(samples: Sequence[dict], phase: str, key: str,
+               window_s: float = LAST_WINDOW_S) -> dict[str, Any] | None:
+    """The phase's first sample (after warm-up) against the mean of its last ``window_s``
+    seconds; also its maximum, its last sample and a least-squares slope."""
+    sel = [s for s in samples if s["phase"] == phase]
+    if not sel:
+        return None
+    base, end = sel[0], sel[-1]
+    last = [s for s in sel if s["t"] >= end["t"] - window_s]
+    final = float(np.mean([s[key] for s in last]))
+    t = np.array([s["t"] for s in sel])
+    v = np.array([s[key] for s in sel])
+    slope = (float(np.polyfit(t, v, 1)[0]) * 60.0
+             if len(sel) >= 3 and np.ptp(t) > 0 else None)
+    return {"baseline_mb": base[key], "baseline_t": base["t"],
+            "last_window_s": round(min(window_s, end["t"] - base["t"]), 1),
+            "last_window_samples": len(last), "last_window_mean_mb": round(final, 2),
+            "last_mb": end[key], "max_mb": float(v.max()),
+            "growth_mb": round(final - base[key], 2),
+            "growth_pct": round((final - base[key]) / base[key] * 100, 3),
+            "slope_mb_per_min": None if slope is None else round(slope, 3),
+            "samples": len(sel)}
+
+
+def check_health(url: str, client: HttpClientProcess, expected: Sequence[int],
+                 n_images: int) -> dict[str, Any]:
+    """``/v2/health/ready`` and ``n_images`` sequential predictions against offline top-1."""
+    out: dict[str, Any] = {"ready_status": None, "predictions": 0, "correct": 0, "error": None}
+    try:
+        out["ready_status"] = httpx.get(f"{url}/v2/health/ready", timeout=10.0).status_code
+    except httpx.HTTPError as e:
+        out["error"] = f"/v2/health/ready: {type(e).__name__}: {e}"
+    try:
+        answers = client.sequential(url, range(n_images))
+        out["predictions"] = len(answers)
+        out["correct"] = sum(int(a[1] == expected[j]) for j, a in enumerate(answers))
+    except (RuntimeError, TimeoutError, EOFError, OSError) as e:
+        out["error"] = out["error"] or str(e)
+    out["healthy"] = (out["ready_status"] == 200 and out["predictions"] == n_images
+                      and out["correct"] == n_images)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+
+
+def _check(name: str, rule: str, value, limit, unit: str, met: bool | None,
+           conditions_met: bool, conditions: str) -> dict[str, Any]:
+    return {"name": name, "rule": rule, "value": value, "limit": limit, "unit": unit,
+            "met": met, "status": {True: "met", False: "not met", None: "not measured"}[met],
+            "conditions_met": conditions_met, "conditions": conditions}
+
+
+def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 12's targets, each met / not met / not measured with its value, and whether the run
+    was the one the target is stated for (otherwise the verdict is only indicative)."""
+    st, phases = result["settings"], result["phases"]
+    soak, over = phases.get("soak"), phases.get("overload", {})
+    growth = (soak or {}).get("rss", {}).get("gateway")
+    soak_cond = (st["soak_s"] >= SOAK_TARGET_S and st["concurrency"] == SOAK_TARGET_CONCURRENCY)
+    soak_text = (f"a soak of >= {SOAK_TARGET_S / 60:g} minutes at concurrency "
+                 f"{SOAK_TARGET_CONCURRENCY} (this run: {st['soak_s']:g} s at concurrency "
+                 f"{st['concurrency']})")
+    measured = over.get("requests") is not None
+    offered, asked = over.get("offered_rate_rps"), over.get("target_rate_rps")
+    over_cond = bool(measured and offered and asked and offered >= 0.9 * asked)
+    over_text = (f"the client offered >= 90 % of the rate asked (this run: "
+                 f"{offered if offered is not None else '-'} of {asked or '-'} requests/s)")
+    deadline_ms = st["gateway"]["deadline_s"] * 1e3
+    p99 = over.get("latency_ok_ms", {}).get("p99") if measured else None
+    health = result.get("health_after") or {}
+    checks = [
+        _check("soak_errors", "soak: 0 errors (answers other than 200, requests without an "
+               "answer)", soak["errors"] if soak else None, 0, "requests",
+               soak["errors"] == 0 if soak else None, soak_cond, soak_text),
+        _check("soak_rss_growth", f"soak: gateway RSS growth after warm-up < "
+               f"{RSS_GROWTH_LIMIT_PCT:g} % (mean of the last {LAST_WINDOW_S:g} s vs the first "
+               "sample after warm-up)", growth["growth_pct"] if growth else None,
+               RSS_GROWTH_LIMIT_PCT, "%",
+               growth["growth_pct"] < RSS_GROWTH_LIMIT_PCT if growth else None, soak_cond,
+               soak_text),
+        _check("overload_only_200_503", "overload: only 200 or 503 answers",
+               over.get("not_200_or_503") if measured else None, 0, "requests",
+               over["not_200_or_503"] == 0 if measured else None, over_cond, over_text),
+        _check("overload_admitted_p99", "overload: p99 of the admitted (200) requests within "
+               "the deadline", p99, deadline_ms, "ms", None if p99 is None else p99 <= deadline_ms,
+               over_cond, over_text),
+        _check("healthy_after_overload", "overload: healthy afterwards (/v2/health/ready 200 and "
+               "correct predictions)", health.get("healthy") if measured else None, True, "",
+               health.get("healthy") if measured else None, over_cond, over_text),
+    ]
+    met = [c["met"] for c in checks]
+    return {"checks": checks,
+            "all_met": all(met) if all(m is not None for m in met) else None,
+            "conditions_met": all(c["conditions_met"] for c in checks)}
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+class LoadRun:
+    """The running benchmark: the gateway, the client processes, the RSS sampler, the progress
+    bar; one method per step."""
+
+    def __init__(self, gateway: GatewayProcess, procs: list[HttpClientProcess], *,
+                 expected: list[int], concurrency: int, timeout_s: float, sample_s: float,
+                 bar, progress: bool):
+        self.gateway, self.procs, self.expected = gateway, procs, expected
+        self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
+        self.bar, self.progress = bar, progress
+        self.t0 = time.monotonic()
+        self.sampler = RssSampler(gateway.pid, self.t0, sample_s)
+        # Each client process starts at its own image, so they do not send the same ones.
+        n, k = len(expected), len(procs)
+        self.offsets = [int(o) for o in np.cumsum([0] + split(n, k))[:-1]]
+
+    def say(self, message: str) -> None:
+        if self.progress:
+            self.bar.write(message)
+
+    def drive(self, name: str, plans: list[dict[str, Any]],
+              seconds: float) -> list[dict[str, Any]]:
+        """Every client process's share of one phase, while the RSS is sampled and the gateway
+        watched; a dead gateway or client ends the run at once."""
+        bar, sampler, gateway = self.bar, self.sampler, self.gateway
+        bar.reset(total=round(seconds, 1))
+        bar.set_description(name)
+        self._show(sampler.sample(name))
+        with ThreadPoolExecutor(len(self.procs), thread_name_prefix="bench-load") as pool:
+            futures = [pool.submit(c.load, gateway.url, **plan)
+                       for c, plan in zip(self.procs, plans)]
+            t0 = time.monotonic()
+            try:
+                while True:
+                    timeout = min(0.5, max(0.01, sampler.next_due - time.monotonic()))
+                    done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+                    if sampler.due():
+                        self._show(sampler.sample(name))
+                    bar.n = round(min(seconds, time.monotonic() - t0), 1)
+                    bar.refresh()
+                    if not pending or any(f.exception() for f in done):
+                        break
+                    if not gateway.alive():
+                        raise SensaiError(f"the gateway exited with status "
+                                          f"{gateway.proc.returncode} during the {name}: "
+                                          f"{gateway.last_line()} (log: {gateway.log_path})")
+                try:
+                    outs = [f.result() for f in futures]
+                except (RuntimeError, EOFError, OSError, TimeoutError) as e:
+                    raise SensaiError(f"HTTP load client during the {name}: {e}") from None
+            except BaseException:
+                for c in self.procs:  # unblocks the threads waiting for their answers
+                    c.process.kill()
+                raise
+        self._show(sampler.sample(name))
+        return outs
+
+    def _show(self, sample: dict | None) -> None:
+        if sample is not None:
+            self.bar.set_postfix_str(f"gateway RSS {sample['rss_mb']:.1f} MB", refresh=False)
+
+    def phase(self, name: str, seconds: float, plans: list[dict]) -> dict[str, Any]:
+        for plan, first in zip(plans, self.offsets):
+            plan.update(seconds=seconds, expected=self.expected, timeout_s=self.timeout_s,
+                        first=first)
+        before = scrape_metrics(self.gateway.url)
+        outs = self.drive(name, plans, seconds)
+        rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
+        rep["duration_s"] = seconds
+        rep["server"] = server_view(before, scrape_metrics(self.gateway.url))
+        ok = rep["latency_ok_ms"]
+        self.say(f"{name}: {rep['requests']} requests, {rep['throughput_rps']} answered 200 per "
+                 f"second, status codes {rep['status_counts']}, p50/p99 of the 200s "
+                 f"{ok['p50']}/{ok['p99']} ms, wrong answers {rep['wrong']}")
+        rep["outs"] = outs
+        return rep
+
+    def closed(self, name: str, seconds: float) -> dict[str, Any]:
+        rep = self.phase(name, seconds, [{"concurrency": c} for c in
+                                         split(self.concurrency, len(self.procs))])
+        del rep["outs"]
+        rep["concurrency"] = self.concurrency
+        return rep
+
+    def overload(self, seconds: float, rate: float, connections: int,
+                 preopen: int) -> dict[str, Any]:
+        k = len(self.procs)
+        plans = [{"rate": rate / k, "connections": c, "preopen": min(c, o)}
+                 for c, o in zip(split(connections, k), split(preopen, k))]
+        rep = self.phase("overload", seconds, plans)
+        outs = rep.pop("outs")
+        # Every request due is sent, late if the client falls behind: the rate offered is the
+        # requests that left before the phase's end over its duration.
+        rep.update({"target_rate_rps": round(rate, 2),
+                    "offered_rate_rps": round(sum(o["sent_in_time"] for o in outs) / seconds, 2),
+                    "send_lag_ms": summarize([v for o in outs for v in o["lag_ms"]]),
+                    "connections_allowed": connections,
+                    "connections_opened": sum(o["connections"] for o in outs)})
+        self.say(f"overload: {rep['requests']} requests offered at {rep['offered_rate_rps']}/s "
+                 f"(asked {rep['target_rate_rps']}/s); {rep['connections_opened']} connections")
+        return rep
+
+    def health(self) -> dict[str, Any]:
+        """Right after the overload, and if that fails, again every second for a while."""
+        self.bar.set_description("health after the overload")
+        n = min(HEALTH_IMAGES, len(self.expected))
+        health = check_health(self.gateway.url, self.procs[0], self.expected, n)
+        health["recovered_after_s"] = 0.0 if health["healthy"] else None
+        t = time.monotonic()
+        while not health["healthy"] and time.monotonic() - t < RECOVERY_S \
+                and self.gateway.alive():
+            time.sleep(1.0)
+            if check_health(self.gateway.url, self.procs[0], self.expected, n)["healthy"]:
+                health["recovered_after_s"] = round(time.monotonic() - t, 2)
+                break
+        self.sampler.sample("after")
+        self.say(f"after the overload: ready {health['ready_status']}, {health['correct']}/"
+                 f"{health['predictions']} predictions agree with offline evaluation")
+        return health
+
+
+def run_load_bench(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    backend: str | None = None,
+    concurrency: int = 16,
+    clients: int = 2,
+    warmup_s: float = 30.0,
+    soak_s: float = 600.0,
+    overload_s: float = 60.0,
+    overload_factor: float = 4.0,
+    overload_rate: float | None = None,
+    overload_connections: int | None = None,
+    sample_s: float = 5.0,
+    deadline_s: float | None = None,
+    max_requests: int | None = None,
+    max_predictions: int | None = None,
+    env: dict[str, str] | None = None,
+    images: int = 200,
+    data_dir: str | None = None,
+    seed: int = 0,
+    startup_timeout_s: float = 180.0,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
+    load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
+
+    ``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``
+    (``SENSAI_*`` variables) are the gateway's settings; unset ones come from this process's
+    environment, as for ``sensai serve``.  ``clients`` processes share ``concurrency`` (soak) and
+    the overload's rate and connections.  ``overload_connections`` caps the overload's
+    connections (default: the gateway's ``max_requests`` plus the arrivals of one deadline,
+    within the open-file limit); ``max_requests + concurrency`` of them are opened before it
+    starts, more as they are needed.
+    """
+    check_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
+                   overload_s=overload_s, overload_factor=overload_factor,
+                   overload_rate=overload_rate, overload_connections=overload_connections,
+                   sample_s=sample_s, images=images, startup_timeout_s=startup_timeout_s)
+    gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
+                                       max_requests=max_requests,
+                                       max_predictions=max_predictions, env=dict(env or {}))
+    if overload_connections is not None:
+        check_open_files(overload_connections)
+    artifact = load_artifact(artifact_dir)
+    spec = artifact.spec.with_data_dir(data_dir)
+    check_dataset(spec)
+    out = Path(out_dir)
+    check_out_dir(out)
+    t_start = time.perf_counter()
+
+    imgs = load_test_images(spec, images, seed, png=True)
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
+    timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
+    settings = {
+        "backend": gs.backend, "concurrency": concurrency, "clients": clients,
+        "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
+        "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
+        "overload_connections": overload_connections, "sample_s": sample_s,
+        "images": len(imgs), "seed": seed, "request_timeout_s": timeout_s, "transport": "http",
+        "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions, "body_timeout_s": gs.body_timeout_s,
+                    "redundancy": gs.redundancy, "vote": gs.vote,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
+        "gateway_env": gateway_env,
+    }
+    result = envelope("sensai-bench-load", command=command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
+    gateway = GatewayProcess(artifact.root, port=free_port(), backend=backend,
+                             deadline_s=deadline_s, env=gateway_env,
+                             log_path=out / "gateway.log")
+    procs: list[HttpClientProcess] = []
+    phases: dict[str, Any] = {}
+    bar = progress_bar(progress, "bench-load")
+    bar.bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]"
+    run = None
+    try:
+        with sigterm_as_exit():
+            bar.set_description("starting the gateway")
+            gateway.launch()
+            procs = [HttpClientProcess(imgs.pngs) for _ in range(clients)]
+            gateway.wait_ready(startup_timeout_s)
+            run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
+                          timeout_s=timeout_s, sample_s=sample_s, bar=bar, progress=progress)
+            run.sampler.sample("startup")
+            run.say(f"gateway pid {gateway.pid} ready at {gateway.url} in {gateway.startup_s} "
+                    f"s; its output: {gateway.log_path}")
+            if warmup_s > 0:
+                phases["warmup"] = run.closed("warm-up", warmup_s)
+            phases["soak"] = soak = run.closed("soak", soak_s)
+            soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
+                           "with_descendants": rss_growth(run.sampler.samples, "soak",
+                                                          "tree_rss_mb")}
+            rate = overload_rate or overload_factor * (soak["throughput_rps"] or 0.0)
+            if rate > 0:
+                # Enough connections for every request to take up to the deadline.
+                cap = overload_connections or max(clients, min(
+                    gs.max_requests + math.ceil(rate * gs.deadline_s), files_per_process()))
+                phases["overload"] = run.overload(overload_s, rate, cap,
+                                                  min(cap, gs.max_requests + concurrency))
+                result["health_after"] = run.health()
+            else:
+                phases["overload"] = {"skipped": "the soak answered no request, so there is no "
+                                                 "rate to multiply; give --overload-rate"}
+            run.sampler.sample("after")
+    finally:
+        bar.close()
+        # The client processes and the gateway wind down side by side.
+        with ThreadPoolExecutor(len(procs) + 1, thread_name_prefix="bench-load-stop") as pool:
+            for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
+                stopping.result()
+    result["gateway"] = {"command": gateway.command(), "argv": gateway.argv,
+                         "env": gateway.env, "pid": gateway.pid, "url": gateway.url,
+                         "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
+                         "log": str(gateway.log_path)}
+    result["rss"] = {"unit": "MB (10^6 bytes)", "source": f"/proc/{gateway.pid}/status VmRSS",
+                     "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
+    result["phases"] = phases
+    result["targets"] = evaluate_targets(result)
+    finish(result, t_start)
+    write_outputs(out, "load", result, render_markdown(result), plot)
+    return result

@@ -1,0 +1,150 @@
+"""``sensai bench-load`` on a tiny artifact: a short soak and overload of a real ``sensai serve``
+process over real HTTP on 127.0.0.1, from real client processes.
+
+Only the shape of the outputs is checked - json keys, markdown tables, the plot, RSS samples in
+time order, status codes, the gateway process gone afterwards - never a timing or a target (the
+CPU is shared); and that bad arguments are refused in one line before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+PHASE_KEYS = {"start_s", "seconds", "duration_s", "requests", "status_counts", "ok", "errors",
+              "not_200_or_503", "no_answer", "failures", "wrong", "throughput_rps",
+              "latency_ms", "latency_ok_ms", "latency_rejected_ms", "timeline", "server"}
+TARGETS = ["soak_errors", "soak_rss_growth", "overload_only_200_503", "overload_admitted_p99",
+           "healthy_after_overload"]
+
+
+@pytest.fixture(scope="module")
+def load_run(tiny_artifact, tmp_path_factory):
+    from sensai.serving.bench.load import run_load_bench
+
+    out = tmp_path_factory.mktemp("load_out")
+    # A small gateway (16 requests in flight, 2 in the predictor), so the overload meets its
+    # limits with few connections.
+    result = run_load_bench(tiny_artifact, out, concurrency=2, clients=2, warmup_s=0.5,
+                            soak_s=3.0, overload_s=2.0, sample_s=0.5, images=12,
+                            deadline_s=2.0, max_requests=16, max_predictions=2,
+                            progress=False, command="test")
+    return out, result
+
+
+def test_outputs_are_written_and_well_formed(load_run):
+    from PIL import Image
+
+    out, result = load_run
+    on_disk = json.loads((out / "load.json").read_text())
+    assert on_disk["kind"] == "sensai-bench-load" and on_disk["command"] == "test"
+    for key in ("settings", "machine", "gateway", "rss", "phases", "health_after", "targets",
+                "offline_top1", "seconds"):
+        assert key in on_disk, key
+    st = on_disk["settings"]
+    assert st["concurrency"] == 2 and st["clients"] == 2 and st["soak_s"] == 3.0
+    assert st["gateway"]["deadline_s"] == 2.0 and st["gateway"]["max_requests"] == 16
+    assert st["gateway_env"] == {"SENSAI_MAX_REQUESTS": "16", "SENSAI_MAX_PREDICTIONS": "2"}
+    assert on_disk["gateway"]["argv"][2:4] == ["sensai", "serve"]
+    assert "--deadline 2" in on_disk["gateway"]["command"]
+    assert on_disk["machine"]["load_average"] and on_disk["machine"]["load_average_end"]
+    assert set(on_disk["phases"]) == {"warmup", "soak", "overload"}
+    for name, phase in on_disk["phases"].items():
+        assert PHASE_KEYS <= set(phase), name
+        assert phase["requests"] == sum(phase["status_counts"].values()) > 0
+        assert phase["timeline"] and all(b["seconds"] > 0 for b in phase["timeline"])
+        assert sum(b["answered"] for b in phase["timeline"]) == phase["requests"]
+        assert sum(b["sent"] for b in phase["timeline"]) == phase["requests"]
+    over = on_disk["phases"]["overload"]
+    assert {"target_rate_rps", "offered_rate_rps", "send_lag_ms", "connections_allowed",
+            "connections_opened"} <= set(over)
+    assert over["target_rate_rps"] == pytest.approx(
+        4.0 * on_disk["phases"]["soak"]["throughput_rps"], rel=0.01)
+    assert [c["name"] for c in on_disk["targets"]["checks"]] == TARGETS
+    for c in on_disk["targets"]["checks"]:  # reported, never asserted
+        assert c["status"] in ("met", "not met", "not measured") and c["rule"]
+        if c["name"].startswith("soak"):  # a 3 s soak is not the 10-minute one
+            assert c["conditions_met"] is False and "this run: 3 s" in c["conditions"]
+
+    md = (out / "load.md").read_text()
+    for text in ("## Targets", "## Phases", "## Gateway memory during the soak",
+                 "## Health after the overload", "| warm-up | closed loop, 2 in flight |",
+                 "| soak | closed loop, 2 in flight |", "| overload | open loop, ",
+                 "| gateway process |", "sensai_requests_total", "indicative"):
+        assert text in md, text
+    with Image.open(out / "load.png") as img:
+        assert img.format == "PNG" and img.size[0] > 600 and img.size[1] > 600
+    assert (out / "gateway.log").read_text().strip()
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_status_codes_are_200_or_503_and_answers_right(load_run):
+    _, result = load_run
+    for name, phase in result["phases"].items():
+        assert set(phase["status_counts"]) <= {"200", "503"}, (name, phase["status_counts"])
+        assert phase["wrong"] == 0 and not phase["failures"]
+    assert set(result["phases"]["soak"]["status_counts"]) == {"200"}
+    health = result["health_after"]
+    assert health["ready_status"] == 200
+    assert health["predictions"] == min(20, result["settings"]["images"])
+
+
+def test_rss_is_sampled_in_time_order(load_run):
+    _, result = load_run
+    samples = result["rss"]["samples"]
+    t = [s["t"] for s in samples]
+    assert len(samples) >= 8 and all(a < b for a, b in zip(t, t[1:]))
+    assert [s["phase"] for s in samples][0] == "startup"
+    assert {"warm-up", "soak", "overload", "after"} <= {s["phase"] for s in samples}
+    assert all(s["rss_mb"] > 10 and s["tree_rss_mb"] >= s["rss_mb"] for s in samples)
+    growth = result["phases"]["soak"]["rss"]["gateway"]
+    soak = [s for s in samples if s["phase"] == "soak"]
+    assert growth["samples"] == len(soak) >= 3
+    assert growth["baseline_mb"] == soak[0]["rss_mb"]
+    assert growth["growth_mb"] == pytest.approx(
+        growth["last_window_mean_mb"] - growth["baseline_mb"], abs=0.02)
+
+
+def test_the_gateway_process_is_gone(load_run):
+    _, result = load_run
+    pid = result["gateway"]["pid"]
+    assert result["gateway"]["exit_code"] == 0  # SIGTERM: drained and stopped
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(pid, 0)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
+    (["--clients", "3", "--concurrency", "2"], "--clients (3) must not exceed"),
+    (["--soak-seconds", "0"], "--soak-seconds must be a number > 0"),
+    (["--overload-factor", "-1"], "--overload-factor must be a number > 0"),
+    (["--warmup-seconds", "nan"], "--warmup-seconds must be a number >= 0"),
+    (["--env", "FOO=1"], "--env FOO: not a gateway setting"),
+    (["--env", "SENSAI_PORT=9000"], "set by the benchmark itself"),
+    (["--env", "SENSAI_MAX_REQUESTS"], "--env wants NAME=VALUE"),
+    (["--max-requests", "0"], "invalid gateway setting max_requests"),
+    (["--deadline", "0"], "invalid gateway setting deadline_s"),
+    (["--overload-connections", "100000000"], "ulimit -n"),
+])
+def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv, fragment):
+    from sensai.cli import main
+
+    out = tmp_path / "o"
+    assert main(["bench-load", str(tiny_artifact), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("sensai bench-load: error:")
+    assert not out.exists()  # refused before anything was started or written
+
+
+def test_a_missing_artifact_is_refused_in_one_line(tmp_path, capsys):
+    from sensai.cli import main
+
+    assert main(["bench-load", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sensai bench-load: error:") and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

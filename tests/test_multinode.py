@@ -1,0 +1,224 @@
+"""A Ray cluster of several nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``: each node its own
+raylet and object store), started by the tests and torn down afterwards.
+
+* the workers are spread over the nodes, the copies of every group on distinct nodes, and the
+  predictions equal offline evaluation's;
+* the artifact's files travel through Ray: workers need no shared filesystem;
+* a node lost with r = 1 loses no request, readiness holds (every group has a copy), and its
+  actors are placed again once a node has room;
+* a node lost with r = 0 gives a 503 naming the classes, until the actor is back.
+No timing thresholds: only the order of events is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from sensai.data import normalize
+from sensai.serving.build import build_predictor
+from sensai.serving.errors import SubnetFailed
+from tests.helpers import offline_scores, sample_images, wait_until
+
+pytestmark = pytest.mark.slow
+
+# Fast node-death detection, so a lost node is noticed in seconds rather than half a minute.
+SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                 "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
+N = 6
+
+
+@pytest.fixture(scope="module")
+def images(fmnist_test, fmnist_spec, tiny_artifact):
+    _, u8, _ = sample_images(fmnist_test, N, seed=9)
+    return {"x": normalize(u8, fmnist_spec).numpy(),
+            "offline": offline_scores(tiny_artifact, u8, fmnist_spec)}
+
+
+@pytest.fixture
+def cluster():
+    """A head node and two worker nodes of 1 CPU each, on 127.0.0.1; this process connects."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "_system_config": SYSTEM_CONFIG})
+    workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in ray.nodes())
+    try:
+        yield c, workers
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def node_of_workers(pred) -> list[str]:
+    return [w["node"] for w in pred.describe()["workers"]]
+
+
+def stream(pred, images, seconds_after: float, event, *, allow_partial: bool = False):
+    """Paced requests; ``event()`` runs after the third; goes on ``seconds_after`` more seconds.
+    Returns (answers or errors, in order)."""
+    async def go():
+        out, i, t_event = [], 0, None
+        while t_event is None or time.monotonic() - t_event < seconds_after:
+            try:
+                out.append(await pred.predict(images["x"][i % N][None],
+                                              allow_partial=allow_partial))
+            except SubnetFailed as e:
+                out.append(e)
+            if i == 2:
+                await asyncio.to_thread(event)
+                t_event = time.monotonic()
+            i += 1
+            await asyncio.sleep(0.05)
+        return out
+
+    return asyncio.run(go())
+
+
+def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, images):
+    pred = build_predictor(tiny_artifact, backend="ray", redundancy=1, device="cpu",
+                           deadline_s=60)
+    try:
+        d = pred.describe()
+        nodes = node_of_workers(pred)
+        assert len(set(nodes)) == 3, nodes  # every node hosts workers
+        for g, hosts in enumerate(d["hosts"]):
+            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
+        assert all(w["node"] == w["node_planned"] for w in d["workers"])
+        assert all(w["node_address"] == "127.0.0.1" for w in d["workers"])
+        preds = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(preds.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_workers_need_no_shared_filesystem(cluster, tiny_artifact, tmp_path, images):
+    """The artifact is read here and shipped through Ray: after its directory is gone, a worker
+    that Ray restarts loads its subnets again and answers."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    pred = build_predictor(art, backend="ray", device="cpu", deadline_s=60)
+    try:
+        shutil.rmtree(art)
+        old = pred.workers[2].pid
+        pred.kill_worker(2)
+        wait_until(lambda: pred.workers[2].restarts >= 1 and pred.worker_states()[2] == "up",
+                   180, "the killed worker to be restarted")
+        assert pred.workers[2].pid != old
+        out = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):
+    c, workers = cluster
+    pred = build_predictor(tiny_artifact, backend="ray", redundancy=1, device="cpu",
+                           deadline_s=60)
+    try:
+        victim = workers[0]
+        on_victim = [i for i, n in enumerate(node_of_workers(pred)) if n == victim.node_id]
+        assert on_victim
+        answers = stream(pred, images, 8.0, lambda: c.remove_node(victim, allow_graceful=False))
+        assert all(not isinstance(a, Exception) for a in answers), answers
+        for i, p in enumerate(answers):
+            assert not p.degraded
+            np.testing.assert_allclose(p.scores[0], images["offline"][i % N], atol=1e-4)
+        # Every group still has a live copy: ready, while the lost actors wait for room.
+        wait_until(lambda: all(pred.worker_states()[w] != "up" for w in on_victim), 60,
+                   "the lost node's workers to be marked down")
+        assert pred.is_ready()
+        c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
+        for w in on_victim:
+            assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
+        assert victim.node_id not in node_of_workers(pred) and pred.is_ready()
+        out = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_a_lost_node_with_r0_gives_503_naming_classes_then_recovers(cluster, tiny_artifact,
+                                                                    images, fmnist_spec):
+    c, workers = cluster
+    pred = build_predictor(tiny_artifact, backend="ray", device="cpu", deadline_s=60)
+    try:
+        victim = workers[1]
+        lost = [i for i, n in enumerate(node_of_workers(pred)) if n == victim.node_id]
+        assert lost
+        answers = stream(pred, images, 3.0, lambda: c.remove_node(victim, allow_graceful=False))
+        errors = [a for a in answers if isinstance(a, Exception)]
+        assert errors, "no request saw the lost node"
+        names = {fmnist_spec.classes[k] for w in lost for k in pred.groups[w]}
+        for e in errors:
+            assert set(e.missing_classes) <= names and e.status == 503
+        c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
+        for w in lost:
+            assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
+        assert pred.is_ready()
+        out = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_retraining_spreads_over_nodes_and_survives_a_lost_node(trained_model_dir, tmp_path):
+    """Decomposition's retraining tasks on a cluster whose head has no CPU for tasks: the two
+    subnets start on the two worker nodes; one node is lost while both run; its subnet is
+    retrained again on the other node and the artifact is complete."""
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from sensai.manifest import load_manifest
+    from sensai.pruning.decompose import DecomposeConfig, decompose
+    from tests.conftest import TINY_DECOMPOSE
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "_system_config": SYSTEM_CONFIG})
+    lost, kept = (c.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2))
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    try:
+        config = DecomposeConfig(**{**TINY_DECOMPOSE, "samples_per_subnet": 3000})
+        result: dict = {}
+
+        def run():
+            try:
+                result["manifest"] = decompose(trained_model_dir, tmp_path / "art", groups=2,
+                                               config=config, device="cpu", workers=2,
+                                               eval_limit=200)
+            except BaseException as e:  # reported by the assertion below
+                result["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        # Both CPUs busy: one retraining task on each worker node.
+        wait_until(lambda: ray.available_resources().get("CPU", 0) == 0 or not t.is_alive(),
+                   600, "both retraining tasks to run")
+        assert t.is_alive(), result
+        c.remove_node(lost)
+        t.join(900)
+        assert not t.is_alive() and "error" not in result, result
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    m = load_manifest(tmp_path / "art")
+    assert len(m.subnets) == 2 and m.retrain["ray"] is True
+    nodes = {m.retrain["subnets"][str(s.index)]["node"] for s in m.subnets}
+    assert nodes == {kept.node_id}, nodes  # the lost node's subnet was done again elsewhere
