@@ -13,6 +13,7 @@ No timing thresholds: only the order of events is asserted.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 
@@ -120,6 +121,28 @@ def test_workers_need_no_shared_filesystem(cluster, tiny_artifact, tmp_path, ima
         np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
     finally:
         pred.shutdown()
+
+
+def test_bench_robust_reports_each_workers_node(cluster, tiny_artifact, tmp_path):
+    """`sensai bench-robust --backend ray --ray-address ADDR` on the cluster: the report names
+    the node of every worker, and the copies of each group sit on distinct nodes."""
+    from sensai.cli import main
+
+    c, _ = cluster
+    out = tmp_path / "robust"
+    assert main(["bench-robust", str(tiny_artifact), "--out", str(out), "--backend", "ray",
+                 "--ray-address", c.address, "--redundancy", "1", "--scenarios", "none",
+                 "--images", "6", "--warmup", "1", "--rounds", "1", "--no-progress"]) == 0
+    result = json.loads((out / "robust.json").read_text())
+    assert result["settings"]["ray_address"] == c.address
+    nodes = result["worker_nodes"]["r=1"]
+    assert len(set(nodes)) == 3 and None not in nodes
+    copies: dict[int, set] = {}
+    for w, hosted in enumerate(result["placement"]["r=1"]):
+        for group in hosted:
+            copies.setdefault(group, set()).add(nodes[w])
+    assert all(len(v) == 2 for v in copies.values()), copies
+    assert "Workers' nodes" in (out / "robust.md").read_text()
 
 
 def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):

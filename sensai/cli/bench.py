@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="local",
                    help="where class parallel's workers run, as for 'sensai serve' (default: "
                         "%(default)s = worker threads; the baselines always run on threads)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the Ray cluster to run the workers on (default: "
+                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
@@ -83,7 +86,7 @@ def cmd_bench(args) -> int:
         args.artifact, args.out, workers=args.workers, replicas=args.replicas, images=args.images,
         warmup=args.warmup, concurrency=args.concurrency, requests=args.requests,
         rounds=args.rounds, strategies=args.strategies, transports=transports,
-        backend=args.backend, device=args.device,
+        backend=args.backend, ray_address=args.ray_address, device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
         command=command, progress=not args.no_progress)
     print(render_table(result))
@@ -99,7 +102,7 @@ def _command_line(args) -> str:
                ("--images", args.images, 200), ("--warmup", args.warmup, 20),
                ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
                ("--requests", args.requests, None), ("--backend", args.backend, "local"),
-               ("--threads", args.threads, 1),
+               ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),
                ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
                ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0))
     for flag, value, default in options:
@@ -137,6 +140,9 @@ def register_robust(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="local",
                    help="where the workers run: local (threads, the default serving path), "
                         "processes or ray (default: %(default)s)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the Ray cluster to run the workers on (default: "
+                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
                    metavar="SCENARIO", help=f"of {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--images", type=int, default=200,
@@ -173,7 +179,8 @@ def cmd_bench_robust(args) -> int:
 
     result = run_robust_bench(
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
-        scenarios=args.scenarios, backend=args.backend, images=args.images, warmup=args.warmup,
+        scenarios=args.scenarios, backend=args.backend, ray_address=args.ray_address,
+        images=args.images, warmup=args.warmup,
         rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
         interval_ms=args.interval_ms, vote=args.vote, deadline_s=args.deadline,
         restart_delay_s=args.restart_delay,
@@ -189,6 +196,7 @@ def cmd_bench_robust(args) -> int:
 def _argv_tail(args) -> list[str]:
     parts = [args.artifact, "--out", args.out, "--redundancy", *map(str, args.redundancy)]
     for flag, value, default in (("--backend", args.backend, "local"),
+                                 ("--ray-address", args.ray_address, None),
                                  ("--images", args.images, 200), ("--warmup", args.warmup, 20),
                                  ("--rounds", args.rounds, 5), ("--delay", args.delay, "exp:50ms"),
                                  ("--straggler", args.straggler, 0), ("--victim", args.victim, 1),

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def check_settings(*, workers, replicas, images, warmup, concurrency, requests, threads, rounds,
                    isolated_images, strategies: Sequence[str], transports: Sequence[str],
-                   runtime: str, backend: str) -> None:
+                   runtime: str, backend: str, ray_address: str | None = None) -> None:
     """Every setting checked before anything is loaded."""
     for name, v, low in (("--workers", workers, 1), ("--replicas", replicas, 1),
                          ("--images", images, 1), ("--warmup", warmup, 0),
@@ -69,6 +69,8 @@ def check_settings(*, workers, replicas, images, warmup, concurrency, requests, 
     if backend not in BACKENDS:
         raise SensaiError(f"unknown backend {backend!r} for the benchmark; choose one of "
                           f"{', '.join(BACKENDS)}")
+    if ray_address and backend != "ray":
+        raise SensaiError("--ray-address is for --backend ray")
 
 
 def run_bench(
@@ -85,6 +87,7 @@ def run_bench(
     strategies: Sequence[str] = STRATEGIES,
     transports: Sequence[str] = TRANSPORTS,
     backend: str = "local",
+    ray_address: str | None = None,
     device: str = "auto",
     runtime: str = "auto",
     threads: int = 1,
@@ -103,7 +106,8 @@ def run_bench(
     rounds, after ``warmup`` untimed requests per strategy and transport.  ``concurrency`` and
     ``requests`` (default: max(images, 4 x concurrency)): the throughput run.  ``backend``: where
     class parallel's workers run, as for ``sensai serve`` (the baselines always run on worker
-    threads).  ``threads``: intra-op threads of every worker's runner.  ``device``/``runtime``: as
+    threads); ``ray_address``: the Ray cluster of ``backend="ray"`` (each worker's node is
+    reported).  ``threads``: intra-op threads of every worker's runner.  ``device``/``runtime``: as
     for ``sensai serve`` (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
     ``isolated_images``: images on which each subnet is also timed alone.  ``transports``: any
     of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
@@ -113,7 +117,8 @@ def run_bench(
     check_settings(workers=workers, replicas=replicas, images=images, warmup=warmup,
                    concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
                    isolated_images=isolated_images, strategies=list(strategies or []),
-                   transports=list(transports or []), runtime=runtime, backend=backend)
+                   transports=list(transports or []), runtime=runtime, backend=backend,
+                   ray_address=ray_address)
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
     t_start = time.perf_counter()
@@ -142,7 +147,8 @@ def run_bench(
     settings = {"strategies": strategies, "transports": transports, "images": n,
                 "warmup": warmup, "rounds": rounds, "concurrency": concurrency,
                 "throughput_requests": n_requests, "stages": k, "replicas": r, "subnets": g,
-                "class_parallel_backend": backend, "threads_per_worker": threads,
+                "class_parallel_backend": backend, "ray_address": ray_address,
+                "threads_per_worker": threads,
                 "device": device, "device_resolved": resolved_device, "runtime": runtime,
                 "seed": seed, "batch": 1, "isolated_images": isolated_images}
     result = envelope("sensai-bench", command=command, artifact=artifact, spec=spec,
@@ -170,7 +176,8 @@ def run_bench(
             for key in strategies:
                 bar.set_description(f"load {key}")
                 s = build(recipes[key], artifact, backend=backend, device=device,
-                          runtime=runtime, threads=threads, settings=gateway)
+                          runtime=runtime, threads=threads, settings=gateway,
+                          ray_address=ray_address)
                 built.append(s)
                 result["strategies"][key] = s.info
             settings["runtime_resolved"] = sorted(

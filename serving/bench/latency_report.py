@@ -251,6 +251,12 @@ def render_markdown(result: dict) -> str:
                   f"{', '.join(p['boundaries']) or '-'} (MACs per stage "
                   f"{', '.join(human(x) for x in p['stage_macs'])}; at most "
                   f"{p['max_stages']} stages possible).", ""]
+    nodes = [w.get("node") for w in result["strategies"].get("class-parallel", {})
+             .get("per_worker", [])]
+    if len({n for n in nodes if n}) > 1:
+        lines += ["Class parallel's workers' nodes (Ray node id, first 8 characters): "
+                  + ", ".join(f"{i}: {n[:8] if n else '-'}" for i, n in enumerate(nodes)) + ".",
+                  ""]
     lines += _targets_section(result)
     busiest = max((s["workers"] for s in result["strategies"].values()), default=0)
     cores = m.get("usable_cores")

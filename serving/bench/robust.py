@@ -63,7 +63,7 @@ def config_key(r: int, hedge_ms: float) -> str:
 
 def check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
                    kill_at, rounds, groups: int, vote: bool, interval_ms: float,
-                   backend: str, runtime: str) -> None:
+                   backend: str, runtime: str, ray_address: str | None = None) -> None:
     if not redundancies:
         raise SensaiError("give at least one --redundancy")
     for r in redundancies:
@@ -88,6 +88,8 @@ def check_settings(redundancies, hedges, scenarios, images, warmup, delay, strag
     if backend not in BACKENDS:
         raise SensaiError(f"unknown backend {backend!r} for bench-robust; choose one of "
                           f"{', '.join(BACKENDS)}")
+    if ray_address and backend != "ray":
+        raise SensaiError("--ray-address is for --backend ray")
     if runtime not in RUNTIMES:
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
@@ -317,6 +319,7 @@ def run_robust_bench(
     hedges_ms: Sequence[float] = (0.0,),
     scenarios: Sequence[str] = SCENARIOS,
     backend: str = "local",
+    ray_address: str | None = None,
     images: int = 200,
     warmup: int = 20,
     rounds: int = 5,
@@ -345,7 +348,8 @@ def run_robust_bench(
     ``delay`` / are ended (at request ``kill_at`` x ``images``; in that scenario a request starts
     every ``interval_ms``, or right after the previous one if it took longer).
     ``restart_delay_s``: how long the predictor waits before restarting the dead worker
-    (stretches the outage).
+    (stretches the outage).  ``ray_address``: the Ray cluster of ``backend="ray"``; the node of
+    every worker is reported.
     """
     artifact = load_artifact(artifact_dir)
     g = len(artifact.groups)
@@ -353,7 +357,7 @@ def run_robust_bench(
     redundancies = sorted({int(r) for r in redundancies})
     hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
     check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
-                   kill_at, rounds, g, vote, interval_ms, backend, runtime)
+                   kill_at, rounds, g, vote, interval_ms, backend, runtime, ray_address)
     spec = artifact.spec.with_data_dir(data_dir)
     check_dataset(spec)
     out = Path(out_dir)
@@ -366,7 +370,7 @@ def run_robust_bench(
     configs = [(r, 0.0) for r in redundancies if r == 0] + [
         (r, h) for r in redundancies if r > 0 for h in hedges]
     settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
-                "backend": backend, "images": len(xs), "warmup": warmup, "rounds": rounds,
+                "backend": backend, "ray_address": ray_address, "images": len(xs), "warmup": warmup, "rounds": rounds,
                 "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
                 "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
                 "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
@@ -386,10 +390,13 @@ def run_robust_bench(
             preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
                                          vote=vote, device=device, runtime=runtime,
                                          threads=threads, deadline_s=deadline_s, hedge_ms=h,
-                                         restart_delay_s=restart_delay_s, seed=seed)
+                                         restart_delay_s=restart_delay_s, seed=seed,
+                                         ray_address=ray_address)
         result["placement"] = {k: [list(w) for w in p.placement.workers]
                                for k, p in preds.items()}
         result["worker_transport"] = {k: p.transport.describe() for k, p in preds.items()}
+        result["worker_nodes"] = {k: [w.get("node") for w in p.describe()["workers"]]
+                                  for k, p in preds.items()}
         with quiet_gc():
             measured = asyncio.run(_measure(
                 preds, scenarios, xs, refs, warmup=warmup, rounds=rounds, straggler=straggler,

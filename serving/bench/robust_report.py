@@ -50,6 +50,16 @@ def render_table(result: dict) -> str:
     return text_table(HEADER, table_rows(result))
 
 
+def _nodes(result: dict) -> list[str]:
+    """Which node each worker ran on (Ray), when there is more than one node."""
+    nodes = result.get("worker_nodes", {})
+    if len({n for ws in nodes.values() for n in ws if n}) < 2:
+        return []
+    return ["Workers' nodes (Ray node id, first 8 characters): " + "; ".join(
+        f"{key}: " + ", ".join(f"w{i} {(n or '-')[:8]}" for i, n in enumerate(ws))
+        for key, ws in nodes.items()) + ".", ""]
+
+
 def render_markdown(result: dict) -> str:
     st, m = result["settings"], result["machine"]
     backend = st.get("backend", "local")
@@ -76,6 +86,7 @@ def render_markdown(result: dict) -> str:
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end.  "
         f"Offline top-1 on these images: {result['offline_top1']}.",
         "",
+        *_nodes(result),
         md_table(HEADER, table_rows(result)),
         "",
         "answered/errors: requests answered / answered with an error (503 no live copy, 504 "

@@ -178,11 +178,11 @@ def prepare_class_parallel(artifact: Artifact, images: TestImages, *, device: st
 
 def _worker_fields(worker: dict, spec) -> dict[str, Any]:
     return {"device": worker.get("device"), "runtime": worker.get("runtime"),
-            "threads": spec.threads, "worker": worker.get("name")}
+            "threads": spec.threads, "worker": worker.get("name"), "node": worker.get("node")}
 
 
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
-          threads: int, settings: GatewaySettings) -> Strategy:
+          threads: int, settings: GatewaySettings, ray_address: str | None = None) -> Strategy:
     """Load one strategy's workers (blocking) under a memory probe."""
     key = recipe.key
     if key == "class-parallel":
@@ -195,7 +195,7 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
             predictor = build_predictor(
                 artifact.root, backend=backend, device=device, runtime=runtime,
                 threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
-                hang_timeout_s=settings.hang_timeout())
+                hang_timeout_s=settings.hang_timeout(), ray_address=ray_address)
             described = predictor.describe()["workers"]
         else:
             workers = WorkerSet(recipe.names, recipe.specs)
