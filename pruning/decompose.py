@@ -26,7 +26,6 @@ import copy
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -41,6 +40,7 @@ from tqdm.auto import tqdm
 
 from sensai.artifact import load_artifact
 from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
+from sensai.cores import usable_cores
 from sensai.data import DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split, \
     normalize, resolve_dataset, stratified_subset
 from sensai.errors import CheckpointError, SensaiError
@@ -55,6 +55,7 @@ from sensai.models import count_params, select_device
 from sensai.raycluster import connect, error_text
 
 from .apoz import ChannelStats, collect_activation_stats
+from .grouping import group_classes, penultimate_features, plot_grouping
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
@@ -363,8 +364,6 @@ class _Stages:
 
 
 def _stage_grouping(layout, model, spec, train, n_groups, cfg, device) -> tuple[list[list[int]], dict, bool]:
-    from .grouping import group_classes, penultimate_features, plot_grouping
-
     saved = _read_json(layout.grouping_json)
     if saved and saved.get("n_groups") == n_groups and saved.get("groups"):
         groups = [[int(c) for c in g] for g in saved["groups"]]
@@ -645,7 +644,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                    "config": config.to_dict()}
     _prepare_out(layout, fingerprint, force)
     if workers is None:
-        workers = (torch.cuda.device_count() if dev.type == "cuda" else os.cpu_count()) or 1
+        workers = (torch.cuda.device_count() if dev.type == "cuda" else usable_cores()) or 1
     stages = _Stages(layout.stages)
     example = torch.zeros(1, *spec.input_shape)
     orig_params = count_params(model)

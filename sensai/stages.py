@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .errors import SensaiError
+from .export import INPUT_NAME, OUTPUT_NAME, ExportError
 from .fsutil import atomic_path
 
 log = logging.getLogger(__name__)
@@ -378,12 +381,7 @@ def export_stage_onnx(module: nn.Module, example: torch.Tensor, path: str | Path
     real images); the file is run with ONNX Runtime and compared with torch on it before it is
     kept, as :mod:`sensai.export` does for subnets. Returns the max absolute difference.
     """
-    import warnings
-
-    import numpy as np
-    import onnxruntime as ort
-
-    from .export import INPUT_NAME, OUTPUT_NAME, ExportError
+    import onnxruntime as ort  # only the model-parallel baseline's export needs it
 
     path = Path(path)
     module = module.eval()

@@ -6,7 +6,8 @@ can exhaust it or stall the others.
 * at most half of those slots may be waiting for the rest of a request body at a time (a body
   that comes with its headers never waits), and a body must arrive within ``body_timeout_s``
   (408), so clients trickling bodies cannot hold every slot;
-* image decoding runs in threads, at most one per core at a time;
+* image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
+  time;
 * at most ``max_predictions`` requests are in the predictor; the others wait for a place, but no
   longer than their request's deadline, which starts when the request arrives (503 when it runs
   out while waiting, 504 when the subnets are late);
@@ -21,8 +22,9 @@ Everything here runs on the event loop, so plain counters need no lock.
 from __future__ import annotations
 
 import asyncio
-import os
 from contextlib import asynccontextmanager
+
+from sensai.cores import usable_cores
 
 from .errors import Overloaded, RequestTimeout
 
@@ -38,7 +40,7 @@ class Admission:
         self.requests = 0
         self.receiving = 0
         self.predicting = asyncio.Semaphore(max_predictions)
-        self.decoding = asyncio.Semaphore(decode_slots or os.cpu_count() or 1)
+        self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.waiting = 0
         self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
@@ -92,13 +94,15 @@ class Admission:
     async def body(self, deadline: float):
         """Reading one request body, within the body time limit."""
         loop = asyncio.get_running_loop()
-        until = min(deadline, loop.time() + self.body_timeout_s)
+        by_body = loop.time() + self.body_timeout_s
+        until = min(deadline, by_body)
         try:
             async with asyncio.timeout_at(until):
                 yield
         except TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive in time (limit "
-                                 f"{self.body_timeout_s:g} s)") from None
+            limit = (f"the body timeout of {self.body_timeout_s:g} s" if by_body <= deadline
+                     else f"the request's deadline of {self.deadline_s:g} s")
+            raise RequestTimeout(f"the request body did not arrive in time ({limit})") from None
 
     @asynccontextmanager
     async def slot(self, sem: asyncio.Semaphore, deadline: float, what: str):

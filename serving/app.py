@@ -77,6 +77,7 @@ class Gateway:
     admission: Admission
     version: str
     max_pixels: int
+    max_decoded_bytes: int
 
 
 # Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
@@ -102,7 +103,8 @@ class GatewayMiddleware:
         self.gw = gateway
 
     async def _reply(self, send, status: int, message: str, rid: str, extra=()) -> None:
-        body = json_bytes({"error": message, "status": status, "request_id": rid})
+        body = json_bytes({"error": message, "status": status, "request_id": rid,
+                           "subnet": None, "missing_classes": None})  # ErrorResponse's shape
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"x-request-id", rid.encode()), *extra]})
@@ -281,7 +283,7 @@ async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
 async def decode(gw: Gateway, data: bytes, deadline: float) -> np.ndarray:
     """Image bytes -> the model's input; a thumbnail inline, anything larger in a thread, at
     most one per core at a time."""
-    spec, limit, max_bytes = gw.predictor.spec, gw.max_pixels, gw.settings.max_decoded_bytes
+    spec, limit, max_bytes = gw.predictor.spec, gw.max_pixels, gw.max_decoded_bytes
     if len(data) <= INLINE_DECODE_BYTES:
         img = open_image(data, limit, max_bytes)  # the header only: bounded by the byte count
         if img.size[0] * img.size[1] <= INLINE_DECODE_PIXELS:
@@ -381,7 +383,8 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                           body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s,
                           max_lag_s=settings.max_loop_lag_s)
     gw = Gateway(predictor, settings, GatewayMetrics(), admission, version,
-                 settings.image_pixels(predictor.spec.input_shape))
+                 settings.image_pixels(predictor.spec.input_shape),
+                 settings.decoded_bytes(predictor.spec.input_shape))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -496,7 +499,8 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         body = await read_body(request, gw, image=False)
         args = (body, request.headers.get("content-encoding"), gw.settings.max_body_bytes,
                 request.headers.get(oip.HEADER_LENGTH))
-        if len(body) <= INLINE_PARSE_BYTES:
+        # A compressed body's parse cost is that of what it expands to: never inline.
+        if len(body) <= INLINE_PARSE_BYTES and not request.headers.get("content-encoding"):
             req = oip.decode_request(*args)
         else:
             async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):

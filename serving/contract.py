@@ -16,10 +16,6 @@ if TYPE_CHECKING:
     from sensai.data import DatasetSpec
 
 
-def subnet_name(index: int) -> str:
-    return f"subnet_{index:02d}"
-
-
 @dataclass
 class Prediction:
     """Scores ``[B, N]`` (rows sum to 1) and where the time went.

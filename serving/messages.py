@@ -3,7 +3,7 @@ pipe to a process, a Ray call).  Small, picklable, immutable.
 
 To a worker: :class:`Run` (compute groups of one request, in order), :class:`Skip` (do not
 compute these groups of a request, or none of it), :class:`Fault` (fault injection),
-:class:`Ping`.  From a worker: :class:`Output`, :class:`Failure`, :class:`Done` (the request's
+:class:`Ping`, :class:`Shutdown`.  From a worker: :class:`Output`, :class:`Failure`, :class:`Done` (the request's
 run is over), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
 """
 
@@ -41,6 +41,12 @@ class Fault:
 @dataclass(frozen=True, slots=True)
 class Ping:
     token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Ends a worker process's loop (a worker thread gets :class:`~.worker_core.Stop` on its run
+    queue instead, which carries a callback and so never crosses a pipe)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,12 +30,12 @@ from typing import Sequence
 
 import numpy as np
 
-from sensai.artifact import Artifact
+from sensai.artifact import Artifact, subnet_name
 from sensai.errors import SensaiError
 from sensai.merge import Merger, merge_outputs
 from sensai.models import device_for_worker
 
-from .contract import Prediction, subnet_name
+from .contract import Prediction
 from .decoder import CoverageDecoder
 from .errors import SubnetFailed, SubnetTimeout
 from .faults import DelaySpec, parse_delay

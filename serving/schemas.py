@@ -63,7 +63,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": desc} for code, desc in (
         (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf, out of range)"),
         (404, "unknown model or version"),
-        (408, "the request body did not arrive within SENSAI_BODY_TIMEOUT_S"),
+        (408, "the request body did not arrive within SENSAI_BODY_TIMEOUT_S or the request's "
+              "deadline, whichever came first"),
         (413, "body over the size limit, or an image over the pixel or decoded-bytes limit"),
         (415, "unsupported image format or content encoding"),
         (422, "invalid query parameter"),

@@ -23,8 +23,10 @@ class GatewaySettings(BaseSettings):
     max_image_pixels: int | None = Field(
         None, ge=1, description="width x height limit of an uploaded image (default: 4096 x the "
                                 "model's input pixels, between 4 and 25 million)")
-    max_decoded_bytes: int = Field(64 << 20, ge=1024, description="memory an uploaded image may "
-                                   "take decoded (width x height x bytes per pixel)")
+    max_decoded_bytes: int | None = Field(
+        None, ge=1024, description="memory an uploaded image may take decoded (width x height x "
+                                   "bytes per pixel; default: 4 bytes per pixel of the image "
+                                   "size limit, an 8-bit RGBA picture of the largest size)")
     max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
                               "metrics excepted); beyond it: 503 with Retry-After")
     max_predictions: int = Field(32, ge=1, description="requests in the predictor at once; the "
@@ -62,6 +64,13 @@ class GatewaySettings(BaseSettings):
             return self.max_image_pixels
         _, h, w = input_shape
         return int(min(25_000_000, max(4_000_000, 4096 * h * w)))
+
+    def decoded_bytes(self, input_shape) -> int:
+        """The decoded-memory limit of one uploaded image: as set, or what the largest allowed
+        picture takes as 8-bit RGBA (deeper or larger-per-pixel modes then get fewer pixels)."""
+        if self.max_decoded_bytes is not None:
+            return self.max_decoded_bytes
+        return 4 * self.image_pixels(input_shape)
 
     def hang_timeout(self) -> float:
         return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)

@@ -17,11 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sensai.artifact import load_artifact, verify_file
+from sensai.artifact import load_artifact, subnet_name, verify_file
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import sha256_file
-
-from .contract import subnet_name
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +236,7 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
                 model_config(name, backend, inp, o, max_batch_size=mbs, instance_kind=kind,
                              gpu=gpu, threads=threads), encoding="utf-8")
             names.append(name)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the repository from a non-root server
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -10,10 +10,12 @@ a SIGKILL of the gateway, by the next start (:func:`sweep_stale_workdirs`).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -57,6 +59,11 @@ def sweep_stale_workdirs(root: str | Path | None = None) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
+
+
+def set_parent_death_signal() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL) in the calling process (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -189,8 +196,10 @@ class TritonServerProcess:
         cmd = self.command()
         log.info("starting %s", " ".join(cmd))
         self._log = open(self.log_path, "wb")
+        # Without setpriv the child sets its parent-death signal itself, between fork and exec.
+        pre = set_parent_death_signal if not SETPRIV and sys.platform == "linux" else None
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self._env(), start_new_session=True)
+                                     env=self._env(), start_new_session=True, preexec_fn=pre)
         deadline = time.monotonic() + self.startup_timeout_s
         try:  # an interrupted or failed start leaves no server and no directory behind
             while time.monotonic() < deadline:

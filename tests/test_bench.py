@@ -305,6 +305,11 @@ def test_targets_of_another_model_are_not_reported(short_run):
     (gone,) = [c for s in evaluate_targets(no_acc)["sets"] for c in s["checks"]
                if c["name"] == "accuracy_loss_points"]
     assert gone["met"] is None and "top-1" in gone["why_not_measured"]
+    # What `sensai demo` prints: the demo model's own targets only.
+    as_demo["targets"] = evaluate_targets(as_demo)
+    printed = render_table(as_demo, model_targets_only=True)
+    assert "<= 0.7 x p50(single device)" in printed and "points" in printed
+    assert "bare GET" not in printed and "bare GET" in render_table(as_demo)
 
     # A table extended with another model's set: never reported for this one.
     table = (*TARGET_SETS,

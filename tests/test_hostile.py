@@ -12,7 +12,6 @@ import asyncio
 import gzip
 import io
 import json
-import os
 import re
 import socket
 import struct
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sensai.cores import usable_cores
 from sensai.data import normalize
 from sensai.serving.admission import Admission
 from sensai.serving.build import build_predictor
@@ -163,6 +163,19 @@ def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
         server.stop()
 
 
+def test_the_decoded_bytes_default_follows_the_models_input_size():
+    """Unset, the budget is an 8-bit RGBA picture of the pixel limit, which itself follows the
+    model's input size; either can be set."""
+    from sensai.serving.settings import GatewaySettings
+
+    s = GatewaySettings()
+    assert s.image_pixels((1, 28, 28)) == 4_000_000
+    assert s.decoded_bytes((1, 28, 28)) == 16_000_000
+    assert s.decoded_bytes((3, 64, 64)) == 4 * 4096 * 64 * 64  # 16.8 Mpx, under the 25 Mpx cap
+    assert GatewaySettings(max_image_pixels=10_000).decoded_bytes((1, 28, 28)) == 40_000
+    assert GatewaySettings(max_decoded_bytes=5000).decoded_bytes((1, 28, 28)) == 5000
+
+
 def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -184,7 +197,7 @@ def test_a_burst_of_large_legal_images_keeps_memory_bounded(client, good):
     statuses = [r.status_code for r in asyncio.run(burst())]
     assert set(statuses) <= {200, 503} and statuses.count(200) >= 1, statuses
     growth = peak_rss_mb() - base
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     assert growth < 150 * cores + 100, f"peak RSS grew by {growth:.0f} MB"
     still_serving(client, good)
 
@@ -200,10 +213,24 @@ def ztxt_thumbnail(chunks: int) -> bytes:
 
 
 def test_text_chunks_are_bounded_and_health_answers_meanwhile(client, good):
-    bomb = ztxt_thumbnail(200)
-    assert len(bomb) < 1_000_000
-    r = client.post("/v1/predict", content=bomb)
-    assert_json_error(r, 400)
+    """A thumbnail small enough to be decoded inline, carrying 60 zTXt chunks of 1 MiB of text
+    each: their decompression is cut short at the first chunk (400), instead of 60 MiB of zlib
+    on the event loop, and a health check sent meanwhile is answered first."""
+    bomb = ztxt_thumbnail(60)
+    assert len(bomb) < 64 * 1024  # the inline path
+
+    async def race():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
+            heavy = [asyncio.ensure_future(c.post("/v1/predict", content=bomb))
+                     for _ in range(8)]
+            await asyncio.sleep(0.01)
+            health = await c.get("/v2/health/live")
+            return health, await asyncio.gather(*heavy)
+
+    health, answers = asyncio.run(race())
+    assert health.status_code == 200
+    for r in answers:
+        assert_json_error(r, 400, "text")
     still_serving(client, good)
 
 
@@ -224,6 +251,37 @@ def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
     health, health_first, heavy = asyncio.run(race())
     assert health.status_code == 200 and heavy.status_code == 200, heavy.text
     assert health_first, "the health check waited for the heavy request"
+
+
+def test_a_compressed_tensor_is_parsed_off_the_event_loop(client, good, monkeypatch):
+    """A few KB of gzip can expand to megabytes of JSON: the parse goes to a thread whatever the
+    compressed size, while a small plain body is still parsed inline."""
+    from sensai.serving import oip
+
+    where = []
+    real = oip.decode_request
+
+    def spy(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            where.append("event loop")
+        except RuntimeError:
+            where.append("thread")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oip, "decode_request", spy)
+    zeros = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [64, 1, 28, 28],
+                         "data": [0.0] * (64 * 28 * 28)}]}
+    body = json.dumps(zeros).encode()
+    packed = gzip.compress(body)
+    assert len(packed) < 16_000 < 200_000 < len(body)
+    r = v2(client, packed, **{"Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    x = good["x"][:1]
+    small = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                    "data": x.ravel().tolist()}]}).encode()
+    assert v2(client, small).status_code == 200
+    assert where == ["thread", "event loop"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,31 +350,51 @@ def test_the_deadline_covers_waiting_for_a_prediction_slot(tiny_artifact, good):
         server.stop()
 
 
-def test_a_slow_body_gets_408_and_does_not_block_others(tiny_artifact, good):
+def read_response(s: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of one HTTP/1.1 response read off a raw socket."""
+    s.settimeout(30)
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(rest) < length:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return int(head.split()[1]), json.loads(rest[:length])
+
+
+def test_slow_bodies_get_408_hold_at_most_half_the_slots_and_block_nobody(tiny_artifact, good):
+    """Five slow-loris clients (headers, part of the body, then nothing) against 8 request
+    slots: four may wait for their bodies (half the slots) and get a 408 when the body timeout
+    runs out, the fifth gets a 503 at once, and a normal request is served meanwhile."""
     pred = build_predictor(tiny_artifact, device="cpu")
     server = start_gateway(pred, body_timeout_s=1.0, max_requests=8)
     try:
-        host, port = "127.0.0.1", server.port
         slow = []
-        for _ in range(3):  # slow-loris clients: headers, part of the body, then nothing
-            s = socket.create_connection((host, port))
+        for _ in range(5):
+            s = socket.create_connection(("127.0.0.1", server.port))
             s.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
                       b"Content-Length: 5000\r\n\r\n" + good["png"][:100])
             slow.append(s)
         with httpx.Client(base_url=server.url, timeout=60) as c:
             r = c.post("/v1/predict", content=good["png"])  # served meanwhile
             assert r.status_code == 200, r.text
+        answers = [read_response(s) for s in slow]
         for s in slow:
-            s.settimeout(30)
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                answer += chunk
-            head, _, rest = answer.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 408"), head
             s.close()
+        assert sorted(status for status, _ in answers) == [408] * 4 + [503], answers
+        for status, body in answers:
+            assert body["status"] == status
+            if status == 408:
+                assert "body timeout of 1 s" in body["error"], body
+            else:
+                assert "sending their bodies" in body["error"], body
     finally:
         server.stop()
 

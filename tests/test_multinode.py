@@ -48,11 +48,20 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-        "_system_config": SYSTEM_CONFIG})
-    workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
-    c.wait_for_nodes()
+    for attempt in (1, 2):
+        # Ray gives a raylet a fixed 30 s to register; on a loaded 2-core machine, right after
+        # the previous test's cluster went down, that is sometimes too short: start over once.
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False,
+                       _system_config=SYSTEM_CONFIG)
+            workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+            c.wait_for_nodes()
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
     ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
     assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in ray.nodes())
     try:

@@ -26,7 +26,7 @@ from sensai.serving.decoder import CoverageDecoder
 from sensai.serving.faults import parse_delay
 from sensai.serving.placement import check_redundancy, cyclic_placement, group_hosts
 from tests.helpers import (free_port, local_ray, offline_scores, png, predict_all, sample_images,
-                           wait_for_server)
+                           wait_for_server, wait_until)
 
 N = 8
 BACKENDS = ("local", "processes", "ray")
@@ -242,6 +242,28 @@ def test_straggler_is_overtaken_by_its_copy(r1, images):
     for i, p in enumerate(preds):
         np.testing.assert_allclose(p.scores[0], images["offline"][i], atol=ATOL)
     assert r1.describe()["workers"][2].get("injected_delay") is None
+
+
+def test_r2_answers_with_two_workers_dead(backend, tiny_artifact, images):
+    """r = 2: every group on three workers; with two neighbouring workers killed (and kept down
+    by a long restart delay) every group still has a copy up, so every answer is whole and equal
+    to offline evaluation."""
+    pred = make(tiny_artifact, backend, redundancy=2, restart_delay_s=60.0)
+    try:
+        assert pred.describe()["placement"] == [[w, (w + 1) % 5, (w + 2) % 5] for w in range(5)]
+        pred.kill_worker(1)
+        pred.kill_worker(2)
+        wait_until(lambda: [s != "up" for s in pred.worker_states()[1:3]] == [True, True], 60,
+                   "both deaths to be noticed")
+        preds = predict_all(pred, images["x"])
+        for i, p in enumerate(preds):
+            assert not p.degraded
+            np.testing.assert_allclose(p.scores[0], images["offline"][i], atol=ATOL)
+            assert not {"worker_01", "worker_02"} & set(p.answered_by.values())
+        # Subnet 02 lives on workers 0, 1 and 2: only worker 0 is left to answer it.
+        assert {p.answered_by["subnet_02"] for p in preds} == {"worker_00"}
+    finally:
+        pred.shutdown()
 
 
 def test_vote_mode_outvotes_a_corrupting_worker(backend, tiny_artifact, images):

@@ -42,14 +42,23 @@ def test_deploy_configs_follow_ray_serve_schema():
 def test_kuberay_exposes_only_the_serving_port():
     docs = list(yaml.safe_load_all(KUBERAY_YAML.read_text()))
     service, policy = docs
-    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
-    ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
-    assert ports == {"gcs": 6379, "serve": 8000}
-    assert policy["kind"] == "NetworkPolicy"
-    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": "sensai"}
-    open_rule, internal_rule = policy["spec"]["ingress"]
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert ports == {"serve": 8000}
+    label = {"app.kubernetes.io/part-of": "sensai"}
+    # The policy selects a label the pods really carry (head and every worker group).
+    assert head["metadata"]["labels"] == label
+    assert all(w["template"]["metadata"]["labels"] == label for w in cluster["workerGroupSpecs"])
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["podSelector"]["matchLabels"] == label
+    open_rule, internal_rule, operator_rule = policy["spec"]["ingress"]
     assert open_rule == {"ports": [{"port": 8000}]}  # the only port open to everyone
-    assert "ports" not in internal_rule and internal_rule["from"]  # the rest: named peers only
+    assert "ports" not in internal_rule and internal_rule["from"] == [{"podSelector": {
+        "matchLabels": label}}]
+    # The operator reaches the dashboard (serveConfigV2 goes through it), and nothing else.
+    assert [p["port"] for p in operator_rule["ports"]] == [8265, 52365]
+    assert operator_rule["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kuberay-operator"}
 
 
 def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):

@@ -52,6 +52,7 @@ def test_export_writes_a_valid_onnxruntime_repository(tiny_artifact, tmp_path):
     names = export_triton_repo(tiny_artifact, out, max_batch_size=16)
     assert names == [f"sensai_subnet_{i:02d}" for i in range(5)]
     assert sorted(p.name for p in out.iterdir()) == names
+    assert out.stat().st_mode & 0o777 == 0o755  # readable by a non-root tritonserver
     for s, name in zip(manifest.subnets, names):
         cfg = _config(out / name / "config.pbtxt")  # parses as Triton's own ModelConfig
         assert cfg.name == name and cfg.backend == "onnxruntime" and cfg.max_batch_size == 16

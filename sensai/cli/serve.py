@@ -239,7 +239,8 @@ def cmd_predict(args) -> int:
     artifact = load_artifact(args.artifact)
     # The image is checked before any subnet is loaded.
     x = decode_image(path.read_bytes(), artifact.spec,
-                     settings.image_pixels(artifact.spec.input_shape), settings.max_decoded_bytes)
+                     settings.image_pixels(artifact.spec.input_shape),
+                     settings.decoded_bytes(artifact.spec.input_shape))
     predictor = build_predictor(args.artifact, backend=settings.backend, device=settings.device,
                                 runtime=settings.runtime, threads=settings.threads_per_worker,
                                 name=settings.model_name, deadline_s=settings.deadline_s,

@@ -82,10 +82,16 @@ def accuracy_line(result: dict) -> str:
             f"{fmt(s['flops_ratio'])}x fewer MACs than the original")
 
 
-def render_table(result: dict) -> str:
+def render_table(result: dict, *, model_targets_only: bool = False) -> str:
+    """The console summary; ``model_targets_only``: only the target sets named for the
+    artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result)]
-    for c in all_checks(result.get("targets", {})):
+    targets = result.get("targets", {})
+    if model_targets_only:
+        targets = {**targets, "sets": [s for s in targets.get("sets", [])
+                                       if s["models"] != "every model"]}
+    for c in all_checks(targets):
         why = f" ({c['why_not_measured']})" if c["why_not_measured"] else ""
         parts.append(f"target {c['rule']} ({c['transport']}): {fmt(c['value'], 3)} -> "
                      f"{c['status'].upper()}{why}")

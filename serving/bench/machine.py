@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import onnxruntime as ort
 import torch
 
+from sensai.cores import usable_cores
+
 log = logging.getLogger(__name__)
 
 VERSIONED = ("torch", "onnxruntime", "numpy", "ray", "fastapi", "uvicorn", "httpx", "onnx",
@@ -75,10 +77,7 @@ def machine_description() -> dict[str, Any]:
     for line in (_read("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
             mem_total = round(int(line.split()[1]) / 1024 ** 2, 1)
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
+    usable = usable_cores()
     gpus, cuda = _gpus()
     versions = {"python": platform.python_version()}
     for pkg in VERSIONED:

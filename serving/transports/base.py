@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from ..contract import subnet_name
+from sensai.artifact import subnet_name
 
 if TYPE_CHECKING:
     from ..faults import DelaySpec

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..messages import Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Ready, Run, Skip
+from ..messages import (Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Ready, Run, Shutdown,
+                        Skip)
 from ..worker_core import Stop, WorkerCore
 from .base import TOKENS, Capabilities, Sink, WorkerHandle
 
@@ -59,8 +60,10 @@ def process_main(rx, tx, hosted: list, fault: Fault, seed: int) -> None:
                 core.fault(msg)
             elif type(msg) is Ping:
                 runs.put(Stop(reply=partial(emit, Pong(msg.token))))
-            else:  # stop
+            elif type(msg) is Shutdown:
                 break
+            else:  # a bug on the predictor's side: die, so the supervisor sees it
+                raise TypeError(f"unexpected message {type(msg).__name__} to a worker process")
     except (EOFError, OSError, KeyboardInterrupt):
         pass
 
@@ -140,7 +143,7 @@ class ProcessWorker(WorkerHandle):
     def stop(self, timeout: float = 5.0) -> None:
         proc, inc = self.process, self._inc
         if inc is not None:
-            inc.send_q.put("stop")
+            inc.send_q.put(Shutdown())
             inc.send_q.put(None)
         if proc is not None:
             proc.join(timeout)
