@@ -100,3 +100,20 @@ def share(total: float, parts: int) -> float:
     """An even share of ``total`` for ``parts`` claimants that always fits: Ray adds up
     fractional resources, and 3 x round(2/3, 2) = 2.01 > 2 never schedules."""
     return max(0.01, int(total / parts * 100) / 100)
+
+
+def local_raylet_pid(node_id: str) -> int | None:
+    """The pid of node ``node_id``'s raylet when it runs on this machine (a loopback cluster),
+    else None; read from ``/proc`` (Linux)."""
+    want = f"--node_id={node_id}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"/raylet") and want in argv:
+            return int(entry)
+    return None

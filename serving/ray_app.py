@@ -13,8 +13,12 @@ deploy/ray-serve.yaml``, ``serve deploy`` and KubeRay's ``serveConfigV2`` call w
   :func:`sensai.serving.app.create_app`'s routes.
 
 Only the small raw subnet outputs travel back through handles; the merge runs in the gateway.
-The artifact directory must be readable at the same path on every node that runs a replica
-(shared filesystem, or baked into the container image).
+On a cluster of several nodes the worker deployments are spread over the nodes, the copies of a
+group on distinct nodes (as the Ray actor transport does).  The artifact directory must be
+readable at the same path on every node that runs a replica (shared filesystem, or baked into
+the container image): Serve rebuilds replicas long after the process that deployed the app is
+gone, so the files cannot travel as objects of that process; a replica that cannot read them
+fails with an error that names its node.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.raycluster import share
+from sensai.raycluster import alive_nodes, share
 
 from .app import create_app
 from .messages import Fault, Ready, Skip
@@ -38,12 +42,13 @@ from .placement import Placement
 from .predictor import ClassParallelPredictor
 from .runners import RunnerSpec, runner_specs
 from .settings import GatewaySettings
-from .transports.ray_actors import RayWorkerBody
+from .transports.ray_actors import RayWorkerBody, spread_plan
 from .transports.ray_serve import ServeHandles
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "sensai"
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 
 
 class RayAppArgs(BaseModel):
@@ -71,9 +76,16 @@ class SubnetWorker:
     """One worker's subnets (see :class:`~sensai.serving.transports.ray_actors.RayWorkerBody`)."""
 
     def __init__(self, name: str, hosted: list, seed: int):
+        import ray
+
         hosted = [(g, RunnerSpec(**spec) if isinstance(spec, dict) else spec)
                   for g, spec in hosted]
-        self.body = RayWorkerBody(name, hosted, Fault(), seed)
+        try:
+            self.body = RayWorkerBody(name, hosted, Fault(), seed)
+        except (SensaiError, OSError) as e:
+            ctx = ray.get_runtime_context()
+            raise SensaiError(f"{name} on node {ctx.get_node_id()} "
+                              f"({ray.util.get_node_ip_address()}): {e}") from None
 
     def run(self, req: int, group: int, x, calls: int, copy: bool, hedge_s: float):
         return self.body.run(req, group, x, calls, copy, hedge_s)
@@ -105,6 +117,21 @@ class Gateway:
     def __serve_build_asgi_app__(self):
         # The replicas belong to Serve: nothing to stop when the app stops.
         return create_app(self.predictor, self.settings, close_predictor=False)
+
+
+def spread_options(base: dict, placement: Placement, nodes: list[dict], *,
+                   use_gpu: bool) -> list[dict]:
+    """``ray_actor_options`` of each worker deployment that spread the workers over the nodes as
+    the Ray actor transport does (:func:`~sensai.serving.transports.ray_actors.spread_plan`):
+    a label selector on the planned node's id, and as fallback any other node, so that a
+    replica of a lost node is replaced elsewhere when there is room."""
+    plan, _, shared = spread_plan(placement, nodes, use_gpu=use_gpu, num_cpus=base["num_cpus"])
+    if shared:
+        log.warning("copies of subnet(s) %s share a node: losing that node loses them",
+                    ", ".join(map(str, shared)))
+    return [{**base, "num_cpus": cpus, "label_selector": {NODE_ID_LABEL: node["id"]},
+             "fallback_strategy": [{"label_selector": {NODE_ID_LABEL: f"!{node['id']}"}}]}
+            for node, cpus in plan]
 
 
 def build_app(args: dict) -> serve.Application:
@@ -145,11 +172,16 @@ def build_app(args: dict) -> serve.Application:
         per = share(cpus, n + a.gateway_replicas)
         log.warning("cluster has %g CPUs for %d worker replicas: %.2f CPU each", cpus, n, per)
     threads = max(1, int(per)) if not use_gpu else 1
+    base: dict[str, Any] = {"num_cpus": 1.0 if use_gpu else per}
+    if use_gpu:
+        base["num_gpus"] = 1
+    per_worker = [base] * n
+    nodes = alive_nodes() if ray.is_initialized() else []
+    if len(nodes) > 1:
+        per_worker = spread_options(base, placement, nodes, use_gpu=use_gpu)
     bound = []
     for w, hosted in enumerate(placement.workers):
-        opts: dict[str, Any] = {"num_cpus": 1.0 if use_gpu else per}
-        if use_gpu:
-            opts["num_gpus"] = 1
+        opts = per_worker[w]
         spec_dicts = [(g, asdict(replace(specs[g], threads=threads))) for g in hosted]
         bound.append(SubnetWorker.options(name=f"worker_{w:02d}", num_replicas=1,
                                           ray_actor_options=opts).bind(

@@ -31,7 +31,7 @@ def load_run(tiny_artifact, tmp_path_factory):
     result = run_load_bench(tiny_artifact, out, concurrency=2, clients=2, warmup_s=0.5,
                             soak_s=3.0, overload_s=2.0, sample_s=0.5, images=12,
                             deadline_s=2.0, max_requests=16, max_predictions=2,
-                            progress=False, command="test")
+                            burst_s=2.0, burst_concurrency=6, progress=False, command="test")
     return out, result
 
 
@@ -41,8 +41,8 @@ def test_outputs_are_written_and_well_formed(load_run):
     out, result = load_run
     on_disk = json.loads((out / "load.json").read_text())
     assert on_disk["kind"] == "sensai-bench-load" and on_disk["command"] == "test"
-    for key in ("settings", "machine", "gateway", "rss", "phases", "health_after", "targets",
-                "offline_top1", "seconds"):
+    for key in ("settings", "machine", "gateway", "rss", "phases", "health_after", "burst",
+                "targets", "offline_top1", "seconds"):
         assert key in on_disk, key
     st = on_disk["settings"]
     assert st["concurrency"] == 2 and st["clients"] == 2 and st["soak_s"] == 3.0
@@ -71,7 +71,8 @@ def test_outputs_are_written_and_well_formed(load_run):
 
     md = (out / "load.md").read_text()
     for text in ("## Targets", "## Phases", "## Gateway memory during the soak",
-                 "## Health after the overload", "| warm-up | closed loop, 2 in flight |",
+                 "## Health after the overload", "## A burst of large legal images",
+                 "| warm-up | closed loop, 2 in flight |",
                  "| soak | closed loop, 2 in flight |", "| overload | open loop, ",
                  "| gateway process |", "sensai_requests_total", "indicative"):
         assert text in md, text
@@ -90,6 +91,21 @@ def test_status_codes_are_200_or_503_and_answers_right(load_run):
     health = result["health_after"]
     assert health["ready_status"] == 200
     assert health["predictions"] == min(20, result["settings"]["images"])
+
+
+def test_a_burst_of_the_largest_legal_images_is_answered_and_its_peak_memory_reported(
+        load_run):
+    """The largest picture the gateway's limits allow for a 28x28 model (3.6 Mpx RGBA), six at a
+    time: every answer a 200 (right) or a 503, and the gateway's peak memory read."""
+    _, result = load_run
+    b = result["burst"]
+    assert b["concurrency"] == 6 and b["requests"] == sum(b["status_counts"].values()) > 0
+    assert set(b["status_counts"]) <= {"200", "503"} and b["wrong"] == 0, b["status_counts"]
+    im = b["image"]
+    assert im["mode"] == "RGBA" and im["width"] == im["height"] == 1900
+    assert im["decoded_bytes"] == 1900 * 1900 * 4 and im["png_bytes"] < 200_000
+    assert b["peak_rss_mb"] >= b["rss_before_mb"] > 10
+    assert b["all_at_once_mb"] == pytest.approx(6 * im["decoded_bytes"] / 1e6, abs=0.1)
 
 
 def test_rss_is_sampled_in_time_order(load_run):

@@ -6,7 +6,11 @@ raylet and object store), started by the tests and torn down afterwards.
 * the artifact's files travel through Ray: workers need no shared filesystem;
 * a node lost with r = 1 loses no request, readiness holds (every group has a copy), and its
   actors are placed again once a node has room;
-* a node lost with r = 0 gives a 503 naming the classes, until the actor is back.
+* a node lost with r = 0 gives a 503 naming the classes, until the actor is back;
+* the Ray Serve application spreads its worker deployments the same way, and /v1/models names
+  each worker's node;
+* ``bench-robust``'s node-loss scenario kills a worker node's raylet: with r = 1 no request is
+  lost and the lost workers are placed again on the other nodes.
 No timing thresholds: only the order of events is asserted.
 """
 
@@ -16,14 +20,17 @@ import asyncio
 import json
 import shutil
 import time
+from contextlib import contextmanager
 
+import httpx
 import numpy as np
 import pytest
 
 from sensai.data import normalize
 from sensai.serving.build import build_predictor
 from sensai.serving.errors import SubnetFailed
-from tests.helpers import offline_scores, sample_images, wait_until
+from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
+                           wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +43,14 @@ N = 6
 @pytest.fixture(scope="module")
 def images(fmnist_test, fmnist_spec, tiny_artifact):
     _, u8, _ = sample_images(fmnist_test, N, seed=9)
-    return {"x": normalize(u8, fmnist_spec).numpy(),
+    return {"x": normalize(u8, fmnist_spec).numpy(), "png": [png(u8[i]) for i in range(N)],
             "offline": offline_scores(tiny_artifact, u8, fmnist_spec)}
 
 
-@pytest.fixture
-def cluster():
-    """A head node and two worker nodes of 1 CPU each, on 127.0.0.1; this process connects."""
+@contextmanager
+def loopback_cluster(cpus: int = 1):
+    """A head node and two worker nodes of ``cpus`` CPUs each, on 127.0.0.1; this process
+    connects.  Yields the cluster and its two worker nodes."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -53,9 +61,9 @@ def cluster():
         # the previous test's cluster went down, that is sometimes too short: start over once.
         c = Cluster()
         try:
-            c.add_node(num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False,
+            c.add_node(num_cpus=cpus, node_ip_address="127.0.0.1", include_dashboard=False,
                        _system_config=SYSTEM_CONFIG)
-            workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+            workers = [c.add_node(num_cpus=cpus, node_ip_address="127.0.0.1") for _ in range(2)]
             c.wait_for_nodes()
             break
         except Exception:
@@ -69,6 +77,12 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.fixture
+def cluster():
+    with loopback_cluster() as c:
+        yield c
 
 
 def node_of_workers(pred) -> list[str]:
@@ -183,26 +197,45 @@ def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):
 
 def test_a_lost_node_with_r0_gives_503_naming_classes_then_recovers(cluster, tiny_artifact,
                                                                     images, fmnist_spec):
+    """Over HTTP: once the lost node's workers are seen down, a JSON 503 names (only) their
+    classes, readiness is false, allow_partial gets a flagged answer; when a node with room
+    joins, they are placed again and all is well."""
     c, workers = cluster
     pred = build_predictor(tiny_artifact, backend="ray", device="cpu", deadline_s=60)
+    server = start_gateway(pred, deadline_s=60)
     try:
         victim = workers[1]
         lost = [i for i, n in enumerate(node_of_workers(pred)) if n == victim.node_id]
         assert lost
-        answers = stream(pred, images, 3.0, lambda: c.remove_node(victim, allow_graceful=False))
-        errors = [a for a in answers if isinstance(a, Exception)]
-        assert errors, "no request saw the lost node"
         names = {fmnist_spec.classes[k] for w in lost for k in pred.groups[w]}
-        for e in errors:
-            assert set(e.missing_classes) <= names and e.status == 503
-        c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
-        for w in lost:
-            assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
-        assert pred.is_ready()
-        out = asyncio.run(pred.predict(images["x"]))
-        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
+        with httpx.Client(base_url=server.url, timeout=120) as h:
+            assert h.get("/v2/health/ready").status_code == 200
+            c.remove_node(victim, allow_graceful=False)
+            wait_until(lambda: any(pred.worker_states()[w] != "up" for w in lost), 120,
+                       "the lost node's workers to be seen down")
+            r = h.post("/v1/predict", content=images["png"][0])
+            assert r.status_code == 503, r.text
+            assert r.headers["content-type"].startswith("application/json")
+            err = r.json()
+            assert err["missing_classes"] and set(err["missing_classes"]) <= names, err
+            assert h.get("/v2/health/ready").status_code == 503
+            r = h.post("/v1/predict", params={"allow_partial": "true"},
+                       content=images["png"][0])
+            assert r.status_code == 200, r.text
+            part = r.json()
+            assert part["degraded"] and set(part["missing_classes"]) <= names, part
+            c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
+            for w in lost:
+                assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
+            assert h.get("/v2/health/ready").status_code == 200
+            for i in range(N):
+                r = h.post("/v1/predict", params={"top_k": 10}, content=images["png"][i])
+                assert r.status_code == 200 and not r.json()["degraded"], r.text
+                got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+                np.testing.assert_allclose([got[k] for k in range(10)], images["offline"][i],
+                                           atol=2e-5)
     finally:
-        pred.shutdown()
+        server.stop()
 
 
 def test_retraining_spreads_over_nodes_and_survives_a_lost_node(trained_model_dir, tmp_path):
@@ -254,3 +287,69 @@ def test_retraining_spreads_over_nodes_and_survives_a_lost_node(trained_model_di
     assert len(m.subnets) == 2 and m.retrain["ray"] is True
     nodes = {m.retrain["subnets"][str(s.index)]["node"] for s in m.subnets}
     assert nodes == {kept.node_id}, nodes  # the lost node's subnet was done again elsewhere
+
+
+def test_serve_app_spreads_worker_deployments_with_copies_apart(cluster, tiny_artifact, images):
+    """The Serve application (`serve run` / KubeRay) on the 3-node cluster, r = 1: every node
+    hosts worker replicas, a group's two copies are on distinct nodes, answers equal offline
+    evaluation, and /v1/models says which node hosts which worker."""
+    from ray import serve
+
+    from sensai.serving.ray_app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"artifact": str(tiny_artifact), "redundancy": 1}),
+                  name="sensai", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200,
+                   300, "the Serve app to be ready")
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for i in range(N):
+                r = c.post("/v1/predict", params={"top_k": 10}, content=images["png"][i])
+                assert r.status_code == 200, r.text
+                got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+                np.testing.assert_allclose([got[k] for k in range(10)], images["offline"][i],
+                                           atol=2e-5)
+            info = c.get("/v1/models").json()["predictor"]
+        nodes = [w["node"] for w in info["workers"]]
+        assert None not in nodes and len(set(nodes)) == 3, nodes
+        for g, hosts in enumerate(info["hosts"]):
+            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
+    finally:
+        serve.shutdown()
+
+
+def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path):
+    """`bench-robust --scenarios node-loss` kills the raylet of a worker node while paced
+    requests flow: with r = 1 none fails, and the lost workers come back on the other nodes."""
+    from sensai.serving.bench.robust import run_robust_bench
+    from sensai.serving.placement import Placement, spread
+
+    node_of, _ = spread(Placement.cyclic(5, None, 1), 3)  # node 0 is the head
+    victim = next(w for w, n in enumerate(node_of) if n != 0)
+    with loopback_cluster(cpus=3) as (c, workers):  # room to place a lost node's workers again
+        result = run_robust_bench(tiny_artifact, tmp_path / "robust", redundancies=[1],
+                                  scenarios=["node-loss"], backend="ray", ray_address=c.address,
+                                  images=40, warmup=2, victim=victim, kill_at=0.2,
+                                  interval_ms=50, rejoin_timeout_s=120, progress=False)
+    rep = result["configs"]["r=1"]["scenarios"]["node-loss"]
+    assert rep["errors"] == 0 and rep["wrong"] == 0 and rep["answered"] == 40, rep
+    assert rep["node"] in {n.node_id for n in workers}
+    assert f"worker_{victim:02d}" in rep["workers_on_node"]
+    assert rep["rejoined"] and rep["after_rejoin"]["errors"] == 0
+    assert rep["node"] not in rep["nodes_after"]  # placed again on the nodes that are left
+    md = (tmp_path / "robust" / "robust.md").read_text()
+    assert "Node loss: the raylet" in md and "lost; outage" in md
+
+
+def test_bench_robust_refuses_node_loss_where_it_cannot_kill_a_node(tiny_artifact, tmp_path):
+    from sensai.errors import SensaiError
+    from sensai.serving.bench.robust import run_robust_bench
+
+    with pytest.raises(SensaiError, match="--backend ray"):
+        run_robust_bench(tiny_artifact, tmp_path / "a", scenarios=["node-loss"], progress=False)
+    with pytest.raises(SensaiError, match="one configuration"):
+        run_robust_bench(tiny_artifact, tmp_path / "b", redundancies=[0, 1], backend="ray",
+                         scenarios=["node-loss"], progress=False)

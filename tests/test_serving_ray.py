@@ -155,3 +155,44 @@ def test_ray_kserve_v2_and_bad_input(ray_gateway, tiny_artifact, fmnist_test, fm
         assert r.status_code == 404 and "unknown model" in r.json()["error"]
         r = c.post("/v1/predict", content=png(images[0]))
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_sensai_serve_backend_ray_starts_with_default_flags_on_1_and_2_cpus(
+        cpus, tiny_artifact, fmnist_test, fmnist_spec):
+    """`sensai serve ART --backend ray` with no resource flags on a Ray instance of 1 or 2 CPUs
+    (five worker actors): every worker gets a share that fits, the gateway becomes ready and
+    answers as offline evaluation does, and SIGTERM stops it."""
+    import signal
+
+    from tests.helpers import wait_for_server
+
+    _, images, _ = sample_images(fmnist_test, 3)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    with local_ray(num_cpus=cpus) as gcs:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                                 "--backend", "ray", "--ray-address", gcs, "--port", str(port),
+                                 "--log-level", "warning"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_server(proc, url, timeout_s=240)
+            with httpx.Client(base_url=url, timeout=60) as c:
+                assert c.get("/v2/health/ready").status_code == 200
+                for i in range(len(images)):
+                    r = c.post("/v1/predict", params={"top_k": 10}, content=png(images[i]))
+                    assert r.status_code == 200, r.text
+                    got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+                    np.testing.assert_allclose([got[k] for k in range(10)], expected[i],
+                                               atol=2e-5)
+                workers = c.get("/v1/models").json()["predictor"]["workers"]
+            assert len(workers) == 5 and all(w["state"] == "up" for w in workers)
+            assert sum(w["resources"]["num_cpus"] for w in workers) <= cpus + 1e-9
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-2000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

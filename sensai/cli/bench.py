@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import BACKENDS, SCENARIOS, STRATEGIES, TRANSPORTS
+from sensai.serving.bench.names import (BACKENDS, DEFAULT_SCENARIOS, SCENARIOS, STRATEGIES,
+                                        TRANSPORTS)
 
 from .train import add_device_arg
 
@@ -143,8 +144,11 @@ def register_robust(sub) -> None:
     p.add_argument("--ray-address", default=None,
                    help="with --backend ray: the Ray cluster to run the workers on (default: "
                         "RAY_ADDRESS, else a local instance); each worker's node is reported")
-    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
-                   metavar="SCENARIO", help=f"of {', '.join(SCENARIOS)} (default: all)")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
+                   metavar="SCENARIO",
+                   help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}; "
+                        "node-loss kills the raylet of the victim's node: --backend ray on a "
+                        "cluster of this machine's nodes, one configuration)")
     p.add_argument("--images", type=int, default=200,
                    help="real test images per scenario (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed requests (default: %(default)s)")
@@ -212,7 +216,7 @@ def _argv_tail(args) -> list[str]:
             parts += [flag, str(value)]
     if args.hedge_ms != [0.0]:
         parts += ["--hedge-ms", *(f"{h:g}" for h in args.hedge_ms)]
-    if list(args.scenarios) != ["none", "straggler", "failure"]:
+    if list(args.scenarios) != list(DEFAULT_SCENARIOS):
         parts += ["--scenarios", *args.scenarios]
     if args.vote:
         parts.append("--vote")
@@ -271,6 +275,12 @@ def register_load(sub) -> None:
     p.add_argument("--overload-connections", type=int, default=None,
                    help="connections the overload may use (default: the gateway's "
                         "max_requests + --concurrency)")
+    p.add_argument("--burst-seconds", type=float, default=20.0,
+                   help="after the overload, uploads of one large legal image (as large as "
+                        "the gateway's pixel and decoded-bytes limits allow) for this long, to "
+                        "report the gateway's peak memory; 0: skip (default: %(default)s)")
+    p.add_argument("--burst-concurrency", type=int, default=32,
+                   help="large uploads in flight during the burst (default: %(default)s)")
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="RSS sampling period, and the bins of the timelines (default: "
                         "%(default)s)")
@@ -293,6 +303,7 @@ def cmd_bench_load(args) -> int:
         clients=args.clients, warmup_s=args.warmup_seconds, soak_s=args.soak_seconds,
         overload_s=args.overload_seconds, overload_factor=args.overload_factor,
         overload_rate=args.overload_rate, overload_connections=args.overload_connections,
+        burst_s=args.burst_seconds, burst_concurrency=args.burst_concurrency,
         sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
         data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
@@ -319,6 +330,8 @@ def _load_argv(args) -> list[str]:
                                  ("--overload-factor", args.overload_factor, 4.0),
                                  ("--overload-rate", args.overload_rate, None),
                                  ("--overload-connections", args.overload_connections, None),
+                                 ("--burst-seconds", args.burst_seconds, 20.0),
+                                 ("--burst-concurrency", args.burst_concurrency, 32),
                                  ("--sample-seconds", args.sample_seconds, 5.0),
                                  ("--images", args.images, 200),
                                  ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),

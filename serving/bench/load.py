@@ -32,6 +32,7 @@ gateway's own output).
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import resource
@@ -51,6 +52,7 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 import numpy as np
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
@@ -58,12 +60,13 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 
 from .. import child
+from ..imaging import decode_image
 from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
                       load_test_images, progress_bar, write_outputs)
 from .load_report import plot, render_markdown
-from .machine import descendant_pids, process_rss_bytes
+from .machine import descendant_pids, peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
 from .stats import summarize
 
@@ -139,7 +142,8 @@ def gateway_settings(*, backend: str | None, deadline_s: float | None,
 def check_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
                    overload_s: float, overload_factor: float, overload_rate: float | None,
                    overload_connections: int | None, sample_s: float, images: int,
-                   startup_timeout_s: float) -> None:
+                   startup_timeout_s: float, burst_s: float = 0.0,
+                   burst_concurrency: int = 1) -> None:
     check_int("--concurrency", concurrency, 1)
     check_int("--clients", clients, 1)
     if clients > concurrency:
@@ -148,6 +152,8 @@ def check_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: f
     check_int("--images", images, 1)
     check_int("--overload-connections", overload_connections, clients)
     _check_seconds("--warmup-seconds", warmup_s, zero=True)
+    _check_seconds("--burst-seconds", burst_s, zero=True)
+    check_int("--burst-concurrency", burst_concurrency, 1)
     for name, v in (("--soak-seconds", soak_s), ("--overload-seconds", overload_s),
                     ("--overload-factor", overload_factor), ("--sample-seconds", sample_s),
                     ("--startup-timeout", startup_timeout_s)):
@@ -521,6 +527,20 @@ def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
 # The run
 
 
+def burst_image(artifact, spec, gs: GatewaySettings) -> tuple[bytes, dict[str, Any]]:
+    """The largest RGBA picture the gateway accepts for this model (95% of the side its pixel
+    and decoded-bytes limits allow): legal, and as costly to decode as a legal upload gets."""
+    pixels, budget = gs.image_pixels(spec.input_shape), gs.decoded_bytes(spec.input_shape)
+    side = max(1, int(math.sqrt(min(pixels, budget // 4)) * 0.95))
+    buf = io.BytesIO()
+    Image.new("RGBA", (side, side), (200, 100, 50, 255)).save(buf, "PNG")
+    png = buf.getvalue()
+    x = decode_image(png, spec, pixels, budget)
+    expected = int(offline_reference(artifact, [x]).argmax(1)[0])
+    return png, {"width": side, "height": side, "mode": "RGBA", "png_bytes": len(png),
+                 "decoded_bytes": side * side * 4, "expected": expected}
+
+
 class LoadRun:
     """The running benchmark: the gateway, the client processes, the RSS sampler, the progress
     bar; one method per step."""
@@ -541,17 +561,17 @@ class LoadRun:
         if self.progress:
             self.bar.write(message)
 
-    def drive(self, name: str, plans: list[dict[str, Any]],
-              seconds: float) -> list[dict[str, Any]]:
+    def drive(self, name: str, plans: list[dict[str, Any]], seconds: float,
+              procs: list[HttpClientProcess] | None = None) -> list[dict[str, Any]]:
         """Every client process's share of one phase, while the RSS is sampled and the gateway
         watched; a dead gateway or client ends the run at once."""
         bar, sampler, gateway = self.bar, self.sampler, self.gateway
+        procs = procs or self.procs
         bar.reset(total=round(seconds, 1))
         bar.set_description(name)
         self._show(sampler.sample(name))
-        with ThreadPoolExecutor(len(self.procs), thread_name_prefix="bench-load") as pool:
-            futures = [pool.submit(c.load, gateway.url, **plan)
-                       for c, plan in zip(self.procs, plans)]
+        with ThreadPoolExecutor(len(procs), thread_name_prefix="bench-load") as pool:
+            futures = [pool.submit(c.load, gateway.url, **plan) for c, plan in zip(procs, plans)]
             t0 = time.monotonic()
             try:
                 while True:
@@ -572,7 +592,7 @@ class LoadRun:
                 except (RuntimeError, EOFError, OSError, TimeoutError) as e:
                     raise SensaiError(f"HTTP load client during the {name}: {e}") from None
             except BaseException:
-                for c in self.procs:  # unblocks the threads waiting for their answers
+                for c in procs:  # unblocks the threads waiting for their answers
                     c.process.kill()
                 raise
         self._show(sampler.sample(name))
@@ -623,6 +643,33 @@ class LoadRun:
                  f"(asked {rep['target_rate_rps']}/s); {rep['connections_opened']} connections")
         return rep
 
+    def burst(self, client: HttpClientProcess, image: dict[str, Any], concurrency: int,
+              seconds: float) -> dict[str, Any]:
+        """``concurrency`` uploads of one large legal image always in flight: what decoding
+        them costs the gateway at its peak (``VmHWM``, reset first), against what decoding
+        every one at once would take."""
+        pid = self.gateway.pid
+        before = process_rss_bytes(pid)
+        reset = reset_peak_rss(pid)
+        plan = {"concurrency": concurrency, "seconds": seconds, "expected": [image["expected"]],
+                "timeout_s": self.timeout_s, "first": 0}
+        rep = phase_report(self.drive("burst", [plan], seconds, procs=[client]), t0=self.t0,
+                           bin_s=self.sample_s)
+        peak = peak_rss_bytes(pid)
+        rep.update({
+            "duration_s": seconds, "concurrency": concurrency,
+            "image": {k: v for k, v in image.items() if k != "expected"},
+            "rss_before_mb": None if before is None else round(before / 1e6, 2),
+            "peak_rss_mb": None if peak is None or not reset else round(peak / 1e6, 2),
+            "all_at_once_mb": round(concurrency * image["decoded_bytes"] / 1e6, 1)})
+        if rep["peak_rss_mb"] is not None and rep["rss_before_mb"] is not None:
+            rep["peak_growth_mb"] = round(rep["peak_rss_mb"] - rep["rss_before_mb"], 2)
+        self.say(f"burst: {rep['requests']} uploads of {image['width']}x{image['height']} "
+                 f"{image['mode']} ({image['decoded_bytes'] / 1e6:.1f} MB decoded each), "
+                 f"{concurrency} at a time, status codes {rep['status_counts']}; gateway peak "
+                 f"RSS {rep['peak_rss_mb']} MB (from {rep['rss_before_mb']})")
+        return rep
+
     def health(self) -> dict[str, Any]:
         """Right after the overload, and if that fails, again every second for a while."""
         self.bar.set_description("health after the overload")
@@ -655,6 +702,8 @@ def run_load_bench(
     overload_factor: float = 4.0,
     overload_rate: float | None = None,
     overload_connections: int | None = None,
+    burst_s: float = 20.0,
+    burst_concurrency: int = 32,
     sample_s: float = 5.0,
     deadline_s: float | None = None,
     max_requests: int | None = None,
@@ -681,7 +730,8 @@ def run_load_bench(
     check_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
                    overload_s=overload_s, overload_factor=overload_factor,
                    overload_rate=overload_rate, overload_connections=overload_connections,
-                   sample_s=sample_s, images=images, startup_timeout_s=startup_timeout_s)
+                   sample_s=sample_s, images=images, startup_timeout_s=startup_timeout_s,
+                   burst_s=burst_s, burst_concurrency=burst_concurrency)
     gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
                                        max_requests=max_requests,
                                        max_predictions=max_predictions, env=dict(env or {}))
@@ -701,7 +751,8 @@ def run_load_bench(
         "backend": gs.backend, "concurrency": concurrency, "clients": clients,
         "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
         "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
-        "overload_connections": overload_connections, "sample_s": sample_s,
+        "overload_connections": overload_connections, "burst_s": burst_s,
+        "burst_concurrency": burst_concurrency, "sample_s": sample_s,
         "images": len(imgs), "seed": seed, "request_timeout_s": timeout_s, "transport": "http",
         "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
@@ -747,6 +798,10 @@ def run_load_bench(
                 phases["overload"] = run.overload(overload_s, rate, cap,
                                                   min(cap, gs.max_requests + concurrency))
                 result["health_after"] = run.health()
+                if burst_s > 0:
+                    png, image = burst_image(artifact, spec, gs)
+                    procs.append(HttpClientProcess([png]))
+                    result["burst"] = run.burst(procs[-1], image, burst_concurrency, burst_s)
             else:
                 phases["overload"] = {"skipped": "the soak answered no request, so there is no "
                                                  "rate to multiply; give --overload-rate"}

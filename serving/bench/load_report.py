@@ -100,6 +100,8 @@ def render_table(result: dict) -> str:
     if rss_rows(result):
         parts.append(text_table(RSS_HEADER, rss_rows(result)))
     parts.append(text_table(TARGET_HEADER, target_rows(result)))
+    if result.get("burst"):
+        parts.append("burst: " + burst_text(result["burst"]).replace("**", ""))
     return "\n\n".join(parts)
 
 
@@ -115,6 +117,25 @@ def _health_text(h: dict | None) -> str:
         text += (f" Healthy again after {h['recovered_after_s']} s." if h.get("recovered_after_s")
                  else " Not healthy again within the 30 s given.")
     return text
+
+
+def burst_text(b: dict | None) -> str:
+    """The burst phase in a sentence or two: what it sent, what came back, the peak memory."""
+    if not b:
+        return "Not run (`--burst-seconds 0`, or no overload phase)."
+    im, lat = b["image"], b["latency_ok_ms"]
+    text = (f"{b['requests']} uploads in {b['duration_s']:g} s of one {im['width']}x"
+            f"{im['height']} {im['mode']} PNG ({im['png_bytes']:,} bytes on the wire, "
+            f"{im['decoded_bytes'] / 1e6:.1f} MB decoded: as large as the gateway's limits "
+            f"allow), {b['concurrency']} always in flight; status codes {b['status_counts']}, "
+            f"p50/p99 of the 200s {fmt(lat['p50'])}/{fmt(lat['p99'])} ms, wrong answers "
+            f"{b['wrong']}.  ")
+    if b.get("peak_growth_mb") is None:
+        return text + "The gateway's peak RSS could not be read (`/proc/PID/clear_refs`)."
+    return text + (f"The gateway's peak RSS (`VmHWM`, reset before the burst) was "
+                   f"**{fmt(b['peak_rss_mb'])} MB**, {fmt(b['peak_growth_mb'])} MB above its RSS "
+                   f"before it; decoding all {b['concurrency']} at once would take "
+                   f"{fmt(b['all_at_once_mb'])} MB more (decoding runs one per usable core).")
 
 
 def render_markdown(result: dict) -> str:
@@ -186,6 +207,7 @@ def render_markdown(result: dict) -> str:
     else:
         lines += ["No samples.", ""]
     lines += ["## Health after the overload", "", _health_text(result.get("health_after")), "",
+              "## A burst of large legal images", "", burst_text(result.get("burst")), "",
               "The cores may have been shared with other work while this ran; compare figures "
               "from one run, not across runs.", ""]
     return "\n".join(lines)

@@ -126,19 +126,23 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set (since the last :func:`reset_peak_rss`, or since the process started)."""
-    for line in (_read("/proc/self/status") or "").splitlines():
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """Peak resident set (``VmHWM``) of process ``pid`` (default: this one) since the last
+    :func:`reset_peak_rss` or since it started; None when it is gone."""
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
+    if pid != "self":
+        return None
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(ru if sys.platform == "darwin" else ru * 1024)
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Reset the kernel's peak-RSS mark of process ``pid`` (Linux >= 4.0, the same user);
+    False where that is not possible."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:

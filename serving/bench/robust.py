@@ -14,7 +14,11 @@ process) under three scenarios:
 * ``failure`` - one worker is ended while a request is in flight (at ``--kill-at`` of the run; a
   thread is abandoned and replaced, a process SIGKILLed, a Ray actor killed); it is restarted and
   rejoins.  Requests are paced (one every ``interval_ms``) so the error count reflects the
-  outage's length rather than how fast errors come back.
+  outage's length rather than how fast errors come back;
+* ``node-loss`` - the same, but what is killed is the raylet of the victim worker's Ray node
+  (``--backend ray``, a worker node of a cluster on this machine, such as a loopback cluster): every
+  worker on that node is lost at once, and Ray restarts them where there is room.  The node does
+  not come back, so this scenario takes a single configuration.
 
 The ``none`` and ``straggler`` runs are interleaved in rounds across configurations; ``failure``
 runs one configuration at a time (an outage is a wall-clock event).  Every answer is compared with
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +45,7 @@ import numpy as np
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.merge import merge_outputs
+from sensai.raycluster import local_raylet_pid
 
 from ..build import build_predictor
 from ..errors import ServingError
@@ -48,7 +55,7 @@ from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
                       load_test_images, progress_bar, quiet_gc, write_outputs)
-from .names import BACKENDS, SCENARIOS
+from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS
 from .robust_report import plot, render_markdown
 from .stats import summarize
 
@@ -90,6 +97,8 @@ def check_settings(redundancies, hedges, scenarios, images, warmup, delay, strag
                           f"{', '.join(BACKENDS)}")
     if ray_address and backend != "ray":
         raise SensaiError("--ray-address is for --backend ray")
+    if "node-loss" in scenarios and backend != "ray":
+        raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
     if runtime not in RUNTIMES:
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
@@ -188,7 +197,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
         for j in range(warmup):
             await pred.predict(xs[j % n])
             bar.update(1)
-    for scenario in [s for s in SCENARIOS if s in scenarios and s != "failure"]:
+    for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
         runs = {k: Run() for k in preds}
 
         async def run_chunk(key: str, chunk) -> None:
@@ -215,16 +224,39 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             extra = (_straggler_figures(pred, runs[key], straggler, delay)
                      if scenario == "straggler" else None)
             results[key][scenario] = runs[key].report(extra)
-    if "failure" in scenarios:
+    for scenario in [s for s in OUTAGES if s in scenarios]:
         for key, pred in preds.items():
-            bar.set_description(f"failure: {key}")
-            results[key]["failure"] = await _failure(pred, xs, refs, victim, kill_at,
-                                                     rejoin_timeout_s, interval_s, bar)
+            bar.set_description(f"{scenario}: {key}")
+            results[key][scenario] = await _failure(pred, xs, refs, victim, kill_at,
+                                                    rejoin_timeout_s, interval_s, bar,
+                                                    node=scenario == "node-loss")
     return results
 
 
+def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
+    """The node of worker ``victim`` and the pid of its raylet, if it may be killed: a worker
+    node (never the head) whose raylet runs on this machine."""
+    import ray
+
+    node = pred.workers[victim].node
+    head = {n["NodeID"] for n in ray.nodes() if n.get("Alive")
+            and "node:__internal_head__" in n.get("Resources", {})}
+    if node is None or node in head:
+        raise SensaiError(f"the node-loss scenario needs worker {victim} on a worker node, but it "
+                          f"runs on {'the head node' if node else 'no known node'}; choose "
+                          "another --victim or a cluster with worker nodes")
+    pid = local_raylet_pid(node)
+    if pid is None:
+        raise SensaiError(f"the raylet of node {node} (worker {victim}) does not run on this "
+                          "machine: the node-loss scenario needs a cluster of local nodes")
+    return node, pid
+
+
 async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at: float,
-                   rejoin_timeout_s: float, interval_s: float, bar) -> dict:
+                   rejoin_timeout_s: float, interval_s: float, bar, *,
+                   node: bool = False) -> dict:
+    """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
+    so every worker there) and the outage timed until it is up again."""
     n = len(xs)
     run = Run()
     kill_index = int(kill_at * n)
@@ -245,15 +277,25 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
                     events["up"] = time.perf_counter()
             await asyncio.sleep(0.002)
 
+    victims = [victim]
+    if node:
+        node_id, raylet = victim_raylet(pred, victim)
+        victims = [w.index for w in pred.workers if w.node == node_id]
+
     def kill() -> None:
         events["kill"] = time.perf_counter()
-        events["pid"] = pred.kill_worker(victim)
+        if node:
+            os.kill(raylet, signal.SIGKILL)
+            events["pid"] = raylet
+        else:
+            events["pid"] = pred.kill_worker(victim)
 
     restarts0 = wk.restarts
     await settle(pred)
     before = pred.counters()
     watcher = asyncio.ensure_future(watch())
     errors_in_outage = 0
+    during_ms: list[float] = []  # answered while the victim was down
     next_start = time.perf_counter()
     try:
         for j in range(n):
@@ -263,10 +305,13 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
             if wait > 0:
                 await asyncio.sleep(wait)
             next_start = time.perf_counter() + interval_s
-            was = len(run.errors)
+            was, answered = len(run.errors), len(run.latency)
+            in_outage = j >= kill_index and "up" not in events
             await one_request(pred, xs[j], refs[j], run, kill=kill if j == kill_index else None)
             if len(run.errors) > was and "kill" in events and "up" not in events:
                 errors_in_outage += 1
+            if in_outage and len(run.latency) > answered:
+                during_ms.append(run.latency[-1])
             bar.update(1)
         await settle(pred)
         run.add_work(before, pred.counters())
@@ -283,13 +328,18 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     await settle(pred)
     rejoin_runs = pred.counters()["per_worker_runs"][victim] - runs0
     outage = (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
+    extra = {"node": node_id, "workers_on_node": [pred.workers[v].name for v in victims],
+             "nodes_after": [w.get("node") for w in pred.describe()["workers"]]} if node else {}
     return run.report({
+        **extra,
         "victim": wk.name, "killed_pid": events.get("pid"), "kill_at_request": kill_index,
         "restarted": wk.restarts > restarts0, "rejoined": bool(rejoined),
         "outage_s": round(outage, 3) if outage is not None else None,
         "errors_during_outage": errors_in_outage,
+        "latency_during_outage_ms": summarize(during_ms),
         "after_rejoin": {"requests": after.requests, "errors": len(after.errors),
-                         "wrong": after.wrong, "victim_subnet_runs": rejoin_runs},
+                         "wrong": after.wrong, "victim_subnet_runs": rejoin_runs,
+                         "latency_ms": summarize(after.latency)},
     })
 
 
@@ -317,7 +367,7 @@ def run_robust_bench(
     *,
     redundancies: Sequence[int] = (0, 1),
     hedges_ms: Sequence[float] = (0.0,),
-    scenarios: Sequence[str] = SCENARIOS,
+    scenarios: Sequence[str] = DEFAULT_SCENARIOS,
     backend: str = "local",
     ray_address: str | None = None,
     images: int = 200,
@@ -369,6 +419,9 @@ def run_robust_bench(
     refs = offline_reference(artifact, xs, runtime=runtime, threads=threads)
     configs = [(r, 0.0) for r in redundancies if r == 0] + [
         (r, h) for r in redundancies if r > 0 for h in hedges]
+    if "node-loss" in scenarios and len(configs) > 1:
+        raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
+                          "(one --redundancy, one --hedge-ms) at a time")
     settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
                 "backend": backend, "ray_address": ray_address, "images": len(xs), "warmup": warmup, "rounds": rounds,
                 "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,

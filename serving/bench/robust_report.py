@@ -23,10 +23,15 @@ def _note(scen: str, rep: dict) -> str:
     if scen == "straggler" and rep.get("straggler_answered_share") is not None:
         return (f"{rep['straggler']}'s own groups answered by it: "
                 f"{rep['straggler_answered_share'] * 100:.0f}%")
-    if scen == "failure":
-        after = rep["after_rejoin"]
-        return (f"outage {fmt(rep.get('outage_s'))} s, {rep['errors_during_outage']} errors in "
-                f"it; after rejoin {after['requests'] - after['errors']}/{after['requests']} ok")
+    if scen in ("failure", "node-loss"):
+        after, during = rep["after_rejoin"], rep.get("latency_during_outage_ms") or {}
+        lost = (f"node {rep['node'][:8]} ({', '.join(rep['workers_on_node'])}) lost; "
+                if scen == "node-loss" else "")
+        return (f"{lost}outage {fmt(rep.get('outage_s'))} s, {rep['errors_during_outage']} "
+                f"errors in it, p50/p99 in it {fmt(during.get('p50'))}/{fmt(during.get('p99'))} "
+                f"ms; after rejoin {after['requests'] - after['errors']}/{after['requests']} ok, "
+                f"p50/p99 {fmt((after.get('latency_ms') or {}).get('p50'))}/"
+                f"{fmt((after.get('latency_ms') or {}).get('p99'))} ms")
     return ""
 
 
@@ -80,7 +85,11 @@ def render_markdown(result: dict) -> str:
         f"while request {int(st['kill_at'] * st['images'])} is in flight, then restarted "
         f"(restart delay {st['restart_delay_s']} s); in that scenario requests start every "
         f"{st.get('failure_interval_ms', 0):g} ms (paced, so a fast error does not pull the "
-        "next request in sooner).",
+        "next request in sooner)."
+        + (f"  Node loss: the raylet of worker {st['victim_worker']}'s Ray node is SIGKILLed at "
+           "the same point, so every worker on that node is lost at once; Ray restarts them "
+           "where there is room, and the node does not come back."
+           if "node-loss" in st.get("scenarios", ()) else ""),
         "",
         f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end.  "

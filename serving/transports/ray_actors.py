@@ -150,27 +150,35 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     return opts, (1 if use_gpu else max(1, int(per)))
 
 
-def node_options(base: dict, placement: Placement, nodes: list[dict], *,
-                 use_gpu: bool) -> tuple[list[dict], list[int], list[int]]:
-    """Per-worker actor options that spread the workers over ``nodes`` (the copies of a group on
-    distinct nodes when possible: :func:`~sensai.serving.placement.spread`), with a CPU share
-    that fits each node.  Returns ``(options per worker, node index per worker, groups whose
-    copies share a node)``.  The node is a soft preference: if it dies, Ray restarts the actor
-    wherever there is room."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+def spread_plan(placement: Placement, nodes: list[dict], *, use_gpu: bool, num_cpus: float
+                ) -> tuple[list[tuple[dict, float]], list[int], list[int]]:
+    """Where each worker goes: the workers spread over ``nodes`` (the copies of a group on
+    distinct nodes when possible: :func:`~sensai.serving.placement.spread`), only over nodes
+    with GPUs when ``use_gpu``, with a CPU share that fits each node.  Returns ``([(node, CPUs)
+    per worker], node index per worker into ``nodes``, groups whose copies share a node)``; the
+    Ray actors and the Serve deployments alike are placed from it."""
     kind = "gpus" if use_gpu else "cpus"
     usable = [n for n in nodes if n[kind] > 0] or nodes
     node_of, shared = spread(placement, len(usable))
-    opts = []
-    for w, n in enumerate(node_of):
-        o = dict(base)
-        if not use_gpu:
-            on_node = node_of.count(n)
-            o["num_cpus"] = min(o["num_cpus"], share(usable[n]["cpus"], on_node))
-        o["scheduling_strategy"] = NodeAffinitySchedulingStrategy(usable[n]["id"], soft=True)
-        opts.append(o)
-    return opts, [nodes.index(usable[n]) for n in node_of], shared
+    plan = []
+    for n in node_of:
+        cpus = num_cpus if use_gpu else min(num_cpus, share(usable[n]["cpus"], node_of.count(n)))
+        plan.append((usable[n], cpus))
+    return plan, [nodes.index(usable[n]) for n in node_of], shared
+
+
+def node_options(base: dict, placement: Placement, nodes: list[dict], *,
+                 use_gpu: bool) -> tuple[list[dict], list[int], list[int]]:
+    """Per-worker actor options from :func:`spread_plan`.  The node is a soft preference: if it
+    dies, Ray restarts the actor wherever there is room."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    plan, node_of, shared = spread_plan(placement, nodes, use_gpu=use_gpu,
+                                        num_cpus=base["num_cpus"])
+    opts = [{**base, "num_cpus": cpus,
+             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["id"], soft=True)}
+            for node, cpus in plan]
+    return opts, node_of, shared
 
 
 class RayActorWorker(WorkerHandle):

@@ -27,9 +27,21 @@ class ServeWorker(WorkerHandle):
         super().__init__(*args, **kwargs)
         self.handle = handle
         self.tasks: set[asyncio.Task] = set()
+        self._asking: asyncio.Task | None = None
 
     def start(self) -> None:
         self.generation += 1
+        self.node = self.pid = None  # learnt again from the new replica
+
+    async def _learn_where(self) -> None:
+        """Where the replica runs (pid, node, device), for ``/v1/models``: asked once per
+        replica, alongside its first request."""
+        try:
+            info = await self.handle.ping.remote()
+        except Exception:
+            return
+        self.pid, self.device, self.runtime, self.node = (info.pid, info.device, info.runtime,
+                                                          info.node)
 
     def wait_ready(self, timeout: float) -> None:
         """Serve starts the replicas itself; requests wait in the handle until one is up."""
@@ -38,6 +50,9 @@ class ServeWorker(WorkerHandle):
         kind = type(msg)
         if kind is Run:  # called on the ingress's event loop by the predictor
             loop = asyncio.get_running_loop()
+            if self.node is None and self._asking is None:
+                self._asking = loop.create_task(self._learn_where())
+                self._asking.add_done_callback(lambda _: setattr(self, "_asking", None))
             state = {"left": len(msg.groups), "skipped": 0}
             for j, g in enumerate(msg.groups):
                 resp = self.handle.run.remote(msg.req, g, msg.x, len(msg.groups),
