@@ -40,6 +40,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (setting it to 0 for
+    a moment, the only portable way to read it, races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -147,8 +147,9 @@ def register_robust(sub) -> None:
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
                    metavar="SCENARIO",
                    help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}; "
-                        "node-loss kills the raylet of the victim's node: --backend ray on a "
-                        "cluster of this machine's nodes, one configuration)")
+                        "node-loss kills the victim's node (its raylet and the processes it "
+                        "started): --backend ray on a cluster of this machine's nodes, one "
+                        "configuration)")
     p.add_argument("--images", type=int, default=200,
                    help="real test images per scenario (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed requests (default: %(default)s)")

@@ -17,7 +17,8 @@ SERVER_HEADER = ["phase", "status codes (sensai_requests_total)",
                  "turned away (sensai_rejected_total)", "/v1/predict p50 ms <=",
                  "/v1/predict p99 ms <="]
 STATUS_COLORS = {"200": "#55A868", "503": "#DD8452", "0": "#8C8C8C"}
-PHASE_COLORS = {"warm-up": "#DDDDDD", "soak": "#DCEBF5", "overload": "#F8E0D0"}
+PHASE_COLORS = {"warm-up": "#DDDDDD", "soak": "#DCEBF5", "overload": "#F8E0D0",
+                "burst of large images": "#E8DDF2"}
 
 
 def _codes(counts: dict[str, int]) -> str:
@@ -214,8 +215,8 @@ def render_markdown(result: dict) -> str:
 
 
 def _shade_phases(ax, result: dict, legend: bool = False) -> None:
-    for key, label in PHASES:
-        rep = result["phases"].get(key)
+    for key, label in (*PHASES, ("burst", "burst of large images")):
+        rep = result["burst"] if key == "burst" else result["phases"].get(key)
         if rep and "start_s" in rep:
             ax.axvspan(rep["start_s"], rep["start_s"] + rep["seconds"],
                        color=PHASE_COLORS[label], alpha=0.6, lw=0,

@@ -15,9 +15,10 @@ process) under three scenarios:
   thread is abandoned and replaced, a process SIGKILLed, a Ray actor killed); it is restarted and
   rejoins.  Requests are paced (one every ``interval_ms``) so the error count reflects the
   outage's length rather than how fast errors come back;
-* ``node-loss`` - the same, but what is killed is the raylet of the victim worker's Ray node
-  (``--backend ray``, a worker node of a cluster on this machine, such as a loopback cluster): every
-  worker on that node is lost at once, and Ray restarts them where there is room.  The node does
+* ``node-loss`` - the same, but what is killed is the victim worker's Ray node: its raylet and
+  every process the raylet started, as losing the machine would (``--backend ray``, a worker node
+  of a cluster on this machine, such as a loopback cluster); every worker on that node is lost at
+  once, and Ray restarts them where there is room once it has declared the node dead.  The node does
   not come back, so this scenario takes a single configuration.
 
 The ``none`` and ``straggler`` runs are interleaved in rounds across configurations; ``failure``
@@ -55,6 +56,7 @@ from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
                       load_test_images, progress_bar, quiet_gc, write_outputs)
+from .machine import descendant_pids
 from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS
 from .robust_report import plot, render_markdown
 from .stats import summarize
@@ -285,7 +287,14 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     def kill() -> None:
         events["kill"] = time.perf_counter()
         if node:
-            os.kill(raylet, signal.SIGKILL)
+            # What losing the machine does: the raylet and every process it started (the
+            # node's workers, which would otherwise go on answering direct actor calls until
+            # the cluster declares the node dead).
+            for pid in [*descendant_pids(raylet), raylet]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             events["pid"] = raylet
         else:
             events["pid"] = pred.kill_worker(victim)

@@ -86,9 +86,10 @@ def render_markdown(result: dict) -> str:
         f"(restart delay {st['restart_delay_s']} s); in that scenario requests start every "
         f"{st.get('failure_interval_ms', 0):g} ms (paced, so a fast error does not pull the "
         "next request in sooner)."
-        + (f"  Node loss: the raylet of worker {st['victim_worker']}'s Ray node is SIGKILLed at "
-           "the same point, so every worker on that node is lost at once; Ray restarts them "
-           "where there is room, and the node does not come back."
+        + (f"  Node loss: the raylet of worker {st['victim_worker']}'s Ray node and every process "
+           "it started are SIGKILLed at the same point, as losing the machine would, so every "
+           "worker on that node is lost at once; Ray restarts them where there is room once it "
+           "has declared the node dead, and the node does not come back."
            if "node-loss" in st.get("scenarios", ()) else ""),
         "",
         f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
