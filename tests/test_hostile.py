@@ -15,7 +15,6 @@ import json
 import re
 import socket
 import struct
-import threading
 import time
 import zlib
 from pathlib import Path

@@ -6,7 +6,6 @@ test_robust.py and test_outages.py.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import sys
@@ -15,9 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.build import build_predictor
 from sensai.serving.transports.ray_actors import actor_resources
 from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
                            wait_for_server)
@@ -41,25 +38,6 @@ def test_ray_actor_resources_always_fit_the_cluster():
                              ({"device": "mps"}, "auto, cpu or cuda"), ({"cpus": 0}, "> 0")):
         with pytest.raises(SensaiError, match=fragment):
             actor_resources(5, 2, 0, **kwargs)
-
-
-@pytest.mark.parametrize("cpus", [1, 2])
-def test_ray_backend_starts_with_default_flags_on_small_machines(cpus, tiny_artifact, fmnist_test,
-                                                                 fmnist_spec):
-    """G = 5 worker actors on a Ray instance of 1 or 2 CPUs, no resource flags: ready, and
-    answering like offline evaluation."""
-    _, u8, _ = sample_images(fmnist_test, 3)
-    with local_ray(num_cpus=cpus):
-        pred = build_predictor(tiny_artifact, backend="ray", device="cpu", deadline_s=60)
-        try:
-            assert pred.is_ready()
-            per = pred.describe()["workers"][0]["resources"]["num_cpus"]
-            assert 5 * per <= cpus
-            out = asyncio.run(pred.predict(normalize(u8, fmnist_spec).numpy()))
-            np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, u8, fmnist_spec),
-                                       atol=1e-4)
-        finally:
-            pred.shutdown()
 
 
 @pytest.mark.parametrize("argv,fragment", [

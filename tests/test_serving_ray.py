@@ -79,7 +79,6 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
 @pytest.fixture(scope="module")
 def ray_gateway(tiny_artifact, tmp_path_factory):
     """Ray on 2 CPUs; the YAML (artifact and port filled in) deployed with `serve run`."""
-    import ray
     from ray import serve
 
     port = free_port()
@@ -196,3 +195,26 @@ def test_sensai_serve_backend_ray_starts_with_default_flags_on_1_and_2_cpus(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_serve_worker_that_cannot_read_the_artifact_names_its_node(tiny_artifact, tmp_path):
+    """A Serve replica on a node where the artifact's path holds no file refuses to start with
+    an error that names the worker, its node id and its address."""
+    import shutil
+    from dataclasses import asdict
+
+    from sensai.artifact import load_artifact
+    from sensai.serving.ray_app import SubnetWorker
+    from sensai.serving.runners import runner_specs
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    spec = runner_specs(load_artifact(art), device="cpu")[0]
+    shutil.rmtree(art)  # this "node" has no copy of the artifact
+    with local_ray(num_cpus=1):
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        with pytest.raises(SensaiError) as e:
+            SubnetWorker.func_or_class("worker_00", [(0, asdict(spec))], 0)
+    assert f"worker_00 on node {node} (127.0.0.1)" in str(e.value), str(e.value)

@@ -8,7 +8,6 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn

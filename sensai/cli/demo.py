@@ -8,7 +8,6 @@ resumes from what an earlier run left in ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from pathlib import Path
