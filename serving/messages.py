@@ -3,8 +3,8 @@ pipe to a process, a Ray call).  Small, picklable, immutable.
 
 To a worker: :class:`Run` (compute groups of one request, in order), :class:`Skip` (do not
 compute these groups of a request, or none of it), :class:`Fault` (fault injection),
-:class:`Ping`, :class:`Shutdown`.  From a worker: :class:`Output`, :class:`Failure`, :class:`Done` (the request's
-run is over), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
+:class:`Ping`, :class:`Shutdown`.  From a worker: :class:`Output`, :class:`Failure`,
+:class:`Done` (the request's run is over), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
 """
 
 from __future__ import annotations

@@ -68,6 +68,20 @@ def still_serving(client, good) -> None:
     assert r.status_code == 200, r.text
 
 
+def health_during(url: str, image: bytes, n: int, *, settle_s: float):
+    """``n`` uploads of ``image`` in flight at once, and a health check sent ``settle_s`` after
+    them: (the health answer, the uploads' answers)."""
+    async def race():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            uploads = [asyncio.ensure_future(c.post("/v1/predict", content=image))
+                       for _ in range(n)]
+            await asyncio.sleep(settle_s)
+            health = await c.get("/v2/health/live")
+            return health, await asyncio.gather(*uploads)
+
+    return asyncio.run(race())
+
+
 def v2(client, body: bytes, **headers):
     return client.post("/v2/models/sensai/infer", content=body, headers=headers)
 
@@ -218,15 +232,7 @@ def test_text_chunks_are_bounded_and_health_answers_meanwhile(client, good):
     bomb = ztxt_thumbnail(60)
     assert len(bomb) < 64 * 1024  # the inline path
 
-    async def race():
-        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
-            heavy = [asyncio.ensure_future(c.post("/v1/predict", content=bomb))
-                     for _ in range(8)]
-            await asyncio.sleep(0.01)
-            health = await c.get("/v2/health/live")
-            return health, await asyncio.gather(*heavy)
-
-    health, answers = asyncio.run(race())
+    health, answers = health_during(str(client.base_url), bomb, 8, settle_s=0.01)
     assert health.status_code == 200
     for r in answers:
         assert_json_error(r, 400, "text")
@@ -296,15 +302,7 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
     try:
         pred.inject(0, delay="fixed:500ms")
 
-        async def burst():
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-                tasks = [asyncio.ensure_future(c.post("/v1/predict", content=good["png"]))
-                         for _ in range(16)]
-                await asyncio.sleep(0.05)
-                health = await c.get("/v2/health/live")
-                return health, await asyncio.gather(*tasks)
-
-        health, responses = asyncio.run(burst())
+        health, responses = health_during(server.url, good["png"], 16, settle_s=0.05)
         assert health.status_code == 200
         statuses = sorted(r.status_code for r in responses)
         assert set(statuses) == {200, 503}, statuses

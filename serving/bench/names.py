@@ -14,7 +14,7 @@ LABELS = {"single": "single device", "model-parallel": "model parallel",
 # Where the class-parallel predictor's workers run (``build_predictor``'s backends; Triton needs
 # a server of its own and cannot host redundant copies or be fault-injected).
 BACKENDS = ("local", "processes", "ray")
-# node-loss: the raylet of the victim worker's node is killed (Ray backend, a node of this machine).
+# node-loss: the victim worker's whole Ray node is killed (Ray backend, a node of this machine).
 SCENARIOS = ("none", "straggler", "failure", "node-loss")
-OUTAGES = ("failure", "node-loss")
-DEFAULT_SCENARIOS = ("none", "straggler", "failure")  # scenarios that end something, one configuration at a time
+OUTAGES = ("failure", "node-loss")  # scenarios that end something, one configuration at a time
+DEFAULT_SCENARIOS = ("none", "straggler", "failure")

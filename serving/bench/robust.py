@@ -46,7 +46,7 @@ import numpy as np
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.merge import merge_outputs
-from sensai.raycluster import local_raylet_pid
+from sensai.raycluster import alive_nodes, local_raylet_pid
 
 from ..build import build_predictor
 from ..errors import ServingError
@@ -238,11 +238,8 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
 def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
     """The node of worker ``victim`` and the pid of its raylet, if it may be killed: a worker
     node (never the head) whose raylet runs on this machine."""
-    import ray
-
     node = pred.workers[victim].node
-    head = {n["NodeID"] for n in ray.nodes() if n.get("Alive")
-            and "node:__internal_head__" in n.get("Resources", {})}
+    head = {n["id"] for n in alive_nodes() if n["head"]}
     if node is None or node in head:
         raise SensaiError(f"the node-loss scenario needs worker {victim} on a worker node, but it "
                           f"runs on {'the head node' if node else 'no known node'}; choose "
