@@ -56,6 +56,7 @@ from sensai.raycluster import connect, error_text
 
 from .apoz import ChannelStats, collect_activation_stats
 from .grouping import group_classes, penultimate_features, plot_grouping
+from .iterative import step_policies
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
@@ -95,6 +96,7 @@ class DecomposeConfig:
     params_fraction: float | None = 0.25
     shrink: float | None = 10.0
     allocation: str = "uniform"
+    prune_steps: int = 1  # > 1: iterative prune -> retrain (pruning.iterative)
     prune_residual: bool = False
     min_channels: int = 2
     zero_threshold: float = 0.005
@@ -158,6 +160,17 @@ class DecomposeConfig:
                               f"{self.features_per_class}")
         if not (7 <= self.opset <= 23):
             raise SensaiError(f"--opset must be between 7 and 23, got {self.opset}")
+        try:
+            policy = self.pruning_policy()
+        except ValueError as e:
+            raise SensaiError(f"bad pruning settings: {e}") from None
+        try:
+            step_policies(policy, self.prune_steps)
+        except ValueError as e:
+            raise SensaiError(f"--prune-steps: {e}") from None
+        if self.prune_steps > 1 and self.retrain_epochs == 0:
+            raise SensaiError("--prune-steps above 1 retrains between steps; it needs "
+                              "--retrain-epochs of at least 1")
         self.retrain_settings(1).validate()
         return self
 
@@ -314,6 +327,9 @@ def _prepare_out(layout: Layout, fingerprint: dict, force: bool) -> None:
     root = layout.root
     _check_writable(root)
     old = _read_json(layout.settings)
+    if old is not None and isinstance(old.get("config"), dict):
+        # Made before a knob existed means made with its default: not other settings.
+        old = {**old, "config": {**DecomposeConfig().to_dict(), **old["config"]}}
     foreign = [p.name for p in root.iterdir() if not p.name.startswith(".write-test-")]
     if old is None and foreign and not force:
         if layout.manifest.exists() or layout.work.exists():
@@ -637,6 +653,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     n_groups = _check_groups(groups, record.num_classes)
     spec = _resolve_spec(record, data_dir)
     policy = config.pruning_policy()
+    schedule = step_policies(policy, config.prune_steps)  # [policy] unless iterative
     retrain_settings = config.retrain_settings(n_groups)
     layout = Layout(out_dir)
     fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
@@ -692,7 +709,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         meta = _read_json(layout.pruned_meta(g))
         if not (meta and meta.get("classes") == classes and meta.get("stats_sha256") ==
                 sha256_file(layout.stats(g)) and _file_ok(layout.pruned(g), meta.get("weights_sha256"))):
-            pruned, keep = prune_to_policy(copy.deepcopy(model), layers, stats[g], policy, example)
+            pruned, keep = prune_to_policy(copy.deepcopy(model), layers, stats[g], schedule[0],
+                                           example)
             sub = make_head(pruned, classes, binary=binary, seed=config.seed + g)
             sha = save_weights(layout.pruned(g), sub)
             meta = {"classes": classes, "head": "binary" if binary else "group",
@@ -720,9 +738,11 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
                                  state, f"retrained subnet {g}", trust_code=trust_code)
         sha = save_weights(layout.root / layout.weights_rel(g), sub)
+        # An iterative schedule prunes during retraining: the size is the retrained subnet's.
         write_json_atomic(layout.retrain_meta(g), {
             "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
-            "metrics": metrics})
+            "metrics": metrics, "widths": {k: int(v) for k, v in layer_widths(sub).items()},
+            "params": count_params(sub), "flops": count_flops(sub, spec.input_shape)})
 
     teacher = confusion = None
     if todo and config.retrain_epochs > 0 and config.hard_negatives > 0:
@@ -744,6 +764,12 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     else:
         teacher = None
 
+    later_steps = {} if len(schedule) == 1 else {
+        "schedule": [p.to_dict() for p in schedule[1:]],
+        "prune": {"reference": [orig_params, orig_flops], "residual": config.prune_residual,
+                  "zero_threshold": config.zero_threshold,
+                  "stats_images": config.stats_per_class * max(len(c) for c in group_list)}}
+
     def jobs() -> Iterator[dict]:
         for g in todo:
             state = load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"])
@@ -757,7 +783,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                    "in_channels": record.in_channels, "state": state, "trust_code": trust_code,
                    "images": _gather(train_set(), uniq), "positions": positions.astype(np.int64),
                    "targets": targets, "spec": spec.to_dict(), "settings": retrain_settings.to_dict(),
-                   "binary": binary}
+                   "binary": binary, **later_steps}
 
     if todo:
         if config.retrain_epochs == 0:
@@ -826,7 +852,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         pg = evaluation["per_group"][g]
         accuracy = {k: pg[k] for k in ("decomposed_top1", "original_top1", "subnet_top1",
                                        "subnet_balanced") if pg.get(k) is not None}
-        meta = pruned_meta[g]
+        meta = {**pruned_meta[g], **_read_json(layout.retrain_meta(g))}
         records.append(SubnetRecord(
             index=g, classes=classes, head=meta["head"], num_outputs=meta["num_outputs"],
             weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
@@ -846,6 +872,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         grouping={**grouping_method, "features_per_class": config.features_per_class},
         pruning={**policy.to_dict(), "zero_threshold": config.zero_threshold,
                  "stats_per_class": config.stats_per_class, "prunable_layers": len(layers),
+                 "steps": config.prune_steps,
                  "prune_residual": config.prune_residual},
         retrain=retrain_info,
         subnets=records,

@@ -388,14 +388,14 @@ class SizeBudget:
     input_shape: tuple[int, int, int]
 
     @classmethod
-    def of(cls, policy: PruningPolicy, model: nn.Module, example_input: torch.Tensor
+    def of(cls, policy: PruningPolicy, size: tuple[int, int], input_shape: Sequence[int]
            ) -> "SizeBudget":
-        shape = tuple(int(d) for d in example_input.shape[1:])
-        params = count_params(model)
+        """The budget against a network of ``size`` = (parameters, MACs)."""
+        params, macs = size
+        shape = tuple(int(d) for d in input_shape)
         if policy.kind == "params":
             return cls(params=policy.params_fraction * params, macs=None, input_shape=shape)
-        return cls(params=params / policy.shrink,
-                   macs=count_flops(model, shape) / policy.shrink, input_shape=shape)
+        return cls(params=params / policy.shrink, macs=macs / policy.shrink, input_shape=shape)
 
     def measure(self, model: nn.Module) -> tuple[int, int | None]:
         macs = count_flops(model, self.input_shape) if self.macs is not None else None
@@ -443,22 +443,25 @@ def layer_fractions(weights: Mapping[str, float], level: float) -> dict[str, flo
 
 def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
                     stats: Mapping[str, ChannelStats], policy: PruningPolicy,
-                    example_input: torch.Tensor, *, reference: nn.Module | None = None
+                    example_input: torch.Tensor, *, reference: tuple[int, int] | None = None
                     ) -> tuple[nn.Module, dict[str, np.ndarray]]:
     """Select channels by ``policy`` and prune; returns ``(pruned copy, kept indices per conv)``.
 
     For the budgeted policies (``params``, ``shrink``) the keep fraction is found by bisection:
     parameters and MACs only grow with it, so the largest fraction within budget is found in about
     log2(2 x widest layer) trial prunings, each measured on the real pruned network.  The budget is
-    a fraction of ``reference`` (default: ``model``), so an already pruned subnet can be pruned
-    further towards a budget stated against the original.  An unreachable budget raises
-    :class:`SensaiError`.
+    a fraction of ``reference`` = (parameters, MACs) (default: ``model``'s), so an already pruned
+    subnet can be pruned further towards a budget stated against the original (the iterative
+    schedule).  An unreachable budget raises :class:`SensaiError`.
     """
     if not policy.budgeted:
         keep = select_channels(layers, stats, policy)
         return prune_model(model, keep, example_input), keep
 
-    budget = SizeBudget.of(policy, model if reference is None else reference, example_input)
+    shape = tuple(int(d) for d in example_input.shape[1:])
+    if reference is None:
+        reference = (count_params(model), count_flops(model, shape))
+    budget = SizeBudget.of(policy, reference, shape)
     tried: dict[tuple, tuple[tuple, nn.Module, dict]] = {}
 
     def measured(keep: dict[str, np.ndarray]):
@@ -479,8 +482,7 @@ def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
         return full[1], full[2]
     smallest = trial(0.0)
     if not budget.fits(smallest[0]):
-        raise SensaiError(_unreachable(policy, model if reference is None else reference, budget,
-                                       smallest[0]))
+        raise SensaiError(_unreachable(policy, reference[0], budget, smallest[0]))
     lo, hi = 0.0, 1.0
     widest = max((layer.channels for layer in layers), default=1)
     spread = max(weights.values()) / min(weights.values())
@@ -526,10 +528,9 @@ def _fill(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats], be
     return best
 
 
-def _unreachable(policy: PruningPolicy, model: nn.Module, budget: SizeBudget,
+def _unreachable(policy: PruningPolicy, original: int, budget: SizeBudget,
                  smallest: tuple[int, int | None]) -> str:
     params, macs = smallest
-    original = count_params(model)
     what = (f"{policy.params_fraction:g} of the parameters" if policy.kind == "params"
             else f"{policy.shrink:g}x fewer parameters and MACs")
     left = f"{params:,} of {original:,} parameters ({params / original:.3f})"

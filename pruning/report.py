@@ -64,6 +64,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
                   f"({pol.get('allocation')} allocation"
                   + (", residual paths pruned too)" if pol.get("prune_residual") else ")"),
     }.get(pol.get("kind"), str(pol.get("kind")))
+    if (pol.get("steps") or 1) > 1:
+        pol_desc += f", reached in {pol['steps']} prune -> retrain steps"
     lines = [
         f"# sensAI decomposition of {rep['model']} on {rep['dataset']}",
         "",

@@ -31,8 +31,11 @@ from tqdm.auto import tqdm
 from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec, normalize
 from sensai.errors import SensaiError
-from sensai.models import classifier_layer, select_device
 from sensai.learning import augment
+from sensai.models import classifier_layer, count_params, select_device
+
+from .iterative import group_images, prune_further
+from .prune import PruningPolicy
 
 log = logging.getLogger(__name__)
 
@@ -335,21 +338,47 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
                   spec: dict, settings: dict, *, binary: bool, device: str = "auto",
                   soft: np.ndarray | None = None, threads: int | None = None,
                   progress: str | None = None, trust_code: bool = False,
+                  schedule: Sequence[dict] = (), prune: dict | None = None,
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Rebuild the subnet from ``state``, retrain it, return its new CPU state dict and metrics.
 
     Everything comes in as plain arrays and dicts so this runs unchanged in a Ray task (the device
     is chosen here, at run time, on whatever worker got the task) or in the calling process.
     ``trust_code``: the architecture may be a ``package.module:factory`` to import.
-    """
 
+    ``schedule`` (policy dicts) makes this the rest of an iterative schedule (:mod:`.iterative`):
+    the plan is cut into ``len(schedule) + 1`` equal parts, each retrained with its own warm-up
+    and decay, and before every part but the first the subnet is pruned further by the next
+    policy.  ``prune`` then says how: ``reference`` (the original's parameters and MACs),
+    ``residual``, ``zero_threshold`` and ``stats_images`` (group images ranked on).
+    """
     if threads:
         torch.set_num_threads(int(threads))
     dev = select_device(device)
     model = build_from_weights(arch, num_outputs, in_channels, state, "pruned subnet weights",
                                trust_code=trust_code)
-    metrics = retrain_model(model, torch.from_numpy(np.ascontiguousarray(images)), positions,
-                            targets, DatasetSpec.from_dict(spec), RetrainSettings(**settings),
-                            binary=binary, device=dev, soft=soft, progress=progress)
+    spec_o, settings_o = DatasetSpec.from_dict(spec), RetrainSettings(**settings)
+    images_t = torch.from_numpy(np.ascontiguousarray(images))
+    positions, targets = np.asarray(positions), np.asarray(targets)
+    if schedule and prune is None:
+        raise ValueError("an iterative schedule needs the pruning settings (prune=...)")
+    parts = np.array_split(np.arange(len(positions)), len(schedule) + 1)
+    steps = []
+    for i, part in enumerate(parts):
+        if i:
+            own = group_images(positions, targets, int(prune["stats_images"]), settings_o.seed + i)
+            model = prune_further(model, images_t, own, spec_o, dev,
+                                  PruningPolicy.from_dict(schedule[i - 1]), prune["reference"],
+                                  residual=bool(prune["residual"]),
+                                  zero_threshold=float(prune["zero_threshold"]))
+        step = retrain_model(model, images_t, positions[part], targets[part], spec_o, settings_o,
+                             binary=binary, device=dev, soft=soft,
+                             progress=None if progress is None else
+                             progress + (f" step {i + 1}/{len(parts)}" if len(parts) > 1 else ""))
+        steps.append({**step, "params": count_params(model)})
+    metrics = dict(steps[-1])
+    if len(steps) > 1:
+        metrics.update(samples=sum(s["samples"] for s in steps), steps=sum(s["steps"] for s in steps),
+                       seconds=round(sum(s["seconds"] for s in steps), 3), schedule=steps)
     metrics["threads"] = torch.get_num_threads()
     return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}, metrics

@@ -236,6 +236,10 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
     (["--optimizer", "lbfgs"], "unknown optimizer"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
     (["--workers", "0"], "--workers"),
+    (["--prune-steps", "0"], "--prune-steps: the number of pruning steps must be an integer from 1"),
+    (["--prune-steps", "11"], "from 1 to 10"),
+    (["--prune-steps", "2", "--policy", "keep"], "--prune-steps: an iterative schedule needs a size budget"),
+    (["--prune-steps", "2", "--retrain-epochs", "0"], "it needs --retrain-epochs of at least 1"),
 ])
 def test_cli_rejects_bad_method_settings(trained_model_dir, tmp_path, capsys, args, message):
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "2",

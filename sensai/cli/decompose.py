@@ -44,6 +44,11 @@ def register(sub) -> None:
     g.add_argument("--allocation", default=d.allocation,
                    help="how --policy params/shrink share the budget over the layers: uniform = "
                         "the same keep fraction everywhere (default: %(default)s)")
+    g.add_argument("--prune-steps", type=int, default=d.prune_steps,
+                   help="reach the --shrink / --params-fraction budget in this many prune -> "
+                        "retrain steps, each removing the same ratio and re-ranking channels on "
+                        "the retrained subnet; the retraining images are split over the steps "
+                        "(default: %(default)s, one shot)")
     g.add_argument("--prune-residual", action=argparse.BooleanOptionalAction,
                    default=d.prune_residual,
                    help="also prune residual-path channels, as coupled groups across the "
@@ -121,7 +126,8 @@ def cmd_decompose(args) -> int:
     config = DecomposeConfig(
         policy=args.policy, keep_fraction=args.keep_fraction, theta1=args.theta1,
         theta2=args.theta2, params_fraction=args.params_fraction, shrink=args.shrink,
-        allocation=args.allocation, prune_residual=args.prune_residual,
+        allocation=args.allocation, prune_steps=args.prune_steps,
+        prune_residual=args.prune_residual,
         min_channels=args.min_channels,
         zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
         use_tsne=args.tsne, features_per_class=args.features_per_class,
