@@ -282,15 +282,18 @@ def _one_more_fits(model, layers, stats, keep, limit_p, limit_m):
     return None
 
 
-@pytest.mark.parametrize("name,residual,shrink", [("fmnist_cnn", False, 10), ("fmnist_cnn", False, 4),
-                                                  ("resnet20", False, 10), ("resnet20", True, 10),
-                                                  ("resnet20", True, 20)])
-def test_shrink_budget_met_exactly_on_params_and_macs(name, residual, shrink):
+@pytest.mark.parametrize("name,residual,shrink,allocation", [
+    ("fmnist_cnn", False, 10, "uniform"), ("fmnist_cnn", False, 4, "uniform"),
+    ("fmnist_cnn", False, 10, "apoz"), ("fmnist_cnn", False, 20, "activity"),
+    ("resnet20", False, 10, "uniform"), ("resnet20", True, 10, "uniform"),
+    ("resnet20", True, 20, "uniform"), ("resnet20", True, 10, "apoz")])
+def test_shrink_budget_met_exactly_on_params_and_macs(name, residual, shrink, allocation):
     model = _random_model(name)
     layers = find_prunable(model, X1, residual=residual)
     stats = _random_stats(layers)
     params, macs = _size(model)
-    pruned, keep = prune_to_policy(model, layers, stats, PruningPolicy("shrink", shrink=shrink), X1)
+    pruned, keep = prune_to_policy(model, layers, stats,
+                                   PruningPolicy("shrink", shrink=shrink, allocation=allocation), X1)
     p, m = _size(pruned)
     assert params / p >= shrink and macs / m >= shrink
     # Exactly: not one more channel fits anywhere.
@@ -298,7 +301,27 @@ def test_shrink_budget_met_exactly_on_params_and_macs(name, residual, shrink):
     # No layer is emptied, and the kept channels are the best ranked ones.
     for l in layers:
         assert 2 <= len(keep[l.conv]) <= l.channels
+        assert set(keep[l.conv]) == set(channel_ranking(l, stats)[:len(keep[l.conv])])
     assert pruned(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_apoz_allocation_gives_a_mostly_dead_layer_less_room():
+    """The per-layer budget follows the group's statistics: a layer three quarters of whose
+    channels never fire on the group's images keeps a smaller share than under uniform."""
+    model = _random_model("fmnist_cnn")
+    layers = find_prunable(model, X1)
+    stats = _random_stats(layers)
+    for r in ("features.2", "features.12", "features.16"):
+        s = stats[r]
+        apoz = np.where(np.arange(len(s.apoz)) % 4 == 0, s.apoz * 0.5, 1.0)
+        stats[r] = ChannelStats(apoz, np.where(apoz == 1.0, 0.0, s.mean_abs), s.count)
+    share = {}
+    for allocation in ("uniform", "apoz"):
+        _, keep = prune_to_policy(model, layers, stats,
+                                  PruningPolicy("shrink", shrink=10, allocation=allocation), X1)
+        share[allocation] = {l.conv: len(keep[l.conv]) / l.channels for l in layers}
+    assert share["apoz"]["features.14"] < share["uniform"]["features.14"]
+    assert share["apoz"]["features.7"] > share["uniform"]["features.7"]
 
 
 def test_shrink_policy_validation_and_unreachable_budget():
