@@ -3,7 +3,7 @@
 :func:`build_predictor` is what ``sensai serve``, ``sensai predict``, the benchmark and the demo
 call: it validates every setting against the artifact before any worker starts, then blocks while
 the subnets load.  :func:`launch_triton` starts a ``tritonserver`` for an artifact when the
-operator has none.
+operator has none (:func:`start_tritonserver`, for any model repository).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 from dataclasses import replace
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
@@ -127,12 +127,14 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServerProcess:
-    """A ``tritonserver`` on 127.0.0.1 serving the artifact's subnets (exported into the
-    server's private directory, removed when it stops)."""
+def start_tritonserver(fill: Callable[[Path, str], object]) -> TritonServerProcess:
+    """A ``tritonserver`` on 127.0.0.1 (free ports) whose model repository, a directory in the
+    server's private directory (removed when it stops), ``fill(repo, backend)`` writes for the
+    Triton backend this server has: ``onnxruntime``, else ``python`` (ONNX Runtime inside
+    Triton's Python backend)."""
     install = find_tritonserver()
     if install is None:
-        raise SensaiError(TRITON_HINT + ", or pass --triton-url")
+        raise SensaiError(TRITON_HINT)
     backend = "onnxruntime" if "onnxruntime" in install.backends() or not install.backends() \
         else "python"
     http, grpc, metrics = free_ports(3)
@@ -140,9 +142,18 @@ def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServer
                                  install=install)
     try:
         server.repo = server.workdir / "models"
-        export_triton_repo(artifact_dir, server.repo, backend=backend, threads=threads)
+        fill(server.repo, backend)
         server.backend = backend
         return server.start()
     except BaseException:
         server.stop()
         raise
+
+
+def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServerProcess:
+    """A ``tritonserver`` on 127.0.0.1 serving the artifact's subnets (exported into the
+    server's private directory, removed when it stops)."""
+    if find_tritonserver() is None:
+        raise SensaiError(TRITON_HINT + ", or pass --triton-url")
+    return start_tritonserver(lambda repo, backend: export_triton_repo(
+        artifact_dir, repo, backend=backend, threads=threads))

@@ -181,6 +181,37 @@ def model_config(name: str, backend: str, inp: _TensorInfo, out: _TensorInfo, *,
     return "\n".join(lines) + "\n"
 
 
+def write_model(repo: str | Path, name: str, onnx: str | Path, *, backend: str,
+                max_batch_size: int = 64, instance_kind: str = "auto", gpu: int | None = None,
+                threads: int = 1, num_outputs: int | None = None,
+                sha256: str | None = None) -> None:
+    """One Triton model ``repo/name`` (``config.pbtxt`` + ``1/model.onnx``, and ``1/model.py``
+    for the Python backend) running the ONNX file ``onnx`` - a subnet, or any one-input
+    one-output model such as the original one ``sensai bench --peers triton`` serves.
+    ``sha256``: the copy must have this hash; ``num_outputs``: the output's width."""
+    mdir = Path(repo) / name
+    (mdir / "1").mkdir(parents=True)
+    copy = mdir / "1" / "model.onnx"
+    shutil.copyfile(onnx, copy)
+    if sha256 is not None and sha256_file(copy) != sha256:  # replaced while we copied it
+        raise CheckpointError(f"ONNX file {onnx} changed while it was exported")
+    ins, outs = _onnx_io(copy)
+    inp, o = ins[0], outs[0]
+    if max_batch_size > 0 and (not inp.dims or inp.dims[0] != -1 or not o.dims
+                               or o.dims[0] != -1):
+        log.warning("%s: ONNX batch dimension is fixed; exporting without batching", name)
+        max_batch_size = 0
+    if num_outputs is not None and o.dims and o.dims[-1] not in (-1, num_outputs):
+        raise CheckpointError(f"{name}: ONNX output has {o.dims[-1]} values, the manifest "
+                              f"says {num_outputs}")
+    kind = "gpu" if gpu is not None else instance_kind
+    if backend == "python":
+        (mdir / "1" / "model.py").write_text(PYTHON_MODEL, encoding="utf-8")
+    (mdir / "config.pbtxt").write_text(
+        model_config(name, backend, inp, o, max_batch_size=max_batch_size, instance_kind=kind,
+                     gpu=gpu, threads=threads), encoding="utf-8")
+
+
 def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
                        backend: str = "onnxruntime", max_batch_size: int = 64,
                        instance_kind: str = "auto", gpus: int = 0, threads: int = 1,
@@ -210,31 +241,10 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
                 raise CheckpointError(f"subnet {s.index} has no ONNX file in {artifact.root}; "
                                       "re-run decompose with ONNX export")
             name = triton_model_name(s.index, prefix)
-            mdir = tmp / name
-            (mdir / "1").mkdir(parents=True)
-            copy = mdir / "1" / "model.onnx"
             verify_file(s.onnx, s.onnx_sha256, "ONNX file")
-            shutil.copyfile(s.onnx, copy)
-            if sha256_file(copy) != s.onnx_sha256:  # replaced while we copied it
-                raise CheckpointError(f"ONNX file {s.onnx} changed while it was exported")
-            ins, outs = _onnx_io(copy)
-            inp, o = ins[0], outs[0]
-            mbs = max_batch_size
-            if mbs > 0 and (not inp.dims or inp.dims[0] != -1 or not o.dims or o.dims[0] != -1):
-                log.warning("subnet %d: ONNX batch dimension is fixed; exporting without batching",
-                            s.index)
-                mbs = 0
-            if o.dims and o.dims[-1] not in (-1, s.num_outputs):
-                raise CheckpointError(f"subnet {s.index}: ONNX output has {o.dims[-1]} values, "
-                                      f"the manifest says {s.num_outputs}")
-            kind, gpu = instance_kind, None
-            if gpus > 0:
-                kind, gpu = "gpu", s.index % gpus
-            if backend == "python":
-                (mdir / "1" / "model.py").write_text(PYTHON_MODEL, encoding="utf-8")
-            (mdir / "config.pbtxt").write_text(
-                model_config(name, backend, inp, o, max_batch_size=mbs, instance_kind=kind,
-                             gpu=gpu, threads=threads), encoding="utf-8")
+            write_model(tmp, name, s.onnx, backend=backend, max_batch_size=max_batch_size,
+                        instance_kind=instance_kind, gpu=s.index % gpus if gpus > 0 else None,
+                        threads=threads, num_outputs=s.num_outputs, sha256=s.onnx_sha256)
             names.append(name)
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the repository from a non-root server
         if out.exists():

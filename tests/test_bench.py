@@ -480,7 +480,7 @@ def test_cli_transports_flag(artifact, tmp_path):
     ({"transports": []}, "transports"),
     ({"workers": 1000}, "at most"),
     ({"runtime": "tensorrt"}, "runtime"),
-    ({"backend": "triton"}, "backend"),
+    ({"backend": "kubernetes"}, "backend"),
 ])
 def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
     from sensai.serving.bench.latency import run_bench

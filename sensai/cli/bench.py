@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import (BACKENDS, DEFAULT_SCENARIOS, SCENARIOS, STRATEGIES,
-                                        TRANSPORTS)
+from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
+                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS)
 
 from .train import add_device_arg
 
@@ -52,12 +52,21 @@ def register(sub) -> None:
     p.add_argument("--no-http", action="store_true",
                    help="skip every remote transport (http, http-v2, grpc)")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process runs")
-    p.add_argument("--backend", choices=BACKENDS, default="local",
-                   help="where class parallel's workers run, as for 'sensai serve' (default: "
-                        "%(default)s = worker threads; the baselines always run on threads)")
+    p.add_argument("--backend", nargs="+", choices=BENCH_BACKENDS, default=["local"],
+                   metavar="BACKEND",
+                   help="where class parallel's workers run, as for 'sensai serve', of "
+                        f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts); "
+                        "several: class parallel on each, in the same run (default: local = "
+                        "worker threads; the baselines always run on threads)")
     p.add_argument("--ray-address", default=None,
                    help="with --backend ray: the Ray cluster to run the workers on (default: "
                         "RAY_ADDRESS, else a local instance); each worker's node is reported")
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=[], metavar="PEER",
+                   help=f"also serve the original model with {' and '.join(PEERS)} (Triton "
+                        "Inference Server, plain Ray Serve), started and stopped by the run, "
+                        f"and time them over {PEER_TRANSPORT} beside the strategies: bench.md's "
+                        "'sensai vs Triton vs Ray Serve' table; a peer that cannot run here is "
+                        "skipped with its reason (default: none)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
@@ -87,7 +96,8 @@ def cmd_bench(args) -> int:
         args.artifact, args.out, workers=args.workers, replicas=args.replicas, images=args.images,
         warmup=args.warmup, concurrency=args.concurrency, requests=args.requests,
         rounds=args.rounds, strategies=args.strategies, transports=transports,
-        backend=args.backend, ray_address=args.ray_address, device=args.device,
+        backend=args.backend, ray_address=args.ray_address, peers=args.peers,
+        device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
         command=command, progress=not args.no_progress)
     print(render_table(result))
@@ -102,7 +112,7 @@ def _command_line(args) -> str:
     options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
                ("--images", args.images, 200), ("--warmup", args.warmup, 20),
                ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
-               ("--requests", args.requests, None), ("--backend", args.backend, "local"),
+               ("--requests", args.requests, None),
                ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),
                ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
                ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0))
@@ -113,6 +123,10 @@ def _command_line(args) -> str:
         parts += ["--strategies", *args.strategies]
     if list(args.transports) != list(TRANSPORTS):
         parts += ["--transports", *args.transports]
+    if list(args.backend) != ["local"]:
+        parts += ["--backend", *args.backend]
+    if args.peers:
+        parts += ["--peers", *args.peers]
     for flag in ("no_http", "no_inprocess"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))

@@ -9,6 +9,9 @@ Written once, on the predictor ``sensai serve`` builds; one responsibility per m
   interleaved rounds, throughput, the result envelope and the writers;
 * :mod:`.strategies` - how ``sensai bench`` builds each strategy (and what it costs);
 * :mod:`.baselines` - single device, model parallel and data parallel on thread workers;
+* :mod:`.peers` - the systems a user would pick instead (``--peers``): the original model on
+  Triton and on plain Ray Serve (:mod:`.ray_serve_peer`); :mod:`.comparison` - their table
+  beside sensai's;
 * :mod:`.targets` - the declarative targets, per model;
 * :mod:`.accuracy` - the artifact's recorded accuracy and shrink, reported beside the latencies;
 * :mod:`.latency_report`, :mod:`.robust_report`, :mod:`.render` - markdown, tables and plots;

@@ -42,18 +42,29 @@ def _parse(resp, url: str) -> tuple[int, dict]:
 
 
 def _parse_v2(resp, url: str) -> tuple[int, dict]:
-    """A binary v2 answer: the JSON header, then each binary output's bytes in order."""
+    """A v2 answer (a JSON header, then each binary output's bytes in order): the class, from
+    the ``class_index`` output (the gateway's, and the Ray Serve peer's) or else the argmax of
+    the first output (a model's scores, as Triton answers), and the server's ``timings_ms``
+    ({} when it reports none)."""
     if resp.status_code != 200:
-        raise RuntimeError(f"gateway at {url} answered {resp.status_code}: {resp.text[:200]}")
+        raise RuntimeError(f"server at {url} answered {resp.status_code}: {resp.text[:200]}")
     body = resp.content
     n = int(resp.headers.get(V2_HEADER, len(body)))
-    head, offset, pred = json.loads(body[:n]), n, None
+    head, offset, pred, first = json.loads(body[:n]), n, None, None
     for out in head["outputs"]:
         size = (out.get("parameters") or {}).get("binary_data_size")
         if out["name"] == "class_index":
             pred = struct.unpack_from("<q", body, offset)[0] if size is not None else out["data"][0]
+        elif first is None and out["datatype"] == "FP32":
+            first = (struct.unpack_from(f"<{size // 4}f", body, offset) if size is not None
+                     else out["data"])
         offset += size or 0
-    return int(pred), json.loads(head["parameters"]["timings_ms"])
+    if pred is None:
+        if not first:
+            raise RuntimeError(f"server at {url} answered neither class_index nor scores")
+        pred = max(range(len(first)), key=first.__getitem__)
+    timings = (head.get("parameters") or {}).get("timings_ms")
+    return int(pred), json.loads(timings) if timings else {}
 
 
 def _grpc_answer(resp) -> tuple[int, dict]:
@@ -140,7 +151,7 @@ class _Client:
         def bare() -> None:
             resp = client.get(LIVE)
             if resp.status_code != 200:
-                raise RuntimeError(f"gateway at {address} answered {resp.status_code} to {LIVE}")
+                raise RuntimeError(f"server at {address} answered {resp.status_code} to {LIVE}")
 
         if transport == "http":
             return (bare, lambda j: self.pngs[j],

@@ -174,10 +174,11 @@ class InProcessDriver:
 class RemoteDriver:
     """Requests over ``transport`` (``http``: PNG upload, ``http-v2``: KServe v2 binary tensor,
     ``grpc``: KServe v2 over gRPC) to the predictor's own gateway on 127.0.0.1 (free ports; with
-    its gRPC server for ``grpc``), from the benchmark's client process.  Use :meth:`start`."""
+    its gRPC server for ``grpc``), from the benchmark's client process.  Use :meth:`start`, or
+    :meth:`attach` for a server of another kind (a peer of ``sensai bench --peers``)."""
 
-    def __init__(self, transport: str, server: BackgroundServer, client: HttpClientProcess,
-                 address: str, model: str):
+    def __init__(self, transport: str, server: BackgroundServer | None,
+                 client: HttpClientProcess, address: str, model: str):
         self.transport, self.server, self.client = transport, server, client
         self.address, self.model = address, model
 
@@ -193,6 +194,13 @@ class RemoteDriver:
         address = (f"{server.host}:{app.state.grpc.port}" if transport == "grpc"
                    else server.url)
         return cls(transport, server, client, address, predictor.name)
+
+    @classmethod
+    def attach(cls, transport: str, client: HttpClientProcess, address: str,
+               model: str) -> "RemoteDriver":
+        """Requests to a server the driver does not own (a peer the run started, serving
+        ``model`` at ``address``): closing the driver leaves it running."""
+        return cls(transport, None, client, address, model)
 
     async def _ask(self, fn, *args):
         try:
@@ -210,7 +218,8 @@ class RemoteDriver:
         return r["seconds"], r["latencies"]
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.server.stop)
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
 
 
 # --------------------------------------------------------------------------------------------

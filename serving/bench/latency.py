@@ -13,6 +13,11 @@ request to the same server just before each request (``GET /v2/health/live``, gR
 also timed one at a time, each alone on a worker ("each subnet alone"), to separate their own
 compute from competition for the cores.
 
+With ``peers`` (:mod:`.peers`), the systems a user would pick instead - the original model on
+Triton and on plain Ray Serve, started and stopped by the run - are timed over ``http-v2`` in the
+same rounds, by the same client, and :mod:`.comparison` puts them beside sensai's strategies
+(class parallel on each of the run's backends: ``backend`` may name several).
+
 Outputs in ``out_dir``: ``bench.json`` (every figure, raw latencies, the artifact's accuracy and
 shrink, the targets that apply to its model, settings, machine), ``bench.md``, ``bench.png`` and
 ``models/`` (ONNX files of the full model and of the stages).
@@ -32,17 +37,20 @@ from sensai.models import select_device
 
 from ..runners import RUNTIMES, runner_specs
 from ..settings import GatewaySettings
+from ..tritonserver import TRITON_HINT, find_tritonserver
 from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
+from .comparison import comparison
 from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_int,
                       check_out_dir, envelope, finish, interleaved, load_test_images,
                       progress_bar, quiet_gc, throughput, warm_up, write_outputs)
 from .latency_report import plot, render_markdown
-from .names import BACKENDS, STRATEGIES, TRANSPORTS
+from .names import BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, strategy_key
+from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
-                         prepare_class_parallel, stage_count)
+                         prepare_class_parallel, resolved_runtime, stage_count)
 from .targets import evaluate_targets
 
 log = logging.getLogger(__name__)
@@ -50,7 +58,8 @@ log = logging.getLogger(__name__)
 
 def check_settings(*, workers, replicas, images, warmup, concurrency, requests, threads, rounds,
                    isolated_images, strategies: Sequence[str], transports: Sequence[str],
-                   runtime: str, backend: str, ray_address: str | None = None) -> None:
+                   runtime: str, backend: str | Sequence[str], ray_address: str | None = None,
+                   peers: Sequence[str] = ()) -> None:
     """Every setting checked before anything is loaded."""
     for name, v, low in (("--workers", workers, 1), ("--replicas", replicas, 1),
                          ("--images", images, 1), ("--warmup", warmup, 0),
@@ -66,11 +75,24 @@ def check_settings(*, workers, replicas, images, warmup, concurrency, requests, 
         raise SensaiError(f"transports must be some of {', '.join(TRANSPORTS)}")
     if runtime not in RUNTIMES:
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    if backend not in BACKENDS:
-        raise SensaiError(f"unknown backend {backend!r} for the benchmark; choose one of "
-                          f"{', '.join(BACKENDS)}")
-    if ray_address and backend != "ray":
+    backends = [backend] if isinstance(backend, str) else list(backend or [])
+    bad = [b for b in backends if b not in BENCH_BACKENDS]
+    if bad or not backends:
+        raise SensaiError(f"unknown backend {', '.join(map(repr, bad)) or '(none)'} for the "
+                          f"benchmark; choose from {', '.join(BENCH_BACKENDS)}")
+    if len(set(backends)) < len(backends):
+        raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
+    if ray_address and "ray" not in backends:
         raise SensaiError("--ray-address is for --backend ray")
+    if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
+        raise SensaiError(f"--backend triton: {TRITON_HINT}")
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise SensaiError(f"unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}")
+    if peers and PEER_TRANSPORT not in transports:
+        raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
+                          "v2 binary tensor over HTTP, the one request they all take): add "
+                          f"{PEER_TRANSPORT} to --transports")
 
 
 def run_bench(
@@ -86,8 +108,9 @@ def run_bench(
     rounds: int = 10,
     strategies: Sequence[str] = STRATEGIES,
     transports: Sequence[str] = TRANSPORTS,
-    backend: str = "local",
+    backend: str | Sequence[str] = "local",
     ray_address: str | None = None,
+    peers: Sequence[str] = (),
     device: str = "auto",
     runtime: str = "auto",
     threads: int = 1,
@@ -106,9 +129,12 @@ def run_bench(
     rounds, after ``warmup`` untimed requests per strategy and transport.  ``concurrency`` and
     ``requests`` (default: max(images, 4 x concurrency)): the throughput run.  ``backend``: where
     class parallel's workers run, as for ``sensai serve`` (the baselines always run on worker
-    threads); ``ray_address``: the Ray cluster of ``backend="ray"`` (each worker's node is
-    reported).  ``threads``: intra-op threads of every worker's runner.  ``device``/``runtime``: as
-    for ``sensai serve`` (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
+    threads), or several backends, each a strategy (``triton``: a ``tritonserver`` the run
+    starts); ``ray_address``: the Ray cluster of ``backend="ray"`` (each worker's node is
+    reported).  ``peers``: the systems of :mod:`.peers` serving the original model, started by
+    the run and timed over ``http-v2`` beside the strategies (bench.md's "sensai vs Triton vs
+    Ray Serve"; a peer that cannot run here is skipped with its reason).  ``threads``:
+    intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve`` (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
     ``isolated_images``: images on which each subnet is also timed alone.  ``transports``: any
     of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
     process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
@@ -118,13 +144,18 @@ def run_bench(
                    concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
                    isolated_images=isolated_images, strategies=list(strategies or []),
                    transports=list(transports or []), runtime=runtime, backend=backend,
-                   ray_address=ray_address)
+                   ray_address=ray_address, peers=list(peers or []))
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
+    backends = [backend] if isinstance(backend, str) else list(backend)
+    peers = [p for p in PEERS if p in set(peers or [])]
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
     resolved_device = str(select_device(device))
-    needs_original = any(s != "class-parallel" for s in strategies)
+    if peers and resolved_runtime(runtime, resolved_device) != "onnx":
+        raise SensaiError("the peers (--peers) serve the original model's ONNX file: use "
+                          "--runtime onnx (or auto on a CPU)")
+    needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
     model, record = load_original(artifact) if needs_original else (None, None)
     spec = artifact.spec.with_data_dir(data_dir)
     check_dataset(spec)
@@ -147,7 +178,8 @@ def run_bench(
     settings = {"strategies": strategies, "transports": transports, "images": n,
                 "warmup": warmup, "rounds": rounds, "concurrency": concurrency,
                 "throughput_requests": n_requests, "stages": k, "replicas": r, "subnets": g,
-                "class_parallel_backend": backend, "ray_address": ray_address,
+                "class_parallel_backend": backends[0], "class_parallel_backends": backends,
+                "peers": peers, "ray_address": ray_address,
                 "threads_per_worker": threads,
                 "device": device, "device_resolved": resolved_device, "runtime": runtime,
                 "seed": seed, "batch": 1, "isolated_images": isolated_images}
@@ -161,10 +193,11 @@ def run_bench(
     try:
         recipes: dict[str, Recipe] = {}
         if needs_original:
+            # The peers serve the single device's ONNX file.
             recipes, plan = prepare_baselines(
                 model, record, artifact, imgs, out / "models", stages=k, replicas=r,
-                strategies=strategies, device=device, runtime=runtime, threads=threads,
-                status=bar.set_description)
+                strategies=[*strategies, "single"] if peers else strategies, device=device,
+                runtime=runtime, threads=threads, status=bar.set_description)
             if plan is not None:
                 result["stage_plan"] = plan
                 settings["stages"] = plan["num_stages"]
@@ -172,33 +205,49 @@ def run_bench(
             recipes["class-parallel"] = prepare_class_parallel(
                 artifact, imgs, device=device, runtime=runtime, threads=threads)
         built: list[Strategy] = []
+        running = Peers()
         try:
             for key in strategies:
-                bar.set_description(f"load {key}")
-                s = build(recipes[key], artifact, backend=backend, device=device,
-                          runtime=runtime, threads=threads, settings=gateway,
-                          ray_address=ray_address)
-                built.append(s)
-                result["strategies"][key] = s.info
+                pools = backends if key == "class-parallel" else ["local"]
+                for i, pool in enumerate(pools):
+                    name = strategy_key(pool, i == 0) if key == "class-parallel" else key
+                    bar.set_description(f"load {name}")
+                    s = build(recipes[key], artifact, backend=pool, device=device,
+                              runtime=runtime, threads=threads, settings=gateway,
+                              ray_address=ray_address, key=name)
+                    built.append(s)
+                    result["strategies"][name] = s.info
             settings["runtime_resolved"] = sorted(
                 {str(w.get("runtime")) for s in built for w in s.info["per_worker"]})
-            per_transport = (warmup + n + n_requests) * len(built)
-            bar.total = per_transport * len(transports) + (
-                min(isolated_images, n) * g if "class-parallel" in strategies else 0)
+            if peers:
+                running.start(peers, Path(recipes["single"].specs[0].onnx_path),
+                              threads=threads, status=bar.set_description)
+                result["peers"] = running.report()  # each filled in as it is measured
+            timed = (warmup + n + n_requests) * (len(built) * len(transports)
+                                                  + len(running.running))
+            alone = min(isolated_images, n) * (
+                (g if "class-parallel" in strategies else 0) + (1 if peers else 0))
+            bar.total = timed + alone
             bar.refresh()
             with quiet_gc():
-                asyncio.run(_measure(built, imgs, transports, warmup=warmup, rounds=rounds,
-                                     concurrency=concurrency, n_requests=n_requests,
-                                     gateway=gateway, bar=bar))
+                asyncio.run(_measure(built, running.running, imgs, transports, warmup=warmup,
+                                     rounds=rounds, concurrency=concurrency,
+                                     n_requests=n_requests, gateway=gateway, bar=bar))
         finally:
+            running.stop()
             for s in built:
                 _close(s)
+        # After the strategies and peers are stopped: each model alone, nothing else running.
+        cores = result["machine"].get("usable_cores") or 1
         if "class-parallel" in strategies and isolated_images:
-            # After the strategies are closed: each subnet alone, nothing else running.
             cp = result["strategies"]["class-parallel"]
             cp.update(isolated_compute(recipes["class-parallel"], imgs, isolated_images,
-                                       cores=result["machine"].get("usable_cores") or 1,
-                                       threads=threads, bar=bar))
+                                       cores=cores, threads=threads, bar=bar))
+        if peers:
+            alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
+                                      threads=threads, bar=bar) if isolated_images else {})
+            result["comparison"] = comparison(
+                result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
     finally:
         bar.close()
 
@@ -215,47 +264,60 @@ def _close(s: Strategy) -> None:
         asyncio.run(s.predictor.close())
     except Exception as e:  # closing is best effort; the measurements are already taken
         log.warning("closing %s: %s", s.key, e)
+    finally:
+        if s.stop is not None:
+            s.stop()
 
 
-async def _measure(built: list[Strategy], imgs: TestImages, transports: Sequence[str], *,
-                   warmup: int, rounds: int, concurrency: int, n_requests: int,
-                   gateway: GatewaySettings, bar) -> None:
+async def _measure(built: list[Strategy], peers: Sequence[Peer], imgs: TestImages,
+                   transports: Sequence[str], *, warmup: int, rounds: int, concurrency: int,
+                   n_requests: int, gateway: GatewaySettings, bar) -> None:
+    """Every strategy over every transport, and over PEER_TRANSPORT every peer with them, in
+    the same interleaved rounds; each one's report goes into its ``info["transports"]``."""
     n = len(imgs)
     for transport in transports:
         drivers: dict[str, Any] = {}
+        infos: dict[str, dict] = {}
         client = None
         try:
             if transport != "inprocess":
                 client = HttpClientProcess(imgs.pngs, [x.tobytes() for x in imgs.xs],
                                            list(imgs.xs[0].shape))
             for s in built:
+                infos[s.key] = s.info
                 drivers[s.key] = (
                     InProcessDriver(s.predictor, imgs) if transport == "inprocess"
                     else await RemoteDriver.start(transport, s.predictor, client, gateway))
-            for s in built:
-                bar.set_description(f"{transport}: warm-up {s.key}")
-                await warm_up(drivers[s.key], n, warmup)
+            for p in peers if transport == PEER_TRANSPORT else ():
+                infos[p.key] = p.info
+                drivers[p.key] = RemoteDriver.attach(transport, client, p.url, p.model)
+            for key in drivers:
+                bar.set_description(f"{transport}: warm-up {key}")
+                await warm_up(drivers[key], n, warmup)
                 bar.update(warmup)
-            samples = {s.key: Samples() for s in built}
+            samples = {key: Samples() for key in drivers}
+            predictions: dict[str, list[int]] = {key: [] for key in drivers}
 
             async def run_chunk(key: str, chunk) -> None:
                 bar.set_description(f"{transport}: latency {key}")
                 timed = await drivers[key].sequential(chunk)
                 for j, (ms, pred, timings, floor) in zip(chunk, timed):
                     samples[key].add(ms, timings, pred == int(imgs.labels[j]), floor)
+                    predictions[key].append(int(pred))
                 bar.update(len(chunk))
 
-            await interleaved([s.key for s in built], n, rounds, run_chunk)
-            for s in built:
-                bar.set_description(f"{transport}: throughput {s.key} (c={concurrency})")
-                thr = await throughput(drivers[s.key], n_requests, concurrency)
+            await interleaved(list(drivers), n, rounds, run_chunk)
+            for key in drivers:
+                bar.set_description(f"{transport}: throughput {key} (c={concurrency})")
+                thr = await throughput(drivers[key], n_requests, concurrency)
                 bar.update(n_requests)
-                rep = samples[s.key].report()
+                rep = samples[key].report()
                 rep["throughput"] = thr
-                rep["latencies_ms"] = [round(v, 4) for v in samples[s.key].latency]
-                if samples[s.key].floor:  # request by request, beside latencies_ms
-                    rep["floors_ms"] = [round(v, 4) for v in samples[s.key].floor]
-                s.info["transports"][transport] = rep
+                rep["latencies_ms"] = [round(v, 4) for v in samples[key].latency]
+                if samples[key].floor:  # request by request, beside latencies_ms
+                    rep["floors_ms"] = [round(v, 4) for v in samples[key].floor]
+                rep["predictions"] = predictions[key]  # image by image, in the run's order
+                infos[key]["transports"][transport] = rep
         finally:
             for d in drivers.values():
                 await d.close()
@@ -265,9 +327,10 @@ async def _measure(built: list[Strategy], imgs: TestImages, transports: Sequence
 
 def isolated_compute(recipe: Recipe, imgs: TestImages, count: int, *, cores: int, threads: int,
                      bar) -> dict[str, Any]:
-    """Each subnet alone on a thread worker, one after the other, on the first ``count``
-    images: its compute without neighbours competing for the cores."""
-    bar.set_description("class-parallel: subnets one at a time")
+    """Each of the recipe's workers (a subnet; the original model) alone on a thread worker, one
+    after the other, on the first ``count`` images: its compute without neighbours competing
+    for the cores."""
+    bar.set_description(f"{recipe.key}: each worker alone")
     workers = WorkerSet(recipe.names, recipe.specs)
 
     async def run() -> dict[str, list[float]]:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .names import BARE_REQUESTS, LABELS, TRANSPORT_LABELS, TRANSPORTS
+from .comparison import comparison_markdown, comparison_text
+from .names import BARE_REQUESTS, TRANSPORT_LABELS, TRANSPORTS, label
 from .render import fmt, horizontal_boxplot, human, md_table, pyplot, save_figure, text_table
 from .targets import all_checks
 
@@ -21,7 +22,7 @@ STATUS_MD = {"met": "met", "not met": "NOT met", "not measured": "not measured"}
 
 
 def _short(key: str) -> str:
-    return LABELS[key].replace(" (sensAI)", "")
+    return label(key).replace(" (sensAI)", "").replace("sensAI, ", "")
 
 
 def measured_transports(result: dict) -> list[str]:
@@ -41,7 +42,7 @@ def latency_rows(result: dict, only: str | None = None) -> list[list[str]]:
             # In process there is no request: the floor is 0.
             over = b.get("latency_minus_floor_minus_compute") if floor else b.get(
                 "latency_minus_compute")
-            rows.append([LABELS[key], transport, str(s["workers"]), fmt(lat["p50"]),
+            rows.append([label(key), transport, str(s["workers"]), fmt(lat["p50"]),
                          fmt(lat["p90"]), fmt(lat["p99"]), fmt(lat["mean"]),
                          fmt(t["throughput"]["images_per_s"], 1), fmt(b["compute"]),
                          fmt(b["transport"]), fmt(b["merge"], 3), fmt(floor.get("p50")),
@@ -53,7 +54,7 @@ def worker_rows(result: dict) -> list[list[str]]:
     rows = []
     for key, s in result.get("strategies", {}).items():
         m, per = s["memory"], s["per_worker"]
-        rows.append([LABELS[key], str(s["workers"]), human(s["params_max_per_worker"]),
+        rows.append([label(key), str(s["workers"]), human(s["params_max_per_worker"]),
                      human(s["flops_max_per_worker"]), human(s["flops_total"]),
                      fmt(max((w["weights_mb"] + w["activations_mb"] for w in per), default=None)),
                      fmt(m["rss_growth_mb"]), fmt(m["peak_rss_growth_mb"]),
@@ -87,6 +88,8 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result)]
+    if result.get("comparison"):
+        parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
     if model_targets_only:
         targets = {**targets, "sets": [s for s in targets.get("sets", [])
@@ -148,9 +151,13 @@ def _summary_lines(result: dict) -> list[str]:
             parts.append(f"data parallel p50 is {dp / single:.2f}x the single device's (one image "
                          f"is not cut up) for {thr[0] / thr[1]:.2f}x its throughput")
         if parts:
-            label = "In process" if t == "inprocess" else TRANSPORT_LABELS[t]
-            out += [f"{label}: " + "; ".join(parts) + ".", ""]
+            title = "In process" if t == "inprocess" else TRANSPORT_LABELS[t]
+            out += [f"{title}: " + "; ".join(parts) + ".", ""]
     return out
+
+
+def _backends(settings: dict) -> list[str]:
+    return settings.get("class_parallel_backends") or [settings["class_parallel_backend"]]
 
 
 def _latency_tables(result: dict) -> list[str]:
@@ -193,7 +200,7 @@ def render_markdown(result: dict) -> str:
         f"Every worker: runtime {', '.join(st.get('runtime_resolved') or [st['runtime']])} "
         f"(--runtime {st['runtime']}) on {st['device_resolved']}, {st['threads_per_worker']} "
         f"thread(s). Class parallel: the predictor `sensai serve` builds (backend "
-        f"{st['class_parallel_backend']}); the baselines run on worker threads. Model parallel: "
+        f"{', '.join(_backends(st))}); the baselines run on worker threads. Model parallel: "
         f"{st['stages']} stages; data parallel: {st['replicas']} replicas.",
         "",
         f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
@@ -208,6 +215,7 @@ def render_markdown(result: dict) -> str:
         "",
         *_latency_tables(result),
         *_summary_lines(result),
+        *(comparison_markdown(result["comparison"]) if result.get("comparison") else []),
         "compute: the runners' own time measured inside the workers - the one run (single, "
         "data parallel), the sum of the stages (model parallel), the slowest subnet (class "
         "parallel: the floor). transport: latency - compute - merge (hand-offs to the workers, "
@@ -223,7 +231,7 @@ def render_markdown(result: dict) -> str:
     for key, s in result["strategies"].items():
         for transport, t in s["transports"].items():
             b = t["breakdown_ms"]["mean"]
-            rows.append([LABELS[key], transport, fmt(t["latency_ms"]["mean"]), fmt(b["compute"]),
+            rows.append([label(key), transport, fmt(t["latency_ms"]["mean"]), fmt(b["compute"]),
                          fmt(b["dispatch"]), fmt(b["http"]),
                          fmt((t.get("floor_ms") or {}).get("mean")), fmt(b["merge"], 3),
                          fmt(t["compute_sum_ms"]["mean"])])
@@ -241,9 +249,9 @@ def render_markdown(result: dict) -> str:
             + (f"; with {m['usable_cores']} usable core(s) the subnets of one image cannot all be "
                f"done in less than {fmt(floor)} ms (the core-bound floor)"
                if floor is not None else "") + ".", ""]
-    elsewhere = (" (with --backend " + st["class_parallel_backend"] + ", class parallel's "
-                 "workers live in other processes, which these figures do not see)"
-                 if st["class_parallel_backend"] != "local" else "")
+    remote = [b for b in _backends(st) if b != "local"]
+    elsewhere = (" (with --backend " + ", ".join(remote) + ", class parallel's workers live in "
+                 "other processes, which these figures do not see)" if remote else "")
     lines += ["## Per worker", "", md_table(WORKER_HEADER, worker_rows(result)), "",
               "MACs: multiply-accumulates of convolutions and linear layers per image "
               "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
@@ -319,12 +327,12 @@ def plot(result: dict, path: Path) -> None:
             merge.append(b["merge"] or 0)
     y = np.arange(len(names))
     left = np.zeros(len(names))
-    for vals, label, c in ((comp, "compute (critical path)", "#55A868"),
-                           (disp, "dispatch / fan-out", "#C44E52"),
-                           (merge, "merge", "#8172B2"),
-                           (bare, "bare request (the transport's floor)", "#BBBBBB"),
-                           (http, "request + decode beyond the floor", "#937860")):
-        ax.barh(y, vals, left=left, label=label, color=c)
+    for vals, part, c in ((comp, "compute (critical path)", "#55A868"),
+                          (disp, "dispatch / fan-out", "#C44E52"),
+                          (merge, "merge", "#8172B2"),
+                          (bare, "bare request (the transport's floor)", "#BBBBBB"),
+                          (http, "request + decode beyond the floor", "#937860")):
+        ax.barh(y, vals, left=left, label=part, color=c)
         left += np.asarray(vals, dtype=float)
     ax.set_yticks(y, names, fontsize=8)
     ax.invert_yaxis()

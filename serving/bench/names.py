@@ -14,7 +14,27 @@ LABELS = {"single": "single device", "model-parallel": "model parallel",
 # Where the class-parallel predictor's workers run (``build_predictor``'s backends; Triton needs
 # a server of its own and cannot host redundant copies or be fault-injected).
 BACKENDS = ("local", "processes", "ray")
+# ``sensai bench`` may also run class parallel on a tritonserver it starts (one Triton model per
+# subnet), and on several backends in one run: the first backend's strategy is "class-parallel",
+# each other one's "class-parallel@<backend>".
+BENCH_BACKENDS = (*BACKENDS, "triton")
+# The systems a user would pick instead, serving the original model, each started by the run
+# and measured over PEER_TRANSPORT (the one request all of them take) beside the strategies.
+PEERS = ("triton", "ray-serve")
+PEER_LABELS = {"triton": "Triton Inference Server", "ray-serve": "Ray Serve"}
+PEER_TRANSPORT = "http-v2"
 # node-loss: the victim worker's whole Ray node is killed (Ray backend, a node of this machine).
 SCENARIOS = ("none", "straggler", "failure", "node-loss")
 OUTAGES = ("failure", "node-loss")  # scenarios that end something, one configuration at a time
 DEFAULT_SCENARIOS = ("none", "straggler", "failure")
+
+
+def strategy_key(backend: str, first: bool) -> str:
+    """The key of class parallel on ``backend``: the first backend's is "class-parallel"."""
+    return "class-parallel" if first else f"class-parallel@{backend}"
+
+
+def label(key: str) -> str:
+    """A strategy's label; class parallel on a further backend names its pool."""
+    base, _, backend = key.partition("@")
+    return f"class parallel (sensAI, {backend} pool)" if backend else LABELS[base]

@@ -5,7 +5,8 @@
    K workers;
 3. ``class-parallel`` - sensAI: exactly the predictor ``sensai serve`` builds
    (:func:`~sensai.serving.build.build_predictor`, the gateway's default settings; backend
-   ``local`` = worker threads unless asked otherwise);
+   ``local`` = worker threads unless asked otherwise; ``triton``: on a ``tritonserver`` the run
+   starts), and ``class-parallel@<backend>`` the same on each further backend of the run;
 4. ``data-parallel`` - R replicas of the original model.
 
 The baselines (:mod:`.baselines`) run on the same thread workers as the default class-parallel
@@ -32,7 +33,7 @@ from sensai.fsutil import sha256_file
 from sensai.models import count_params, device_for_worker
 from sensai.stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
-from ..build import build_predictor
+from ..build import build_predictor, launch_triton
 from ..contract import Predictor
 from ..predictor import worker_devices
 from ..runners import RunnerSpec, runner_specs
@@ -40,7 +41,7 @@ from ..settings import GatewaySettings
 from .baselines import BASELINES, ModuleSpec, WorkerSet
 from .harness import TestImages
 from .machine import MemoryProbe
-from .names import LABELS
+from .names import label
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Strategy:
     predictor: Predictor
     recipe: Recipe
     info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
+    stop: Callable[[], None] | None = None  # what it runs beside its predictor (a tritonserver)
 
 
 def resolved_runtime(runtime: str, device: str) -> str:
@@ -182,20 +184,32 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
 
 
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
-          threads: int, settings: GatewaySettings, ray_address: str | None = None) -> Strategy:
-    """Load one strategy's workers (blocking) under a memory probe."""
-    key = recipe.key
-    if key == "class-parallel":
+          threads: int, settings: GatewaySettings, ray_address: str | None = None,
+          key: str | None = None) -> Strategy:
+    """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
+    recipe's) names class parallel on a further backend.  Backend ``triton``: a
+    ``tritonserver`` started for the artifact's subnets, stopped with the strategy."""
+    key = key or recipe.key
+    parallel = recipe.key == "class-parallel"
+    if parallel:
         devices = worker_devices(len(recipe.specs), device)
     else:
         devices = [s.device for s in recipe.specs]
+    triton = None
     with MemoryProbe(devices) as probe:
-        if key == "class-parallel":
-            # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
-            predictor = build_predictor(
-                artifact.root, backend=backend, device=device, runtime=runtime,
-                threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
-                hang_timeout_s=settings.hang_timeout(), ray_address=ray_address)
+        if parallel:
+            triton = launch_triton(artifact.root, threads=threads) if backend == "triton" else None
+            try:
+                # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
+                predictor = build_predictor(
+                    artifact.root, backend=backend, device=device, runtime=runtime,
+                    threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
+                    hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
+                    triton_url=triton.url if triton else None)
+            except BaseException:
+                if triton is not None:
+                    triton.stop()
+                raise
             described = predictor.describe()["workers"]
         else:
             workers = WorkerSet(recipe.names, recipe.specs)
@@ -206,9 +220,9 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                   for info, name, w, spec in zip(recipe.workers, recipe.names, described,
                                                  recipe.specs)]
     info = {
-        "label": LABELS[key],
+        "label": label(key),
         "workers": len(per_worker),
-        "backend": backend if key == "class-parallel" else "local",
+        "backend": backend if parallel else "local",
         "per_worker": per_worker,
         "params_max_per_worker": max(w["params"] for w in per_worker),
         "flops_max_per_worker": max(w["flops"] for w in per_worker),
@@ -217,4 +231,4 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
         "memory": probe.figures,
         "transports": {},
     }
-    return Strategy(key, predictor, recipe, info)
+    return Strategy(key, predictor, recipe, info, triton.stop if triton else None)

@@ -102,6 +102,7 @@ class Triton:
         self.timeout_s = timeout_s
         self.prefix = prefix
         self._clients: dict[asyncio.AbstractEventLoop, aioclient.InferenceServerClient] = {}
+        self._keepers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.models: list[str] = []
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
@@ -111,13 +112,29 @@ class Triton:
         return TritonWorker(index, groups, specs, sink, owner=self, model=model, **faults)
 
     def client(self) -> aioclient.InferenceServerClient:
-        """One aiohttp session per event loop (the gateway's, or a test's)."""
+        """One aiohttp session per event loop (the gateway's, or a test's), closed when that
+        loop ends if :meth:`close` has not closed it before."""
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
             client = self._clients[loop] = aioclient.InferenceServerClient(
                 self.url, conn_timeout=self.timeout_s)
+            keeper = self._keepers[loop] = loop.create_task(self._close_with_loop(client))
+            keeper.add_done_callback(lambda _: self._forget(loop, client))
         return client
+
+    def _forget(self, loop, client) -> None:
+        if self._clients.get(loop) is client:
+            del self._clients[loop]
+            self._keepers.pop(loop, None)
+
+    async def _close_with_loop(self, client) -> None:
+        # Closes the session when cancelled: by close(), or by the loop's runner when the loop
+        # ends first (a gateway stopped before its predictor, as the benchmark's are).
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await client.close()
 
     def model_ready(self, model: str, timeout: float = 2.0) -> bool:
         client = httpclient.InferenceServerClient(self.url, connection_timeout=timeout,
@@ -136,9 +153,11 @@ class Triton:
         return {"kind": "triton", "url": self.url, "models": list(self.models)}
 
     def close(self) -> None:
-        for loop, client in list(self._clients.items()):
+        for loop, keeper in list(self._keepers.items()):
             if loop.is_running():
-                asyncio.run_coroutine_threadsafe(client.close(), loop)
+                loop.call_soon_threadsafe(keeper.cancel)
             elif not loop.is_closed():
-                loop.run_until_complete(client.close())
+                keeper.cancel()
+                loop.run_until_complete(asyncio.gather(keeper, return_exceptions=True))
+        self._keepers.clear()
         self._clients.clear()

@@ -1,0 +1,105 @@
+"""``sensai bench --peers``: sensai against the systems a user would pick instead, in one table
+("sensai vs Triton vs Ray Serve" in bench.md, ``comparison`` in bench.json).
+
+The rows come from one run, over :data:`~.names.PEER_TRANSPORT` (the KServe v2 binary tensor
+over HTTP), from the same client process, on the same images, in the same interleaved rounds:
+the sensai gateway serving the class-parallel subnets on each pool of the run, and serving the
+original model (single device), then each peer serving the original model.  Per row: p50 and
+p99, the bare request's p50, the compute of the same ONNX model(s) run alone in this process
+(the original model; class parallel: the slowest subnet), and the overhead over compute: the
+p50, request by request, of latency minus the same client's bare request to the same server
+just before it, minus that compute.  Compute is measured the same way for every system (Triton
+reports none per request), so the overheads compare.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .names import BARE_REQUESTS, PEER_TRANSPORT, TRANSPORT_LABELS
+from .render import fmt, md_table, text_table
+from .stats import rounded
+
+TITLE = "sensai vs Triton vs Ray Serve"
+HEADER = ["system", "serves", "pool", "p50 ms", "p99 ms", "bare p50", "compute ms (alone)",
+          "overhead p50 ms", "Triton p50 / p50", "top-1"]
+
+
+def _row(key: str, system: str, serves: str, pool: str, rep: dict,
+         compute: float | None) -> dict[str, Any]:
+    lat, floors = np.asarray(rep["latencies_ms"]), np.asarray(rep.get("floors_ms") or [])
+    above_bare = float(np.median(lat - floors)) if len(floors) == len(lat) > 0 else None
+    return {"key": key, "system": system, "serves": serves, "pool": pool,
+            "p50_ms": rep["latency_ms"]["p50"], "p99_ms": rep["latency_ms"]["p99"],
+            "bare_p50_ms": (rep.get("floor_ms") or {}).get("p50"),
+            "latency_minus_bare_p50_ms": rounded(above_bare),
+            "compute_ms": compute,
+            "overhead_ms": (rounded(above_bare - compute)
+                            if above_bare is not None and compute is not None else None),
+            "top1": rep["top1"], "images": rep["images"]}
+
+
+def comparison(result: dict, *, original_compute_ms: float | None) -> dict[str, Any]:
+    """bench.json's ``comparison``, from the strategies' and peers' reports in ``result`` and
+    the original model's compute alone (the subnets' is the class-parallel strategy's)."""
+    strategies, peers = result.get("strategies", {}), result.get("peers", {})
+    subnet_ms = strategies.get("class-parallel", {}).get("isolated_compute_ms_p50_max")
+    g = result["settings"]["subnets"]
+    rows = []
+    for key, s in strategies.items():
+        rep = s["transports"].get(PEER_TRANSPORT)
+        if rep is None or not (key == "single" or key.startswith("class-parallel")):
+            continue
+        if key == "single":
+            rows.append(_row(key, "sensai gateway", "original model", "local",
+                             rep, original_compute_ms))
+        else:
+            rows.append(_row(key, "sensai gateway", f"{g} class-parallel subnets", s["backend"],
+                             rep, subnet_ms))
+    for key, p in peers.items():
+        rep = p.get("transports", {}).get(PEER_TRANSPORT)
+        if rep is not None:
+            pool = (f"{p['triton_backend']} backend" if p.get("triton_backend")
+                    else "1 replica")
+            rows.append(_row(key, p["label"], "original model", pool, rep, original_compute_ms))
+    triton = next((r["p50_ms"] for r in rows if r["key"] == "triton"), None)
+    for r in rows:
+        r["triton_p50_over_p50"] = (round(triton / r["p50_ms"], 3)
+                                    if triton and r["p50_ms"] else None)
+    return {"title": TITLE, "transport": PEER_TRANSPORT,
+            "compute_alone_ms": {"original": original_compute_ms, "slowest_subnet": subnet_ms},
+            "rows": rows,
+            "skipped": {k: p["skipped"] for k, p in peers.items() if "skipped" in p}}
+
+
+def _cells(r: dict) -> list[str]:
+    return [r["system"], r["serves"], r["pool"], fmt(r["p50_ms"]), fmt(r["p99_ms"]),
+            fmt(r["bare_p50_ms"]), fmt(r["compute_ms"]), fmt(r["overhead_ms"]),
+            fmt(r["triton_p50_over_p50"]), fmt(r["top1"], 4)]
+
+
+def _skipped(c: dict) -> list[str]:
+    return [f"skipped {key}: {why}" for key, why in c["skipped"].items()]
+
+
+def comparison_text(c: dict) -> str:
+    """The console's table, and a line per skipped peer."""
+    return "\n".join([f"{TITLE} ({c['transport']}):",
+                      text_table(HEADER, [_cells(r) for r in c["rows"]]), *_skipped(c)])
+
+
+def comparison_markdown(c: dict) -> list[str]:
+    t = c["transport"]
+    lines = [f"## {TITLE}", "",
+             f"{TRANSPORT_LABELS[t]} (`{t}`): the same client process, images and interleaved "
+             "rounds for every system.", "", md_table(HEADER, [_cells(r) for r in c["rows"]]), "",
+             f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just before "
+             "each request. compute (alone): the same ONNX model(s) run alone on one worker in "
+             "this process after the servers stopped - the original model, or the slowest "
+             "subnet. overhead: the p50, request by request, of latency - bare, minus that "
+             "compute: what the serving system adds. Triton p50 / p50: how many times faster "
+             "than the Triton-served original model.", ""]
+    lines += [f"- {s}" for s in _skipped(c)] + ([""] if c["skipped"] else [])
+    return lines

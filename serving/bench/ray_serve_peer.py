@@ -1,0 +1,128 @@
+"""The original model on plain Ray Serve: the ``ray-serve`` peer of ``sensai bench --peers``.
+
+What a user picking Ray Serve instead of sensai runs, as in Ray's docs: one deployment whose
+``__call__`` takes the HTTP request from Serve's proxy.  It answers the benchmark client's
+KServe v2 request (``POST /v2/models/<model>/infer``) with the class (``class_index``) and the
+replica's own timings, and the bare request the client times before each one
+(``GET /v2/health/live``) with 200.  The request is parsed by the gateway's parser
+(:func:`~sensai.serving.oip.parse_infer_request`) and the model run by the workers' runner
+(:class:`~sensai.serving.runners.OrtRunner`, ``threads`` intra-op threads), so the peer differs
+from sensai in the serving framework only.
+
+:func:`start_ray_serve` starts Serve on the Ray instance this process is connected to (else a
+new local one), its proxy on 127.0.0.1; :meth:`RayServePeer.stop` deletes the application, then
+shuts Serve down, and Ray when this call started it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import ray
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sensai.errors import SensaiError
+from sensai.raycluster import connect, error_text
+
+from ..oip import HEADER_LENGTH, parse_infer_request
+from ..runners import OrtRunner
+
+log = logging.getLogger(__name__)
+
+APP = "sensai-bench-peer"
+LIVE = "/v2/health/live"
+
+
+@serve.deployment(max_ongoing_requests=64)
+class OriginalModel:
+    """The ONNX model behind one HTTP route (any path ending in ``/infer``) and the health
+    check."""
+
+    def __init__(self, onnx_path: str, threads: int, model: str):
+        self.runner = OrtRunner(onnx_path, threads=threads, name=model)
+        self.model = model
+
+    async def __call__(self, request: Request) -> Response:
+        if request.method == "GET":
+            return Response(status_code=200 if request.url.path == LIVE else 404)
+        if not request.url.path.endswith("/infer"):
+            return Response(status_code=404)
+        body = await request.body()
+        t0 = time.perf_counter()
+        try:
+            req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+            x = np.ascontiguousarray(req.inputs[0].array, dtype=np.float32)
+            t1 = time.perf_counter()
+            scores = self.runner.run(x)
+            t2 = time.perf_counter()
+        except Exception as e:  # bad request, or a shape the model does not take
+            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=400)
+        index = [int(k) for k in np.argmax(scores, axis=1)]
+        timings = {"compute": (t2 - t1) * 1e3, "total": (time.perf_counter() - t0) * 1e3}
+        return JSONResponse({
+            "model_name": self.model,
+            "outputs": [{"name": "class_index", "datatype": "INT64", "shape": [len(index)],
+                         "data": index}],
+            "parameters": {"timings_ms": json.dumps(timings)}})
+
+
+class RayServePeer:
+    def __init__(self, url: str, own_ray: bool):
+        self.url, self.own_ray, self.own_serve = url, own_ray, False
+
+    def stop(self) -> None:
+        if self.own_serve:
+            try:
+                serve.delete(APP)
+                serve.shutdown()
+            except Exception as e:  # best effort: Ray itself may already be gone
+                log.warning("stopping Ray Serve: %s", error_text(e))
+            self.own_serve = False
+        if self.own_ray:
+            ray.shutdown()
+            self.own_ray = False
+
+
+def start_ray_serve(onnx: Path, *, threads: int, model: str, port: int,
+                    startup_timeout_s: float = 180.0) -> RayServePeer:
+    """Serve ``onnx`` as ``model`` behind Serve's proxy at ``http://127.0.0.1:port``; returns
+    once it answers.  The replica asks for no CPU, so it is placed whatever the run's other
+    Ray workers hold."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    own_ray = connect()
+    peer = RayServePeer(f"http://127.0.0.1:{port}", own_ray)
+    try:
+        if serve.status().proxies:
+            # Its proxy's address is not ours to choose, and its applications not ours to stop.
+            raise SensaiError("Ray Serve already runs on this Ray cluster")
+        peer.own_serve = True
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = OriginalModel.options(ray_actor_options={"num_cpus": 0}).bind(
+            str(Path(onnx).resolve()), threads, model)
+        serve.run(app, name=APP, route_prefix="/")
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            try:
+                if httpx.get(peer.url + LIVE, timeout=2.0).status_code == 200:
+                    return peer
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SensaiError(f"Ray Serve's proxy not ready after {startup_timeout_s:.0f} s")
+            time.sleep(0.25)
+    except SensaiError:
+        peer.stop()
+        raise
+    except Exception as e:
+        peer.stop()
+        raise SensaiError(f"Ray Serve: {error_text(e)}") from None
+    except BaseException:
+        peer.stop()
+        raise
