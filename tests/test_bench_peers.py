@@ -197,3 +197,52 @@ def test_the_comparison_table_is_in_bench_json_and_bench_md(all_systems):
                  "| Triton Inference Server | original model |", "| Ray Serve | original model |"):
         assert text in section, text
     assert "class parallel (sensAI, ray pool)" in md and "class parallel (sensAI, triton pool)" in md
+
+
+@pytest.mark.slow
+def test_the_ray_pool_target_is_checked_on_the_run(all_systems):
+    """Every model's target: the Ray pool within 2x the local one's p50 over http-v2, valued
+    from the run's own figures; the Triton targets are the flagship's and not reported here."""
+    _, result = all_systems
+    checks = {c["name"]: c for s in result["targets"]["sets"] for c in s["checks"]}
+    ray = checks["ray_vs_local_pool"]
+    p50 = {k: result["strategies"][k]["transports"]["http-v2"]["latency_ms"]["p50"]
+           for k in ("class-parallel", "class-parallel@ray")}
+    assert ray["transport"] == "http-v2" and ray["limit"] == 2.0
+    assert ray["value"] == pytest.approx(p50["class-parallel@ray"] / p50["class-parallel"], abs=1e-4)
+    assert ray["status"] == ("met" if ray["value"] <= 2.0 else "not met")
+    assert "p50(class parallel (sensAI, ray pool)) <= 2 x p50(class parallel)" == ray["rule"]
+    assert "class_parallel_vs_triton_original" not in checks
+
+
+def test_the_flagship_targets_against_triton():
+    from sensai.serving.bench.targets import TARGET_SETS, evaluate_targets
+
+    sets = [s for s in TARGET_SETS if s.name == "sensai against Triton serving the original"]
+
+    def rep(p50):
+        return {"transports": {"http-v2": {"latency_ms": {"p50": p50}}}}
+
+    result = {"model": "vgg16_bn", "strategies": {"class-parallel": rep(4.0)},
+              "peers": {"triton": {**rep(12.0), "label": "Triton Inference Server"}},
+              "comparison": {"transport": "http-v2", "rows": [
+                  {"key": "class-parallel", "overhead_ms": 0.9},
+                  {"key": "triton", "overhead_ms": 1.2}]}}
+    checks = {c["name"]: c for s in evaluate_targets(result, sets)["sets"] for c in s["checks"]}
+    vs = checks["class_parallel_vs_triton_original"]
+    assert (vs["value"], vs["status"]) == (pytest.approx(1 / 3, abs=1e-4), "met")
+    assert vs["rule"] == "p50(class parallel) <= 0.4 x p50(Triton Inference Server)"
+    over = checks["overhead_vs_triton_ms"]
+    assert (over["value"], over["status"]) == (pytest.approx(-0.3), "met")
+    result["comparison"]["rows"][0]["overhead_ms"] = 1.5
+    result["strategies"]["class-parallel"] = rep(5.0)
+    checks = {c["name"]: c for s in evaluate_targets(result, sets)["sets"] for c in s["checks"]}
+    assert checks["overhead_vs_triton_ms"]["status"] == "not met"
+    assert checks["class_parallel_vs_triton_original"]["status"] == "not met"
+    del result["comparison"]
+    checks = {c["name"]: c for s in evaluate_targets(result, sets)["sets"] for c in s["checks"]}
+    assert checks["overhead_vs_triton_ms"]["status"] == "not measured"
+    assert "--peers triton" in checks["overhead_vs_triton_ms"]["why_not_measured"]
+    # A run without the Triton peer is not judged against it; nor another model's run.
+    assert evaluate_targets({**result, "peers": {}}, sets)["sets"] == []
+    assert evaluate_targets({**result, "model": "resnet20"}, sets)["sets"] == []

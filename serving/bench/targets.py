@@ -5,9 +5,10 @@ A :class:`TargetSet` holds :class:`Target`\\ s (a measure, a limit) checked at p
 transport (HTTP: end to end, what a caller sees), or on the target's own.  :func:`evaluate_targets`
 reports only the sets that apply to the artifact's model, each target as met / not met / not
 measured (and why), with the value and, for reference, the same measure on another transport (in
-process, or HTTP for an in-process target).  Sets for other models are left out
-of the result entirely.  To add a target, add a row to :data:`TARGET_SETS`; a new kind of
-measure is a small class with ``rule``, ``value`` and ``needs``.
+process, or HTTP for an in-process target).  Sets for other models are left out of the result
+entirely, and so are sets comparing strategies or peers the run did not have.  To add a target,
+add a row to :data:`TARGET_SETS`; a new kind of measure is a small class with ``rule``,
+``value`` and ``needs``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from typing import Any, Sequence
 
 from sensai.models import DEMO_MODEL
 
-from .names import LABELS
+from .names import PEER_LABELS, label
 
 EVERY_MODEL = ("*",)
 
 
 def _rep(result: dict, key: str, transport: str) -> dict | None:
-    return result.get("strategies", {}).get(key, {}).get("transports", {}).get(transport)
+    """A strategy's report over ``transport``, or a peer's (``--peers``: the keys differ)."""
+    found = result.get("strategies", {}).get(key) or result.get("peers", {}).get(key) or {}
+    return found.get("transports", {}).get(transport)
+
+
+def _name(key: str) -> str:
+    return PEER_LABELS[key] if key in PEER_LABELS else label(key).replace(" (sensAI)", "")
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,7 @@ class Ratio:
     unit = "x"
 
     def rule(self, limit: float) -> str:
-        return (f"p50({LABELS[self.strategy].replace(' (sensAI)', '')}) <= {limit:g} x "
-                f"p50({LABELS[self.baseline]})")
+        return f"p50({_name(self.strategy)}) <= {limit:g} x p50({_name(self.baseline)})"
 
     def value(self, result: dict, transport: str) -> float | None:
         a, b = _rep(result, self.strategy, transport), _rep(result, self.baseline, transport)
@@ -112,9 +118,35 @@ class AccuracyLoss:
 
 
 @dataclass(frozen=True)
+class OverheadAgainstPeer:
+    """sensai's class-parallel overhead over compute minus ``peer``'s over its own, ms, from
+    bench.json's ``comparison`` (``--peers``): each is latency - the same client's bare request
+    - the compute of the same model(s) run alone, so <= 0 means the gateway adds no more than
+    the peer does."""
+
+    peer: str = "triton"
+    unit = "ms"
+
+    def rule(self, limit: float) -> str:
+        return (f"overhead(class parallel) - overhead({PEER_LABELS[self.peer]}) <= {limit:g} ms "
+                "(latency - bare request - compute alone)")
+
+    def value(self, result: dict, transport: str) -> float | None:
+        c = result.get("comparison") or {}
+        if c.get("transport") != transport:
+            return None
+        rows = {r["key"]: r.get("overhead_ms") for r in c.get("rows", [])}
+        ours, theirs = rows.get("class-parallel"), rows.get(self.peer)
+        return None if ours is None or theirs is None else round(ours - theirs, 4)
+
+    def needs(self, transport: str) -> str:
+        return f"needs --peers {self.peer} (measured over {transport})"
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
-    measure: Ratio | FanoutOverhead | OverFloor | AccuracyLoss
+    measure: Ratio | FanoutOverhead | OverFloor | AccuracyLoss | OverheadAgainstPeer
     limit: float
     transport: str | None = None  # None: the set's
 
@@ -126,9 +158,14 @@ class TargetSet:
     targets: tuple[Target, ...]
     transport: str = "http"
     origin: str = ""
+    # Strategies or peers the set compares: a run that did not ask for them (no --backend ray,
+    # no --peers) is not judged by it.
+    requires: tuple[str, ...] = ()
 
-    def applies_to(self, model: str) -> bool:
-        return self.models == EVERY_MODEL or model in self.models
+    def applies_to(self, result: dict) -> bool:
+        ran = {*result.get("strategies", {}), *result.get("peers", {})}
+        return ((self.models == EVERY_MODEL or result.get("model") in self.models)
+                and all(key in ran for key in self.requires))
 
 
 TARGET_SETS: tuple[TargetSet, ...] = (
@@ -151,6 +188,15 @@ TARGET_SETS: tuple[TargetSet, ...] = (
                   Target("over_floor_png_upload_ms", OverFloor(), 0.8, transport="http"),
                   Target("fanout_overhead_inprocess_ms", FanoutOverhead(), 0.15,
                          transport="inprocess"))),
+    TargetSet("the Ray pool against the local one", models=EVERY_MODEL, origin="issue 10",
+              transport="http-v2", requires=("class-parallel@ray",),
+              targets=(Target("ray_vs_local_pool", Ratio("class-parallel@ray", "class-parallel"),
+                              2.0),)),
+    TargetSet("sensai against Triton serving the original", models=("vgg16_bn",),
+              origin="issue 10", transport="http-v2", requires=("triton",), targets=(
+                  Target("class_parallel_vs_triton_original", Ratio("class-parallel", "triton"),
+                         0.4),
+                  Target("overhead_vs_triton_ms", OverheadAgainstPeer("triton"), 0.0))),
 )
 
 STATUS = {True: "met", False: "not met", None: "not measured"}
@@ -176,7 +222,7 @@ def _check(target: Target, transport: str, result: dict) -> dict[str, Any]:
 def evaluate_targets(result: dict, sets: Sequence[TargetSet] = TARGET_SETS) -> dict[str, Any]:
     """The target sets that apply to ``result["model"]``, each target checked at p50."""
     model = result.get("model")
-    applicable = [s for s in sets if s.applies_to(model)]
+    applicable = [s for s in sets if s.applies_to(result)]
     out_sets = [{"name": s.name, "models": "every model" if s.models == EVERY_MODEL
                  else list(s.models), "origin": s.origin, "transport": s.transport,
                  "checks": [_check(t, s.transport, result) for t in s.targets]}
