@@ -39,10 +39,19 @@ DATASET_NAMES = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
 
-def normalize(images: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
-    """uint8 ``[B, C, H, W]`` (or ``[C, H, W]``) -> float32 network input, on the images' device."""
-    x = images.to(torch.float32).div_(255.0)
+def normalize(images: torch.Tensor | np.ndarray, spec: DatasetSpec) -> torch.Tensor | np.ndarray:
+    """uint8 ``[B, C, H, W]`` (or ``[C, H, W]``) -> float32 network input, on the images' device.
+
+    A numpy array gives a numpy array, by the same float32 operations (bit for bit the same
+    values): the gateway normalizes one small image per request, where torch's per-call
+    overhead cost several times the arithmetic."""
     shape = (-1, 1, 1)
+    if isinstance(images, np.ndarray):
+        x = images.astype(np.float32) / np.float32(255.0)
+        mean = np.asarray(spec.mean, dtype=np.float32).reshape(shape)
+        std = np.asarray(spec.std, dtype=np.float32).reshape(shape)
+        return (x - mean) / std
+    x = images.to(torch.float32).div_(255.0)
     mean = torch.tensor(spec.mean, dtype=torch.float32, device=x.device).view(shape)
     std = torch.tensor(spec.std, dtype=torch.float32, device=x.device).view(shape)
     return (x - mean) / std
@@ -50,22 +59,26 @@ def normalize(images: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
 
 def pil_to_uint8(img, spec: DatasetSpec) -> torch.Tensor:
     """A PIL image of any size or mode -> uint8 ``[C, H, W]`` in the spec's mode and size."""
+    return torch.from_numpy(pil_to_array(img, spec))
+
+
+def pil_to_array(img, spec: DatasetSpec) -> np.ndarray:
+    """:func:`pil_to_uint8` as a numpy array (writable, contiguous)."""
     from PIL import Image
 
     if img.mode in ("RGBA", "LA", "P") and spec.pil_mode == "RGB":
         img = img.convert("RGBA")
         bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(bg, img)
-    img = img.convert(spec.pil_mode)
+    if img.mode != spec.pil_mode:  # else convert() would only copy it
+        img = img.convert(spec.pil_mode)
     _, h, w = spec.input_shape
     if img.size != (w, h):
         img = img.resize((w, h), Image.BILINEAR)
     arr = np.array(img, dtype=np.uint8)  # a writable copy: torch refuses read-only buffers
     if arr.ndim == 2:
-        arr = arr[None]
-    else:
-        arr = arr.transpose(2, 0, 1)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+        return arr[None]
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
 # --------------------------------------------------------------------------------------------

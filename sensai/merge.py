@@ -37,22 +37,35 @@ class Merger:
         self.classes = np.asarray([c for g in groups for c in g], dtype=np.intp)
         self.binary = all(w == 1 for w in widths) and all(len(g) == 1 for g in groups)
         self.starts = np.cumsum((0,) + self.widths[:-1]).astype(np.intp)
-        self.repeats = np.asarray(self.widths, dtype=np.intp)
+        self.segment = np.repeat(np.arange(len(self.widths), dtype=np.intp), self.widths)
         self.keep = np.asarray([i for s, w in zip(self.starts, self.widths)
                                 for i in range(s + 1, s + w)], dtype=np.intp)
+        # When the subnets cover every class (any full answer), each class's column of the
+        # outputs: the scores are then one gather, no zeroed array filled in.
+        self.order = None
+        if not self.binary and len(self.classes) == self.num_classes and \
+                np.array_equal(np.sort(self.classes), np.arange(self.num_classes)):
+            self.order = np.empty(self.num_classes, dtype=np.intp)
+            self.order[self.classes] = self.keep
 
     def __call__(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
-        z = np.concatenate(outputs, axis=1).astype(np.float64)
-        scores = np.zeros((z.shape[0], self.num_classes), dtype=np.float64)
+        # As few and as cheap numpy calls as the rule allows (take, not fancy indexing): for one
+        # image each costs far more than its arithmetic, and this runs for every request.
+        z = np.concatenate(outputs, axis=1, dtype=np.float64)
         if self.binary:  # the G logits compete in one softmax
+            scores = np.zeros((z.shape[0], self.num_classes), dtype=np.float64)
             e = np.exp(z - z.max(axis=1, keepdims=True))
             scores[:, self.classes] = e / e.sum(axis=1, keepdims=True)
             return scores.astype(np.float32)
         # Softmax within each subnet's segment of columns, then drop each "not mine" column.
-        e = np.exp(z - np.maximum.reduceat(z, self.starts, axis=1).repeat(self.repeats, axis=1))
-        p = e / np.add.reduceat(e, self.starts, axis=1).repeat(self.repeats, axis=1)
-        scores[:, self.classes] = p[:, self.keep]
-        total = scores.sum(axis=1, keepdims=True)
+        e = np.exp(z - np.maximum.reduceat(z, self.starts, axis=1).take(self.segment, axis=1))
+        p = e / np.add.reduceat(e, self.starts, axis=1).take(self.segment, axis=1)
+        if self.order is not None:
+            scores = p.take(self.order, axis=1)
+        else:
+            scores = np.zeros((z.shape[0], self.num_classes), dtype=np.float64)
+            scores[:, self.classes] = p[:, self.keep]
+        total = np.add.reduce(scores, axis=1, keepdims=True)
         return (scores / np.where(total > 0, total, 1.0)).astype(np.float32)
 
 
@@ -80,8 +93,13 @@ def merge_outputs(outputs: Sequence[np.ndarray], groups: Sequence[Sequence[int]]
                   tuple(o.shape[1] for o in outs), int(num_classes))(outs)
 
 
+def ranking(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k best classes per row, best first (ties: the lower index first)."""
+    k = max(1, min(k, scores.shape[1]))
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices and scores of the k best classes per row, best first."""
-    k = max(1, min(k, scores.shape[1]))
-    idx = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    idx = ranking(scores, k)
     return idx, np.take_along_axis(scores, idx, axis=1)

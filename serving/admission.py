@@ -22,7 +22,6 @@ Everything here runs on the event loop, so plain counters need no lock.
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
 
 from sensai.cores import usable_cores
 
@@ -90,37 +89,64 @@ class Admission:
     def done_receiving(self) -> None:
         self.receiving -= 1
 
-    @asynccontextmanager
-    async def body(self, deadline: float):
-        """Reading one request body, within the body time limit."""
-        loop = asyncio.get_running_loop()
-        by_body = loop.time() + self.body_timeout_s
-        until = min(deadline, by_body)
+    def body(self, deadline: float) -> "_Body":
+        """``async with admission.body(deadline)``: reading one request body, within the body
+        time limit."""
+        return _Body(self, deadline)
+
+    def slot(self, sem: asyncio.Semaphore, deadline: float, what: str) -> "_Slot":
+        """``async with admission.slot(sem, deadline, what)``: a place in ``sem``, waited for
+        until ``deadline`` at most."""
+        return _Slot(self, sem, deadline, what)
+
+
+# Context managers as plain classes: every request enters two, and @asynccontextmanager's
+# generator costs several times what they do.
+
+class _Body:
+    __slots__ = ("adm", "deadline", "by_body", "timeout")
+
+    def __init__(self, adm: Admission, deadline: float):
+        self.adm, self.deadline = adm, deadline
+
+    async def __aenter__(self) -> None:
+        self.by_body = asyncio.get_running_loop().time() + self.adm.body_timeout_s
+        self.timeout = asyncio.timeout_at(min(self.deadline, self.by_body))
+        await self.timeout.__aenter__()
+
+    async def __aexit__(self, et, exc, tb) -> None:
         try:
-            async with asyncio.timeout_at(until):
-                yield
+            await self.timeout.__aexit__(et, exc, tb)
         except TimeoutError:
-            limit = (f"the body timeout of {self.body_timeout_s:g} s" if by_body <= deadline
-                     else f"the request's deadline of {self.deadline_s:g} s")
+            adm = self.adm
+            limit = (f"the body timeout of {adm.body_timeout_s:g} s"
+                     if self.by_body <= self.deadline
+                     else f"the request's deadline of {adm.deadline_s:g} s")
             raise RequestTimeout(f"the request body did not arrive in time ({limit})") from None
 
-    @asynccontextmanager
-    async def slot(self, sem: asyncio.Semaphore, deadline: float, what: str):
-        """A place in ``sem``, waited for until ``deadline`` at most."""
-        if sem.locked():
-            self.waiting += 1
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await sem.acquire()
-            except TimeoutError:
-                raise Overloaded(f"no {what} slot became free before the request's deadline; "
-                                 "the gateway is overloaded, retry shortly",
-                                 reason="no_slot_before_deadline") from None
-            finally:
-                self.waiting -= 1
-        else:
+
+class _Slot:
+    __slots__ = ("adm", "sem", "deadline", "what")
+
+    def __init__(self, adm: Admission, sem: asyncio.Semaphore, deadline: float, what: str):
+        self.adm, self.sem, self.deadline, self.what = adm, sem, deadline, what
+
+    async def __aenter__(self) -> None:
+        sem = self.sem
+        if not sem.locked():
             await sem.acquire()
+            return
+        adm = self.adm
+        adm.waiting += 1
         try:
-            yield
+            async with asyncio.timeout_at(self.deadline):
+                await sem.acquire()
+        except TimeoutError:
+            raise Overloaded(f"no {self.what} slot became free before the request's deadline; "
+                             "the gateway is overloaded, retry shortly",
+                             reason="no_slot_before_deadline") from None
         finally:
-            sem.release()
+            adm.waiting -= 1
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        self.sem.release()

@@ -17,7 +17,8 @@ Every error is JSON ``{"error", "status", "request_id", "subnet", "missing_class
 handlers here turn them into HTTP.  The work a request may cause is bounded
 (:mod:`sensai.serving.admission`); nothing slow or unbounded runs on the event loop, so health
 checks answer whatever the other requests are doing.  The two prediction routes build their JSON
-themselves: FastAPI's response-model validation costs more than the rest of the request path.
+themselves (FastAPI's response-model validation costs more than the rest of the request path) and
+read their own parameters (so does FastAPI's per-request parameter solving).
 (No ``from __future__ import annotations`` here: FastAPI must see the route annotations, which
 refer to per-app values, as objects.)
 """
@@ -25,9 +26,9 @@ refer to per-app values, as objects.)
 import asyncio
 import json
 import logging
+import os
 import re
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
@@ -35,15 +36,16 @@ from importlib.metadata import version as package_version
 from typing import Annotated
 
 import numpy as np
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sensai.errors import SensaiError
-from sensai.merge import top_k
+from sensai.merge import ranking
 
 from . import oip
 from .admission import Admission
@@ -88,13 +90,69 @@ async def gateway_of(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
+# The two prediction routes take only the Request and read their parameters themselves:
+# FastAPI's per-request parameter solving cost more than parsing a v2 request and encoding its
+# answer.  The models below validate them (pydantic, as FastAPI would, so the same 422s) and
+# document them in the OpenAPI schema.
+
+def predict_query(num_classes: int) -> type[BaseModel]:
+    class PredictQuery(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        top_k: int | None = Field(None, ge=1, le=num_classes, description="how many classes")
+        allow_partial: bool = Field(
+            False, description="when some classes have no live subnet copy, answer over the "
+                               "others (flagged degraded) instead of 503/504")
+    return PredictQuery
+
+
+class ModelPath(BaseModel):
+    model_name: str
+
+
+class ModelVersionPath(ModelPath):
+    version: str
+
+
+class VersionQuery(BaseModel):  # the unversioned infer route also takes ?version=
+    version: str | None = None
+
+
+def query_params(request: Request, model: type[BaseModel], default: BaseModel) -> BaseModel:
+    """The request's query parameters as ``model`` (``default`` when there are none), or the
+    422 FastAPI gives for a declared parameter."""
+    if not request.scope.get("query_string"):
+        return default
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("query", *err["loc"])}
+                                      for err in e.errors()]) from None
+
+
+def openapi_parameters(*models: tuple[type[BaseModel], str]) -> dict:
+    """``openapi_extra`` that documents each ``(model, where)``'s fields as ``where`` (query,
+    path) parameters."""
+    params = []
+    for model, where in models:
+        schema = model.model_json_schema()
+        required = set(schema.get("required", ()))
+        params += [{"name": name, "in": where, "required": name in required, "schema": prop,
+                    **({"description": prop["description"]} if "description" in prop else {})}
+                   for name, prop in schema["properties"].items()]
+    return {"parameters": params}
+
+
 # --------------------------------------------------------------------------------------------
 # Pure ASGI middleware: request id, admission, body size limit, metrics (BaseHTTPMiddleware
 # would add a task and a copy per request on the hot path).
 
 
+# One encoder (json.dumps with any non-default argument builds a new one per call).
+JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def json_bytes(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return JSON.encode(obj).encode()
 
 
 class GatewayMiddleware:
@@ -118,7 +176,7 @@ class GatewayMiddleware:
         limit = gw.settings.max_body_bytes
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = rid if REQUEST_ID.match(rid) else uuid.uuid4().hex
+        rid = rid if REQUEST_ID.match(rid) else os.urandom(16).hex()
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         t0 = time.perf_counter()
@@ -130,7 +188,7 @@ class GatewayMiddleware:
         if gated and not gw.admission.admit():
             busy = gw.admission.requests >= gw.admission.max_requests
             metrics.rejected.labels("max_requests" if busy else "loop_lag").inc()
-            metrics.requests.labels("unadmitted", scope.get("method", ""), "503").inc()
+            metrics.child(metrics.requests, "unadmitted", scope.get("method", ""), "503").inc()
             why = (f"at its limit of {gw.admission.max_requests} requests in flight" if busy
                    else f"behind by {gw.admission.lag * 1e3:.0f} ms")
             await self._reply(send, 503, f"the gateway is {why}; retry shortly", rid,
@@ -186,8 +244,8 @@ class GatewayMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             status = status_box[0]
-            metrics.requests.labels(path, scope.get("method", ""), str(status)).inc()
-            metrics.request_seconds.labels(path).observe(time.perf_counter() - t0)
+            metrics.observe_request(path, scope.get("method", ""), str(status),
+                                    time.perf_counter() - t0)
             if status >= 400:
                 metrics.errors.labels(path, str(status), state.get("error_reason", "http")).inc()
 
@@ -329,9 +387,9 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
         k = min(k, len(covered))
     else:
         ranked = scores
-    idx, _ = top_k(ranked, k)
-    return [{"index": int(i), "label": classes[int(i)], "score": float(scores[0, i])}
-            for i in idx[0]]
+    row = scores[0].tolist()  # Python floats at once: numpy scalars cost more one by one
+    return [{"index": i, "label": classes[i], "score": row[i]}
+            for i in ranking(ranked, k)[0].tolist()]
 
 
 def v2_server_metadata(gw: Gateway) -> dict:
@@ -415,27 +473,22 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
     _install_error_handlers(app, gw)
     classes = predictor.spec.classes
 
-    @app.get("/", include_in_schema=False)
-    async def index(gw: GatewayDep) -> dict:
-        return {"name": "sensai", "model": gw.predictor.name, "predict": "/v1/predict",
-                "kserve_v2": f"/v2/models/{gw.predictor.name}", "metrics": "/metrics",
-                "docs": "/docs"}
+    # The prediction routes first: a request is matched against the routes in order.
+    PredictQuery = predict_query(len(classes))
+    no_query = PredictQuery()
 
     @app.post("/v1/predict", response_model=None,
-              responses={200: {"model": PredictResponse, "description": "the prediction"}})
-    async def predict_image(
-            request: Request, gw: GatewayDep,
-            top_k: Annotated[int | None, Query(ge=1, le=len(classes),
-                                               description="how many classes")] = None,
-            allow_partial: Annotated[bool, Query(
-                description="when some classes have no live subnet copy, answer over the "
-                            "others (flagged degraded) instead of 503/504")] = False) -> Response:
+              responses={200: {"model": PredictResponse, "description": "the prediction"}},
+              openapi_extra=openapi_parameters((PredictQuery, "query")))
+    async def predict_image(request: Request) -> Response:
         t0 = time.perf_counter()
+        query = query_params(request, PredictQuery, no_query)
         deadline = request.state.deadline
         x = await decode(gw, await read_body(request, gw, image=True), deadline)
         t1 = time.perf_counter()
-        pred = await predict(gw, x, allow_partial, deadline)
-        rows = top_k_rows(pred.scores, top_k or min(gw.settings.default_top_k, len(classes)),
+        pred = await predict(gw, x, query.allow_partial, deadline)
+        rows = top_k_rows(pred.scores,
+                          query.top_k or min(gw.settings.default_top_k, len(classes)),
                           classes, pred.covered_classes)
         timings = dict(pred.timings_ms)
         timings["decode"] = round((t1 - t0) * 1e3, 3)
@@ -448,6 +501,39 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                 "missing_classes": pred.missing_classes,
                 "answered_by": pred.answered_by or None}
         return Response(json_bytes(body), media_type="application/json")
+
+    @app.post("/v2/models/{model_name}/infer",
+              openapi_extra=openapi_parameters((ModelPath, "path"), (VersionQuery, "query")))
+    @app.post("/v2/models/{model_name}/versions/{version}/infer",
+              openapi_extra=openapi_parameters((ModelVersionPath, "path")))
+    async def infer(request: Request):
+        path = request.path_params
+        model_name, version = path["model_name"], path.get("version")
+        if "version" not in path and request.scope.get("query_string"):
+            version = request.query_params.get("version")
+        check_model(gw, model_name, version)
+        deadline = request.state.deadline
+        body = await read_body(request, gw, image=False)
+        encoding = request.headers.get("content-encoding")
+        args = (body, encoding, gw.settings.max_body_bytes,
+                request.headers.get(oip.HEADER_LENGTH))
+        # A compressed body's parse cost is that of what it expands to: never inline.
+        if len(body) <= INLINE_PARSE_BYTES and not encoding:
+            req = oip.decode_request(*args)
+        else:
+            async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
+                req = await run_in_threadpool(oip.decode_request, *args)
+        pred, outputs = await v2_infer(gw, req, deadline)
+        content, headers, media = oip.encode_infer_response(
+            model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
+            request_id=req.id, outputs=outputs, parameters=oip.response_parameters(pred))
+        return Response(content, headers=headers, media_type=media)
+
+    @app.get("/", include_in_schema=False)
+    async def index(gw: GatewayDep) -> dict:
+        return {"name": "sensai", "model": gw.predictor.name, "predict": "/v1/predict",
+                "kserve_v2": f"/v2/models/{gw.predictor.name}", "metrics": "/metrics",
+                "docs": "/docs"}
 
     @app.get("/v1/models", response_model=ModelInfo)
     async def model_info(gw: GatewayDep):
@@ -490,25 +576,5 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         if not await run_in_threadpool(predictor_ready, gw):
             return _error(request, 503, f"model {model_name!r} is not ready", "not_ready")
         return {"name": model_name, "ready": True}
-
-    @app.post("/v2/models/{model_name}/infer")
-    @app.post("/v2/models/{model_name}/versions/{version}/infer")
-    async def infer(request: Request, gw: GatewayDep, model_name: str, version: str | None = None):
-        check_model(gw, model_name, version)
-        deadline = request.state.deadline
-        body = await read_body(request, gw, image=False)
-        args = (body, request.headers.get("content-encoding"), gw.settings.max_body_bytes,
-                request.headers.get(oip.HEADER_LENGTH))
-        # A compressed body's parse cost is that of what it expands to: never inline.
-        if len(body) <= INLINE_PARSE_BYTES and not request.headers.get("content-encoding"):
-            req = oip.decode_request(*args)
-        else:
-            async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
-                req = await run_in_threadpool(oip.decode_request, *args)
-        pred, outputs = await v2_infer(gw, req, deadline)
-        content, headers, media = oip.encode_infer_response(
-            model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
-            request_id=req.id, outputs=outputs, parameters=oip.response_parameters(pred))
-        return Response(content, headers=headers, media_type=media)
 
     return app

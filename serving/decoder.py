@@ -48,6 +48,7 @@ class CoverageDecoder:
         self.arrivals: list[list[tuple[int, Any]]] = [[] for _ in self.hosts]
         self.decided: dict[int, Decision] = {}
         self.lost_reasons: dict[int, list[str]] = {}
+        self.lost = 0  # copies lost
         self.dropped = 0  # copies that arrived after their group was decided
 
     # -- events
@@ -79,6 +80,7 @@ class CoverageDecoder:
             if (group is not None and g != group) or worker not in pend:
                 continue
             pend.discard(worker)
+            self.lost += 1
             if reason:
                 self.lost_reasons.setdefault(g, []).append(reason)
             if g not in self.decided and not self._reachable(g):
@@ -106,9 +108,15 @@ class CoverageDecoder:
         return len(self.decided) == len(self.hosts)
 
     @property
+    def _intact(self) -> bool:
+        """Every undecided group can still be decided: the first copy decides it, and none of
+        its copies is lost (the request path asks on every event; this answers in O(1))."""
+        return self.need == 1 and not self.lost
+
+    @property
     def blocked(self) -> bool:
         """Some group can no longer be decided: the full answer is out of reach."""
-        return bool(self.unreachable())
+        return not self._intact and bool(self.unreachable())
 
     @property
     def settled(self) -> bool:
@@ -117,7 +125,11 @@ class CoverageDecoder:
 
     def finished(self, allow_partial: bool) -> bool:
         """Time to answer: complete, out of reach (full answers), or settled (partial allowed)."""
-        return self.complete or (self.blocked and not allow_partial) or self.settled
+        if self.complete:
+            return True
+        if self._intact:
+            return False
+        return (self.blocked and not allow_partial) or self.settled
 
     def waiting_on(self, group: int) -> list[int]:
         return sorted(self.pending[group])

@@ -208,8 +208,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 gw.admission.release()
             metrics.inflight.dec()
             route = SERVICE + method
-            metrics.requests.labels(route, "GRPC", str(status)).inc()
-            metrics.request_seconds.labels(route).observe(time.perf_counter() - t0)
+            metrics.observe_request(route, "GRPC", str(status), time.perf_counter() - t0)
             if status >= 400:
                 metrics.errors.labels(route, str(status), reason).inc()
 

@@ -37,6 +37,21 @@ class GatewayMetrics:
                                 "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
+        # Labelled children by (metric, labels): ``labels()`` checks its arguments and takes a
+        # lock on every call, a few times what the observation itself costs.
+        self._children: dict = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def observe_request(self, route: str, method: str, status: str, seconds: float) -> None:
+        self.child(self.requests, route, method, status).inc()
+        self.child(self.request_seconds, route).observe(seconds)
 
     def observe_prediction(self, timings_ms: dict[str, float], rows: int) -> None:
         self.images.inc(rows)
@@ -44,7 +59,7 @@ class GatewayMetrics:
             if k == "total":
                 self.predict_seconds.observe(v / 1e3)
             elif k.startswith("subnet_"):
-                self.subnet_seconds.labels(k).observe(v / 1e3)
+                self.child(self.subnet_seconds, k).observe(v / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

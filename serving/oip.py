@@ -35,6 +35,8 @@ OUTPUTS = ("scores", "class_index")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_RANK = 8
 BINARY_CONTENT_TYPE = "application/octet-stream"
+# One encoder (json.dumps with any non-default argument builds a new one per call).
+JSON = json.JSONEncoder(separators=(",", ":"))
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"), "UINT8": np.dtype("u1"), "UINT16": np.dtype("<u2"),
@@ -291,7 +293,7 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
             t["data"] = arr.reshape(-1).tolist()
         tensors.append(t)
     head["outputs"] = tensors
-    js = json.dumps(head, separators=(",", ":")).encode()
+    js = JSON.encode(head).encode()
     if not blobs:
         return js, {}, "application/json"
     return js + b"".join(blobs), {HEADER_LENGTH: str(len(js))}, BINARY_CONTENT_TYPE

@@ -6,6 +6,15 @@ worker hands each output straight to the predictor from its own thread, and the 
 the event loop once per request (measured: 0.11 ms of fan-out overhead for two subnets, against
 0.23 ms for ``run_in_executor`` and ``asyncio.gather``).
 
+The kernel places the worker threads, and sometimes runs the workers of one request one after
+the other on one core (two 0.5 ms subnets then take 1.0 ms; the order in which the predictor
+hands out the runs makes that rarer, see
+:meth:`~sensai.serving.predictor.ClassParallelPredictor.predict`).  Keeping each worker on a
+core of its own ran them side by side on 2 cores loaded by a training job (0.55 ms at p50) but
+is not done: a worker then waits for its core whenever that core is busy (p99 2-3x worse), and
+one preempted while it holds the GIL cannot move to a free core, so the whole gateway waits for
+it (event-loop stalls of up to 2 s at 8 requests in flight, answered 503).
+
 A thread cannot be killed.  A worker that is given up on (fault injection, or hung) is
 *abandoned*: its incarnation is declared dead at once, a new thread takes its place, and whatever
 the old one still says is ignored (a thread stuck inside a runner stays stuck, idle).
