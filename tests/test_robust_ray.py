@@ -7,6 +7,7 @@ test_robust.py and test_outages.py.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -54,7 +55,8 @@ def test_serve_rejects_bad_ray_flags_in_one_line(tiny_artifact, capsys, argv, fr
 
 def test_sensai_serve_backend_ray_with_redundancy(tiny_artifact, fmnist_test, fmnist_spec):
     """`sensai serve --backend ray --redundancy 1` joins a running Ray instance, prints the
-    placement, answers over HTTP like offline evaluation and stops cleanly on SIGTERM."""
+    placement, answers over HTTP like offline evaluation (through each actor's socket, closed
+    to anyone else) and stops cleanly on SIGTERM."""
     _, u8, _ = sample_images(fmnist_test, 1)
     expected = offline_scores(tiny_artifact, u8, fmnist_spec)[0]
     port = free_port()
@@ -70,6 +72,13 @@ def test_sensai_serve_backend_ray_with_redundancy(tiny_artifact, fmnist_test, fm
             info = httpx.get(f"{url}/v1/models").json()["predictor"]
             assert info["backend"] == "ray" and info["placement"][4] == [4, 0]
             assert info["workers"][0]["resources"] == {"num_cpus": 0.1}
+            # Requests reach each actor over its own socket on the node's Ray address, which
+            # took the gateway and nobody after it.
+            for w in info["workers"]:
+                host, _, wport = w["channel"].rpartition(":")
+                assert host == "127.0.0.1"
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection((host, int(wport)), timeout=5).close()
             r = httpx.post(f"{url}/v1/predict", params={"top_k": 10}, content=png(u8[0]),
                            timeout=30)
             assert r.status_code == 200, r.text

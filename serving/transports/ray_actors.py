@@ -1,17 +1,19 @@
 """Workers as Ray actors (``--backend ray``): one actor per worker, anywhere on a Ray cluster,
-restarted by Ray itself when it dies.
+placed, restarted and watched by Ray.
 
-The gateway holds the actor handles and calls them directly - no Serve proxy or router on the
-request path.  A request becomes one ``run`` call per hosted group (own groups first), executed
-one at a time in submission order by the actor; each result is handed to the predictor the moment
-it arrives.  Skips, fault settings, pings and a long-lived ``watch`` call go to a separate
-concurrency group, so they reach an actor that is busy computing.  The ``watch`` call fails as
-soon as the actor dies, which is how its death is noticed without waiting for a request.
+Ray carries the actors' lifecycle; requests and results travel over one direct socket per actor
+(:mod:`.connection`, the same messages and in-worker loop as a worker process), because a Ray
+call costs about 0.6 ms each way on a small machine - several times a small subnet's compute
+(BENCHMARKS.md, "The Ray pool").  Each incarnation opens its socket on its node's Ray address
+when the gateway asks (``channel``, a Ray call carrying a fresh 32-byte key); the two ends prove
+they hold the key (HMAC challenges both ways) before anything is read.  The gateway's node must
+be able to open TCP connections to the worker nodes, as Ray's own workers do.
 
-Actors are created with ``max_restarts=-1`` (Ray restarts them; the constructor reloads the
-subnets) and ``max_task_retries=0`` (a call in flight when the actor dies fails at once instead of
-being replayed late; its group is answered by a copy meanwhile).  The same actor body serves as a
-Ray Serve deployment (:mod:`.ray_serve`).
+A death is seen twice over: the socket closes when the actor's process ends, and a long-lived
+``watch`` call fails when Ray declares the actor (or its node) dead.  Actors are created with
+``max_restarts=-1`` (Ray restarts them; the constructor reloads the subnets) and
+``max_task_retries=0``.  The same actor body serves as a Ray Serve deployment
+(:mod:`.ray_serve`), which calls ``run`` through Serve's handles instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -31,14 +34,15 @@ import numpy as np
 from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
-from ..messages import Done, Failure, Fault, Output, Ready, Run, Skip
+from ..messages import Failure, Fault, Output, Ready, Skip
 from ..placement import Placement, spread
 from ..worker_core import MEMORY, WorkerCore
-from .base import Capabilities, Sink, WorkerHandle
+from .base import Capabilities, Sink
+from .connection import ConnectionWorker, Incarnation, accept, connect, cut, serve_connection
 
 log = logging.getLogger(__name__)
 
-PUT_BYTES = 64 * 1024  # inputs above this go to the object store once per request
+ACCEPT_S = 60.0  # how long an actor's socket waits for the gateway to connect
 
 
 class RayWorkerBody:
@@ -58,12 +62,40 @@ class RayWorkerBody:
         self.started: OrderedDict[int, int] = OrderedDict()  # request -> its run calls begun
         self.lock = threading.Lock()
         self.watch_stop: threading.Event | None = None
+        self.conn = None  # the gateway's socket, once connected
         ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
         log.info("%s ready on %s (%s), node %s", name, self.device, self.runtime, self.node)
 
     def ping(self) -> Ready:
         return Ready(os.getpid(), self.device, self.runtime, self.node)
+
+    def channel(self, authkey: bytes) -> tuple[str, int]:
+        """Open a socket on this node's Ray address for the gateway holding ``authkey``; its
+        requests are then served over it (a newer channel replaces this one)."""
+        import ray
+
+        server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        threading.Thread(target=self._serve_channel, args=(server, authkey), daemon=True,
+                         name="sensai-channel").start()
+        return server.getsockname()[:2]
+
+    def _serve_channel(self, server: socket.socket, authkey: bytes) -> None:
+        try:
+            conn = accept(server, authkey, ACCEPT_S)
+        finally:
+            server.close()
+        if conn is None:
+            log.warning("%s: the gateway did not connect within %g s", self.name, ACCEPT_S)
+            return
+        with self.lock:
+            old, self.conn = self.conn, conn
+        if old is not None:
+            cut(old)
+        try:
+            serve_connection(conn, conn, self.core, self.ping())
+        finally:
+            conn.close()
 
     def fault(self, f: Fault) -> None:
         self.core.fault(f)
@@ -181,7 +213,7 @@ def node_options(base: dict, placement: Placement, nodes: list[dict], *,
     return opts, node_of, shared
 
 
-class RayActorWorker(WorkerHandle):
+class RayActorWorker(ConnectionWorker):
     """The gateway's handle on one worker actor."""
 
     transport = "ray"
@@ -191,38 +223,36 @@ class RayActorWorker(WorkerHandle):
         self.actor_options = dict(actor_options or {})
         self.actor = None  # Ray owns the process
         self.actor_id: str | None = None
-        self._calls: dict[int, list[int]] = {}  # request -> [calls in flight, skipped]
-        self._calls_lock = threading.Lock()
         self._death: str | None = None
         self._closing = closing or threading.Event()
         self.owner_nodes: dict[str, str] = {}  # node id -> address, filled by the transport
+        self.channel: str | None = None  # host:port of the actor's socket
 
     def start(self) -> None:
         """First start: create the actor.  After a death: a new generation of the same actor,
         which Ray restarts by itself (a new actor only if Ray gave up on the old one)."""
         self.generation += 1
         self._death = None
+        self.inc = Incarnation(self.generation)
         if self.actor is None:
             self.actor = actor_class().options(**self.actor_options).remote(
                 self.name, list(zip(self.groups, self.specs)), Fault(self.delay, self.corrupt),
                 self.seed)
             self.actor_id = self.actor._actor_id.hex()
 
-    def _control(self, method: str, returns: bool = True):
-        opts: dict[str, Any] = {"concurrency_group": "control"}
-        if not returns:
-            opts["num_returns"] = 0  # fire and forget: no result, no unobserved error
-        return getattr(self.actor, method).options(**opts)
+    def _control(self, method: str):
+        return getattr(self.actor, method).options(concurrency_group="control")
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the actor (created, or restarted by Ray) answers ``ping``, which it does
-        once its constructor has loaded the subnets; then bring its fault settings up to date
-        and give it a ``watch`` call for this generation."""
+        once its constructor has loaded the subnets; then bring its fault settings up to date,
+        connect to it, and give it a ``watch`` call for this generation."""
         import ray
         from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
         if self.actor is None:
             raise SensaiError(f"{self.name} was never started")
+        inc = self.inc
         deadline = time.monotonic() + timeout
         ref = None
         while True:
@@ -235,7 +265,7 @@ class RayActorWorker(WorkerHandle):
             if ref is None:
                 ref = self._control("ping").remote()
             try:
-                info: Ready = ray.get(ref, timeout=min(left, 2.0))
+                ray.get(ref, timeout=min(left, 2.0))
                 break
             except GetTimeoutError:
                 continue  # still loading or waiting for resources: keep the same ping
@@ -247,99 +277,36 @@ class RayActorWorker(WorkerHandle):
             except RayActorError:
                 ref = None  # Ray is restarting it: ask again
                 time.sleep(0.1)
-        self.pid, self.device, self.runtime, self.node = info.pid, info.device, info.runtime, \
-            info.node
+        authkey = os.urandom(32)
         try:  # a restarted actor was built with its creation arguments
             ray.get(self._control("fault").remote(
                 Fault(self.delay, self.corrupt, self.seed + 7919 * self.generation)),
                 timeout=max(1.0, deadline - time.monotonic()))
+            address = ray.get(self._control("channel").remote(authkey),
+                              timeout=max(1.0, deadline - time.monotonic()))
         except RayError as e:
             raise SensaiError(f"{self.name} failed right after loading its subnets: "
                               f"{error_text(e)}") from None
+        conn = connect(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
+        self.channel = f"{address[0]}:{address[1]}"
+        self.attach(inc, conn, conn)
+        self.wait_loaded(max(1.0, deadline - time.monotonic()))
         gen = self.generation
         self._control("watch").remote().future().add_done_callback(
             lambda fut: self._watch_done(gen, fut))
 
-    def probe(self, timeout: float) -> bool:
-        import ray
-        from ray.exceptions import RayError
-
-        if self.actor is None:
-            return False
-        try:
-            ray.get(self._control("ping").remote(), timeout=timeout)
-            return True
-        except (RayError, TimeoutError):
-            return False
-
-    def send(self, msg) -> None:
-        actor = self.actor
-        if actor is None:
-            return
-        kind = type(msg)
-        if kind is Run:
-            self._run(msg)
-        elif kind is Skip:
-            with self._calls_lock:
-                busy = msg.req in self._calls
-            if busy:  # nothing left to skip once its calls are done
-                self._control("skip", returns=False).remote(msg)
-        elif kind is Fault:
-            self._control("fault", returns=False).remote(msg)
-
-    def _run(self, msg: Run) -> None:
-        import ray
-
-        gen = self.generation
-        x = ray.put(msg.x) if msg.x.nbytes > PUT_BYTES else msg.x
-        n = len(msg.groups)
-        with self._calls_lock:
-            self._calls[msg.req] = [n, 0]
-        for j, g in enumerate(msg.groups):
-            ref = self.actor.run.remote(msg.req, g, x, n, j >= msg.primaries, msg.hedge_s)
-            # The callback runs in a Ray thread when the result arrives.
-            ref.future().add_done_callback(lambda fut, g=g: self._done(msg.req, g, gen, fut))
-
-    def _done(self, req: int, group: int, gen: int, fut) -> None:
-        from ray.exceptions import RayActorError, TaskCancelledError
-
-        skipped = 0
-        try:
-            res = fut.result()
-        except RayActorError as e:
-            self._died(gen, e)
-            return
-        except TaskCancelledError:
-            res = None
-        except Exception as e:  # the call itself failed: this copy is lost, the worker lives
-            res = None
-            self.sink.deliver(self.index, gen, Failure(req, group, error_text(e)))
-        if res is None:
-            skipped = 1
-        else:
-            self.sink.deliver(self.index, gen, res)
-        with self._calls_lock:
-            left = self._calls.get(req)
-            if left is None:
-                return
-            left[0] -= 1
-            left[1] += skipped
-            finished = left[0] <= 0
-            if finished:
-                del self._calls[req]
-        if finished:
-            self.sink.deliver(self.index, gen, Done(req, left[1]))
+    def ended(self, inc: Incarnation) -> str:
+        return f"died ({self._death or 'its connection closed'})"
 
     def _watch_done(self, gen: int, fut) -> None:
         exc = fut.exception()
-        if exc is not None:  # None: replaced by a newer watch
-            self._died(gen, exc)
-
-    def _died(self, gen: int, exc: BaseException) -> None:
+        if exc is None:  # replaced by a newer watch
+            return
         if gen == self.generation and self._death is None:
             self._death = error_text(exc)
-        with self._calls_lock:
-            self._calls.clear()
+        inc = self.inc
+        if inc is not None and inc.number == gen and inc.conn is not None:
+            cut(inc.conn)  # a lost node never closes it: its reader reports the end
         self.sink.exited(self.index, gen, f"died ({self._death or error_text(exc)})")
 
     def exit_detail(self) -> str:
@@ -360,6 +327,7 @@ class RayActorWorker(WorkerHandle):
         import ray
 
         self._closing.set()
+        self.hang_up(self.inc)
         actor, self.actor = self.actor, None
         if actor is not None and ray.is_initialized():
             ray.kill(actor, no_restart=True)
@@ -369,7 +337,7 @@ class RayActorWorker(WorkerHandle):
         planned = self.actor_options.get("scheduling_strategy")
         return {**super().where(), "actor_id": self.actor_id, "resources": resources,
                 "node_planned": getattr(planned, "node_id", None),
-                "node_address": self.owner_nodes.get(self.node)}
+                "node_address": self.owner_nodes.get(self.node), "channel": self.channel}
 
 
 class RayActors:
