@@ -51,6 +51,13 @@ class Admission:
         self.requests += 1
         return True
 
+    def refusal(self) -> tuple[str, str]:
+        """Why :meth:`admit` just said no: (the metric's reason, the client's message)."""
+        if self.requests >= self.max_requests:
+            return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
+                                    "requests in flight; retry shortly")
+        return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
+
     def start(self) -> None:
         """Start measuring the event loop's lag (call on the loop that serves requests)."""
         if self._monitor is None:

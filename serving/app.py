@@ -186,13 +186,10 @@ class GatewayMiddleware:
                              - gw.admission.lag)
         gated = scope.get("path") not in UNGATED
         if gated and not gw.admission.admit():
-            busy = gw.admission.requests >= gw.admission.max_requests
-            metrics.rejected.labels("max_requests" if busy else "loop_lag").inc()
+            reason, why = gw.admission.refusal()
+            metrics.rejected.labels(reason).inc()
             metrics.child(metrics.requests, "unadmitted", scope.get("method", ""), "503").inc()
-            why = (f"at its limit of {gw.admission.max_requests} requests in flight" if busy
-                   else f"behind by {gw.admission.lag * 1e3:.0f} ms")
-            await self._reply(send, 503, f"the gateway is {why}; retry shortly", rid,
-                              [(b"retry-after", b"1")])
+            await self._reply(send, 503, why, rid, [(b"retry-after", b"1")])
             return
         status_box = [500]
 

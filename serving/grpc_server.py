@@ -185,9 +185,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             if gated:
                 if not gw.admission.admit():
-                    raise Overloaded(f"the gateway is at its limit of "
-                                     f"{gw.admission.max_requests} requests in flight; retry "
-                                     "shortly", reason="max_requests")
+                    reason, why = gw.admission.refusal()
+                    raise Overloaded(why, reason=reason)
                 admitted = True
             return await work(deadline)
         except asyncio.CancelledError:  # the client went away or its deadline passed

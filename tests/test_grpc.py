@@ -313,6 +313,7 @@ def test_overload_is_unavailable_with_retry_after(tiny_artifact, batch):
         assert e.status() == "StatusCode.DEADLINE_EXCEEDED"
         wait_until(lambda: gw.admission.requests == 0, 30, "the late request to be let go")
         text = httpx.get(f"{server.url}/metrics").text
+        assert 'sensai_rejected_total{reason="max_requests"} 1.0' in text
         route = 'route="/inference.GRPCInferenceService/ModelInfer"'
         assert f'{route},status="504"' in text or f'{route},status="499"' in text
     finally:

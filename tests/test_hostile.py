@@ -411,6 +411,8 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
         time.sleep(0.4)  # something held the loop
         await asyncio.sleep(0.025)  # the lag timer, overdue, runs first
         assert adm.lag > 0.05 and not adm.admit()  # 0.2 s smoothed
+        reason, why = adm.refusal()  # what HTTP and gRPC tell the client
+        assert reason == "loop_lag" and why.startswith("the gateway is behind by")
         await asyncio.sleep(0.5)  # quiet again
         assert adm.lag < 0.05 and adm.admit()
         adm.release()
