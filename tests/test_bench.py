@@ -541,6 +541,41 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     assert not client.process.is_alive()
 
 
+def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artifact,
+                                                                          fmnist_test):
+    """A gateway that admits one request at a time, under 4 concurrent clients: the throughput
+    run finishes, counts the 503s (gRPC UNAVAILABLE) apart from the answers, and says so."""
+    from sensai.data import encode_png
+    from sensai.serving.bench.client import HttpClientProcess
+    from sensai.serving.bench.latency_report import shed_lines
+    from sensai.serving.app import create_app
+    from sensai.serving.build import build_predictor
+    from sensai.serving.server import BackgroundServer
+    from sensai.serving.settings import GatewaySettings
+
+    pred = build_predictor(tiny_artifact, device="cpu", delays={0: "fixed:30ms"})
+    app = create_app(pred, GatewaySettings(max_requests=1, grpc_port=0))
+    server = BackgroundServer(app).start()
+    x = fmnist_test[0][0]
+    client = HttpClientProcess([encode_png(x)], [np.zeros((1, 1, 28, 28), np.float32).tobytes()],
+                               [1, 1, 28, 28])
+    grpc_target = f"127.0.0.1:{app.state.grpc.port}"
+    try:
+        for args in ((server.url, 24, 4), (server.url, 24, 4, "http-v2", "sensai"),
+                     (grpc_target, 24, 4, "grpc", "sensai")):
+            r = client.concurrent(*args)
+            assert r["shed"] > 0 and len(r["latencies"]) > 0, args
+            assert r["shed"] + len(r["latencies"]) == 24, args
+    finally:
+        client.close()
+        server.stop()
+    rep = {"requests": 24, "answered": 20, "shed": 4, "concurrency": 4}
+    result = {"strategies": {"class-parallel": {"transports": {"http": {"throughput": rep}}}}}
+    assert shed_lines(result) == [
+        "throughput of class parallel (sensAI) over http: 4 of 24 requests turned away by the "
+        "server's admission at concurrency 4; img/s counts the 20 answered"]
+
+
 # --------------------------------------------------------------------------------------------
 # sensai bench-robust
 

@@ -186,6 +186,7 @@ class _Client:
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, limits=limits) as client:
             counter = iter(range(n_requests))
             latencies: list[float] = []
+            shed = [0]
             path = PREDICT if transport == "http" else f"/v2/models/{model}/infer"
 
             async def one_client() -> None:
@@ -196,6 +197,9 @@ class _Client:
                         content, headers = self.tensors.v2_body(j % len(self.tensors.tensors))
                     t0 = time.perf_counter()
                     resp = await client.post(path, content=content, headers=headers)
+                    if resp.status_code == 503:  # turned away by admission: counted, not fatal
+                        shed[0] += 1
+                        continue
                     (_parse if transport == "http" else _parse_v2)(resp, url)
                     latencies.append((time.perf_counter() - t0) * 1e3)
 
@@ -203,7 +207,7 @@ class _Client:
             await asyncio.gather(*(client.get("/v2/health/live") for _ in range(concurrency)))
             t0 = time.perf_counter()
             await asyncio.gather(*(one_client() for _ in range(concurrency)))
-            return {"seconds": time.perf_counter() - t0, "latencies": latencies}
+            return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed[0]}
 
     async def _concurrent_grpc(self, target: str, n_requests: int, concurrency: int,
                                model: str) -> dict[str, Any]:
@@ -216,18 +220,26 @@ class _Client:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             counter = iter(range(n_requests))
             latencies: list[float] = []
+            shed = [0]
 
             async def one_client() -> None:
                 for j in counter:
                     req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
                     t0 = time.perf_counter()
-                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
+                    try:
+                        resp = await stub.ModelInfer(req, timeout=TIMEOUT_S)
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        shed[0] += 1  # turned away by admission (HTTP's 503)
+                        continue
+                    _grpc_answer(resp)
                     latencies.append((time.perf_counter() - t0) * 1e3)
 
             await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
             t0 = time.perf_counter()
             await asyncio.gather(*(one_client() for _ in range(concurrency)))
-            return {"seconds": time.perf_counter() - t0, "latencies": latencies}
+            return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed[0]}
 
     def close(self) -> None:
         for c in self.clients.values():

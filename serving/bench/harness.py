@@ -155,7 +155,8 @@ class InProcessDriver:
     async def sequential(self, indices: Sequence[int]) -> list[Timed]:
         return [await self.one(int(j)) for j in indices]
 
-    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+    async def concurrent(self, n_requests: int, concurrency: int
+                         ) -> tuple[float, list[float], int]:
         counter = iter(range(n_requests))
         latencies: list[float] = []
 
@@ -165,7 +166,7 @@ class InProcessDriver:
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies
+        return time.perf_counter() - t0, latencies, 0
 
     async def close(self) -> None:
         pass
@@ -212,10 +213,12 @@ class RemoteDriver:
         return await self._ask(self.client.timed, self.transport, self.address, self.model,
                                [int(j) for j in indices])
 
-    async def concurrent(self, n_requests: int, concurrency: int) -> tuple[float, list[float]]:
+    async def concurrent(self, n_requests: int, concurrency: int
+                         ) -> tuple[float, list[float], int]:
+        """(seconds, latencies of the answered requests, requests the server turned away)."""
         r = await self._ask(self.client.concurrent, self.address, n_requests, concurrency,
                             self.transport, self.model)
-        return r["seconds"], r["latencies"]
+        return r["seconds"], r["latencies"], r["shed"]
 
     async def close(self) -> None:
         if self.server is not None:
@@ -263,7 +266,11 @@ async def interleaved(keys: Sequence[str], n: int, rounds: int,
 
 
 async def throughput(driver, n_requests: int, concurrency: int) -> dict[str, Any]:
+    """Answers per second at ``concurrency``; requests the server turns away (503, gRPC
+    UNAVAILABLE: its admission shedding load) are counted in ``shed``, not in the rate."""
     gc.collect()
-    wall, latencies = await driver.concurrent(n_requests, concurrency)
-    return {"concurrency": concurrency, "requests": n_requests, "seconds": round(wall, 3),
-            "images_per_s": round(n_requests / wall, 2), "latency_ms": summarize(latencies)}
+    wall, latencies, shed = await driver.concurrent(n_requests, concurrency)
+    return {"concurrency": concurrency, "requests": n_requests, "answered": len(latencies),
+            "shed": shed, "seconds": round(wall, 3),
+            "images_per_s": round(len(latencies) / wall, 2),
+            "latency_ms": summarize(latencies) if latencies else None}

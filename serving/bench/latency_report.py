@@ -87,7 +87,8 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     """The console summary; ``model_targets_only``: only the target sets named for the
     artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
-             text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result)]
+             text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result),
+             *shed_lines(result)]
     if result.get("comparison"):
         parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
@@ -125,6 +126,21 @@ def _accuracy_section(result: dict) -> list[str]:
               "run's own answers on its images (PNG over HTTP is lossless: the same answers "
               "as in process).", ""]
     return lines
+
+
+def shed_lines(result: dict) -> list[str]:
+    """A line per throughput run the server partly turned away (its admission shedding load:
+    503, gRPC UNAVAILABLE); img/s counts only the answers."""
+    out = []
+    for key, s in result.get("strategies", {}).items():
+        for transport, t in s.get("transports", {}).items():
+            thr = t.get("throughput") or {}
+            if thr.get("shed"):
+                out.append(f"throughput of {label(key)} over {transport}: {thr['shed']} of "
+                           f"{thr['requests']} requests turned away by the server's admission "
+                           f"at concurrency {thr['concurrency']}; img/s counts the "
+                           f"{thr['answered']} answered")
+    return out
 
 
 def _summary_lines(result: dict) -> list[str]:
@@ -214,6 +230,7 @@ def render_markdown(result: dict) -> str:
         "## Latency (ms, one image per request)",
         "",
         *_latency_tables(result),
+        *[line for x in shed_lines(result) for line in (x + ".", "")],
         *_summary_lines(result),
         *(comparison_markdown(result["comparison"]) if result.get("comparison") else []),
         "compute: the runners' own time measured inside the workers - the one run (single, "
