@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from sensai.artifact import subnet_name
+from sensai.errors import SensaiError
 
 if TYPE_CHECKING:
     from ..faults import DelaySpec
@@ -86,6 +87,18 @@ class WorkerHandle:
     def send(self, msg) -> None:
         """Hand a Run, Skip or Fault to the worker; never blocks."""
         raise NotImplementedError
+
+    # -- shared by transports
+
+    def wait_loaded(self, inc, timeout: float) -> None:
+        """Block until incarnation ``inc`` (its ``ready`` event set, and ``error`` if loading
+        failed) has loaded its subnets; :class:`SensaiError` if it did not."""
+        if inc is None:
+            raise SensaiError(f"{self.name} was never started")
+        if not inc.ready.wait(timeout):
+            raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s")
+        if inc.error:
+            raise SensaiError(f"{self.name}: {inc.error}")
 
     def probe(self, timeout: float) -> bool:
         """Whether the worker answers a ping within ``timeout``."""

@@ -179,15 +179,6 @@ class ConnectionWorker(WorkerHandle):
         """How ``inc`` ended, for the supervisor (called once its connection has closed)."""
         return "its connection closed"
 
-    def wait_loaded(self, timeout: float) -> None:
-        inc = self.inc
-        if inc is None:
-            raise SensaiError(f"{self.name} was never started")
-        if not inc.ready.wait(timeout):
-            raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s")
-        if inc.error:
-            raise SensaiError(f"{self.name}: {inc.error}")
-
     def send(self, msg) -> None:
         inc = self.inc
         if inc is not None:

@@ -68,7 +68,7 @@ class ProcessWorker(ConnectionWorker):
         self.attach(inc, from_child_r, to_child_w, sentinel=proc.sentinel)
 
     def wait_ready(self, timeout: float) -> None:
-        self.wait_loaded(timeout)
+        self.wait_loaded(self.inc, timeout)
 
     def ended(self, inc: Incarnation) -> str:
         self.process.join(1.0)

@@ -290,7 +290,7 @@ class RayActorWorker(ConnectionWorker):
         conn = connect(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
         self.channel = f"{address[0]}:{address[1]}"
         self.attach(inc, conn, conn)
-        self.wait_loaded(max(1.0, deadline - time.monotonic()))
+        self.wait_loaded(inc, max(1.0, deadline - time.monotonic()))
         gen = self.generation
         self._control("watch").remote().future().add_done_callback(
             lambda fut: self._watch_done(gen, fut))

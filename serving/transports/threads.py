@@ -82,13 +82,7 @@ class ThreadWorker(WorkerHandle):
             self.sink.exited(self.index, inc.number, detail)
 
     def wait_ready(self, timeout: float) -> None:
-        inc = self._inc
-        if inc is None:
-            raise SensaiError(f"{self.name} was never started")
-        if not inc.ready.wait(timeout):
-            raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s")
-        if inc.error:
-            raise SensaiError(f"{self.name}: {inc.error}")
+        self.wait_loaded(self._inc, timeout)
 
     def send(self, msg) -> None:
         inc = self._inc
