@@ -100,6 +100,27 @@ def test_only_the_key_holder_is_served_and_nothing_is_unpickled_before(
     conn.close()
 
 
+def test_a_silent_client_does_not_keep_the_gateway_out(worker, monkeypatch):
+    """Somebody connects to the worker's port first and says nothing: the worker hangs up on
+    them after HANDSHAKE_S, and the gateway, connecting meanwhile, is served."""
+    from sensai.serving.transports import connection
+
+    monkeypatch.setattr(connection, "HANDSHAKE_S", 0.5)
+    address, _, serving = worker
+    squatter = socket.create_connection(address)
+    try:
+        conn = connect(address, KEY, 10.0)
+        assert isinstance(conn.recv(), Ready)
+        conn.send(Shutdown())
+        serving.join(10)
+        conn.close()
+        squatter.settimeout(5)
+        while squatter.recv(1024):  # the challenge it ignored, then the worker hung up
+            pass
+    finally:
+        squatter.close()
+
+
 def test_a_silent_peer_cannot_hang_the_gateway():
     """A port that accepts but never speaks (not a sensai worker): connect gives up within its
     timeout with one line, instead of blocking the restart thread for ever."""

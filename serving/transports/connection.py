@@ -26,6 +26,8 @@ from ..messages import Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Rea
 from ..worker_core import Stop, WorkerCore
 from .base import TOKENS, WorkerHandle
 
+HANDSHAKE_S = 5.0  # a client that has not proved the key by then is hung up on
+
 
 def serve_connection(rx: Connection, tx: Connection, core: WorkerCore, ready: Ready) -> None:
     """The worker's end: say ``ready``, then serve messages from ``rx`` until Shutdown or the
@@ -66,7 +68,7 @@ def serve_connection(rx: Connection, tx: Connection, core: WorkerCore, ready: Re
 def accept(server: socket.socket, authkey: bytes, timeout: float) -> Connection | None:
     """The worker's end of its socket: the first client on ``server`` that proves it holds
     ``authkey`` (HMAC challenges both ways, before anything is unpickled); None when none does
-    within ``timeout`` seconds.  Anyone else is hung up on."""
+    within ``timeout`` seconds.  Anyone else is hung up on, a silent one after HANDSHAKE_S."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -78,7 +80,7 @@ def accept(server: socket.socket, authkey: bytes, timeout: float) -> Connection 
         except OSError:  # timed out, or the server was closed
             return None
         conn = Connection(nodelay(sock).detach())
-        if handshake(conn, authkey, left, server_side=True) is None:
+        if handshake(conn, authkey, min(left, HANDSHAKE_S), server_side=True) is None:
             return conn
         conn.close()
 
