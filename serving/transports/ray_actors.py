@@ -47,7 +47,8 @@ ACCEPT_S = 60.0  # how long an actor's socket waits for the gateway to connect
 
 class RayWorkerBody:
     """The worker inside a Ray actor or Serve replica: its hosted subnets' runners and the
-    in-worker loop of :mod:`sensai.serving.worker_core`, one ``run`` call per (request, group)."""
+    in-worker loop of :mod:`sensai.serving.worker_core`, fed over the gateway's socket
+    (:meth:`channel`, the actor transport) or one ``run`` call per (request, group) (Serve)."""
 
     def __init__(self, name: str, hosted: list, fault: Fault, seed: int):
         import ray
