@@ -23,11 +23,8 @@ input was redone) is redone too.  Settings that change results are fingerprinted
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -48,23 +45,23 @@ from sensai.export import export_onnx
 from sensai.flops import count_flops
 from sensai.fsutil import atomic_path, sha256_file, write_json_atomic
 from sensai.learning import predict_logits
-from sensai.manifest import (MANIFEST, DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
+from sensai.manifest import (DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
                              SubnetRecord, load_manifest, save_manifest)
 from sensai.merge import merge_outputs
 from sensai.models import count_params, select_device
-from sensai.raycluster import connect, error_text
 
 from .apoz import ChannelStats, collect_activation_stats
 from .grouping import group_classes, penultimate_features, plot_grouping
 from .iterative import step_policies
+from .jobs import run_in_process, run_on_ray
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
+from .workdir import Layout, Stages, file_ok, prepare_out, read_json
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("keep", "threshold", "params", "shrink")
-STAGES = ("grouping", "stats", "prune", "retrain", "export", "evaluate", "artifact")
 CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 
 
@@ -196,77 +193,12 @@ class DecomposeConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-class SettingsMismatch(SensaiError):
-    """The output directory holds a decomposition made with other settings."""
-
-
 class RetrainFailed(SensaiError):
     """One or more subnets could not be retrained; the others are saved."""
 
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = failures
-
-
-# --------------------------------------------------------------------------------------------
-# Artifact layout
-
-
-class Layout:
-    """Where everything of one artifact lives (paths in the manifest are relative to ``root``)."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.work = self.root / "work"
-
-    manifest = property(lambda self: self.root / MANIFEST)
-    grouping_json = property(lambda self: self.root / "grouping.json")
-    grouping_png = property(lambda self: self.root / "grouping.png")
-    settings = property(lambda self: self.work / "settings.json")
-    stages = property(lambda self: self.work / "stages.json")
-    evaluation = property(lambda self: self.work / "evaluation.json")
-    teacher = property(lambda self: self.work / "teacher_logits.npy")
-    report_md = property(lambda self: self.root / "report.md")
-    report_json = property(lambda self: self.root / "report.json")
-    report_png = property(lambda self: self.root / "report.png")
-
-    def stats(self, g: int) -> Path:
-        return self.work / "stats" / f"group_{g:02d}.npz"
-
-    def pruned(self, g: int) -> Path:
-        return self.work / "pruned" / f"subnet_{g:02d}.safetensors"
-
-    def pruned_meta(self, g: int) -> Path:
-        return self.work / "pruned" / f"subnet_{g:02d}.json"
-
-    def weights_rel(self, g: int) -> str:
-        return f"subnets/subnet_{g:02d}.safetensors"
-
-    def onnx_rel(self, g: int) -> str:
-        return f"subnets/subnet_{g:02d}.onnx"
-
-    def retrain_meta(self, g: int) -> Path:
-        return self.work / "retrain" / f"subnet_{g:02d}.json"
-
-    def export_meta(self, g: int) -> Path:
-        return self.work / "export" / f"subnet_{g:02d}.json"
-
-    def ours(self) -> list[Path]:
-        """Everything a decomposition writes (and ``force`` removes) - nothing else is touched."""
-        return [self.manifest, self.grouping_json, self.grouping_png, self.report_md,
-                self.report_json, self.report_png, self.work, self.root / "subnets"]
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _file_ok(path: Path, sha: str | None) -> bool:
-    return bool(sha) and path.is_file() and sha256_file(path) == sha
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,87 +232,12 @@ def _resolve_spec(record: ModelRecord, data_dir: str | None) -> DatasetSpec:
     return spec
 
 
-def _check_writable(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise SensaiError(f"output {root} exists and is not a directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise SensaiError(f"cannot write to output directory {root}: {e.strerror or e}") from None
-
-
-def _settings_diff(old: dict, new: dict) -> list[str]:
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{key}.{d}" for d in _settings_diff(a, b)]
-        elif a != b:
-            diffs.append(f"{key}: {a!r} -> {b!r}" if not isinstance(a, (dict, list)) else key)
-    return diffs
-
-
-def _prepare_out(layout: Layout, fingerprint: dict, force: bool) -> None:
-    """Refuse to mix settings in one artifact; with ``force`` remove only what we wrote."""
-    root = layout.root
-    _check_writable(root)
-    old = _read_json(layout.settings)
-    if old is not None and isinstance(old.get("config"), dict):
-        # Made before a knob existed means made with its default: not other settings.
-        old = {**old, "config": {**DecomposeConfig().to_dict(), **old["config"]}}
-    foreign = [p.name for p in root.iterdir() if not p.name.startswith(".write-test-")]
-    if old is None and foreign and not force:
-        if layout.manifest.exists() or layout.work.exists():
-            raise SensaiError(f"{root} holds a decomposition without readable settings "
-                              f"(work/settings.json); use --force to start over")
-        raise SensaiError(f"output directory {root} is not empty and holds no decomposition; "
-                          "choose a new directory (or --force to write into it anyway)")
-    if old is not None and old != fingerprint:
-        if not force:
-            diff = "; ".join(_settings_diff(old, fingerprint)[:4])
-            raise SettingsMismatch(f"{root} was made with other settings ({diff}); use another "
-                                   "--out or --force to start over")
-    if force:
-        for p in layout.ours():
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    layout.work.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(layout.settings, fingerprint)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage timing
-
-
-class _Stages:
-    """Wall time per stage, accumulated over runs (a resumed stage adds only its new work)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.data: dict[str, dict] = _read_json(path) or {}
-
-    def run(self, name: str, seconds: float, did_work: bool, done: bool = True) -> None:
-        entry = self.data.setdefault(name, {"seconds": 0.0, "runs": 0})
-        if did_work:
-            entry["seconds"] = round(entry["seconds"] + seconds, 3)
-            entry["runs"] += 1
-        entry["done"] = done
-        write_json_atomic(self.path, self.data)
-
-    def seconds(self) -> dict[str, float]:
-        return {k: self.data[k]["seconds"] for k in STAGES if k in self.data}
-
-
 # --------------------------------------------------------------------------------------------
 # Stage 1: grouping
 
 
 def _stage_grouping(layout, model, spec, train, n_groups, cfg, device) -> tuple[list[list[int]], dict, bool]:
-    saved = _read_json(layout.grouping_json)
+    saved = read_json(layout.grouping_json)
     if saved and saved.get("n_groups") == n_groups and saved.get("groups"):
         groups = [[int(c) for c in g] for g in saved["groups"]]
         if sorted(c for g in groups for c in g) == list(range(spec.num_classes)):
@@ -479,78 +336,6 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         e = np.exp(z - z.max(axis=1, keepdims=True))
         return e / e.sum(axis=1, keepdims=True)
-
-
-def _run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str, total: int,
-                    on_done: Callable, failures: dict[int, str]) -> None:
-    with tqdm(total=total, desc="retrain: subnets", unit="subnet") as bar:
-        for job in jobs:
-            g = job.pop("index")
-            try:
-                state, metrics = retrain_fn(**job, device=device,
-                                            progress=f"retrain subnet {g:02d}")
-            except Exception as e:  # one subnet's failure must not lose the others
-                log.error("retraining subnet %d failed: %s", g, e)
-                failures[g] = f"{type(e).__name__}: {e}"
-            else:
-                on_done(g, state, metrics)
-            bar.update(1)
-
-
-def retrain_on_node(**job) -> tuple[dict, dict]:
-    """``retrain_state`` as a Ray task; the metrics name the node that did the work."""
-    import ray
-
-    state, metrics = retrain_state(**job)
-    return state, {**metrics, "node": ray.get_runtime_context().get_node_id()}
-
-
-def _run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
-                on_done: Callable, failures: dict[int, str], address: str | None) -> None:
-    import ray
-
-    started = connect(address)
-    try:
-        gpus = float(ray.cluster_resources().get("GPU", 0))
-        if device != "cpu" and gpus >= 1:
-            # The task sees only the GPU Ray gave it, so "cuda" there is always the right one.
-            options, task_device, threads = {"num_gpus": 1, "num_cpus": 1}, "cuda", None
-        else:
-            if device.startswith("cuda"):
-                raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
-            options, task_device, threads = {"num_cpus": 1}, "cpu", 1
-        # SPREAD: subnets go to different nodes when there are several; a task whose node dies
-        # is run again elsewhere (a subnet's retraining is deterministic, so a rerun is the same).
-        remote = ray.remote(retrain_on_node).options(max_retries=3, scheduling_strategy="SPREAD",
-                                                     **options)
-        pending: dict = {}
-        it = iter(jobs)
-        exhausted = False
-        with tqdm(total=total, desc=f"retrain: subnets ({workers} Ray workers)", unit="subnet") as bar:
-            while pending or not exhausted:
-                while not exhausted and len(pending) < workers:
-                    job = next(it, None)
-                    if job is None:
-                        exhausted = True
-                        break
-                    g = job.pop("index")
-                    pending[remote.remote(**job, device=task_device, threads=threads)] = g
-                if not pending:
-                    break
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for ref in done:
-                    g = pending.pop(ref)
-                    try:
-                        state, metrics = ray.get(ref)
-                    except ray.exceptions.RayError as e:
-                        failures[g] = error_text(e)
-                        log.error("retraining subnet %d failed: %s", g, failures[g])
-                    else:
-                        on_done(g, state, metrics)
-                    bar.update(1)
-    finally:
-        if started:
-            ray.shutdown()
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,10 +444,10 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
                    "dataset": spec.name, "classes": list(spec.classes), "groups": n_groups,
                    "config": config.to_dict()}
-    _prepare_out(layout, fingerprint, force)
+    prepare_out(layout, fingerprint, force, DecomposeConfig().to_dict())
     if workers is None:
         workers = (torch.cuda.device_count() if dev.type == "cuda" else usable_cores()) or 1
-    stages = _Stages(layout.stages)
+    stages = Stages(layout.stages)
     example = torch.zeros(1, *spec.input_shape)
     orig_params = count_params(model)
     orig_flops = count_flops(model, spec.input_shape)
@@ -706,9 +491,9 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     did = False
     pruned_meta: dict[int, dict] = {}
     for g, classes in enumerate(tqdm(group_list, desc="prune: subnets", unit="subnet")):
-        meta = _read_json(layout.pruned_meta(g))
+        meta = read_json(layout.pruned_meta(g))
         if not (meta and meta.get("classes") == classes and meta.get("stats_sha256") ==
-                sha256_file(layout.stats(g)) and _file_ok(layout.pruned(g), meta.get("weights_sha256"))):
+                sha256_file(layout.stats(g)) and file_ok(layout.pruned(g), meta.get("weights_sha256"))):
             pruned, keep = prune_to_policy(copy.deepcopy(model), layers, stats[g], schedule[0],
                                            example)
             sub = make_head(pruned, classes, binary=binary, seed=config.seed + g)
@@ -728,9 +513,9 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     t0 = time.perf_counter()
     todo = []
     for g in range(n_groups):
-        meta = _read_json(layout.retrain_meta(g))
+        meta = read_json(layout.retrain_meta(g))
         if not (meta and meta.get("from_sha256") == pruned_meta[g]["weights_sha256"] and
-                _file_ok(layout.root / layout.weights_rel(g), meta.get("weights_sha256"))):
+                file_ok(layout.root / layout.weights_rel(g), meta.get("weights_sha256"))):
             todo.append(g)
     failures: dict[int, str] = {}
 
@@ -791,10 +576,10 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                 on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
                         {"samples": 0, "seconds": 0.0})
         elif use_ray and retrain_fn is None:
-            _run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
+            run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
                         len(todo), on_done, failures, ray_address)
         else:
-            _run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
+            run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
                             failures)
     stages.run("retrain", time.perf_counter() - t0, bool(todo), done=not failures)
     if failures:
@@ -814,14 +599,14 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     subnets: list[nn.Module] = []
     export_meta: dict[int, dict] = {}
     for g in tqdm(range(n_groups), desc="export: ONNX", unit="subnet"):
-        w_sha = _read_json(layout.retrain_meta(g))["weights_sha256"]
+        w_sha = read_json(layout.retrain_meta(g))["weights_sha256"]
         sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
                                  load_weights(layout.root / layout.weights_rel(g), w_sha),
                                  f"subnet {g}", trust_code=trust_code)
         subnets.append(sub)
-        meta = _read_json(layout.export_meta(g))
+        meta = read_json(layout.export_meta(g))
         if not (meta and meta.get("weights_sha256") == w_sha and meta.get("opset") == config.opset
-                and _file_ok(layout.root / layout.onnx_rel(g), meta.get("onnx_sha256"))):
+                and file_ok(layout.root / layout.onnx_rel(g), meta.get("onnx_sha256"))):
             err = export_onnx(sub, spec.input_shape, layout.root / layout.onnx_rel(g),
                               opset=config.opset, check_batch=check_batch)
             meta = {"weights_sha256": w_sha, "opset": config.opset, "max_abs_diff": err,
@@ -834,7 +619,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     # ---- 6. evaluation on the test split
     t0 = time.perf_counter()
     weight_shas = [export_meta[g]["weights_sha256"] for g in range(n_groups)]
-    evaluation = _read_json(layout.evaluation)
+    evaluation = read_json(layout.evaluation)
     did = False
     if not (evaluation and evaluation.get("limit") == eval_limit and
             evaluation.get("weights_sha256") == weight_shas):
@@ -852,7 +637,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         pg = evaluation["per_group"][g]
         accuracy = {k: pg[k] for k in ("decomposed_top1", "original_top1", "subnet_top1",
                                        "subnet_balanced") if pg.get(k) is not None}
-        meta = {**pruned_meta[g], **_read_json(layout.retrain_meta(g))}
+        meta = {**pruned_meta[g], **read_json(layout.retrain_meta(g))}
         records.append(SubnetRecord(
             index=g, classes=classes, head=meta["head"], num_outputs=meta["num_outputs"],
             weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
@@ -860,7 +645,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             widths=meta["widths"], params=meta["params"], flops=meta["flops"], accuracy=accuracy))
     retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": bool(use_ray),
                     "balance": "k+1 target classes with equal samples; positives repeated",
-                    "subnets": {str(g): (_read_json(layout.retrain_meta(g)) or {}).get("metrics", {})
+                    "subnets": {str(g): (read_json(layout.retrain_meta(g)) or {}).get("metrics", {})
                                 for g in range(n_groups)}}
     manifest = DecompositionManifest(
         model=record.model, in_channels=record.in_channels, num_classes=record.num_classes,

@@ -56,7 +56,8 @@ def cmd_demo(args) -> int:
     import numpy as np
     import torch
 
-    from sensai.pruning.decompose import DecomposeConfig, SettingsMismatch, decompose
+    from sensai.pruning.decompose import DecomposeConfig, decompose
+    from sensai.pruning.workdir import SettingsMismatch
     from sensai.serving.app import create_app
     from sensai.serving.bench.latency import run_bench
     from sensai.serving.bench.latency_report import render_table
