@@ -34,50 +34,37 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import resource
-import shlex
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from collections import Counter
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-import httpx
 import numpy as np
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 
-from .. import child
 from ..imaging import decode_image
 from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
+from .gateway_process import GatewayProcess, free_port, sigterm_as_exit
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
                       load_test_images, progress_bar, write_outputs)
+from .load_measures import (LAST_WINDOW_S, RssSampler, check_health, phase_report, rss_growth,
+                            scrape_metrics, server_view)
 from .load_report import plot, render_markdown
-from .machine import descendant_pids, peak_rss_bytes, process_rss_bytes, reset_peak_rss
+from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
 from .stats import summarize
 
 SOAK_TARGET_S = 600.0
 SOAK_TARGET_CONCURRENCY = 16
 RSS_GROWTH_LIMIT_PCT = 5.0
-LAST_WINDOW_S = 60.0  # the soak's end, compared with its start
 HEALTH_IMAGES = 20  # predictions checked after the overload
 RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
-SETPRIV = shutil.which("setpriv")
-PREDICT_ROUTE = "/v1/predict"
 # Settings the benchmark sets itself (--backend, --deadline, the address).
 OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE_S")
 
@@ -181,291 +168,6 @@ def check_open_files(connections: int) -> None:
         raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
                           f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
                           "or lower --overload-connections")
-
-
-# --------------------------------------------------------------------------------------------
-# The gateway process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GatewayProcess:
-    """``sensai serve ART`` on 127.0.0.1 in a process (and session) of its own; its output goes
-    to ``log_path``.  :meth:`start` waits until it is ready; :meth:`stop` always ends it."""
-
-    def __init__(self, artifact: Path, *, port: int, backend: str | None,
-                 deadline_s: float | None, env: dict[str, str], log_path: Path):
-        self.url = f"http://127.0.0.1:{port}"
-        self.argv = [sys.executable, "-m", "sensai", "serve", str(artifact), "--host",
-                     "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        if backend is not None:
-            self.argv += ["--backend", backend]
-        if deadline_s is not None:
-            self.argv += ["--deadline", f"{deadline_s:g}"]
-        self.env = dict(env)
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.exit_code: int | None = None
-        self.startup_s: float | None = None
-        self._log = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def command(self) -> str:
-        """The gateway's command line, with the environment variables set for it."""
-        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-        return " ".join([*env, shlex.join(["sensai", *self.argv[3:]])])
-
-    def launch(self) -> None:
-        # setpriv (util-linux): SIGTERM to the gateway should this process die, even SIGKILLed.
-        # The parent is the thread that starts it: this one, which outlives the run.
-        guard = [SETPRIV, "--pdeathsig", "TERM", "--"] if SETPRIV else []
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([*guard, *self.argv], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=os.environ | self.env, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise SensaiError(f"the gateway exited with status {self.proc.returncode} before "
-                                  f"it was ready: {self.last_line()} (log: {self.log_path})")
-            try:
-                if httpx.get(f"{self.url}/v2/health/ready", timeout=2.0).status_code == 200:
-                    self.startup_s = round(time.monotonic() - t0, 2)
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise SensaiError(f"the gateway was not ready after {timeout_s:g} s: "
-                                  f"{self.last_line()} (log: {self.log_path})")
-            time.sleep(0.2)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def last_line(self) -> str:
-        try:
-            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
-                     if ln.strip()]
-        except OSError:
-            lines = []
-        return lines[-1].strip() if lines else "(no output)"
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM (the gateway drains and stops its workers), SIGKILL if it is still there
-        after ``timeout_s``; the process is reaped either way."""
-        if self.proc is not None:
-            self.exit_code = child.stop(self.proc, timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-@contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM unwinds this process like Ctrl-C does, so the gateway is stopped either way."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-# --------------------------------------------------------------------------------------------
-# Measurement
-
-
-class RssSampler:
-    """The gateway's RSS over time: ``t`` in seconds since ``t0`` (the gateway ready), the
-    phase, the gateway process's own resident set and with its descendant processes (worker
-    processes of ``--backend processes``; a local Ray instance), in MB (10^6 bytes)."""
-
-    def __init__(self, pid: int, t0: float, period_s: float):
-        self.pid, self.t0, self.period_s = pid, t0, period_s
-        self.samples: list[dict[str, Any]] = []
-        self.next_due = t0
-
-    def due(self) -> bool:
-        return time.monotonic() >= self.next_due
-
-    def sample(self, phase: str) -> dict[str, Any] | None:
-        now = time.monotonic()
-        t = round(now - self.t0, 3)
-        if self.samples and t <= self.samples[-1]["t"]:
-            return self.samples[-1]
-        rss = process_rss_bytes(self.pid)
-        if rss is None:
-            return None
-        others = [process_rss_bytes(p) for p in descendant_pids(self.pid)]
-        tree = rss + sum(r for r in others if r)
-        s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
-             "tree_rss_mb": round(tree / 1e6, 2), "processes": 1 + sum(1 for r in others if r)}
-        self.samples.append(s)
-        self.next_due = now + self.period_s
-        return s
-
-
-def _timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
-              bin_s: float) -> list[dict[str, Any]]:
-    """The phase in bins of ``bin_s`` from ``start``: requests sent (by when they were sent, or
-    due), and answers (by when they came back): status codes, 200s per second, p50/p99 of the
-    200s."""
-    bins = []
-    n_bins = max(1, round(span / bin_s))  # the last bin takes the remainder: up to 1.5 bins
-
-    def bin_of(x: np.ndarray) -> np.ndarray:
-        return np.clip(((x - start) // bin_s).astype(int), 0, n_bins - 1)
-
-    sent, back = bin_of(t), bin_of(t + ms / 1e3)
-    for b in range(n_bins):
-        sel = back == b
-        width = bin_s if b < n_bins - 1 else max(span - b * bin_s, 1e-3)
-        ok = sel & (status == 200)
-        codes = Counter(int(s) for s in status[sel])
-        p50, p99 = (np.percentile(ms[ok], [50, 99]) if ok.any() else (None, None))
-        bins.append({"t": round(start + b * bin_s, 3), "seconds": round(width, 3),
-                     "sent": int((sent == b).sum()), "answered": int(sel.sum()),
-                     "ok_per_s": round(int(ok.sum()) / width, 2),
-                     "status_counts": {str(k): v for k, v in sorted(codes.items())},
-                     "p50_ok_ms": None if p50 is None else round(float(p50), 3),
-                     "p99_ok_ms": None if p99 is None else round(float(p99), 3)})
-    return bins
-
-
-def phase_report(outs: list[dict[str, Any]], *, t0: float, bin_s: float) -> dict[str, Any]:
-    """What the clients recorded in one phase, merged: counts, throughput, latencies, the
-    timeline (``t`` in seconds since ``t0``)."""
-    t = np.concatenate([np.asarray(o["t"], dtype=np.float64) for o in outs]) - t0
-    ms = np.concatenate([np.asarray(o["ms"], dtype=np.float64) for o in outs])
-    status = np.concatenate([np.asarray(o["status"], dtype=np.int64) for o in outs])
-    start = min(o["t0"] for o in outs) - t0
-    wall = max(o["t0"] + o["seconds"] for o in outs) - t0 - start
-    codes = Counter(int(s) for s in status)
-    ok = status == 200
-    failures: Counter = Counter()
-    for o in outs:
-        failures.update(o["failures"])
-    n = int(len(status))
-    return {
-        "start_s": round(start, 3), "seconds": round(wall, 3), "requests": n,
-        "status_counts": {str(k): v for k, v in sorted(codes.items())},
-        "ok": int(ok.sum()), "errors": n - int(ok.sum()),
-        "not_200_or_503": int(((status != 200) & (status != 503)).sum()),
-        "no_answer": codes.get(0, 0), "failures": dict(failures),
-        "wrong": sum(o["wrong"] for o in outs),
-        "throughput_rps": round(int(ok.sum()) / wall, 2) if wall > 0 else None,
-        "answers_per_s": round((n - codes.get(0, 0)) / wall, 2) if wall > 0 else None,
-        "latency_ms": summarize(ms.tolist()),
-        "latency_ok_ms": summarize(ms[ok].tolist()),
-        "latency_rejected_ms": summarize(ms[status == 503].tolist()),
-        "timeline": _timeline(t, ms, status, start, wall, bin_s),
-    }
-
-
-def scrape_metrics(url: str) -> dict[str, Any] | None:
-    """From the gateway's ``/metrics``: POST requests by status, and the latency histogram of
-    ``/v1/predict`` as the gateway measures it (from when its middleware sees a request)."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    except httpx.HTTPError:
-        return None
-    statuses: Counter = Counter()
-    rejected: Counter = Counter()
-    buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "sensai_requests_total" and s.labels.get("method") == "POST":
-                statuses[s.labels["status"]] += int(s.value)
-            elif s.name == "sensai_rejected_total":
-                rejected[s.labels.get("reason", "")] += int(s.value)
-            elif (s.name == "sensai_request_seconds_bucket"
-                  and s.labels.get("route") == PREDICT_ROUTE):
-                buckets[float(s.labels["le"])] = s.value
-    return {"status": statuses, "rejected": rejected, "buckets": buckets}
-
-
-def server_view(before: dict | None, after: dict | None) -> dict[str, Any] | None:
-    """The gateway's own count of a phase's requests by status (``sensai_requests_total``,
-    which leaves out the requests turned away on arrival at ``max_requests``), of the requests
-    it turned away (``sensai_rejected_total`` by reason: on arrival or after waiting for the
-    predictor), and the histogram bucket its p50/p99 of ``/v1/predict`` fall in (``<=`` that
-    many ms)."""
-    if before is None or after is None:
-        return None
-    codes = after["status"] - before["status"]
-    rejected = after["rejected"] - before["rejected"]
-    les = sorted(after["buckets"])
-    counts = np.array([after["buckets"][le] - before["buckets"].get(le, 0.0) for le in les])
-    total = counts[-1] if len(counts) else 0.0
-
-    def at_most(q: float) -> float | None:
-        if not total:
-            return None
-        le = les[int(np.searchsorted(counts, q * total))]
-        return None if math.isinf(le) else round(le * 1e3, 3)
-
-    return {"status_counts": {k: v for k, v in sorted(codes.items())},
-            "rejected": dict(sorted(rejected.items())),
-            "predict_requests": int(total),
-            "predict_latency_ms_at_most": {"p50": at_most(0.5), "p99": at_most(0.99)}}
-
-
-def rss_growth(samples: Sequence[dict], phase: str, key: str,
-               window_s: float = LAST_WINDOW_S) -> dict[str, Any] | None:
-    """The phase's first sample (after warm-up) against the mean of its last ``window_s``
-    seconds; also its maximum, its last sample and a least-squares slope."""
-    sel = [s for s in samples if s["phase"] == phase]
-    if not sel:
-        return None
-    base, end = sel[0], sel[-1]
-    last = [s for s in sel if s["t"] >= end["t"] - window_s]
-    final = float(np.mean([s[key] for s in last]))
-    t = np.array([s["t"] for s in sel])
-    v = np.array([s[key] for s in sel])
-    slope = (float(np.polyfit(t, v, 1)[0]) * 60.0
-             if len(sel) >= 3 and np.ptp(t) > 0 else None)
-    return {"baseline_mb": base[key], "baseline_t": base["t"],
-            "last_window_s": round(min(window_s, end["t"] - base["t"]), 1),
-            "last_window_samples": len(last), "last_window_mean_mb": round(final, 2),
-            "last_mb": end[key], "max_mb": float(v.max()),
-            "growth_mb": round(final - base[key], 2),
-            "growth_pct": round((final - base[key]) / base[key] * 100, 3),
-            "slope_mb_per_min": None if slope is None else round(slope, 3),
-            "samples": len(sel)}
-
-
-def check_health(url: str, client: HttpClientProcess, expected: Sequence[int],
-                 n_images: int) -> dict[str, Any]:
-    """``/v2/health/ready`` and ``n_images`` sequential predictions against offline top-1."""
-    out: dict[str, Any] = {"ready_status": None, "predictions": 0, "correct": 0, "error": None}
-    try:
-        out["ready_status"] = httpx.get(f"{url}/v2/health/ready", timeout=10.0).status_code
-    except httpx.HTTPError as e:
-        out["error"] = f"/v2/health/ready: {type(e).__name__}: {e}"
-    try:
-        answers = client.sequential(url, range(n_images))
-        out["predictions"] = len(answers)
-        out["correct"] = sum(int(a[1] == expected[j]) for j, a in enumerate(answers))
-    except (RuntimeError, TimeoutError, EOFError, OSError) as e:
-        out["error"] = out["error"] or str(e)
-    out["healthy"] = (out["ready_status"] == 200 and out["predictions"] == n_images
-                      and out["correct"] == n_images)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""``sensai serve ART`` in a process (and session) of its own on 127.0.0.1, for the load
+benchmark: its resident set is its own, its output goes to a log, and it is always stopped
+(SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM should the benchmark die)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from sensai.errors import SensaiError
+
+from .. import child
+
+SETPRIV = shutil.which("setpriv")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayProcess:
+    """``sensai serve ART`` on 127.0.0.1 in a process (and session) of its own; its output goes
+    to ``log_path``.  :meth:`start` waits until it is ready; :meth:`stop` always ends it."""
+
+    def __init__(self, artifact: Path, *, port: int, backend: str | None,
+                 deadline_s: float | None, env: dict[str, str], log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = [sys.executable, "-m", "sensai", "serve", str(artifact), "--host",
+                     "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        if backend is not None:
+            self.argv += ["--backend", backend]
+        if deadline_s is not None:
+            self.argv += ["--deadline", f"{deadline_s:g}"]
+        self.env = dict(env)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.startup_s: float | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> str:
+        """The gateway's command line, with the environment variables set for it."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        return " ".join([*env, shlex.join(["sensai", *self.argv[3:]])])
+
+    def launch(self) -> None:
+        # setpriv (util-linux): SIGTERM to the gateway should this process die, even SIGKILLed.
+        # The parent is the thread that starts it: this one, which outlives the run.
+        guard = [SETPRIV, "--pdeathsig", "TERM", "--"] if SETPRIV else []
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([*guard, *self.argv], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=os.environ | self.env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise SensaiError(f"the gateway exited with status {self.proc.returncode} before "
+                                  f"it was ready: {self.last_line()} (log: {self.log_path})")
+            try:
+                if httpx.get(f"{self.url}/v2/health/ready", timeout=2.0).status_code == 200:
+                    self.startup_s = round(time.monotonic() - t0, 2)
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise SensaiError(f"the gateway was not ready after {timeout_s:g} s: "
+                                  f"{self.last_line()} (log: {self.log_path})")
+            time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def last_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
+                     if ln.strip()]
+        except OSError:
+            lines = []
+        return lines[-1].strip() if lines else "(no output)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (the gateway drains and stops its workers), SIGKILL if it is still there
+        after ``timeout_s``; the process is reaped either way."""
+        if self.proc is not None:
+            self.exit_code = child.stop(self.proc, timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM unwinds this process like Ctrl-C does, so the gateway is stopped either way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

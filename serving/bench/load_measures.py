@@ -1,0 +1,199 @@
+"""What a load phase is measured by: the gateway's RSS over time, the clients' records merged
+into counts, latencies and a timeline, the gateway's own ``/metrics`` before and after, and its
+health afterwards."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from .client import HttpClientProcess
+from .machine import descendant_pids, process_rss_bytes
+from .stats import summarize
+
+PREDICT_ROUTE = "/v1/predict"
+LAST_WINDOW_S = 60.0  # the soak's end, compared with its start
+
+
+class RssSampler:
+    """The gateway's RSS over time: ``t`` in seconds since ``t0`` (the gateway ready), the
+    phase, the gateway process's own resident set and with its descendant processes (worker
+    processes of ``--backend processes``; a local Ray instance), in MB (10^6 bytes)."""
+
+    def __init__(self, pid: int, t0: float, period_s: float):
+        self.pid, self.t0, self.period_s = pid, t0, period_s
+        self.samples: list[dict[str, Any]] = []
+        self.next_due = t0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_due
+
+    def sample(self, phase: str) -> dict[str, Any] | None:
+        now = time.monotonic()
+        t = round(now - self.t0, 3)
+        if self.samples and t <= self.samples[-1]["t"]:
+            return self.samples[-1]
+        rss = process_rss_bytes(self.pid)
+        if rss is None:
+            return None
+        others = [process_rss_bytes(p) for p in descendant_pids(self.pid)]
+        tree = rss + sum(r for r in others if r)
+        s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
+             "tree_rss_mb": round(tree / 1e6, 2), "processes": 1 + sum(1 for r in others if r)}
+        self.samples.append(s)
+        self.next_due = now + self.period_s
+        return s
+
+
+def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
+              bin_s: float) -> list[dict[str, Any]]:
+    """The phase in bins of ``bin_s`` from ``start``: requests sent (by when they were sent, or
+    due), and answers (by when they came back): status codes, 200s per second, p50/p99 of the
+    200s."""
+    bins = []
+    n_bins = max(1, round(span / bin_s))  # the last bin takes the remainder: up to 1.5 bins
+
+    def bin_of(x: np.ndarray) -> np.ndarray:
+        return np.clip(((x - start) // bin_s).astype(int), 0, n_bins - 1)
+
+    sent, back = bin_of(t), bin_of(t + ms / 1e3)
+    for b in range(n_bins):
+        sel = back == b
+        width = bin_s if b < n_bins - 1 else max(span - b * bin_s, 1e-3)
+        ok = sel & (status == 200)
+        codes = Counter(int(s) for s in status[sel])
+        p50, p99 = (np.percentile(ms[ok], [50, 99]) if ok.any() else (None, None))
+        bins.append({"t": round(start + b * bin_s, 3), "seconds": round(width, 3),
+                     "sent": int((sent == b).sum()), "answered": int(sel.sum()),
+                     "ok_per_s": round(int(ok.sum()) / width, 2),
+                     "status_counts": {str(k): v for k, v in sorted(codes.items())},
+                     "p50_ok_ms": None if p50 is None else round(float(p50), 3),
+                     "p99_ok_ms": None if p99 is None else round(float(p99), 3)})
+    return bins
+
+
+def phase_report(outs: list[dict[str, Any]], *, t0: float, bin_s: float) -> dict[str, Any]:
+    """What the clients recorded in one phase, merged: counts, throughput, latencies, the
+    timeline (``t`` in seconds since ``t0``)."""
+    t = np.concatenate([np.asarray(o["t"], dtype=np.float64) for o in outs]) - t0
+    ms = np.concatenate([np.asarray(o["ms"], dtype=np.float64) for o in outs])
+    status = np.concatenate([np.asarray(o["status"], dtype=np.int64) for o in outs])
+    start = min(o["t0"] for o in outs) - t0
+    wall = max(o["t0"] + o["seconds"] for o in outs) - t0 - start
+    codes = Counter(int(s) for s in status)
+    ok = status == 200
+    failures: Counter = Counter()
+    for o in outs:
+        failures.update(o["failures"])
+    n = int(len(status))
+    return {
+        "start_s": round(start, 3), "seconds": round(wall, 3), "requests": n,
+        "status_counts": {str(k): v for k, v in sorted(codes.items())},
+        "ok": int(ok.sum()), "errors": n - int(ok.sum()),
+        "not_200_or_503": int(((status != 200) & (status != 503)).sum()),
+        "no_answer": codes.get(0, 0), "failures": dict(failures),
+        "wrong": sum(o["wrong"] for o in outs),
+        "throughput_rps": round(int(ok.sum()) / wall, 2) if wall > 0 else None,
+        "answers_per_s": round((n - codes.get(0, 0)) / wall, 2) if wall > 0 else None,
+        "latency_ms": summarize(ms.tolist()),
+        "latency_ok_ms": summarize(ms[ok].tolist()),
+        "latency_rejected_ms": summarize(ms[status == 503].tolist()),
+        "timeline": timeline(t, ms, status, start, wall, bin_s),
+    }
+
+
+def scrape_metrics(url: str) -> dict[str, Any] | None:
+    """From the gateway's ``/metrics``: POST requests by status, and the latency histogram of
+    ``/v1/predict`` as the gateway measures it (from when its middleware sees a request)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    statuses: Counter = Counter()
+    rejected: Counter = Counter()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "sensai_requests_total" and s.labels.get("method") == "POST":
+                statuses[s.labels["status"]] += int(s.value)
+            elif s.name == "sensai_rejected_total":
+                rejected[s.labels.get("reason", "")] += int(s.value)
+            elif (s.name == "sensai_request_seconds_bucket"
+                  and s.labels.get("route") == PREDICT_ROUTE):
+                buckets[float(s.labels["le"])] = s.value
+    return {"status": statuses, "rejected": rejected, "buckets": buckets}
+
+
+def server_view(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """The gateway's own count of a phase's requests by status (``sensai_requests_total``,
+    which leaves out the requests turned away on arrival at ``max_requests``), of the requests
+    it turned away (``sensai_rejected_total`` by reason: on arrival or after waiting for the
+    predictor), and the histogram bucket its p50/p99 of ``/v1/predict`` fall in (``<=`` that
+    many ms)."""
+    if before is None or after is None:
+        return None
+    codes = after["status"] - before["status"]
+    rejected = after["rejected"] - before["rejected"]
+    les = sorted(after["buckets"])
+    counts = np.array([after["buckets"][le] - before["buckets"].get(le, 0.0) for le in les])
+    total = counts[-1] if len(counts) else 0.0
+
+    def at_most(q: float) -> float | None:
+        if not total:
+            return None
+        le = les[int(np.searchsorted(counts, q * total))]
+        return None if math.isinf(le) else round(le * 1e3, 3)
+
+    return {"status_counts": {k: v for k, v in sorted(codes.items())},
+            "rejected": dict(sorted(rejected.items())),
+            "predict_requests": int(total),
+            "predict_latency_ms_at_most": {"p50": at_most(0.5), "p99": at_most(0.99)}}
+
+
+def rss_growth(samples: Sequence[dict], phase: str, key: str,
+               window_s: float = LAST_WINDOW_S) -> dict[str, Any] | None:
+    """The phase's first sample (after warm-up) against the mean of its last ``window_s``
+    seconds; also its maximum, its last sample and a least-squares slope."""
+    sel = [s for s in samples if s["phase"] == phase]
+    if not sel:
+        return None
+    base, end = sel[0], sel[-1]
+    last = [s for s in sel if s["t"] >= end["t"] - window_s]
+    final = float(np.mean([s[key] for s in last]))
+    t = np.array([s["t"] for s in sel])
+    v = np.array([s[key] for s in sel])
+    slope = (float(np.polyfit(t, v, 1)[0]) * 60.0
+             if len(sel) >= 3 and np.ptp(t) > 0 else None)
+    return {"baseline_mb": base[key], "baseline_t": base["t"],
+            "last_window_s": round(min(window_s, end["t"] - base["t"]), 1),
+            "last_window_samples": len(last), "last_window_mean_mb": round(final, 2),
+            "last_mb": end[key], "max_mb": float(v.max()),
+            "growth_mb": round(final - base[key], 2),
+            "growth_pct": round((final - base[key]) / base[key] * 100, 3),
+            "slope_mb_per_min": None if slope is None else round(slope, 3),
+            "samples": len(sel)}
+
+
+def check_health(url: str, client: HttpClientProcess, expected: Sequence[int],
+                 n_images: int) -> dict[str, Any]:
+    """``/v2/health/ready`` and ``n_images`` sequential predictions against offline top-1."""
+    out: dict[str, Any] = {"ready_status": None, "predictions": 0, "correct": 0, "error": None}
+    try:
+        out["ready_status"] = httpx.get(f"{url}/v2/health/ready", timeout=10.0).status_code
+    except httpx.HTTPError as e:
+        out["error"] = f"/v2/health/ready: {type(e).__name__}: {e}"
+    try:
+        answers = client.sequential(url, range(n_images))
+        out["predictions"] = len(answers)
+        out["correct"] = sum(int(a[1] == expected[j]) for j, a in enumerate(answers))
+    except (RuntimeError, TimeoutError, EOFError, OSError) as e:
+        out["error"] = out["error"] or str(e)
+    out["healthy"] = (out["ready_status"] == 200 and out["predictions"] == n_images
+                      and out["correct"] == n_images)
+    return out
