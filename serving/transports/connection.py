@@ -37,7 +37,10 @@ def serve_connection(rx: Connection, tx: Connection, core: WorkerCore, ready: Re
 
     def emit(event) -> None:
         with lock:
-            tx.send(event)
+            try:
+                tx.send(event)
+            except (OSError, ValueError):
+                pass  # the gateway hung up: the loop below sees it and ends
 
     runs: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=core.serve, args=(runs, emit), daemon=True,
