@@ -127,14 +127,15 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_tritonserver(fill: Callable[[Path, str], object]) -> TritonServerProcess:
+def start_tritonserver(fill: Callable[[Path, str], object], *,
+                       missing: str = TRITON_HINT) -> TritonServerProcess:
     """A ``tritonserver`` on 127.0.0.1 (free ports) whose model repository, a directory in the
     server's private directory (removed when it stops), ``fill(repo, backend)`` writes for the
     Triton backend this server has: ``onnxruntime``, else ``python`` (ONNX Runtime inside
-    Triton's Python backend)."""
+    Triton's Python backend).  ``missing``: the error when there is no ``tritonserver``."""
     install = find_tritonserver()
     if install is None:
-        raise SensaiError(TRITON_HINT)
+        raise SensaiError(missing)
     backend = "onnxruntime" if "onnxruntime" in install.backends() or not install.backends() \
         else "python"
     http, grpc, metrics = free_ports(3)
@@ -153,7 +154,6 @@ def start_tritonserver(fill: Callable[[Path, str], object]) -> TritonServerProce
 def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServerProcess:
     """A ``tritonserver`` on 127.0.0.1 serving the artifact's subnets (exported into the
     server's private directory, removed when it stops)."""
-    if find_tritonserver() is None:
-        raise SensaiError(TRITON_HINT + ", or pass --triton-url")
     return start_tritonserver(lambda repo, backend: export_triton_repo(
-        artifact_dir, repo, backend=backend, threads=threads))
+        artifact_dir, repo, backend=backend, threads=threads),
+        missing=TRITON_HINT + ", or pass --triton-url")

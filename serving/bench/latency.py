@@ -56,6 +56,11 @@ from .targets import evaluate_targets
 log = logging.getLogger(__name__)
 
 
+def backend_list(backend: str | Sequence[str]) -> list[str]:
+    """``backend`` as a list: one name, or several."""
+    return [backend] if isinstance(backend, str) else list(backend or [])
+
+
 def check_settings(*, workers, replicas, images, warmup, concurrency, requests, threads, rounds,
                    isolated_images, strategies: Sequence[str], transports: Sequence[str],
                    runtime: str, backend: str | Sequence[str], ray_address: str | None = None,
@@ -75,7 +80,7 @@ def check_settings(*, workers, replicas, images, warmup, concurrency, requests, 
         raise SensaiError(f"transports must be some of {', '.join(TRANSPORTS)}")
     if runtime not in RUNTIMES:
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    backends = [backend] if isinstance(backend, str) else list(backend or [])
+    backends = backend_list(backend)
     bad = [b for b in backends if b not in BENCH_BACKENDS]
     if bad or not backends:
         raise SensaiError(f"unknown backend {', '.join(map(repr, bad)) or '(none)'} for the "
@@ -134,7 +139,8 @@ def run_bench(
     reported).  ``peers``: the systems of :mod:`.peers` serving the original model, started by
     the run and timed over ``http-v2`` beside the strategies (bench.md's "sensai vs Triton vs
     Ray Serve"; a peer that cannot run here is skipped with its reason).  ``threads``:
-    intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve`` (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
+    intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve``
+    (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
     ``isolated_images``: images on which each subnet is also timed alone.  ``transports``: any
     of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
     process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
@@ -147,7 +153,7 @@ def run_bench(
                    ray_address=ray_address, peers=list(peers or []))
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
-    backends = [backend] if isinstance(backend, str) else list(backend)
+    backends = backend_list(backend)
     peers = [p for p in PEERS if p in set(peers or [])]
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
