@@ -131,6 +131,8 @@ class ClassParallelPredictor:
             self.workers.append(transport.worker(w, hosted, ws, self, delay=delays.get(w),
                                                  corrupt=w in corrupt, seed=seed + w))
         self._runs = [(wk.groups, self.placement.primaries(wk.index)) for wk in self.workers]
+        self._worker_names = [wk.name for wk in self.workers]
+        self._compute_keys = ["compute." + n for n in self._names]
         self.supervisor = Supervisor(self.workers, self._lock, caps, self._lose_worker,
                                      restart_delay_s=restart_delay_s,
                                      load_timeout_s=load_timeout_s,
@@ -215,21 +217,21 @@ class ClassParallelPredictor:
             scores = merge_outputs([d.output for d in decided],
                                    [self.groups[g] for g in covered], self.manifest.num_classes)
         t3 = time.perf_counter()
-        names = self._names
-        timings = {names[g]: round(req.arrival_ms[g], 3) for g in covered}
-        compute = req.compute_ms
-        for g in covered:
-            timings["compute." + names[g]] = round(compute[g], 4)
-        timings["compute"] = round(max(compute.values()), 4)  # the slowest subnet: the floor
-        timings["compute_sum"] = round(sum(compute.values()), 4)
-        timings["merge"] = round((t3 - t2) * 1e3, 4)
-        timings["total"] = round((t3 - req.t0) * 1e3, 4)
+        # Unrounded: this runs on every request, after the last subnet answered.
+        names, arrival, compute = self._names, req.arrival_ms, req.compute_ms
+        timings = {names[g]: arrival[g] for g in covered}
         answered_by = {}
         for g, d in zip(covered, decided):
-            answered_by[names[g]] = self.workers[d.worker].name
+            timings[self._compute_keys[g]] = compute[g]
+            answered_by[names[g]] = self._worker_names[d.worker]
             self.answered[d.worker] += 1
             for w in d.outvoted:
                 self.outvoted[w] += 1
+        spent = compute.values()
+        timings["compute"] = max(spent)  # the slowest subnet: the floor
+        timings["compute_sum"] = sum(spent)
+        timings["merge"] = (t3 - t2) * 1e3
+        timings["total"] = (t3 - req.t0) * 1e3
         if not missing:
             return Prediction(scores, timings, answered_by=answered_by)
         self.degraded_answers += 1

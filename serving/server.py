@@ -3,17 +3,38 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import threading
 import time
+from typing import Awaitable, Callable, TypeVar
 
 import uvicorn
 
 from sensai.errors import SensaiError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def gateway_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop uvicorn runs the gateway on (its ``loop="auto"``): uvloop when installed,
+    else asyncio's.  A thread hand-off costs about a fifth less on uvloop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run_like_the_gateway(main: Awaitable[T]) -> T:
+    """``asyncio.run(main)`` on the gateway's kind of event loop: what calls a predictor in
+    process (the benchmark) measures it as the gateway runs it."""
+    with asyncio.Runner(loop_factory=gateway_loop_factory()) as runner:
+        return runner.run(main)
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",

@@ -82,3 +82,45 @@ def test_single_group_holding_every_class():
 def test_mismatched_shapes_raise(outputs, groups, n):
     with pytest.raises(ValueError):
         merge_outputs(outputs, groups, n)
+
+
+LAYOUTS = [  # (groups, num_classes): binary heads, groups, a group of one, a partial answer
+    ([[2], [0], [1]], 3),
+    ([[1, 3], [0, 2, 4]], 5),
+    ([[0, 2], [1]], 3),
+    ([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 10),
+    ([[3, 7], [0, 9, 4]], 10),  # some classes answered by no subnet
+    ([[4], [1]], 6),
+]
+
+
+@pytest.mark.parametrize("groups, n", LAYOUTS)
+def test_one_image_path_matches_the_batch_path(groups, n):
+    """A request's single image goes through Merger.one (Python floats); a batch through numpy.
+    Same rule: the scores agree to float32 rounding and rank the classes the same way."""
+    rng = np.random.default_rng(len(groups) * 31 + n)
+    widths = [1 if len(g) == 1 and all(len(h) == 1 for h in groups) else len(g) + 1
+              for g in groups]
+    batch = [(rng.standard_normal((400, w)) * rng.choice([0.1, 3.0, 40.0])).astype(np.float32)
+             for w in widths]
+    batch[0][:5] = 0.0  # exact ties inside a row
+    together = merge_outputs(batch, groups, n)
+    for i in range(len(together)):
+        one = merge_outputs([o[i:i + 1] for o in batch], groups, n)
+        assert one.dtype == np.float32 and one.shape == (1, n)
+        np.testing.assert_allclose(one[0], together[i], rtol=2e-7, atol=1e-30)
+        assert top_k(one, n)[0].tolist() == top_k(together[i:i + 1], n)[0].tolist()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_image_path_treats_non_finite_logits_as_the_batch_path(bad):
+    """NaN and +inf give non-finite scores, which the gateway refuses (4xx); -inf is a
+    probability of 0.  The one-image path must neither hide nor invent them."""
+    a = np.array([[0.0, bad, 1.0]], dtype=np.float32)
+    b = np.array([[1.0, 0.5]], dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        together = merge_outputs([np.repeat(a, 2, 0), np.repeat(b, 2, 0)], [[0, 2], [1]], 3)
+    one = merge_outputs([a, b], [[0, 2], [1]], 3)
+    assert np.isfinite(one).all() == np.isfinite(together[:1]).all() == (bad == -np.inf)
+    if bad == -np.inf:
+        np.testing.assert_allclose(one, together[:1], rtol=2e-7)

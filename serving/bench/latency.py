@@ -36,6 +36,7 @@ from sensai.errors import SensaiError
 from sensai.models import select_device
 
 from ..runners import RUNTIMES, runner_specs
+from ..server import run_like_the_gateway
 from ..settings import GatewaySettings
 from ..tritonserver import TRITON_HINT, find_tritonserver
 from .accuracy import accuracy, shrink
@@ -236,9 +237,9 @@ def run_bench(
             bar.total = timed + alone
             bar.refresh()
             with quiet_gc():
-                asyncio.run(_measure(built, running.running, imgs, transports, warmup=warmup,
-                                     rounds=rounds, concurrency=concurrency,
-                                     n_requests=n_requests, gateway=gateway, bar=bar))
+                run_like_the_gateway(_measure(
+                    built, running.running, imgs, transports, warmup=warmup, rounds=rounds,
+                    concurrency=concurrency, n_requests=n_requests, gateway=gateway, bar=bar))
         finally:
             running.stop()
             for s in built:

@@ -54,6 +54,7 @@ from ..faults import parse_delay
 from ..placement import check_redundancy
 from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
+from ..server import run_like_the_gateway
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
                       load_test_images, progress_bar, quiet_gc, write_outputs)
 from .machine import descendant_pids
@@ -457,7 +458,7 @@ def run_robust_bench(
         result["worker_nodes"] = {k: [w.get("node") for w in p.describe()["workers"]]
                                   for k, p in preds.items()}
         with quiet_gc():
-            measured = asyncio.run(_measure(
+            measured = run_like_the_gateway(_measure(
                 preds, scenarios, xs, refs, warmup=warmup, rounds=rounds, straggler=straggler,
                 delay=delay, victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
                 interval_s=interval_ms / 1e3, bar=bar))
