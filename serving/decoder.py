@@ -62,6 +62,9 @@ class CoverageDecoder:
             self.dropped += 1
             return False
         self.arrivals[group].append((worker, output))
+        if self.need == 1:  # the first copy decides (every request takes this path)
+            self.decided[group] = Decision(worker, output, [worker])
+            return True
         agreeing = [w for w, o in self.arrivals[group] if w == worker or self.agree(o, output)]
         if len(agreeing) < self.need:
             return False

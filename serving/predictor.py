@@ -186,14 +186,15 @@ class ClassParallelPredictor:
             if timer is not None:
                 timer.cancel()
             self._requests.pop(req.id, None)
-            with self._lock:
-                req.done = True
-                # Answered, failed or timed out: what a worker has not computed yet is not
-                # needed.  Without copies a complete answer leaves nothing to skip.
-                busy = [] if dec.complete and self._single_copy else \
-                    [wk for wk in req.dispatched if req.id in wk.pending]
-            for wk in busy:
-                wk.send(Skip(req.id, None))
+            # Answered, failed or timed out: what a worker has not computed yet is not needed.
+            # Without copies a complete answer leaves nothing to skip (and the worker that
+            # completed it marked it done).
+            if not (req.done and self._single_copy and dec.complete):
+                with self._lock:
+                    req.done = True
+                    busy = [wk for wk in req.dispatched if req.id in wk.pending]
+                for wk in busy:
+                    wk.send(Skip(req.id, None))
         return self._answer(req, wait)
 
     def _expire(self, req: _Request) -> None:
