@@ -269,7 +269,8 @@ def cmd_predict(args) -> int:
     rows = [{"index": int(i), "label": classes[int(i)], "score": float(v)}
             for i, v in zip(idx[0], val[0])]
     if args.json:
-        print(json.dumps({"predictions": rows, "timings_ms": pred.timings_ms}, indent=2))
+        timings = {k: round(v, 4) for k, v in pred.timings_ms.items()}
+        print(json.dumps({"predictions": rows, "timings_ms": timings}, indent=2))
     else:
         for r in rows:
             print(f"{r['score']:.4f}  {r['index']:>3}  {r['label']}")
