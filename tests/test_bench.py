@@ -576,6 +576,34 @@ def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artif
         "server's admission at concurrency 4; img/s counts the 20 answered"]
 
 
+def test_throughput_stops_on_a_503_that_is_not_the_admission(tiny_artifact, fmnist_test):
+    """A 503 without Retry-After (gRPC UNAVAILABLE without the trailer) is the server failing -
+    here every copy of a subnet is down - not load being shed: the run stops with its reason
+    instead of counting it as turned away."""
+    from sensai.data import encode_png
+    from sensai.serving.app import create_app
+    from sensai.serving.bench.client import HttpClientProcess
+    from sensai.serving.build import build_predictor
+    from sensai.serving.server import BackgroundServer
+    from sensai.serving.settings import GatewaySettings
+
+    pred = build_predictor(tiny_artifact, device="cpu", restart_delay_s=300)
+    app = create_app(pred, GatewaySettings(grpc_port=0))
+    server = BackgroundServer(app).start()
+    client = HttpClientProcess([encode_png(fmnist_test[0][0])],
+                               [np.zeros((1, 1, 28, 28), np.float32).tobytes()], [1, 1, 28, 28])
+    try:
+        pred.kill_worker(0)
+        assert pred.worker_states()[0] != "up"
+        for args in ((server.url, 8, 2), (server.url, 8, 2, "http-v2", "sensai"),
+                     (f"127.0.0.1:{app.state.grpc.port}", 8, 2, "grpc", "sensai")):
+            with pytest.raises(RuntimeError, match="no live copy of classes"):
+                client.concurrent(*args)
+    finally:
+        client.close()
+        server.stop()
+
+
 # --------------------------------------------------------------------------------------------
 # sensai bench-robust
 

@@ -34,6 +34,15 @@ V2_HEADER = "inference-header-content-length"
 TIMEOUT_S = 120.0
 
 
+def refused(e) -> bool:
+    """A gRPC error that is the server's admission turning the call away (UNAVAILABLE with a
+    ``retry-after`` trailer, as HTTP's 503 with Retry-After), not a failure."""
+    import grpc
+
+    trailer = dict(e.trailing_metadata() or ())
+    return e.code() == grpc.StatusCode.UNAVAILABLE and "retry-after" in trailer
+
+
 def _parse(resp, url: str) -> tuple[int, dict]:
     if resp.status_code != 200:
         raise RuntimeError(f"gateway at {url} answered {resp.status_code}: {resp.text[:200]}")
@@ -197,9 +206,9 @@ class _Client:
                         content, headers = self.tensors.v2_body(j % len(self.tensors.tensors))
                     t0 = time.perf_counter()
                     resp = await client.post(path, content=content, headers=headers)
-                    if resp.status_code == 503:  # turned away by admission: counted, not fatal
-                        shed[0] += 1
-                        continue
+                    if resp.status_code == 503 and "retry-after" in resp.headers:
+                        shed[0] += 1  # turned away by admission: counted, not fatal
+                        continue  # (a 503 without Retry-After, e.g. a lost subnet, is fatal)
                     (_parse if transport == "http" else _parse_v2)(resp, url)
                     latencies.append((time.perf_counter() - t0) * 1e3)
 
@@ -229,7 +238,7 @@ class _Client:
                     try:
                         resp = await stub.ModelInfer(req, timeout=TIMEOUT_S)
                     except grpc.aio.AioRpcError as e:
-                        if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        if not refused(e):
                             raise
                         shed[0] += 1  # turned away by admission (HTTP's 503)
                         continue
