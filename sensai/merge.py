@@ -1,7 +1,8 @@
 """The one rule that turns G subnets' outputs into N-way class scores.
 
-Offline evaluation, the HTTP gateway and the benchmark all call :func:`merge_outputs`, so a
-prediction cannot differ between them.
+Offline evaluation, the HTTP gateway and the benchmark all merge through :class:`Merger`, so
+they apply the same rule.  One image (a request) goes through :meth:`Merger.one`'s Python
+arithmetic, a batch through numpy; their scores agree to float32 rounding.
 
 * All subnets single-class (binary heads, one logit each): stack the G logits and softmax across
   them - each logit says "how much this image is my class", and the softmax makes them compete.
