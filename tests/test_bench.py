@@ -52,6 +52,7 @@ def test_outputs_are_written_and_well_formed(short_run):
     md = (out / "bench.md").read_text()
     for text in ("## Accuracy and size", "## Latency", "## Where the time goes", "## Per worker",
                  "## Targets", "single device", "model parallel", "class parallel",
+                 "class parallel (sensAI): subnets side by side in",
                  "data parallel", "each subnet alone", "Model-parallel cut: 3 stages",
                  on_disk["machine"]["cpu_model"] or "Machine"):
         assert text in md
@@ -105,6 +106,38 @@ def test_latency_figures_are_complete_and_consistent(short_run):
     cores = result["machine"]["usable_cores"]
     assert cp["core_bound_floor_ms"] == pytest.approx(max(max(p50s), sum(p50s) / cores),
                                                       abs=1e-3)
+    # Whether the subnets computed at the same time, request by request, for class parallel
+    # only (the baselines' timings have no subnet arrivals).
+    for key in STRATS:
+        for t, rep in result["strategies"][key]["transports"].items():
+            if key != "class-parallel":
+                assert rep["side_by_side"] is None, (key, t)
+            else:
+                assert rep["side_by_side"]["requests"] == n
+                assert 0 <= rep["side_by_side"]["share"] <= 1
+
+
+def test_side_by_side_tells_parallel_from_one_after_the_other():
+    from sensai.serving.bench.latency_report import side_by_side_lines
+    from sensai.serving.bench.stats import Samples, side_by_side
+
+    # Arrivals (ms from the request's start) and compute: 0.1-0.6 and 0.15-0.65 overlap...
+    parallel = {"subnet_00": 0.6, "compute.subnet_00": 0.5, "subnet_01": 0.65,
+                "compute.subnet_01": 0.5, "compute": 0.5}
+    # ...0.1-0.6 then 0.62-1.12 do not: the second subnet waited for the first one's core.
+    serial = dict(parallel, subnet_01=1.12)
+    assert side_by_side(parallel) is True and side_by_side(serial) is False
+    assert side_by_side({"compute.stage_0": 1.0, "compute": 1.0}) is None  # no arrivals
+    samples = Samples()
+    for timings in (parallel, parallel, parallel, serial):
+        samples.add(1.0, timings, True)
+    rep = samples.report()
+    assert rep["side_by_side"] == {"requests": 4, "share": 0.75}
+    result = {"machine": {"usable_cores": 2}, "strategies": {"class-parallel": {
+        "workers": 2, "transports": {"inprocess": rep}}}}
+    assert side_by_side_lines(result) == [
+        "class parallel (sensAI): subnets side by side in 75% of requests inprocess (the others "
+        "computed one after the other: the kernel put two workers on one core)"]
 
 
 def test_remote_transports_are_timed_against_their_floor(short_run):

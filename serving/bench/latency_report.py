@@ -88,7 +88,7 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result),
-             *shed_lines(result)]
+             *side_by_side_lines(result), *shed_lines(result)]
     if result.get("comparison"):
         parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
@@ -140,6 +140,24 @@ def shed_lines(result: dict) -> list[str]:
                            f"{thr['requests']} requests turned away by the server's admission "
                            f"at concurrency {thr['concurrency']}; img/s counts the "
                            f"{thr['answered']} answered")
+    return out
+
+
+def side_by_side_lines(result: dict) -> list[str]:
+    """A line per class-parallel strategy: in what share of its requests, per transport, the
+    subnets computed at the same time; the others ran one after the other on one core."""
+    cores = result.get("machine", {}).get("usable_cores")
+    out = []
+    for key, s in result.get("strategies", {}).items():
+        shares = [(t, rep["side_by_side"]["share"]) for t, rep in s.get("transports", {}).items()
+                  if rep.get("side_by_side")]
+        if not shares:
+            continue
+        why = ("more subnets than cores" if cores and s["workers"] > cores
+               else "the kernel put two workers on one core")
+        out.append(f"{label(key)}: subnets side by side in "
+                   + ", ".join(f"{share:.0%} of requests {t}" for t, share in shares)
+                   + f" (the others computed one after the other: {why})")
     return out
 
 
@@ -230,7 +248,8 @@ def render_markdown(result: dict) -> str:
         "## Latency (ms, one image per request)",
         "",
         *_latency_tables(result),
-        *[line for x in shed_lines(result) for line in (x + ".", "")],
+        *[line for x in side_by_side_lines(result) + shed_lines(result)
+          for line in (x + ".", "")],
         *_summary_lines(result),
         *(comparison_markdown(result["comparison"]) if result.get("comparison") else []),
         "compute: the runners' own time measured inside the workers - the one run (single, "

@@ -41,6 +41,19 @@ def _nan_stat(fn, a: np.ndarray) -> float | None:
     return rounded(fn(a)) if np.isfinite(a).any() else None
 
 
+def side_by_side(timings: dict[str, float]) -> bool | None:
+    """Whether a request's subnets computed at the same time: each subnet's compute, ending
+    when its output arrived (``<subnet>``, ms from the request's start) and lasting
+    ``compute.<subnet>``, overlaps all the others' for at least half the shortest one.  None
+    with fewer than two subnets (other strategies: the timings have no arrivals)."""
+    spans = [(timings[k[8:]] - v, timings[k[8:]], v) for k, v in timings.items()
+             if k.startswith("compute.") and k[8:] in timings]
+    if len(spans) < 2:
+        return None
+    overlap = min(end for _, end, _ in spans) - max(start for start, _, _ in spans)
+    return overlap >= 0.5 * min(ms for _, _, ms in spans)
+
+
 @dataclass
 class Samples:
     """Per-request figures of one strategy over one transport at concurrency 1."""
@@ -52,6 +65,7 @@ class Samples:
     merge: list[float] = field(default_factory=list)
     floor: list[float] = field(default_factory=list)  # the bare request's ms (remote only)
     per_worker: dict[str, list[float]] = field(default_factory=dict)
+    together: list[bool] = field(default_factory=list)  # class parallel: side_by_side()
     correct: int = 0
     answered: int = 0
 
@@ -67,6 +81,9 @@ class Samples:
         for k, v in timings.items():
             if k.startswith("compute."):
                 self.per_worker.setdefault(k[len("compute."):], []).append(float(v))
+        together = side_by_side(timings)
+        if together is not None:
+            self.together.append(together)
         self.correct += bool(correct)
         self.answered += 1
 
@@ -88,6 +105,9 @@ class Samples:
             "breakdown_ms": {"mean": mean, "p50": p50},
             "compute_sum_ms": summarize(self.compute_sum),
             "per_worker_compute_ms": {k: summarize(v) for k, v in sorted(self.per_worker.items())},
+            # Requests whose subnets all computed at the same time (class parallel), or None.
+            "side_by_side": ({"requests": len(self.together), "share": round(
+                sum(self.together) / len(self.together), 4)} if self.together else None),
             "top1": round(self.correct / self.answered, 5) if self.answered else None,
             "images": self.answered,
         }
