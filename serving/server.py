@@ -9,7 +9,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, TypeVar
 
 import uvicorn
 
@@ -20,20 +20,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def gateway_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    """The event loop uvicorn runs the gateway on (its ``loop="auto"``): uvloop when installed,
-    else asyncio's.  A thread hand-off costs about a fifth less on uvloop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
-
-
 def run_like_the_gateway(main: Awaitable[T]) -> T:
-    """``asyncio.run(main)`` on the gateway's kind of event loop: what calls a predictor in
-    process (the benchmark) measures it as the gateway runs it."""
-    with asyncio.Runner(loop_factory=gateway_loop_factory()) as runner:
+    """``asyncio.run(main)`` on the event loop uvicorn gives the gateway (its own choice for
+    the gateway's config: uvloop when installed, where a thread hand-off costs about a fifth
+    less): what calls a predictor in process (the benchmark) measures it as the gateway runs it."""
+    with asyncio.Runner(loop_factory=uvicorn_config(None).get_loop_factory()) as runner:
         return runner.run(main)
 
 

@@ -46,8 +46,9 @@ def side_by_side(timings: dict[str, float]) -> bool | None:
     when its output arrived (``<subnet>``, ms from the request's start) and lasting
     ``compute.<subnet>``, overlaps all the others' for at least half the shortest one.  None
     with fewer than two subnets (other strategies: the timings have no arrivals)."""
-    spans = [(timings[k[8:]] - v, timings[k[8:]], v) for k, v in timings.items()
-             if k.startswith("compute.") and k[8:] in timings]
+    computes = {k[len("compute."):]: v for k, v in timings.items() if k.startswith("compute.")}
+    spans = [(timings[name] - ms, timings[name], ms) for name, ms in computes.items()
+             if name in timings]
     if len(spans) < 2:
         return None
     overlap = min(end for _, end, _ in spans) - max(start for start, _, _ in spans)
