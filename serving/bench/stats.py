@@ -41,14 +41,19 @@ def _nan_stat(fn, a: np.ndarray) -> float | None:
     return rounded(fn(a)) if np.isfinite(a).any() else None
 
 
+def subnet_computes(timings: dict[str, float]) -> dict[str, float]:
+    """Each runner's own compute in a prediction's timings (``compute.<name>``), by name."""
+    return {k[len("compute."):]: float(v) for k, v in timings.items()
+            if k.startswith("compute.")}
+
+
 def side_by_side(timings: dict[str, float]) -> bool | None:
     """Whether a request's subnets computed at the same time: each subnet's compute, ending
     when its output arrived (``<subnet>``, ms from the request's start) and lasting
     ``compute.<subnet>``, overlaps all the others' for at least half the shortest one.  None
     with fewer than two subnets (other strategies: the timings have no arrivals)."""
-    computes = {k[len("compute."):]: v for k, v in timings.items() if k.startswith("compute.")}
-    spans = [(timings[name] - ms, timings[name], ms) for name, ms in computes.items()
-             if name in timings]
+    spans = [(timings[name] - ms, timings[name], ms)
+             for name, ms in subnet_computes(timings).items() if name in timings]
     if len(spans) < 2:
         return None
     overlap = min(end for _, end, _ in spans) - max(start for start, _, _ in spans)
@@ -79,9 +84,8 @@ class Samples:
         self.compute.append(float(timings.get("compute", float("nan"))))
         self.compute_sum.append(float(timings.get("compute_sum", float("nan"))))
         self.merge.append(float(timings.get("merge", 0.0)))
-        for k, v in timings.items():
-            if k.startswith("compute."):
-                self.per_worker.setdefault(k[len("compute."):], []).append(float(v))
+        for name, ms in subnet_computes(timings).items():
+            self.per_worker.setdefault(name, []).append(ms)
         together = side_by_side(timings)
         if together is not None:
             self.together.append(together)
