@@ -94,6 +94,7 @@ class ClassParallelPredictor:
         self.groups = [list(g) for g in manifest.groups]
         self.placement = placement or Placement.cyclic(len(self.groups))
         self.transport = transport
+        self._wake_order = getattr(transport, "wake_order", None)  # optional, see Transport
         if len(specs) != len(self.groups):
             raise ValueError(f"{len(specs)} runner specs for {len(self.groups)} groups")
         caps = transport.capabilities
@@ -177,7 +178,8 @@ class ClassParallelPredictor:
             # then more often ran after the other worker than beside it (in-process benchmark
             # on 2 cores: side by side in 14 runs of 17 with this order, in 5 of 11 with the
             # timer armed after the runs).
-            for wk in req.dispatched:
+            order = self._wake_order
+            for wk in (req.dispatched if order is None else order(req.dispatched)):
                 groups, primaries = self._runs[wk.index]
                 wk.send(Run(req.id, x, groups, primaries, self.hedge_s))
             if not finished:

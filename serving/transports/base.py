@@ -146,3 +146,7 @@ class Transport(Protocol):
     def describe(self) -> dict: ...
 
     def close(self) -> None: ...
+
+    # Optional: ``wake_order(workers) -> workers``, the order in which the predictor hands a
+    # request's runs to its workers (threads: see :class:`~.spread.CoreSpread`).  Transports
+    # without it get the workers' own order.

@@ -6,14 +6,13 @@ worker hands each output straight to the predictor from its own thread, and the 
 the event loop once per request (measured: 0.11 ms of fan-out overhead for two subnets, against
 0.23 ms for ``run_in_executor`` and ``asyncio.gather``).
 
-The kernel places the worker threads, and sometimes runs the workers of one request one after
-the other on one core (two 0.5 ms subnets then take 1.0 ms; the order in which the predictor
-hands out the runs makes that rarer, see
-:meth:`~sensai.serving.predictor.ClassParallelPredictor.predict`).  Keeping each worker on a
-core of its own ran them side by side on 2 cores loaded by a training job (0.55 ms at p50) but
-is not done: a worker then waits for its core whenever that core is busy (p99 2-3x worse), and
-one preempted while it holds the GIL cannot move to a free core, so the whole gateway waits for
-it (event-loop stalls of up to 2 s at 8 requests in flight, answered 503).
+The kernel places the worker threads, and would sometimes run the workers of one request one
+after the other on one core, request after request (two 0.5 ms subnets then take 1.0 ms);
+:class:`~.spread.CoreSpread` moves them apart when that happens.  Keeping each worker on a core
+of its own for good ran them side by side on 2 cores loaded by a training job (0.55 ms at p50)
+but is not done: a worker then waits for its core whenever that core is busy (p99 2-3x worse),
+and one preempted while it holds the GIL cannot move to a free core, so the whole gateway waits
+for it (event-loop stalls of up to 2 s at 8 requests in flight, answered 503).
 
 A thread cannot be killed.  A worker that is given up on (fault injection, or hung) is
 *abandoned*: its incarnation is declared dead at once, a new thread takes its place, and whatever
@@ -29,9 +28,10 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..messages import Fault, Run, Skip
+from ..messages import Done, Fault, Output, Run, Skip
 from ..worker_core import Stop, WorkerCore
 from .base import Capabilities, Sink, WorkerHandle
+from .spread import CoreSpread
 
 
 class _Incarnation:
@@ -49,9 +49,10 @@ class _Incarnation:
 class ThreadWorker(WorkerHandle):
     transport = "threads"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, spread: CoreSpread | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._inc: _Incarnation | None = None
+        self.spread = spread
 
     def start(self) -> None:
         self.generation += 1
@@ -73,9 +74,25 @@ class ThreadWorker(WorkerHandle):
             self.sink.exited(self.index, inc.number, f"loading failed: {inc.error}")
             return
         inc.ready.set()
+        deliver = partial(self.sink.deliver, self.index, inc.number)
+        if self.spread is not None:
+            spread, index = self.spread, self.index
+            spread.forget(index)  # a new thread: where the old one ran says nothing
+            computed = [0.0]
+
+            def emit(event) -> None:
+                deliver(event)
+                kind = type(event)
+                if kind is Output:
+                    computed[0] += event.ms
+                elif kind is Done and not inc.abandoned:  # after the outputs went: off
+                    # the request's path
+                    spread.ran(index, event.req, computed[0])
+                    computed[0] = 0.0
+        else:
+            emit = deliver
         try:
-            inc.core.serve(inc.runs, partial(self.sink.deliver, self.index, inc.number),
-                           alive=lambda: not inc.abandoned)
+            inc.core.serve(inc.runs, emit, alive=lambda: not inc.abandoned)
         except BaseException as e:  # a bug in the loop: the worker is dead, say why
             detail = f"its thread failed: {type(e).__name__}: {e}"
         if not (inc.stopped or inc.abandoned):
@@ -141,9 +158,15 @@ class Threads:
     name = "local"
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
+    def __init__(self):
+        self.spread = CoreSpread()
+
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> ThreadWorker:
-        return ThreadWorker(index, groups, specs, sink, **faults)
+        return ThreadWorker(index, groups, specs, sink, spread=self.spread, **faults)
+
+    def wake_order(self, workers: Sequence[WorkerHandle]) -> Sequence[WorkerHandle]:
+        return self.spread.order(workers)
 
     def healthy(self) -> bool:
         return True
