@@ -3,8 +3,8 @@
 Linux wakes a thread on the core it last ran on when that core is idle.  Once two workers last
 ran on the same core, the event loop wakes the first there and the second behind it, and the
 two subnets of every request run one after the other while the loop's core idles, for tens of
-requests on end (measured on 2 cores: 1-15% of the requests of a run, p90 0.85 ms over compute
-instead of 0.25).  Two cheap moves keep them apart:
+requests on end (measured on 2 cores: up to 15% of the requests of a run, p90 0.85 ms over
+compute instead of 0.25).  Two cheap moves keep them apart:
 
 * **after** a run that shared its core with another worker's run of the same request, the
   worker that finished second moves itself to another core (pinned for the instant the kernel
@@ -16,8 +16,8 @@ instead of 0.25).  Two cheap moves keep them apart:
   by the other one, request after request.
 
 Throwaway probe, 1,500 in-process requests after both workers were forced onto one core, 2
-cores, 8 runs: 0-3 requests ran one after the other, against 1-226 without this; 1-5 moves per
-run.  A move costs the worker about 32 us (holding the GIL), so subnets that compute in less
+cores: 1-4 requests ran one after the other (8 runs), against 1-226 without this (15 runs); 0-3
+moves per run.  A move costs the worker about 32 us (holding the GIL), so subnets that compute in less
 than ``MIN_WAIT_MS`` are left where they are: waiting for them costs less.  Pinning every
 worker for good was measured and rejected (see :mod:`.threads`).  With more workers than cores,
 collisions cannot be avoided and nothing is done.
