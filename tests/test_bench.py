@@ -65,6 +65,11 @@ def test_outputs_are_written_and_well_formed(short_run):
     assert m["load_average"] and m["load_average_end"]
     for pkg in ("torch", "onnxruntime", "numpy", "ray", "fastapi"):
         assert m["versions"][pkg]
+    from sensai.serving.bench.machine import cpu_idle
+
+    assert m["cpu_idle"] == cpu_idle()  # this machine's, as sysfs says
+    if m["cpu_idle"]:
+        assert f"cpuidle driver {m['cpu_idle']['driver']}" in md
     st = on_disk["settings"]
     assert st["stages"] == 3 and st["replicas"] == 2 and st["class_parallel_backend"] == "local"
     assert on_disk["stage_plan"]["num_stages"] == 3
@@ -138,6 +143,30 @@ def test_side_by_side_tells_parallel_from_one_after_the_other():
     assert side_by_side_lines(result) == [
         "class parallel (sensAI): subnets side by side in 75% of requests inprocess (the others "
         "computed one after the other: the kernel put two workers on one core)"]
+
+
+@pytest.mark.parametrize("poll, noted", [("0\n", True), ("200000\n", False), (None, False)])
+def test_idle_cores_that_halt_at_once_are_noted(tmp_path, poll, noted):
+    from sensai.serving.bench.latency_report import idle_lines, idle_text
+    from sensai.serving.bench.machine import cpu_idle
+
+    assert cpu_idle(str(tmp_path)) is None  # no cpuidle in this sysfs: nothing to say
+    base = tmp_path / "devices/system/cpu/cpuidle"
+    base.mkdir(parents=True)
+    (base / "current_driver").write_text("haltpoll\n")
+    (base / "current_governor_ro").write_text("haltpoll\n")
+    if poll is not None:
+        params = tmp_path / "module/haltpoll/parameters"
+        params.mkdir(parents=True)
+        (params / "guest_halt_poll_ns").write_text(poll)
+    idle = cpu_idle(str(tmp_path))
+    assert idle == {"driver": "haltpoll", "governor": "haltpoll",
+                    "guest_halt_poll_ns": None if poll is None else int(poll)}
+    assert idle_text(idle).startswith("; idle cores: cpuidle driver haltpoll, governor haltpoll")
+    lines = idle_lines({"machine": {"cpu_idle": idle}})
+    assert bool(lines) is noted
+    if noted:
+        assert "halts at once" in lines[0] and "deploy/README.md" in lines[0]
 
 
 def test_remote_transports_are_timed_against_their_floor(short_run):

@@ -88,7 +88,7 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result),
-             *side_by_side_lines(result), *shed_lines(result)]
+             *side_by_side_lines(result), *shed_lines(result), *idle_lines(result)]
     if result.get("comparison"):
         parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
@@ -219,6 +219,26 @@ def _targets_section(result: dict) -> list[str]:
                     "Only the target sets that apply to this artifact's model are listed.", ""]
 
 
+def idle_text(idle: dict | None) -> str:
+    if not idle:
+        return ""
+    poll = idle.get("guest_halt_poll_ns")
+    return (f"; idle cores: cpuidle driver {idle['driver']}, governor {idle.get('governor')}"
+            + (f", guest_halt_poll_ns {poll}" if poll is not None else ""))
+
+
+def idle_lines(result: dict) -> list[str]:
+    """A note when this machine's idle cores halt at once, which every class-parallel request
+    pays for in wake-ups: what its overhead must be read against."""
+    idle = result.get("machine", {}).get("cpu_idle") or {}
+    if idle.get("driver") != "haltpoll" or idle.get("guest_halt_poll_ns") != 0:
+        return []
+    return ["Note: an idle core of this virtual machine halts at once (guest_halt_poll_ns 0; the "
+            "kernel's default is 200000), so every wake-up of a sleeping worker or of the event "
+            "loop goes through the hypervisor, and class parallel pays two or more of them per "
+            "request; see deploy/README.md, 'Latency'."]
+
+
 def render_markdown(result: dict) -> str:
     m, st, v = result["machine"], result["settings"], result["machine"]["versions"]
     gpu = ", ".join(f"{x['name']} ({x['memory_gb']} GB)" for x in m["gpus"]) or "none"
@@ -239,7 +259,8 @@ def render_markdown(result: dict) -> str:
         "",
         f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
         f"({m['usable_cores']} usable), {m['memory_gb']} GB; GPU: {gpu}; load average "
-        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end. "
+        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end"
+        f"{idle_text(m.get('cpu_idle'))}. "
         f"torch {v.get('torch')}, onnxruntime {v.get('onnxruntime')}, numpy {v.get('numpy')}, "
         f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
         f"python {v.get('python')}.",
@@ -316,6 +337,7 @@ def render_markdown(result: dict) -> str:
                   "that wait counts as transport (dispatch), and a worker's compute time includes "
                   "time its thread was preempted. The 'each subnet alone' figures above show the "
                   "compute without that competition.", ""]
+    lines += [line for x in idle_lines(result) for line in (x, "")]
     lines += ["The machine's cores may have been shared with other work while this ran (see the "
               "load averages); compare figures from one run, not across runs.", ""]
     return "\n".join(lines)

@@ -1,11 +1,11 @@
 """The machine a benchmark ran on, and the memory a strategy takes while it loads.
 
 :func:`machine_description` records what the figures must be read against (CPU, cores, GPUs,
-library versions, load).  :class:`MemoryProbe` measures one strategy: the growth of this
-process's resident set and of its peak (Linux: the kernel's peak mark is reset first), and on
-GPUs the growth of torch's peak allocation and of the device's memory in use.  Workers that are
-threads of this process share its resident set, so memory is attributed per strategy, not per
-worker.
+how idle cores sleep, library versions, load).  :class:`MemoryProbe` measures one strategy: the
+growth of this process's resident set and of its peak (Linux: the kernel's peak mark is reset
+first), and on GPUs the growth of torch's peak allocation and of the device's memory in use.
+Workers that are threads of this process share its resident set, so memory is attributed per
+strategy, not per worker.
 """
 
 from __future__ import annotations
@@ -70,8 +70,28 @@ def _gpus() -> tuple[list[dict], str | None]:
         return [], None
 
 
+def cpu_idle(sysfs: str = "/sys") -> dict[str, Any] | None:
+    """How this machine's idle cores sleep (Linux cpuidle), or None where it does not say.
+
+    A class-parallel request wakes its sleeping workers, and the last of them wakes the event
+    loop; each wake-up of an idle core pays that core's way out of its idle state.  Under a
+    hypervisor's ``haltpoll`` driver an idle core first polls for up to ``guest_halt_poll_ns``
+    (the kernel's default: 200000) before it halts, and a halted core is woken through the
+    hypervisor: with 0 every wake-up goes that way (the in-process overhead on 2 cores here:
+    see BENCHMARKS.md)."""
+    base = Path(sysfs, "devices/system/cpu/cpuidle")
+    driver = _read(str(base / "current_driver"))
+    if driver is None:
+        return None
+    governor = _read(str(base / "current_governor_ro")) or _read(str(base / "current_governor"))
+    poll = (_read(str(Path(sysfs, "module/haltpoll/parameters/guest_halt_poll_ns"))) or "").strip()
+    return {"driver": driver.strip(), "governor": governor.strip() if governor else None,
+            "guest_halt_poll_ns": int(poll) if poll.isdigit() else None}
+
+
 def machine_description() -> dict[str, Any]:
-    """CPU model and cores, memory, GPUs, library versions, load - to read the figures against."""
+    """CPU model and cores, memory, GPUs, idle policy, library versions, load - to read the
+    figures against."""
     cpu_model, physical = _cpu()
     mem_total = None
     for line in (_read("/proc/meminfo") or "").splitlines():
@@ -92,7 +112,8 @@ def machine_description() -> dict[str, Any]:
     return {"cpu_model": cpu_model, "logical_cores": os.cpu_count(), "physical_cores": physical,
             "usable_cores": usable, "memory_gb": mem_total, "gpus": gpus, "cuda": cuda,
             "onnxruntime_providers": providers,
-            "os": f"{platform.system()} {platform.release()}", "load_average": load_average(),
+            "os": f"{platform.system()} {platform.release()}", "cpu_idle": cpu_idle(),
+            "load_average": load_average(),
             "versions": versions}
 
 
