@@ -87,6 +87,8 @@ class WorkerCore:
     def begin(self, req: int) -> None:
         """The injected delay of this request, if any (cut short when the request is dropped;
         an injected hang only ends with the worker)."""
+        if self.delay is None:  # nothing injected (every request in service): no lock to take
+            return
         with self.cv:
             if self.delay is not None and self.delay.hangs:
                 self.cv.wait_for(lambda: self.closing)
@@ -99,14 +101,16 @@ class WorkerCore:
     def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
                 hedge_s: float = 0.0) -> Output | Failure | None:
         """Group ``group`` of request ``req``: its output, a failure, or None when skipped."""
-        with self.cv:
-            if copy and hedge_s > 0:
+        if copy and hedge_s > 0:
+            with self.cv:
                 until = self.hedge_until.setdefault(req, time.perf_counter() + hedge_s)
                 self.cv.wait_for(lambda: self.skipped(req, group),
                                  timeout=max(0.0, until - time.perf_counter()))
-            if self.skipped(req, group):
-                return None
-            corrupt = self.corrupt
+        # Without a hedge wait no lock: the skip may land an instant later either way, and
+        # right after a wake-up every lock taken on the request's path costs (cold caches).
+        if self.skipped(req, group):
+            return None
+        corrupt = self.corrupt
         t0 = time.perf_counter()
         try:
             out = np.asarray(self.runners[group].run(x), dtype=np.float32)
@@ -116,6 +120,8 @@ class WorkerCore:
         return Output(req, group, corrupt_output(out) if corrupt else out, ms)
 
     def end(self, req: int) -> None:
+        if req not in self.skips and req not in self.hedge_until:
+            return  # the usual case; a Skip arriving after this check ages out of MEMORY
         with self.cv:
             self.skips.pop(req, None)
             self.hedge_until.pop(req, None)
