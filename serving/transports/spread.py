@@ -17,10 +17,10 @@ compute instead of 0.25).  Two cheap moves keep them apart:
 
 Throwaway probe, 1,500 in-process requests after both workers were forced onto one core, 2
 cores: 1-4 requests ran one after the other (8 runs), against 1-226 without this (15 runs); 0-3
-moves per run.  A move costs the worker about 32 us (holding the GIL), so subnets that compute in less
-than ``MIN_WAIT_MS`` are left where they are: waiting for them costs less.  Pinning every
-worker for good was measured and rejected (see :mod:`.threads`).  With more workers than cores,
-collisions cannot be avoided and nothing is done.
+moves per run.  A move costs the worker about 32 us (holding the GIL), so subnets that compute
+in less than ``MIN_WAIT_MS`` are left where they are: waiting for them costs less.  Pinning
+every worker for good was measured and rejected (see :mod:`.threads`).  With more workers than
+cores, collisions cannot be avoided and nothing is done.
 """
 
 from __future__ import annotations
