@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import chain
+from operator import itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -42,17 +44,19 @@ class Merger:
         self.segment = np.repeat(np.arange(len(self.widths), dtype=np.intp), self.widths)
         self.keep = np.asarray([i for s, w in zip(self.starts, self.widths)
                                 for i in range(s + 1, s + w)], dtype=np.intp)
-        # When the subnets cover every class (any full answer), each class's column of the
-        # outputs: the scores are then one gather, no zeroed array filled in.
+        # When the subnets cover every class (any full answer), the scores are one gather, no
+        # zeroed array filled in: each class's column of the outputs (batches), and one call
+        # that puts the kept columns in class order (one image, see :meth:`combine`).
+        covers_all = len(self.classes) == self.num_classes and \
+            np.array_equal(np.sort(self.classes), np.arange(self.num_classes))
         self.order = None
-        if not self.binary and len(self.classes) == self.num_classes and \
-                np.array_equal(np.sort(self.classes), np.arange(self.num_classes)):
+        if covers_all and not self.binary:
             self.order = np.empty(self.num_classes, dtype=np.intp)
             self.order[self.classes] = self.keep
-        # The same layout as Python lists, for :meth:`one`.
         self.class_list = self.classes.tolist()
-        self.order_list = None if self.order is None else self.order.tolist()
-        self.placed = list(zip(self.class_list, self.keep.tolist()))
+        self.gather = None
+        if covers_all and self.num_classes > 1:  # itemgetter of one index returns no tuple
+            self.gather = itemgetter(*np.argsort(self.classes).tolist())
 
     def __call__(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
         if outputs[0].shape[0] == 1:
@@ -81,29 +85,40 @@ class Merger:
         and a dozen numpy calls cost far more than their arithmetic (the in-process fan-out's
         whole overhead fell by a sixth, measured); the scores match the batch path's to float32
         rounding (summation order and ``exp`` differ in the last bits of float64)."""
+        return self.combine([self.part(g, o) for g, o in enumerate(outputs)])
+
+    def part(self, group: int, output: np.ndarray) -> list[float]:
+        """What subnet ``group``'s output ``[1, width]`` contributes on its own - its logit
+        (binary heads), or the softmax over its segment without "not mine" - so a predictor can
+        work it out as soon as that subnet answers, while the others still compute."""
+        row = output.ravel().tolist()
+        if self.binary:
+            return row
         exp = math.exp
+        m = max(row)
+        e = [exp(v - m) for v in row]
+        s = sum(e)
+        return [v / s for v in e[1:]]
+
+    def combine(self, parts: Sequence[list[float]]) -> np.ndarray:
+        """Scores ``[1, N]`` from every group's :meth:`part`."""
+        # C-level flattening and gathering: this runs right after the event loop wakes, when
+        # every comprehension costs (in a cold cache, 2-3 us less than comprehensions, measured).
+        flat = list(chain.from_iterable(parts))  # each kept column, in ``classes`` order
         if self.binary:  # the G logits compete in one softmax
-            z = [o.item(0) for o in outputs]
-            m = max(z)
-            e = [exp(v - m) for v in z]
+            exp = math.exp
+            m = max(flat)
+            e = [exp(v - m) for v in flat]
             s = sum(e)
-            scores = [0.0] * self.num_classes
-            for c, v in zip(self.class_list, e):
-                scores[c] = v / s
-            return np.array([scores], dtype=np.float32)
-        p: list[float] = []
-        for o in outputs:  # softmax within each subnet's segment, "not mine" included
-            row = o.ravel().tolist()
-            m = max(row)
-            e = [exp(v - m) for v in row]
-            s = sum(e)
-            p += [v / s for v in e]
-        if self.order_list is not None:
-            scores = [p[i] for i in self.order_list]
+            flat = [v / s for v in e]
+        if self.gather is not None:
+            scores = self.gather(flat)
         else:
             scores = [0.0] * self.num_classes
-            for c, i in self.placed:
-                scores[c] = p[i]
+            for i, c in enumerate(self.class_list):
+                scores[c] = flat[i]
+        if self.binary:
+            return np.array([scores], dtype=np.float32)
         total = sum(scores)
         total = total if total > 0 else 1.0
         return np.array([[v / total for v in scores]], dtype=np.float32)

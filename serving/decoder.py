@@ -37,15 +37,19 @@ class CoverageDecoder:
     :meth:`add` and are lost with :meth:`lose` (worker dead or down, subnet raised).
     """
 
+    __slots__ = ("hosts", "need", "agree", "pending", "arrivals", "decided", "lost_reasons",
+                 "lost", "dropped")
+
     def __init__(self, hosts: Sequence[Sequence[int]], *, need: int = 1,
                  agree: Callable[[Any, Any], bool] = outputs_agree):
+        # One is made per request: ``hosts`` is kept, not copied (callers never change it).
         if need < 1:
             raise ValueError("need must be >= 1")
-        self.hosts = [list(h) for h in hosts]
+        self.hosts = hosts
         self.need = need
         self.agree = agree
-        self.pending: list[set[int]] = [set(h) for h in self.hosts]
-        self.arrivals: list[list[tuple[int, Any]]] = [[] for _ in self.hosts]
+        self.pending: list[set[int]] = list(map(set, hosts))
+        self.arrivals: dict[int, list[tuple[int, Any]]] = {}  # kept only when copies vote
         self.decided: dict[int, Decision] = {}
         self.lost_reasons: dict[int, list[str]] = {}
         self.lost = 0  # copies lost
@@ -61,16 +65,17 @@ class CoverageDecoder:
         if group in self.decided:
             self.dropped += 1
             return False
-        self.arrivals[group].append((worker, output))
         if self.need == 1:  # the first copy decides (every request takes this path)
             self.decided[group] = Decision(worker, output, [worker])
             return True
-        agreeing = [w for w, o in self.arrivals[group] if w == worker or self.agree(o, output)]
+        arrived = self.arrivals.setdefault(group, [])
+        arrived.append((worker, output))
+        agreeing = [w for w, o in arrived if w == worker or self.agree(o, output)]
         if len(agreeing) < self.need:
             return False
         first = agreeing[0]
-        first_out = next(o for w, o in self.arrivals[group] if w == first)
-        outvoted = [w for w, _ in self.arrivals[group] if w not in agreeing]
+        first_out = next(o for w, o in arrived if w == first)
+        outvoted = [w for w, _ in arrived if w not in agreeing]
         self.decided[group] = Decision(first, first_out, agreeing, outvoted)
         return True
 
@@ -93,7 +98,7 @@ class CoverageDecoder:
     # -- state
 
     def _best_cluster(self, group: int) -> int:
-        arr = self.arrivals[group]
+        arr = self.arrivals.get(group, ())  # none without voting: the first copy decided
         return max((sum(1 for _, o2 in arr if self.agree(o2, o)) for _, o in arr), default=0)
 
     def _reachable(self, group: int) -> bool:

@@ -187,6 +187,31 @@ def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist
     assert workers[0]["transport"] == "processes" and workers[0]["pid"] != os.getpid()
 
 
+@pytest.mark.parametrize("slow_worker", [0, 4])
+def test_one_image_answers_equal_offline_whichever_subnet_answers_last(
+        slow_worker, tiny_artifact, fmnist_test, fmnist_spec):
+    """One image per request: the subnets that answer first work out their share of the merge
+    while the last still computes, and the answer combines the shares.  Whichever subnet comes
+    last (held back by an injected delay), the scores are offline evaluation's."""
+    _, images, _ = sample_images(fmnist_test, 4)
+    xs = normalize(images, fmnist_spec).numpy()
+    pred = build_predictor(tiny_artifact, device="cpu", delays={slow_worker: "fixed:30ms"})
+
+    async def run():
+        try:
+            return [await pred.predict(xs[i:i + 1]) for i in range(len(xs))]
+        finally:
+            await pred.close()
+
+    outs = asyncio.run(run())
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    for i, out in enumerate(outs):
+        assert out.scores.shape == (1, expected.shape[1]) and not out.degraded
+        np.testing.assert_allclose(out.scores[0], expected[i], atol=2e-5)
+        slowest = max(range(5), key=lambda g: out.timings_ms[f"subnet_{g:02d}"])
+        assert slowest == slow_worker  # that subnet did answer last
+
+
 def test_torch_runtime_gives_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
     _, images, _ = sample_images(fmnist_test, 4)
     pred = build_predictor(tiny_artifact, device="cpu", runtime="torch")
