@@ -322,8 +322,11 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
             bar.update(1)
         await settle(pred)
         run.add_work(before, pred.counters())
-        # Wait for the rejoin, then check the worker serves again.
-        rejoined = await asyncio.to_thread(pred.wait_until_up, victim, rejoin_timeout_s)
+        # Wait for the rejoin of every worker that was lost (a node takes several), then
+        # check the victim serves again.
+        deadline = time.monotonic() + rejoin_timeout_s
+        rejoined = await asyncio.to_thread(lambda: all(
+            pred.wait_until_up(v, max(0.0, deadline - time.monotonic())) for v in victims))
         await asyncio.sleep(0.01)
     finally:
         stop.set()
