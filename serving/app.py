@@ -56,6 +56,7 @@ from .imaging import decode_image, image_to_input, open_image
 from .metrics import GatewayMetrics
 from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse
 from .settings import GatewaySettings
+from .wakeup import CoresAwake, keep_cores_awake
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Gateway:
     version: str
     max_pixels: int
     max_decoded_bytes: int
+    cores_awake: CoresAwake | None = None  # held from startup to shutdown
 
 
 # Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
@@ -446,6 +448,11 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         grpc = None
         admission.start()
         try:
+            try:
+                gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
+            except SensaiError as e:
+                app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
+                raise
             if settings.grpc_port is not None:
                 from .grpc_server import GrpcServer  # grpc and tritonclient: only when asked
 
@@ -458,6 +465,8 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
             yield
         finally:
             await admission.stop()
+            if gw.cores_awake is not None:
+                gw.cores_awake.release()
             if grpc is not None:
                 await grpc.stop()
             if close_predictor:
@@ -537,7 +546,8 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         spec = gw.predictor.spec
         return ModelInfo(name=gw.predictor.name, dataset=spec.name, classes=list(spec.classes),
                          input_shape=list(spec.input_shape), mean=list(spec.mean),
-                         std=list(spec.std), predictor=gw.predictor.describe())
+                         std=list(spec.std), predictor=gw.predictor.describe(),
+                         cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(gw: GatewayDep):

@@ -54,10 +54,12 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                     restart_delay_s: float = 0.0, hang_timeout_s: float | None = None,
                     delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
                     seed: int = 0, ray_address: str | None = None, ray_cpus: float | None = None,
-                    triton_url: str | None = None, trust_code: bool = False
-                    ) -> ClassParallelPredictor:
+                    triton_url: str | None = None, trust_code: bool = False,
+                    keep_awake: str = "auto") -> ClassParallelPredictor:
     """``workers`` (default G) workers on ``backend``, with ``redundancy`` extra copies of every
-    group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest."""
+    group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest.
+    ``keep_awake``: whether Ray actors keep their nodes' idle cores awake (:mod:`.wakeup`; the
+    gateway's own machine is the gateway's to hold)."""
     check_settings(backend, redundancy=redundancy, vote=vote, hedge_ms=hedge_ms,
                    ray_cpus=ray_cpus)
     if backend == "ray":
@@ -110,7 +112,7 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
         # The files travel through Ray's object store: no shared filesystem needed, and each
         # actor checks them against the manifest's hashes where it loads them.
         specs = [replace(s, threads=ort_threads).shipped(ray.put) for s in specs]
-        transport = RayActors(per_worker, own_ray=own, nodes=nodes)
+        transport = RayActors(per_worker, own_ray=own, nodes=nodes, keep_awake=keep_awake)
     except BaseException:
         if own:
             ray.shutdown()

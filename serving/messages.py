@@ -81,6 +81,7 @@ class Ready:
     device: str
     runtime: str | None
     node: str | None = None
+    cores_awake: bool | None = None  # None: not asked (the gateway's machine is the gateway's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,9 @@ class ModelInfo(BaseModel):
     mean: list[float]
     std: list[float]
     predictor: dict[str, Any]
+    cores_awake: dict[str, Any] | None = Field(
+        None, description="whether the gateway holds idle cores out of deep sleep (mode, held, "
+                          "latency_us, and why not when it does not)")
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

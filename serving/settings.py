@@ -50,6 +50,11 @@ class GatewaySettings(BaseSettings):
                                    "architecture the manifest names as package.module:factory")
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
     triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
+    keep_cores_awake: str = Field(
+        "auto", pattern=r"^(auto|on|off)$",
+        description="while serving, ask the kernel that idle cores poll instead of sleeping "
+                    "deeply (PM QoS, /dev/cpu_dma_latency, root only): auto when this process "
+                    "may, on or refuse to start, off")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(None, ge=0, le=65535,

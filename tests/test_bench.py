@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,13 @@ def test_outputs_are_written_and_well_formed(short_run):
     assert m["cpu_idle"] == cpu_idle()  # this machine's, as sysfs says
     if m["cpu_idle"]:
         assert f"cpuidle driver {m['cpu_idle']['driver']}" in md
+    from sensai.serving.wakeup import DEVICE
+
+    # Held for the whole run when this process may (the gateway's default, auto).
+    assert m["cores_awake"]["mode"] == "auto"
+    assert m["cores_awake"]["held"] is os.access(DEVICE, os.R_OK | os.W_OK)
+    assert ("idle cores kept awake for the run" if m["cores_awake"]["held"]
+            else "idle cores not kept awake") in md
     st = on_disk["settings"]
     assert st["stages"] == 3 and st["replicas"] == 2 and st["class_parallel_backend"] == "local"
     assert on_disk["stage_plan"]["num_stages"] == 3
@@ -167,6 +175,11 @@ def test_idle_cores_that_halt_at_once_are_noted(tmp_path, poll, noted):
     assert bool(lines) is noted
     if noted:
         assert "halts at once" in lines[0] and "deploy/README.md" in lines[0]
+    # Cores kept awake for the run: none of them halted, nothing to note.
+    held = {"mode": "auto", "held": True, "latency_us": 0, "detail": "x"}
+    assert idle_lines({"machine": {"cpu_idle": idle, "cores_awake": held}}) == []
+    assert idle_text(idle, held).endswith("; idle cores kept awake for the run (wake-up latency "
+                                          "0 us)")
 
 
 def test_remote_transports_are_timed_against_their_floor(short_run):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -121,6 +122,9 @@ def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, ima
             assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
         assert all(w["node"] == w["node_planned"] for w in d["workers"])
         assert all(w["node_address"] == "127.0.0.1" for w in d["workers"])
+        # Each actor keeps its own node's idle cores awake when it may.
+        may_hold = os.access("/dev/cpu_dma_latency", os.R_OK | os.W_OK)
+        assert all(w["cores_awake"] is may_hold for w in d["workers"])
         preds = asyncio.run(pred.predict(images["x"]))
         np.testing.assert_allclose(preds.scores, images["offline"], atol=1e-4)
     finally:

@@ -249,7 +249,12 @@ def test_cli_predict_local_and_remote(tiny_artifact, local_gateway, fmnist_test,
 
 @pytest.mark.slow
 def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_test):
-    """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM."""
+    """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM; it keeps idle
+    cores awake while it serves when it may, and withdraws that when it stops."""
+    from sensai.serving.wakeup import DEVICE, current_limit_us
+
+    may_hold = os.access(DEVICE, os.R_OK | os.W_OK)
+    limit_before = current_limit_us()
     port = free_port()
     env = {**os.environ, "SENSAI_DEADLINE_S": "20"}
     proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
@@ -262,9 +267,15 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
         r = httpx.post(f"{url}/v1/predict", content=png(images[0]), timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "sensai"
         # SENSAI_* environment variables reach the settings.
-        assert httpx.get(f"{url}/v1/models").json()["predictor"]["deadline_s"] == 20
+        info = httpx.get(f"{url}/v1/models").json()
+        assert info["predictor"]["deadline_s"] == 20
+        assert info["cores_awake"]["mode"] == "auto"
+        assert info["cores_awake"]["held"] is may_hold
+        if may_hold:
+            assert current_limit_us() == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        assert current_limit_us() == limit_before
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ from pathlib import Path
 from sensai.errors import SensaiError
 from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
                                         PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS)
+from sensai.serving.wakeup import MODES
 
 from .train import add_device_arg
 
@@ -74,6 +75,9 @@ def register(sub) -> None:
     add_device_arg(p)
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
     p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
+    p.add_argument("--keep-cores-awake", choices=MODES, default=None,
+                   help="as for 'sensai serve', held for the whole run so every strategy and "
+                        "peer is timed alike (default: auto, or $SENSAI_KEEP_CORES_AWAKE)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     register_robust(sub)
@@ -99,7 +103,7 @@ def cmd_bench(args) -> int:
         backend=args.backend, ray_address=args.ray_address, peers=args.peers,
         device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
-        command=command, progress=not args.no_progress)
+        keep_awake=args.keep_cores_awake, command=command, progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
@@ -115,7 +119,8 @@ def _command_line(args) -> str:
                ("--requests", args.requests, None),
                ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),
                ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
-               ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0))
+               ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
+               ("--keep-cores-awake", args.keep_cores_awake, None))
     for flag, value, default in options:
         if value != default:
             parts += [flag, str(value)]

@@ -23,6 +23,7 @@ from sensai.serving.faults import parse_delay
 from sensai.serving.imaging import decode_image
 from sensai.serving.placement import check_redundancy
 from sensai.serving.settings import BACKENDS, GatewaySettings
+from sensai.serving.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ def register(sub) -> None:
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds a request may wait for the subnets (default 5)")
     add_runtime_args(p)
+    p.add_argument("--keep-cores-awake", choices=MODES, default=None,
+                   help="while serving, ask the kernel that idle cores poll instead of sleeping "
+                        "deeply (/dev/cpu_dma_latency, root only; each wake-up is on a request's "
+                        "path): auto (when this process may, the default), on (or refuse to "
+                        "start), off")
     p.add_argument("--ray-address", default=None,
                    help="ray backend: existing cluster (e.g. auto, or HEAD:6379); default: start "
                         "a local Ray instance on 127.0.0.1")
@@ -141,6 +147,7 @@ def settings_from(args) -> GatewaySettings:
         "device": args.device, "runtime": args.runtime, "threads_per_worker": args.threads,
         "trust_model_code": True if args.trust_model_code else None,
         "ray_address": getattr(args, "ray_address", None),
+        "keep_cores_awake": getattr(args, "keep_cores_awake", None),
         "triton_url": getattr(args, "triton_url", None)}.items() if v is not None}
     try:
         return GatewaySettings(**overrides)
@@ -178,6 +185,8 @@ def cmd_serve(args) -> int:
     delays = injected_delays(args.inject_delay, workers)
     if settings.grpc_port:
         check_port_free(settings.host, settings.grpc_port, "--grpc-port")
+    if settings.keep_cores_awake == "on":
+        keep_cores_awake("on").release()  # refused now, not after the subnets have loaded
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -193,7 +202,8 @@ def cmd_serve(args) -> int:
             name=settings.model_name, deadline_s=settings.deadline_s, hedge_ms=args.hedge_ms,
             restart_delay_s=args.restart_delay, hang_timeout_s=settings.hang_timeout(),
             delays=delays, ray_address=settings.ray_address, ray_cpus=args.ray_cpus,
-            triton_url=url, trust_code=settings.trust_model_code)
+            triton_url=url, trust_code=settings.trust_model_code,
+            keep_awake=settings.keep_cores_awake)
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
               f"{len(predictor.workers)} {predictor.transport.name} workers, redundancy "
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "

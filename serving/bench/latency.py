@@ -39,6 +39,7 @@ from ..runners import RUNTIMES, runner_specs
 from ..server import run_like_the_gateway
 from ..settings import GatewaySettings
 from ..tritonserver import TRITON_HINT, find_tritonserver
+from ..wakeup import check_mode, keep_cores_awake
 from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
@@ -123,6 +124,7 @@ def run_bench(
     data_dir: str | None = None,
     seed: int = 0,
     isolated_images: int = 20,
+    keep_awake: str | None = None,
     command: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -142,7 +144,10 @@ def run_bench(
     Ray Serve"; a peer that cannot run here is skipped with its reason).  ``threads``:
     intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve``
     (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
-    ``isolated_images``: images on which each subnet is also timed alone.  ``transports``: any
+    ``isolated_images``: images on which each subnet is also timed alone.  ``keep_awake``: as
+    ``sensai serve --keep-cores-awake`` (default: the gateway's setting), held for the whole run
+    so every strategy and peer is timed with the machine's idle cores in the same state
+    (recorded in bench.json's ``machine.cores_awake``).  ``transports``: any
     of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
     process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
     ``sensai`` command has it).
@@ -152,6 +157,8 @@ def run_bench(
                    isolated_images=isolated_images, strategies=list(strategies or []),
                    transports=list(transports or []), runtime=runtime, backend=backend,
                    ray_address=ray_address, peers=list(peers or []))
+    if keep_awake is not None:
+        check_mode(keep_awake)
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
     backends = backend_list(backend)
@@ -195,7 +202,10 @@ def run_bench(
     result["accuracy"] = accuracy(artifact.manifest)
     result["shrink"] = shrink(artifact.manifest)
     result["strategies"] = {}
-    gateway = GatewaySettings()  # the gateway's defaults (and SENSAI_* variables), as serve
+    # The gateway's defaults (and SENSAI_* variables), as serve.
+    gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
+    awake = keep_cores_awake(gateway.keep_cores_awake)
+    result["machine"]["cores_awake"] = awake.describe()
     bar = progress_bar(progress)
     try:
         recipes: dict[str, Recipe] = {}
@@ -257,6 +267,7 @@ def run_bench(
                 result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
     finally:
         bar.close()
+        awake.release()
 
     result["accuracy"]["on_bench_images"] = _measured_top1(result, n)
     result["targets"] = evaluate_targets(result)

@@ -219,24 +219,32 @@ def _targets_section(result: dict) -> list[str]:
                     "Only the target sets that apply to this artifact's model are listed.", ""]
 
 
-def idle_text(idle: dict | None) -> str:
-    if not idle:
-        return ""
-    poll = idle.get("guest_halt_poll_ns")
-    return (f"; idle cores: cpuidle driver {idle['driver']}, governor {idle.get('governor')}"
-            + (f", guest_halt_poll_ns {poll}" if poll is not None else ""))
+def idle_text(idle: dict | None, awake: dict | None = None) -> str:
+    text = ""
+    if idle:
+        poll = idle.get("guest_halt_poll_ns")
+        text = (f"; idle cores: cpuidle driver {idle['driver']}, governor {idle.get('governor')}"
+                + (f", guest_halt_poll_ns {poll}" if poll is not None else ""))
+    if awake:
+        text += ("; idle cores kept awake for the run (wake-up latency "
+                 f"{awake.get('latency_us')} us)" if awake.get("held")
+                 else f"; idle cores not kept awake ({awake.get('detail')})")
+    return text
 
 
 def idle_lines(result: dict) -> list[str]:
-    """A note when this machine's idle cores halt at once, which every class-parallel request
-    pays for in wake-ups: what its overhead must be read against."""
-    idle = result.get("machine", {}).get("cpu_idle") or {}
-    if idle.get("driver") != "haltpoll" or idle.get("guest_halt_poll_ns") != 0:
+    """A note when this machine's idle cores halted at once during the run, which every
+    class-parallel request pays for in wake-ups: what its overhead must be read against."""
+    machine = result.get("machine", {})
+    idle = machine.get("cpu_idle") or {}
+    if (machine.get("cores_awake") or {}).get("held") or idle.get("driver") != "haltpoll" \
+            or idle.get("guest_halt_poll_ns") != 0:
         return []
     return ["Note: an idle core of this virtual machine halts at once (guest_halt_poll_ns 0; the "
             "kernel's default is 200000), so every wake-up of a sleeping worker or of the event "
             "loop goes through the hypervisor, and class parallel pays two or more of them per "
-            "request; see deploy/README.md, 'Latency'."]
+            "request. Run as root (--keep-cores-awake) to keep idle cores polling for the run; "
+            "see deploy/README.md, 'Latency'."]
 
 
 def render_markdown(result: dict) -> str:
@@ -260,7 +268,7 @@ def render_markdown(result: dict) -> str:
         f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
         f"({m['usable_cores']} usable), {m['memory_gb']} GB; GPU: {gpu}; load average "
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end"
-        f"{idle_text(m.get('cpu_idle'))}. "
+        f"{idle_text(m.get('cpu_idle'), m.get('cores_awake'))}. "
         f"torch {v.get('torch')}, onnxruntime {v.get('onnxruntime')}, numpy {v.get('numpy')}, "
         f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
         f"python {v.get('python')}.",

@@ -205,7 +205,8 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                     artifact.root, backend=backend, device=device, runtime=runtime,
                     threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
                     hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
-                    triton_url=triton.url if triton else None)
+                    triton_url=triton.url if triton else None,
+                    keep_awake=settings.keep_cores_awake)
             except BaseException:
                 if triton is not None:
                     triton.stop()

@@ -65,6 +65,7 @@ class WorkerHandle:
         self.device: str | None = self.specs[0].device if self.specs else None
         self.runtime: str | None = self.specs[0].resolved_runtime() if self.specs else None
         self.node: str | None = None
+        self.cores_awake: bool | None = None  # held on the worker's own node (Ray)
         self.pending: dict[int, float] = {}  # request -> when it was sent here (monotonic)
         self.busy_since = 0.0  # when pending last became non-empty
         self.last_progress = 0.0  # when this worker last answered anything

@@ -261,6 +261,7 @@ class ConnectionWorker(WorkerHandle):
             self.pid, self.device, self.runtime = msg.pid, msg.device, msg.runtime
             if msg.node is not None:
                 self.node = msg.node
+            self.cores_awake = msg.cores_awake
             inc.ready.set()
         elif kind is LoadFailed:
             inc.error = msg.error

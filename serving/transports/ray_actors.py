@@ -36,6 +36,7 @@ from sensai.raycluster import error_text, share
 
 from ..messages import Failure, Fault, Output, Ready, Skip
 from ..placement import Placement, spread
+from ..wakeup import keep_cores_awake
 from ..worker_core import MEMORY, WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionWorker, Incarnation, accept, connect, cut, serve_connection
@@ -50,7 +51,8 @@ class RayWorkerBody:
     in-worker loop of :mod:`sensai.serving.worker_core`, fed over the gateway's socket
     (:meth:`channel`, the actor transport) or one ``run`` call per (request, group) (Serve)."""
 
-    def __init__(self, name: str, hosted: list, fault: Fault, seed: int):
+    def __init__(self, name: str, hosted: list, fault: Fault, seed: int,
+                 keep_awake: str = "auto"):
         import ray
 
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU(s): inside, it is cuda:0.
@@ -66,10 +68,13 @@ class RayWorkerBody:
         self.conn = None  # the gateway's socket, once connected
         ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
+        # Its node's idle cores, held for the actor's life (the process ending withdraws it).
+        # Never "on" here: a node that refuses is served all the same, and says so.
+        self.awake = keep_cores_awake("off" if keep_awake == "off" else "auto")
         log.info("%s ready on %s (%s), node %s", name, self.device, self.runtime, self.node)
 
     def ping(self) -> Ready:
-        return Ready(os.getpid(), self.device, self.runtime, self.node)
+        return Ready(os.getpid(), self.device, self.runtime, self.node, self.awake.held)
 
     def channel(self, authkey: bytes) -> tuple[str, int]:
         """Open a socket on this node's Ray address for the gateway holding ``authkey``; its
@@ -219,9 +224,11 @@ class RayActorWorker(ConnectionWorker):
 
     transport = "ray"
 
-    def __init__(self, *args, actor_options: dict | None = None, closing=None, **kwargs):
+    def __init__(self, *args, actor_options: dict | None = None, closing=None,
+                 keep_awake: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
         self.actor_options = dict(actor_options or {})
+        self.keep_awake = keep_awake
         self.actor = None  # Ray owns the process
         self.actor_id: str | None = None
         self._death: str | None = None
@@ -238,7 +245,7 @@ class RayActorWorker(ConnectionWorker):
         if self.actor is None:
             self.actor = actor_class().options(**self.actor_options).remote(
                 self.name, list(zip(self.groups, self.specs)), Fault(self.delay, self.corrupt),
-                self.seed)
+                self.seed, self.keep_awake)
             self.actor_id = self.actor._actor_id.hex()
 
     def _control(self, method: str):
@@ -338,19 +345,22 @@ class RayActorWorker(ConnectionWorker):
         planned = self.actor_options.get("scheduling_strategy")
         return {**super().where(), "actor_id": self.actor_id, "resources": resources,
                 "node_planned": getattr(planned, "node_id", None),
-                "node_address": self.owner_nodes.get(self.node), "channel": self.channel}
+                "node_address": self.owner_nodes.get(self.node), "channel": self.channel,
+                "cores_awake": self.cores_awake}
 
 
 class RayActors:
     """The Ray actor transport: every worker an actor with ``actor_options`` (resources,
-    scheduling); ``own_ray``: shut Ray down on close (this process started it)."""
+    scheduling); ``own_ray``: shut Ray down on close (this process started it);
+    ``keep_awake``: whether each actor keeps its node's idle cores awake (:mod:`..wakeup`)."""
 
     name = "ray"
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
     def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False,
-                 nodes: Sequence[dict] = ()):
+                 nodes: Sequence[dict] = (), keep_awake: str = "auto"):
         self.actor_options = actor_options
+        self.keep_awake = keep_awake
         self.own_ray = own_ray
         self.closing = threading.Event()
         self.node_addresses = {n["id"]: n["address"] for n in nodes}
@@ -362,7 +372,7 @@ class RayActors:
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> RayActorWorker:
         w = RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
-                           closing=self.closing, **faults)
+                           closing=self.closing, keep_awake=self.keep_awake, **faults)
         w.owner_nodes = self.node_addresses
         return w
 

@@ -42,6 +42,7 @@ class ServeWorker(WorkerHandle):
             return
         self.pid, self.device, self.runtime, self.node = (info.pid, info.device, info.runtime,
                                                           info.node)
+        self.cores_awake = info.cores_awake
 
     def wait_ready(self, timeout: float) -> None:
         """Serve starts the replicas itself; requests wait in the handle until one is up."""
