@@ -8,7 +8,8 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
-                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS)
+                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS,
+                                        WARMUP)
 from sensai.serving.wakeup import MODES
 
 from .train import add_device_arg
@@ -33,8 +34,9 @@ def register(sub) -> None:
                    help="data-parallel replicas (default: the number of stages)")
     p.add_argument("--images", type=int, default=200,
                    help="real test images timed one at a time (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=20,
-                   help="untimed requests per strategy and transport first (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help="untimed requests per strategy and transport first, while the workers' "
+                        "placement on the cores settles (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=10,
                    help="the images are timed in this many rounds, strategies taking turns, so "
                         "load changes hit them alike (default: %(default)s)")
@@ -114,7 +116,7 @@ def _command_line(args) -> str:
     """The command that reproduces this run (every option that differs from its default)."""
     parts = ["sensai", "bench", args.artifact, "--out", args.out]
     options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
-               ("--images", args.images, 200), ("--warmup", args.warmup, 20),
+               ("--images", args.images, 200), ("--warmup", args.warmup, WARMUP),
                ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
                ("--requests", args.requests, None),
                ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),

@@ -161,7 +161,7 @@ def cmd_demo(args) -> int:
     bench_dir = out / f"bench_{model_name}_g{args.groups}"
     # In process (the subnets' own gain) and over HTTP (what a caller sees); the other remote
     # transports are `sensai bench`'s.
-    result = run_bench(art, bench_dir, images=args.bench_images, warmup=10, rounds=5,
+    result = run_bench(art, bench_dir, images=args.bench_images, rounds=5,
                        concurrency=4, device=args.device, data_dir=args.data_dir,
                        transports=("inprocess", "http"),
                        command=f"sensai bench {art} --out {bench_dir} --transports inprocess http")

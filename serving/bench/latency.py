@@ -48,7 +48,8 @@ from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, 
                       check_out_dir, envelope, finish, interleaved, load_test_images,
                       progress_bar, quiet_gc, throughput, warm_up, write_outputs)
 from .latency_report import plot, render_markdown
-from .names import BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, strategy_key
+from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, WARMUP,
+                    strategy_key)
 from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
@@ -109,7 +110,7 @@ def run_bench(
     workers: int | None = None,
     replicas: int | None = None,
     images: int = 200,
-    warmup: int = 20,
+    warmup: int = WARMUP,
     concurrency: int = 8,
     requests: int | None = None,
     rounds: int = 10,
