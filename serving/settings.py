@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .wakeup import MODES
+
 BACKENDS = ("local", "processes", "ray", "triton")
 
 
@@ -51,7 +53,7 @@ class GatewaySettings(BaseSettings):
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
     triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
     keep_cores_awake: str = Field(
-        "auto", pattern=r"^(auto|on|off)$",
+        "auto", pattern=f"^({'|'.join(MODES)})$",
         description="while serving, ask the kernel that idle cores poll instead of sleeping "
                     "deeply (PM QoS, /dev/cpu_dma_latency, root only): auto when this process "
                     "may, on or refuse to start, off")

@@ -76,24 +76,19 @@ def keep_cores_awake(mode: str = "auto", device: str = DEVICE) -> CoresAwake:
     check_mode(mode)
     if mode == "off":
         return CoresAwake(mode, False, "not asked (keep-cores-awake off)")
+    fd = None
     try:
         fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
+        os.write(fd, struct.pack("=i", LATENCY_US))
     except OSError as e:
-        why = f"cannot open {device}: {e.strerror or e}"
+        if fd is not None:
+            os.close(fd)
+        why = f"cannot {'write' if fd is not None else 'open'} {device}: {e.strerror or e}"
         if mode == "on":
             raise SensaiError(f"cannot keep idle cores awake: {why} (it takes root, or access "
                               "to that file; or use --keep-cores-awake auto or off)") from None
         log.info("idle cores may sleep deeply between requests: %s (root only; see "
                  "deploy/README.md, 'Latency')", why)
-        return CoresAwake(mode, False, why)
-    try:
-        os.write(fd, struct.pack("=i", LATENCY_US))
-    except OSError as e:
-        os.close(fd)
-        why = f"cannot write {device}: {e.strerror or e}"
-        if mode == "on":
-            raise SensaiError(f"cannot keep idle cores awake: {why}") from None
-        log.info("idle cores may sleep deeply between requests: %s", why)
         return CoresAwake(mode, False, why)
     log.info("idle cores kept awake while serving (%s: %d us; --keep-cores-awake off to leave "
              "them be)", device, LATENCY_US)
