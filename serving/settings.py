@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sensai.errors import SensaiError
@@ -87,6 +87,12 @@ class GatewaySettings(BaseSettings):
                                               "host (None: off; 0: the kernel picks one)")
     log_level: str = Field("info", pattern=f"^({'|'.join(LOG_LEVELS)})$",
                            description="the HTTP server's log level")
+
+    @field_validator("keep_cores_awake", mode="before")
+    @classmethod
+    def yaml_on_off(cls, v):
+        # YAML 1.1 reads an unquoted on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def check_triton(self) -> "GatewaySettings":
