@@ -3,10 +3,11 @@ placed, restarted and watched by Ray.
 
 Ray carries the actors' lifecycle; requests and results travel over one direct socket per actor
 (:mod:`.connection`, the same messages and in-worker loop as a worker process), because a Ray
-call's round trip costs several times a small subnet's compute (BENCHMARKS.md).  Each incarnation opens its socket on its node's Ray address
-when the gateway asks (``channel``, a Ray call carrying a fresh 32-byte key); the two ends prove
-they hold the key (HMAC challenges both ways) before anything is read.  The gateway's node must
-be able to open TCP connections to the worker nodes, as Ray's own workers do.
+call's round trip costs several times a small subnet's compute (BENCHMARKS.md).  Each
+incarnation opens its socket on its node's Ray address when the gateway asks (``channel``, a Ray
+call carrying a fresh 32-byte key); the two ends prove they hold the key (HMAC challenges both
+ways) before anything is read.  The gateway's node must be able to open TCP connections to the
+worker nodes, as Ray's own workers do.
 
 A death is seen twice over: the socket closes when the actor's process ends, and a long-lived
 ``watch`` call fails when Ray declares the actor (or its node) dead.  Actors are created with
