@@ -106,3 +106,22 @@ def test_without_a_flag_an_error_names_the_setting():
         load_settings({"keep_cores_awake": "always"})
     # YAML 1.1 reads an unquoted on/off as a boolean: taken to mean the same.
     assert load_settings({"keep_cores_awake": False}).keep_cores_awake == "off"
+
+
+def test_build_predictor_defaults_are_the_settings_defaults():
+    """The library entry point restates no default of its own: each keyword that is a setting
+    defaults to that setting's default."""
+    import inspect
+
+    from sensai.serving.build import build_predictor
+
+    renamed = {"threads": "threads_per_worker", "name": "model_name",
+               "trust_code": "trust_model_code", "keep_awake": "keep_cores_awake"}
+    fields = GatewaySettings.model_fields
+    checked = 0
+    for kw, p in inspect.signature(build_predictor).parameters.items():
+        field = renamed.get(kw, kw)
+        if field in fields:
+            assert p.default == fields[field].default, (kw, p.default, fields[field].default)
+            checked += 1
+    assert checked >= 15
