@@ -22,7 +22,7 @@ from .faults import DelaySpec
 from .placement import Placement
 from .predictor import ClassParallelPredictor, worker_devices
 from .runners import runner_specs
-from .settings import BACKENDS
+from .settings import load_settings
 from .transports.processes import Processes
 from .transports.ray_actors import RayActors, actor_resources, node_options
 from .transports.threads import Threads
@@ -30,21 +30,6 @@ from .triton_repo import export_triton_repo
 from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
 
 log = logging.getLogger(__name__)
-
-
-def check_settings(backend: str, *, redundancy: int = 0, vote: bool = False,
-                   hedge_ms: float = 0.0, ray_cpus: float | None = None) -> None:
-    """What no backend can honour, refused before anything starts (Ray, Triton, workers)."""
-    if backend not in BACKENDS:
-        raise SensaiError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if hedge_ms < 0:
-        raise SensaiError(f"--hedge-ms must be >= 0, got {hedge_ms}")
-    if ray_cpus is not None and not ray_cpus > 0:
-        raise SensaiError(f"--ray-cpus must be > 0, got {ray_cpus}")
-    if backend == "triton" and (redundancy or vote or hedge_ms):
-        raise SensaiError("--redundancy, --vote and --hedge-ms need workers that host several "
-                          "subnets; Triton runs one model per subnet (use the local, processes "
-                          "or ray backend)")
 
 
 def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redundancy: int = 0,
@@ -55,13 +40,20 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                     delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
                     seed: int = 0, ray_address: str | None = None, ray_cpus: float | None = None,
                     triton_url: str | None = None, trust_code: bool = False,
-                    keep_awake: str = "auto") -> ClassParallelPredictor:
+                    keep_awake: str = "off", spread_cores: bool = False
+                    ) -> ClassParallelPredictor:
     """``workers`` (default G) workers on ``backend``, with ``redundancy`` extra copies of every
-    group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest.
-    ``keep_awake``: whether Ray actors keep their nodes' idle cores awake (:mod:`.wakeup`; the
-    gateway's own machine is the gateway's to hold)."""
-    check_settings(backend, redundancy=redundancy, vote=vote, hedge_ms=hedge_ms,
-                   ray_cpus=ray_cpus)
+    group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest.  The keywords
+    are :class:`GatewaySettings` fields and are validated as such (same bounds, same
+    messages), before anything starts.  Host tunings, both off by default: ``keep_awake``,
+    whether Ray actors keep their nodes' idle cores awake (:mod:`.wakeup`; the gateway's own
+    machine is the gateway's to hold); ``spread_cores``, whether the local backend's worker
+    threads are moved apart (:mod:`.transports.spread`)."""
+    load_settings(dict(backend=backend, workers=workers, redundancy=redundancy, vote=vote,
+                       hedge_ms=hedge_ms, restart_delay_s=restart_delay_s, ray_cpus=ray_cpus,
+                       deadline_s=deadline_s, hang_timeout_s=hang_timeout_s, runtime=runtime,
+                       device=device, threads_per_worker=threads, model_name=name,
+                       keep_cores_awake=keep_awake, spread_cores=spread_cores))
     if backend == "ray":
         artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories
     artifact = load_artifact(artifact_dir)
@@ -73,7 +65,7 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     if backend in ("local", "processes"):
         specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads,
                              trust_code=trust_code)
-        transport = Threads() if backend == "local" else Processes()
+        transport = Threads(spread_cores=spread_cores) if backend == "local" else Processes()
         return ClassParallelPredictor(artifact, specs, transport, placement,
                                       worker_devices=worker_devices(n, device), **common)
     if backend == "triton":

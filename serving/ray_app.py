@@ -2,12 +2,14 @@
 
 Built from the artifact's manifest by :func:`build_app` - the function ``serve run
 deploy/ray-serve.yaml``, ``serve deploy`` and KubeRay's ``serveConfigV2`` call with
-``args: {artifact: ...}``:
+``args: {artifact: ..., settings: {...}}``, ``settings`` being the gateway's own
+:class:`~sensai.serving.settings.GatewaySettings` (redundancy, vote, device, runtime, ray_cpus,
+keep_cores_awake...), honoured here as ``sensai serve`` honours them:
 
 * ``SubnetWorker`` (bound once per worker as ``worker_00`` ...) hosts its groups' subnets with
   the same worker body as the Ray actor transport: torch on the replica's GPU when Ray gave it one
   (``num_gpus: 1``), ONNX Runtime on CPU otherwise;
-* ``Gateway`` receives the workers' handles (Serve injects them), builds the one
+* ``ServeIngress`` receives the workers' handles (Serve injects them), builds the one
   :class:`~sensai.serving.predictor.ClassParallelPredictor` over the
   :mod:`~sensai.serving.transports.ray_serve` transport, and serves
   :func:`sensai.serving.app.create_app`'s routes.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -34,15 +35,15 @@ from ray.serve.handle import DeploymentHandle
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.raycluster import alive_nodes, share
+from sensai.raycluster import alive_nodes
 
 from .app import create_app
 from .messages import Fault, Ready, Skip
 from .placement import Placement
 from .predictor import ClassParallelPredictor
 from .runners import RunnerSpec, runner_specs
-from .settings import GatewaySettings
-from .transports.ray_actors import RayWorkerBody, spread_plan
+from .settings import GatewaySettings, explain
+from .transports.ray_actors import RayWorkerBody, actor_resources, spread_plan
 from .transports.ray_serve import ServeHandles
 
 log = logging.getLogger(__name__)
@@ -52,36 +53,30 @@ NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 
 
 class RayAppArgs(BaseModel):
-    """``args`` of the Serve application (YAML config, ``serve run ... artifact=DIR``)."""
+    """``args`` of the Serve application (YAML config, ``serve run ... artifact=DIR``): where the
+    artifact is, the ingress's shape, and the gateway's settings, embedded whole."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     artifact: str = Field(description="decomposition artifact directory (same path on all nodes)")
-    gpus: str | int = Field("auto", description="GPUs per worker replica: auto (1 when the "
-                                                "cluster has GPUs), 0 or 1")
-    worker_cpus: float | None = Field(None, gt=0, description="CPUs per worker replica when no "
-                                      "GPU is used (default: 1, or an even share when the "
-                                      "cluster has fewer CPUs than replicas)")
-    gateway_cpus: float | None = Field(None, ge=0)
-    gateway_replicas: int = Field(1, ge=1)
-    redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic)")
-    vote: bool = False
-    runtime: str = Field("auto", pattern=r"^(auto|onnx|torch)$")
-    settings: dict[str, Any] = Field(default_factory=dict,
-                                     description="GatewaySettings fields (model_name, deadline_s...)")
+    gateway_cpus: float | None = Field(None, ge=0, description="CPUs per ingress replica "
+                                       "(default: 1, or a worker's share when that is less)")
+    gateway_replicas: int = Field(1, ge=1, description="ingress replicas")
+    settings: GatewaySettings = Field(default_factory=GatewaySettings,
+                                      description="the gateway's settings (deploy/README.md)")
 
 
 @serve.deployment(max_ongoing_requests=64)
 class SubnetWorker:
     """One worker's subnets (see :class:`~sensai.serving.transports.ray_actors.RayWorkerBody`)."""
 
-    def __init__(self, name: str, hosted: list, seed: int):
+    def __init__(self, name: str, hosted: list, seed: int, keep_awake: str = "off"):
         import ray
 
         hosted = [(g, RunnerSpec(**spec) if isinstance(spec, dict) else spec)
                   for g, spec in hosted]
         try:
-            self.body = RayWorkerBody(name, hosted, Fault(), seed)
+            self.body = RayWorkerBody(name, hosted, Fault(), seed, keep_awake)
         except (SensaiError, OSError) as e:
             ctx = ray.get_runtime_context()
             raise SensaiError(f"{name} on node {ctx.get_node_id()} "
@@ -102,17 +97,21 @@ class SubnetWorker:
 
 @serve.deployment
 @serve.ingress()
-class Gateway:
-    def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict,
-                 redundancy: int, vote: bool, runtime: str):
+class ServeIngress:
+    """The gateway of the Serve application: the predictor over the workers' handles, placed
+    as :func:`build_app` placed the workers (the same settings), and
+    :func:`~sensai.serving.app.create_app`'s routes."""
+
+    def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict):
         self.settings = GatewaySettings(**settings)
+        s = self.settings
         art = load_artifact(artifact)
-        specs = runner_specs(art, device="cpu", runtime=runtime,
-                             trust_code=self.settings.trust_model_code)
-        placement = Placement.cyclic(len(specs), len(workers), redundancy, vote)
+        specs = runner_specs(art, device="cpu", runtime=s.runtime, trust_code=s.trust_model_code)
+        placement = Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
+        # Serve restarts replicas itself: no restart delay, no hang timeout of ours.
         self.predictor = ClassParallelPredictor(
-            art, specs, ServeHandles(workers), placement, name=self.settings.model_name,
-            deadline_s=self.settings.deadline_s, hang_timeout_s=None)
+            art, specs, ServeHandles(workers), placement, name=s.model_name,
+            deadline_s=s.deadline_s, hedge_ms=s.hedge_ms, hang_timeout_s=None)
 
     def __serve_build_asgi_app__(self):
         # The replicas belong to Serve: nothing to stop when the app stops.
@@ -140,53 +139,34 @@ def build_app(args: dict) -> serve.Application:
 
     try:
         a = RayAppArgs(**dict(args))
-        settings = GatewaySettings(**a.settings)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise SensaiError(f"invalid Ray Serve app args ({loc}: {first.get('msg')})") from None
+        raise SensaiError(f"invalid Ray Serve app args ({explain(e)})") from None
+    s = a.settings
     artifact = str(Path(a.artifact).resolve())
     art = load_artifact(artifact)
-    specs = runner_specs(art, device="cpu", runtime=a.runtime,
-                         threads=settings.threads_per_worker,
-                         trust_code=settings.trust_model_code)
-    placement = Placement.cyclic(len(specs), None, a.redundancy, a.vote)
+    specs = runner_specs(art, device="cpu", runtime=s.runtime, threads=s.threads_per_worker,
+                         trust_code=s.trust_model_code)
+    placement = Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
     n = len(placement.workers)
     if ray.is_initialized():
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
     else:  # validated before any cluster exists (serve build, tests): assume enough
-        cpus, gpus = float(n + a.gateway_replicas), 0.0
-    if a.gpus == "auto":
-        use_gpu = gpus >= 1
-    elif str(a.gpus) in ("0", "1"):
-        use_gpu = str(a.gpus) == "1"
-    else:
-        raise SensaiError(f"gpus must be auto, 0 or 1 (one GPU per worker replica), got {a.gpus!r}")
-    if a.worker_cpus is not None:
-        per = a.worker_cpus
-    elif use_gpu or cpus >= n + a.gateway_replicas:
-        per = 1.0
-    else:
-        # An even share that always fits, gateway included (fractional CPUs are a budget).
-        per = share(cpus, n + a.gateway_replicas)
-        log.warning("cluster has %g CPUs for %d worker replicas: %.2f CPU each", cpus, n, per)
-    threads = max(1, int(per)) if not use_gpu else 1
-    base: dict[str, Any] = {"num_cpus": 1.0 if use_gpu else per}
-    if use_gpu:
-        base["num_gpus"] = 1
+        cpus = (s.ray_cpus or 1.0) * (n + a.gateway_replicas)
+        gpus = float(n) if s.device.startswith("cuda") else 0.0
+    base, threads = actor_resources(n, cpus, gpus, device=s.device, cpus=s.ray_cpus,
+                                    others=a.gateway_replicas)
     per_worker = [base] * n
     nodes = alive_nodes() if ray.is_initialized() else []
     if len(nodes) > 1:
-        per_worker = spread_options(base, placement, nodes, use_gpu=use_gpu)
+        per_worker = spread_options(base, placement, nodes, use_gpu="num_gpus" in base)
     bound = []
     for w, hosted in enumerate(placement.workers):
-        opts = per_worker[w]
         spec_dicts = [(g, asdict(replace(specs[g], threads=threads))) for g in hosted]
         bound.append(SubnetWorker.options(name=f"worker_{w:02d}", num_replicas=1,
-                                          ray_actor_options=opts).bind(
-            f"worker_{w:02d}", spec_dicts, w))
-    gateway_cpus = a.gateway_cpus if a.gateway_cpus is not None else min(1.0, per)
-    return Gateway.options(num_replicas=a.gateway_replicas,
-                           ray_actor_options={"num_cpus": gateway_cpus}).bind(
-        bound, artifact, settings.model_dump(), a.redundancy, a.vote, a.runtime)
+                                          ray_actor_options=per_worker[w]).bind(
+            f"worker_{w:02d}", spec_dicts, w, s.keep_cores_awake))
+    gateway_cpus = a.gateway_cpus if a.gateway_cpus is not None else min(1.0, base["num_cpus"])
+    return ServeIngress.options(num_replicas=a.gateway_replicas,
+                                ray_actor_options={"num_cpus": gateway_cpus}).bind(
+        bound, artifact, s.model_dump())

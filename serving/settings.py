@@ -1,26 +1,43 @@
-"""Gateway settings: defaults, overridden by ``SENSAI_*`` environment variables, then by the CLI."""
+"""Gateway settings: defaults, overridden by ``SENSAI_*`` environment variables, then by the CLI.
+
+:class:`GatewaySettings` is the one place each setting has a name, an environment variable
+(``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags,
+the Ray Serve application embeds it in its arguments (:mod:`.ray_app`), and
+:func:`~sensai.serving.build.build_predictor` validates its keywords against it.  Every field is
+documented in deploy/README.md ("Settings"; a test keeps the two in step).
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Mapping
+
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sensai.errors import SensaiError
 
 from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ENV_PREFIX = "SENSAI_"
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SENSAI_", extra="ignore", frozen=True,
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
                                       protected_namespaces=())
 
     model_name: str = Field("sensai", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                             description="name served under the KServe v2 API")
-    backend: str = Field("local", pattern=r"^(local|processes|ray|triton)$",
+    backend: str = Field("local", pattern=f"^({'|'.join(BACKENDS)})$",
                          description="where the workers run: local (threads of the gateway), "
                                      "processes, ray (actors), triton")
+    workers: int | None = Field(None, ge=1, description="workers (default: one per group)")
     redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic placement)")
     vote: bool = Field(False, description="decide a group by r+1 agreeing of 2r+1 copies")
+    hedge_ms: float = Field(0.0, ge=0, description="a worker waits up to this long before "
+                            "computing copies, skipped if their group is answered meanwhile")
+    restart_delay_s: float = Field(0.0, ge=0, description="wait before restarting a dead worker")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger requests get 413")
     max_image_pixels: int | None = Field(
         None, ge=1, description="width x height limit of an uploaded image (default: 4096 x the "
@@ -51,17 +68,40 @@ class GatewaySettings(BaseSettings):
     trust_model_code: bool = Field(False, description="allow the torch runtime to import an "
                                    "architecture the manifest names as package.module:factory")
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
+    ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
+                                   "an even share when the cluster has fewer)")
     triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
     keep_cores_awake: str = Field(
-        "auto", pattern=f"^({'|'.join(MODES)})$",
-        description="while serving, ask the kernel that idle cores poll instead of sleeping "
-                    "deeply (PM QoS, /dev/cpu_dma_latency, root only): auto when this process "
-                    "may, on or refuse to start, off")
+        "off", pattern=f"^({'|'.join(MODES)})$",
+        description="host tuning, opt-in: while serving, ask the kernel that idle cores poll "
+                    "instead of sleeping deeply (PM QoS, /dev/cpu_dma_latency, root only): off, "
+                    "auto (when this process may), on (or refuse to start)")
+    spread_cores: bool = Field(
+        False, description="host tuning, opt-in (local backend): move a worker thread to "
+                           "another core when it ran a request on the same core as another "
+                           "worker of that request (sched_setaffinity)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(None, ge=0, le=65535,
                                   description="also serve KServe v2 over gRPC on this port, same "
                                               "host (None: off; 0: the kernel picks one)")
+    log_level: str = Field("info", pattern=f"^({'|'.join(LOG_LEVELS)})$",
+                           description="the HTTP server's log level")
+
+    @field_validator("keep_cores_awake", mode="before")
+    @classmethod
+    def yaml_on_off(cls, v):
+        # YAML 1.1 reads an unquoted on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def check_triton(self) -> "GatewaySettings":
+        # Refused before anything starts (Ray, Triton, workers).
+        if self.backend == "triton" and (self.redundancy or self.vote or self.hedge_ms):
+            raise ValueError("redundancy, vote and hedge_ms need workers that host several "
+                             "subnets; Triton runs one model per subnet (use the local, "
+                             "processes or ray backend)")
+        return self
 
     def image_pixels(self, input_shape) -> int:
         """The image size limit: as set, or the largest picture worth decoding for a model of
@@ -81,3 +121,36 @@ class GatewaySettings(BaseSettings):
 
     def hang_timeout(self) -> float:
         return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)
+
+
+BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+          "less_than_equal": "<="}
+
+
+def number(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
+def explain(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """The first error of ``e`` in one line, the setting called by the name its user knows it by
+    (``names``: field -> e.g. its CLI flag; default: the field's own name)."""
+    first = e.errors()[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    field = loc[-1] if loc else ""
+    name = (names or {}).get(field) or ".".join(loc)
+    ctx = first.get("ctx") or {}
+    op = BOUNDS.get(first.get("type", ""))
+    if op and ctx:
+        return f"{name} must be {op} {number(next(iter(ctx.values())))}, got " \
+               f"{number(first.get('input'))}"
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    return f"invalid setting {name}: {msg}" if name else msg
+
+
+def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:
+    """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, or a
+    one-line :class:`SensaiError` naming the setting as ``names`` call it."""
+    try:
+        return GatewaySettings(**values)
+    except ValidationError as e:
+        raise SensaiError(explain(e, names)) from None

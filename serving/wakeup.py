@@ -8,17 +8,15 @@ one tuned's ``latency-performance`` profile uses).  Closing the file withdraws t
 so does the process ending, however it ends: nothing is left behind.  With 0 us an idle core
 polls instead of halting; in a KVM guest the wake-up then no longer goes through the hypervisor.
 
-What it costs: idle cores draw power (on a VM, the host keeps the vCPUs running) while the
-request is held.  Idle time still counts as idle and every runnable thread gets the core at once.
+What it costs: idle cores draw power (on a VM, the host keeps the vCPUs running; on bare metal
+it eats into turbo headroom) while the request is held.  Idle time still counts as idle and every
+runnable thread gets the core at once.  It changes the whole machine, not only this process, so
+it is the operator's choice: ``off`` by default (deploy/README.md, "Latency"; the measured effect
+is in BENCHMARKS.md).
 
-Measured on the 2-core test VM (``haltpoll``, ``guest_halt_poll_ns`` 0), alternating blocks of
-250 requests in one process (BENCHMARKS.md, "Idle cores kept awake"): p50 of latency minus the
-slowest subnet's compute 112-119 us held against 148-152 not held (flagship), 92 against
-114-124 (demo); over HTTP 20-37 us less over the bare request, and 90-185 us less end to end.
-
-Only root may open the file (or whoever the operator gave it to).  ``auto`` holds the request
-when this process may and says in one line when it may not; ``on`` refuses to start without
-it; ``off`` never asks.
+Only root may open the file (or whoever the operator gave it to).  ``off`` never asks (nor opens
+the file); ``auto`` holds the request when this process may and says in one line when it may
+not; ``on`` refuses to start without it.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def keep_cores_awake(mode: str = "auto", device: str = DEVICE) -> CoresAwake:
+def keep_cores_awake(mode: str = "off", device: str = DEVICE) -> CoresAwake:
     """Ask the kernel that no core sleep deeper than :data:`LATENCY_US` until the result is
     released.  ``on`` raises a one-line :class:`SensaiError` when it cannot; ``auto`` logs why
     and carries on."""
@@ -90,8 +88,8 @@ def keep_cores_awake(mode: str = "auto", device: str = DEVICE) -> CoresAwake:
         log.info("idle cores may sleep deeply between requests: %s (root only; see "
                  "deploy/README.md, 'Latency')", why)
         return CoresAwake(mode, False, why)
-    log.info("idle cores kept awake while serving (%s: %d us; --keep-cores-awake off to leave "
-             "them be)", device, LATENCY_US)
+    log.info("idle cores kept awake while serving (%s: %d us; --keep-cores-awake)", device,
+             LATENCY_US)
     return CoresAwake(mode, True, f"{device}: {LATENCY_US} us", fd)
 
 

@@ -113,7 +113,7 @@ def stream(pred, images, seconds_after: float, event, *, allow_partial: bool = F
 
 def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, images):
     pred = build_predictor(tiny_artifact, backend="ray", redundancy=1, device="cpu",
-                           deadline_s=60)
+                           deadline_s=60, keep_awake="auto")
     try:
         d = pred.describe()
         nodes = node_of_workers(pred)
@@ -122,7 +122,7 @@ def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, ima
             assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
         assert all(w["node"] == w["node_planned"] for w in d["workers"])
         assert all(w["node_address"] == "127.0.0.1" for w in d["workers"])
-        # Each actor keeps its own node's idle cores awake when it may.
+        # Asked to (auto), each actor keeps its own node's idle cores awake when it may.
         may_hold = os.access("/dev/cpu_dma_latency", os.R_OK | os.W_OK)
         assert all(w["cores_awake"] is may_hold for w in d["workers"])
         preds = asyncio.run(pred.predict(images["x"]))
@@ -138,6 +138,8 @@ def test_workers_need_no_shared_filesystem(cluster, tiny_artifact, tmp_path, ima
     shutil.copytree(tiny_artifact, art)
     pred = build_predictor(art, backend="ray", device="cpu", deadline_s=60)
     try:
+        # Not asked (the default): no actor touches its node's idle cores.
+        assert all(w["cores_awake"] is False for w in pred.describe()["workers"])
         shutil.rmtree(art)
         old = pred.workers[2].pid
         pred.kill_worker(2)
@@ -304,7 +306,7 @@ def test_serve_app_spreads_worker_deployments_with_copies_apart(cluster, tiny_ar
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"artifact": str(tiny_artifact), "redundancy": 1}),
+        serve.run(build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 1}}),
                   name="sensai", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200,

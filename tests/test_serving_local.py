@@ -247,10 +247,43 @@ def test_cli_predict_local_and_remote(tiny_artifact, local_gateway, fmnist_test,
     assert "image" in capsys.readouterr().err
 
 
+def test_by_default_the_gateway_leaves_the_host_alone(tiny_artifact, fmnist_test, monkeypatch):
+    """No host tuning unless asked: the local pool and its gateway, with every default, answer
+    requests without opening /dev/cpu_dma_latency or changing any thread's affinity, and
+    /v1/models says both tunings are off."""
+    from sensai.serving.wakeup import DEVICE, current_limit_us
+
+    for name in ("SENSAI_KEEP_CORES_AWAKE", "SENSAI_SPREAD_CORES"):
+        monkeypatch.delenv(name, raising=False)
+    opened, moved = [], []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (opened.append(str(path)),
+                                                            real_open(path, *a, **k))[1])
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: moved.append(a))
+    limit_before = current_limit_us()
+    server = start_gateway(build_predictor(tiny_artifact, workers=2))
+    try:
+        _, images, _ = sample_images(fmnist_test, 2)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for _ in range(10):
+                for img in images:
+                    assert c.post("/v1/predict", content=png(img)).status_code == 200
+            info = c.get("/v1/models").json()
+            assert current_limit_us() == limit_before
+    finally:
+        server.stop()
+    assert info["cores_awake"] == {"mode": "off", "held": False, "latency_us": None,
+                                   "detail": "not asked (keep-cores-awake off)"}
+    assert info["predictor"]["transport"] == {"kind": "threads", "spread_cores": False,
+                                              "spread_moves": None}
+    assert DEVICE not in opened and moved == []
+
+
 @pytest.mark.slow
 def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_test):
-    """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM; it keeps idle
-    cores awake while it serves when it may, and withdraws that when it stops."""
+    """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM; asked to
+    (--keep-cores-awake auto --spread-cores), it keeps idle cores awake while it serves when it
+    may and withdraws that when it stops, and spreads its worker threads."""
     from sensai.serving.wakeup import DEVICE, current_limit_us
 
     may_hold = os.access(DEVICE, os.R_OK | os.W_OK)
@@ -258,7 +291,8 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
     port = free_port()
     env = {**os.environ, "SENSAI_DEADLINE_S": "20"}
     proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
+                             "--port", str(port), "--device", "cpu", "--log-level", "warning",
+                             "--keep-cores-awake", "auto", "--spread-cores"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -271,6 +305,7 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
         assert info["predictor"]["deadline_s"] == 20
         assert info["cores_awake"]["mode"] == "auto"
         assert info["cores_awake"]["held"] is may_hold
+        assert info["predictor"]["transport"]["spread_cores"] is True
         if may_hold:
             assert current_limit_us() == 0
         proc.send_signal(signal.SIGTERM)

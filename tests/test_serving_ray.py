@@ -66,14 +66,55 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
         build_app({})
     with pytest.raises(SensaiError, match="colour"):
         build_app({"artifact": str(tiny_artifact), "colour": "red"})
-    with pytest.raises(SensaiError, match="gpus must be"):
-        build_app({"artifact": str(tiny_artifact), "gpus": 3})
+    with pytest.raises(SensaiError, match="auto, cpu or cuda"):
+        build_app({"artifact": str(tiny_artifact), "settings": {"device": "mps"}})
+    with pytest.raises(SensaiError, match="settings.ray_cpus"):
+        build_app({"artifact": str(tiny_artifact), "settings": {"ray_cpus": 0}})
     with pytest.raises(SensaiError, match="does not exist"):
         build_app({"artifact": str(tmp_path / "none")})
     with pytest.raises(SensaiError, match="deadline_s"):
         build_app({"artifact": str(tiny_artifact), "settings": {"deadline_s": -1}})
     with pytest.raises(SensaiError, match="r\\+1 = 6"):
-        build_app({"artifact": str(tiny_artifact), "redundancy": 5})
+        build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 5}})
+
+
+def bound(app):
+    """The deployment an application binds (Serve has no public accessor for it) and its
+    constructor's arguments."""
+    d = app._bound_deployment
+    return d, d.init_args
+
+
+def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
+    """Settings given under ``args.settings`` are the ones the Serve application runs with:
+    redundancy 1 places every group on two worker deployments, and the ingress that Serve
+    would build from its bound arguments runs its predictor with that placement; the host
+    tuning reaches every worker replica."""
+    app = build_app({"artifact": str(tiny_artifact),
+                     "settings": {"redundancy": 1, "deadline_s": 7, "ray_cpus": 0.5,
+                                  "keep_cores_awake": "auto"}})
+    ingress, (workers, artifact, settings) = bound(app)
+    assert ingress.name == "ServeIngress"
+    assert settings["redundancy"] == 1 and settings["deadline_s"] == 7
+    hosted = []
+    for w, worker in enumerate(workers):
+        d, (name, specs, seed, keep_awake) = bound(worker)
+        assert name == d.name == f"worker_{w:02d}" and keep_awake == "auto"
+        assert d.ray_actor_options["num_cpus"] == 0.5
+        hosted.append([g for g, _ in specs])
+    assert hosted == [[w, (w + 1) % 5] for w in range(5)]  # cyclic, r = 1
+    # The ingress's own constructor (beneath Serve's ASGI wrapper) on its bound arguments, as a
+    # replica runs it; its handles are never called here.
+    cls = next(c for c in ingress.func_or_class.__mro__
+               if "__serve_build_asgi_app__" in vars(c))
+    replica = cls.__new__(cls)
+    cls.__init__(replica, workers, artifact, settings)
+    try:
+        p = replica.predictor
+        assert p.placement.redundancy == 1 and [list(h) for h in p.placement.workers] == hosted
+        assert p.deadline_s == 7 and replica.settings.keep_cores_awake == "auto"
+    finally:
+        p.shutdown()
 
 
 @pytest.fixture(scope="module")

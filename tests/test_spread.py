@@ -1,4 +1,6 @@
-"""The thread workers of one request end up on cores of their own (serving.transports.spread).
+"""The thread workers of one request end up on cores of their own (serving.transports.spread),
+when the operator turns it on (``spread_cores``; off, the default, is tested with the gateway's
+other defaults in test_serving_local).
 
 Real threads, the real kernel scheduler, the real local pool: the workers are forced onto one
 core the way Linux sometimes leaves them, then released; the pool must move them apart."""
@@ -98,8 +100,9 @@ def test_the_local_pool_moves_workers_left_on_one_core_apart(tiny_artifact):
     """Both worker threads forced onto one core for ten requests (as the kernel sometimes
     leaves them), then released: without the spread they stayed there for all 40 requests
     that followed, in every run tried; with it they are apart from the next request on."""
-    predictor = build_predictor(tiny_artifact, workers=2, device="cpu")
+    predictor = build_predictor(tiny_artifact, workers=2, device="cpu", spread_cores=True)
     spread = predictor.transport.spread
+    assert predictor.describe()["transport"]["spread_cores"] is True
     shape = tuple(predictor.manifest.dataset.input_shape)
     x = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
     threads = [w.where()["thread"] for w in predictor.workers]

@@ -7,6 +7,7 @@ import struct
 import pytest
 
 from sensai.errors import SensaiError
+from sensai.serving.settings import GatewaySettings
 from sensai.serving.wakeup import DEVICE, LATENCY_US, current_limit_us, keep_cores_awake
 
 MAY_HOLD = os.access(DEVICE, os.R_OK | os.W_OK)
@@ -29,6 +30,21 @@ def test_the_request_is_written_held_open_and_withdrawn(tmp_path):
         assert len(open_fds() - before) == 1
     assert open_fds() == before and not awake.held
     awake.release()  # twice is harmless
+
+
+def test_off_is_the_default_and_never_opens_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("SENSAI_KEEP_CORES_AWAKE", raising=False)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (opened.append(path),
+                                                            real_open(path, *a, **k))[1])
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"x")
+    awake = keep_cores_awake(device=str(device))
+    assert awake.describe() == {"mode": "off", "held": False, "latency_us": None,
+                                "detail": "not asked (keep-cores-awake off)"}
+    assert opened == [] and device.read_bytes() == b"x"
+    assert GatewaySettings().keep_cores_awake == "off"
 
 
 def test_auto_carries_on_on_refuses_off_never_asks(tmp_path, caplog):

@@ -13,21 +13,24 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from pydantic import ValidationError
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.merge import top_k
-from sensai.serving.build import build_predictor, check_settings, launch_triton
+from sensai.serving.bench.names import WARMUP
+from sensai.serving.build import build_predictor, launch_triton
 from sensai.serving.faults import parse_delay
 from sensai.serving.imaging import decode_image
 from sensai.serving.placement import check_redundancy
-from sensai.serving.settings import BACKENDS, GatewaySettings
+from sensai.serving.settings import BACKENDS, LOG_LEVELS, GatewaySettings, load_settings
 from sensai.serving.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
 
-WARMUP = 10
+
+# Every flag that sets a GatewaySettings field has that field as its ``dest`` and no default of
+# its own (None: not given), so the settings model keeps the one default and SENSAI_* variables
+# still apply; ``setting_flags`` reads the flag of each field back from the parser.
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -38,13 +41,29 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", action="store_true", help="same as --backend processes")
     p.add_argument("--device", default=None,
                    help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
-                        "(default: auto, or $SENSAI_DEVICE)")
+                        "(default: auto)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default=None,
                    help="auto: ONNX Runtime on CPU, torch on GPUs (default: auto)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads per subnet (1)")
-    p.add_argument("--trust-model-code", action="store_true",
+    p.add_argument("--threads", dest="threads_per_worker", type=int, default=None, metavar="N",
+                   help="intra-op threads per subnet (default: 1)")
+    p.add_argument("--trust-model-code", action="store_true", default=None,
                    help="let the torch runtime import an architecture the manifest names as "
                         "package.module:factory (that runs its code)")
+
+
+def add_host_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "host tuning", "Opt-in, off by default: they change the machine, not only this process "
+                       "(deploy/README.md, 'Latency').")
+    g.add_argument("--keep-cores-awake", choices=MODES, default=None,
+                   help="while serving, ask the kernel that idle cores poll instead of sleeping "
+                        "deeply (/dev/cpu_dma_latency, root only; each wake-up is on a request's "
+                        "path): off (the default), auto (when this process may), on (or refuse "
+                        "to start)")
+    g.add_argument("--spread-cores", action="store_true", default=None,
+                   help="local backend: move a worker thread to another core when it ran a "
+                        "request on the core of another worker of that request "
+                        "(sched_setaffinity)")
 
 
 def add_redundancy_args(p: argparse.ArgumentParser) -> None:
@@ -58,14 +77,14 @@ def add_redundancy_args(p: argparse.ArgumentParser) -> None:
                         "(mod W) (default: 0)")
     g.add_argument("--workers", type=int, default=None, metavar="W",
                    help="workers (default: G, one per group)")
-    g.add_argument("--vote", action="store_true",
+    g.add_argument("--vote", action="store_true", default=None,
                    help="2R+1 copies per group; a group is answered when R+1 copies agree "
                         "(outvotes up to R wrong copies)")
-    g.add_argument("--hedge-ms", type=float, default=0.0,
+    g.add_argument("--hedge-ms", type=float, default=None,
                    help="a worker waits up to this long before computing copies, which are "
                         "skipped if their group is answered meanwhile (default: 0)")
-    g.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS",
-                   help="wait before restarting a dead worker (default: 0)")
+    g.add_argument("--restart-delay", dest="restart_delay_s", type=float, default=None,
+                   metavar="SECONDS", help="wait before restarting a dead worker (default: 0)")
     g.add_argument("--inject-delay", action="append", default=[], metavar="W=SPEC",
                    help="TESTING ONLY: worker W sleeps before each request, e.g. 2=exp:20ms, "
                         "1=fixed:50ms@0.1 (10%% of requests)")
@@ -73,22 +92,21 @@ def add_redundancy_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe "
-                                     "v2) and, with --grpc-port, KServe v2 over gRPC")
+                                     "v2) and, with --grpc-port, KServe v2 over gRPC",
+                       description="Every option but --inject-delay and --processes sets the "
+                                   "gateway setting of the same meaning; unset options keep "
+                                   "the SENSAI_* environment variable, else the default "
+                                   "(deploy/README.md, 'Settings').")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None,
-                   help="also serve KServe v2 over gRPC on this port, same host (default: off, "
-                        "or $SENSAI_GRPC_PORT)")
+                   help="also serve KServe v2 over gRPC on this port, same host (default: off)")
     p.add_argument("--model-name", default=None, help="name under /v2/models (default sensai)")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="seconds a request may wait for the subnets (default 5)")
+    p.add_argument("--deadline", dest="deadline_s", type=float, default=None, metavar="SECONDS",
+                   help="seconds a request may take, from its arrival (default 5)")
     add_runtime_args(p)
-    p.add_argument("--keep-cores-awake", choices=MODES, default=None,
-                   help="while serving, ask the kernel that idle cores poll instead of sleeping "
-                        "deeply (/dev/cpu_dma_latency, root only; each wake-up is on a request's "
-                        "path): auto (when this process may, the default), on (or refuse to "
-                        "start), off")
+    add_host_args(p)
     p.add_argument("--ray-address", default=None,
                    help="ray backend: existing cluster (e.g. auto, or HEAD:6379); default: start "
                         "a local Ray instance on 127.0.0.1")
@@ -99,9 +117,9 @@ def register(sub) -> None:
                    help="triton backend: host:port of a running Triton HTTP endpoint serving "
                         "'sensai export-triton' models; default: launch tritonserver if found")
     add_redundancy_args(p)
-    p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
-    p.set_defaults(func=cmd_serve)
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="the HTTP server's log level (default: info)")
+    p.set_defaults(func=cmd_serve, flags=setting_flags(p))
 
     p = sub.add_parser("predict", help="classify one image with an artifact (or a running server)")
     p.add_argument("artifact", help="artifact directory (ignored with --url)")
@@ -110,10 +128,11 @@ def register(sub) -> None:
     p.add_argument("--url", default=None, help="send to a running gateway, e.g. http://127.0.0.1:8000")
     p.add_argument("--json", action="store_true", help="print the full JSON answer")
     p.add_argument("--repeat", type=int, default=1,
-                   help="send the image this many more times (after 10 warm-up requests) and "
-                        "print latency percentiles to stderr")
+                   help=f"send the image this many more times (after {WARMUP} warm-up requests, "
+                        "as sensai bench) and print latency percentiles to stderr")
     add_runtime_args(p)
-    p.set_defaults(func=cmd_predict)
+    add_host_args(p)
+    p.set_defaults(func=cmd_predict, flags=setting_flags(p))
 
     p = sub.add_parser("export-triton", help="write a Triton model repository for an artifact")
     p.add_argument("artifact", help="artifact directory")
@@ -130,31 +149,22 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_export_triton)
 
 
+def setting_flags(p: argparse.ArgumentParser) -> dict[str, str]:
+    """Each settings field that ``p`` has a flag for -> that flag (argparse keeps its actions
+    only in ``_actions``)."""
+    return {a.dest: a.option_strings[0] for a in p._actions
+            if a.option_strings and a.dest in GatewaySettings.model_fields}
+
+
 def settings_from(args) -> GatewaySettings:
     """SENSAI_* environment variables, overridden by the flags given."""
-    backend = getattr(args, "backend", None)
+    flags = getattr(args, "flags", {})
+    given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
     if getattr(args, "processes", False):
-        if backend not in (None, "processes"):
-            raise SensaiError(f"--processes means --backend processes, not {backend}")
-        backend = "processes"
-    overrides = {k: v for k, v in {
-        "host": getattr(args, "host", None), "port": getattr(args, "port", None),
-        "grpc_port": getattr(args, "grpc_port", None),
-        "model_name": getattr(args, "model_name", None),
-        "deadline_s": getattr(args, "deadline", None), "backend": backend,
-        "redundancy": getattr(args, "redundancy", None),
-        "vote": True if getattr(args, "vote", False) else None,
-        "device": args.device, "runtime": args.runtime, "threads_per_worker": args.threads,
-        "trust_model_code": True if args.trust_model_code else None,
-        "ray_address": getattr(args, "ray_address", None),
-        "keep_cores_awake": getattr(args, "keep_cores_awake", None),
-        "triton_url": getattr(args, "triton_url", None)}.items() if v is not None}
-    try:
-        return GatewaySettings(**overrides)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise SensaiError(f"invalid setting {loc}: {first.get('msg')}") from None
+        if given.get("backend", "processes") != "processes":
+            raise SensaiError(f"--processes means --backend processes, not {given['backend']}")
+        given["backend"] = "processes"
+    return load_settings(given, {**flags, "backend": "--backend"})
 
 
 def injected_delays(items: list[str], workers: int) -> dict[int, str]:
@@ -176,11 +186,7 @@ def cmd_serve(args) -> int:
 
     settings = settings_from(args)
     artifact = load_artifact(args.artifact)  # fails fast with one line
-    if args.restart_delay < 0:
-        raise SensaiError("--restart-delay must be >= 0")
-    check_settings(settings.backend, redundancy=settings.redundancy, vote=settings.vote,
-                   hedge_ms=args.hedge_ms, ray_cpus=args.ray_cpus)
-    workers = check_redundancy(len(artifact.subnets), args.workers, settings.redundancy,
+    workers = check_redundancy(len(artifact.subnets), settings.workers, settings.redundancy,
                                settings.vote)
     delays = injected_delays(args.inject_delay, workers)
     if settings.grpc_port:
@@ -195,15 +201,8 @@ def cmd_serve(args) -> int:
         print(f"started tritonserver ({server.install.source}, {server.backend} backend) at "
               f"{url}", file=sys.stderr)
     try:
-        predictor = build_predictor(
-            args.artifact, backend=settings.backend, redundancy=settings.redundancy,
-            vote=settings.vote, workers=args.workers, device=settings.device,
-            runtime=settings.runtime, threads=settings.threads_per_worker,
-            name=settings.model_name, deadline_s=settings.deadline_s, hedge_ms=args.hedge_ms,
-            restart_delay_s=args.restart_delay, hang_timeout_s=settings.hang_timeout(),
-            delays=delays, ray_address=settings.ray_address, ray_cpus=args.ray_cpus,
-            triton_url=url, trust_code=settings.trust_model_code,
-            keep_awake=settings.keep_cores_awake)
+        predictor = predictor_for(args.artifact, settings.model_copy(update={"triton_url": url}),
+                                  delays=delays)
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
               f"{len(predictor.workers)} {predictor.transport.name} workers, redundancy "
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "
@@ -212,7 +211,8 @@ def cmd_serve(args) -> int:
                  else "") + f"\nplacement:\n{predictor.placement_table()}", file=sys.stderr)
         app = create_app(predictor, settings)
         try:
-            run_uvicorn(app, host=settings.host, port=settings.port, log_level=args.log_level)
+            run_uvicorn(app, host=settings.host, port=settings.port,
+                        log_level=settings.log_level)
         except SystemExit:  # uvicorn's exit when the app's startup (the gRPC server) failed
             failed = getattr(app.state, "startup_error", None)
             if failed is None:
@@ -222,6 +222,19 @@ def cmd_serve(args) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def predictor_for(artifact, settings: GatewaySettings, **extra):
+    """The predictor ``settings`` describe (``extra``: what is not a setting, e.g. injected
+    delays)."""
+    s = settings
+    return build_predictor(
+        artifact, backend=s.backend, redundancy=s.redundancy, vote=s.vote, workers=s.workers,
+        device=s.device, runtime=s.runtime, threads=s.threads_per_worker, name=s.model_name,
+        deadline_s=s.deadline_s, hedge_ms=s.hedge_ms, restart_delay_s=s.restart_delay_s,
+        hang_timeout_s=s.hang_timeout(), ray_address=s.ray_address, ray_cpus=s.ray_cpus,
+        triton_url=s.triton_url, trust_code=s.trust_model_code, keep_awake=s.keep_cores_awake,
+        spread_cores=s.spread_cores, **extra)
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
@@ -251,16 +264,10 @@ def cmd_predict(args) -> int:
     x = decode_image(path.read_bytes(), artifact.spec,
                      settings.image_pixels(artifact.spec.input_shape),
                      settings.decoded_bytes(artifact.spec.input_shape))
-    predictor = build_predictor(args.artifact, backend=settings.backend, device=settings.device,
-                                runtime=settings.runtime, threads=settings.threads_per_worker,
-                                name=settings.model_name, deadline_s=settings.deadline_s,
-                                ray_address=settings.ray_address,
-                                triton_url=settings.triton_url,
-                                trust_code=settings.trust_model_code,
-                                keep_awake=settings.keep_cores_awake)
+    predictor = predictor_for(args.artifact, settings)
 
     async def run():
-        # Timed (--repeat) as the gateway serves: with the idle cores kept awake when it may.
+        # Timed (--repeat) as the gateway serves: with the host tunings the gateway would use.
         awake = None
         try:
             if args.repeat > 1:

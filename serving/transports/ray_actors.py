@@ -3,11 +3,11 @@ placed, restarted and watched by Ray.
 
 Ray carries the actors' lifecycle; requests and results travel over one direct socket per actor
 (:mod:`.connection`, the same messages and in-worker loop as a worker process), because a Ray
-call costs about 0.6 ms each way on a small machine - several times a small subnet's compute
-(BENCHMARKS.md, "The Ray pool").  Each incarnation opens its socket on its node's Ray address
-when the gateway asks (``channel``, a Ray call carrying a fresh 32-byte key); the two ends prove
-they hold the key (HMAC challenges both ways) before anything is read.  The gateway's node must
-be able to open TCP connections to the worker nodes, as Ray's own workers do.
+call's round trip costs several times a small subnet's compute (BENCHMARKS.md).  Each
+incarnation opens its socket on its node's Ray address when the gateway asks (``channel``, a Ray
+call carrying a fresh 32-byte key); the two ends prove they hold the key (HMAC challenges both
+ways) before anything is read.  The gateway's node must be able to open TCP connections to the
+worker nodes, as Ray's own workers do.
 
 A death is seen twice over: the socket closes when the actor's process ends, and a long-lived
 ``watch`` call fails when Ray declares the actor (or its node) dead.  Actors are created with
@@ -52,7 +52,7 @@ class RayWorkerBody:
     (:meth:`channel`, the actor transport) or one ``run`` call per (request, group) (Serve)."""
 
     def __init__(self, name: str, hosted: list, fault: Fault, seed: int,
-                 keep_awake: str = "auto"):
+                 keep_awake: str = "off"):
         import ray
 
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU(s): inside, it is cuda:0.
@@ -68,9 +68,10 @@ class RayWorkerBody:
         self.conn = None  # the gateway's socket, once connected
         ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
-        # Its node's idle cores, held for the actor's life (the process ending withdraws it).
-        # Never "on" here: a node that refuses is served all the same, and says so.
-        self.awake = keep_cores_awake("off" if keep_awake == "off" else "auto")
+        # Its node's idle cores, held for the actor's life (the process ending withdraws it),
+        # as the operator set it: "on" on a node that refuses fails the worker, as it fails
+        # the gateway.
+        self.awake = keep_cores_awake(keep_awake)
         log.info("%s ready on %s (%s), node %s", name, self.device, self.runtime, self.node)
 
     def ping(self) -> Ready:
@@ -155,13 +156,16 @@ def actor_class():
 
 
 def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
-                    device: str = "auto", cpus: float | None = None) -> tuple[dict, int]:
-    """Ray resources of each of ``workers`` worker actors, and ONNX Runtime threads per subnet.
+                    device: str = "auto", cpus: float | None = None, others: int = 0
+                    ) -> tuple[dict, int]:
+    """Ray resources of each of ``workers`` worker actors or Serve replicas, and ONNX Runtime
+    threads per subnet - the one sizing rule of the Ray actor transport and the Serve app.
 
     A GPU per worker when the cluster has GPUs and ``device`` is not ``cpu`` (an even share of
     them when there are fewer GPUs than workers); otherwise ``cpus`` CPUs each (default: 1, or an
-    even share when the cluster has fewer CPUs than workers - always one that fits, so the
-    workers start on any cluster).  Raises :class:`SensaiError` when they cannot fit.
+    even share when the cluster has fewer CPUs than workers and ``others`` - replicas of another
+    kind, such as the Serve ingress, that take at most one worker's share each - always one that
+    fits, so the workers start on any cluster).  Raises :class:`SensaiError` when they cannot fit.
     """
     if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device or "")):
         raise SensaiError(f"device must be auto, cpu or cuda on the ray backend, got {device!r}")
@@ -170,17 +174,18 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     if cpus is not None and not cpus > 0:
         raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
     use_gpu = device != "cpu" and cluster_gpus >= 1
+    slots = workers + others
     if cpus is not None:
         per = float(cpus)
-    elif cluster_cpus >= workers:
+    elif cluster_cpus >= slots:
         per = 1.0
     else:
-        per = share(cluster_cpus, workers)
-        log.warning("Ray cluster has %g CPUs for %d worker actors: %.2f CPU each", cluster_cpus,
-                    workers, per)
-    if workers * per > cluster_cpus + 1e-9:
-        raise SensaiError(f"{workers} worker actors with {per:g} CPUs each do not fit the Ray "
-                          f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus")
+        per = share(cluster_cpus, slots)
+        log.warning("Ray cluster has %g CPUs for %d workers%s: %.2f CPU each", cluster_cpus,
+                    workers, f" and {others} other replica(s)" if others else "", per)
+    if workers * per + others * min(1.0, per) > cluster_cpus + 1e-9:
+        raise SensaiError(f"{workers} workers with {per:g} CPUs each do not fit the Ray "
+                          f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus (ray_cpus)")
     opts: dict[str, Any] = {"num_cpus": per}
     if use_gpu:
         opts["num_gpus"] = 1.0 if cluster_gpus >= workers else \
@@ -225,7 +230,7 @@ class RayActorWorker(ConnectionWorker):
     transport = "ray"
 
     def __init__(self, *args, actor_options: dict | None = None, closing=None,
-                 keep_awake: str = "auto", **kwargs):
+                 keep_awake: str = "off", **kwargs):
         super().__init__(*args, **kwargs)
         self.actor_options = dict(actor_options or {})
         self.keep_awake = keep_awake
@@ -358,7 +363,7 @@ class RayActors:
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
     def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False,
-                 nodes: Sequence[dict] = (), keep_awake: str = "auto"):
+                 nodes: Sequence[dict] = (), keep_awake: str = "off"):
         self.actor_options = actor_options
         self.keep_awake = keep_awake
         self.own_ray = own_ray

@@ -1,10 +1,13 @@
 """Keeping the thread workers of one request on cores of their own, without pinning them.
 
+Opt-in (``spread_cores``, ``--spread-cores``; deploy/README.md, "Latency"): it rewrites the
+affinity of the gateway's worker threads, a host tuning the operator chooses.  When it is off,
+no affinity is ever read or changed.
+
 Linux wakes a thread on the core it last ran on when that core is idle.  Once two workers last
 ran on the same core, the event loop wakes the first there and the second behind it, and the
-two subnets of every request run one after the other while the loop's core idles, for tens of
-requests on end (measured on 2 cores: up to 15% of the requests of a run, p90 0.85 ms over
-compute instead of 0.25).  Two cheap moves keep them apart:
+two subnets of every request run one after the other while the loop's core idles, for many
+requests on end.  Two cheap moves keep them apart:
 
 * **after** a run that shared its core with another worker's run of the same request, the
   worker that finished second moves itself to another core (pinned for the instant the kernel
@@ -15,12 +18,10 @@ compute instead of 0.25).  Two cheap moves keep them apart:
   on its core instead of taking the other's.  Without this order a moved worker was followed
   by the other one, request after request.
 
-Throwaway probe, 1,500 in-process requests after both workers were forced onto one core, 2
-cores: 1-4 requests ran one after the other (8 runs), against 1-226 without this (15 runs); 0-3
-moves per run.  A move costs the worker about 32 us (holding the GIL), so subnets that compute
-in less than ``MIN_WAIT_MS`` are left where they are: waiting for them costs less.  Pinning
-every worker for good was measured and rejected (see :mod:`.threads`).  With more workers than
-cores, collisions cannot be avoided and nothing is done.
+A move costs the worker some time while it holds the GIL, so subnets that compute in less than
+``MIN_WAIT_MS`` are left where they are: waiting for them costs less than moving.  Pinning
+every worker for good is not done (see :mod:`.threads`).  With more workers than cores,
+collisions cannot be avoided and nothing is done.  The measured effect is in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ MIN_WAIT_MS = 0.1  # move only a worker that waited at least this long for anoth
 
 
 def _sched_getcpu() -> Callable[[], int] | None:
-    """glibc's and musl's ``sched_getcpu`` (a vDSO read, well under a microsecond); None where
-    there is none (not Linux)."""
+    """glibc's and musl's ``sched_getcpu`` (a vDSO read: cheap enough for every request); None
+    where there is none (not Linux)."""
     try:
         fn = ctypes.CDLL(None).sched_getcpu  # the C library the interpreter is linked with
     except (OSError, AttributeError):

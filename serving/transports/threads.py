@@ -3,16 +3,16 @@
 Each worker is one thread that owns its runners and serves a queue of runs; ONNX Runtime and
 torch release the GIL while they compute, so workers on different cores run side by side.  The
 worker hands each output straight to the predictor from its own thread, and the predictor wakes
-the event loop once per request (measured: 0.11 ms of fan-out overhead for two subnets, against
-0.23 ms for ``run_in_executor`` and ``asyncio.gather``).
+the event loop once per request: less fan-out overhead than ``run_in_executor`` and
+``asyncio.gather`` (BENCHMARKS.md).
 
 The kernel places the worker threads, and would sometimes run the workers of one request one
-after the other on one core, request after request (two 0.5 ms subnets then take 1.0 ms);
-:class:`~.spread.CoreSpread` moves them apart when that happens.  Keeping each worker on a core
-of its own for good ran them side by side on 2 cores loaded by a training job (0.55 ms at p50)
-but is not done: a worker then waits for its core whenever that core is busy (p99 2-3x worse),
-and one preempted while it holds the GIL cannot move to a free core, so the whole gateway waits
-for it (event-loop stalls of up to 2 s at 8 requests in flight, answered 503).
+after the other on one core, request after request.  With ``spread_cores`` (opt-in: it rewrites
+thread affinity, a host tuning), :class:`~.spread.CoreSpread` moves them apart when that
+happens; without it no affinity is touched.  Keeping each worker on a core of its own for good
+is not done: a worker then waits for its core whenever that core is busy (a worse tail), and one
+preempted while it holds the GIL cannot move to a free core, so the whole gateway waits for it
+(event-loop stalls, answered 503).
 
 A thread cannot be killed.  A worker that is given up on (fault injection, or hung) is
 *abandoned*: its incarnation is declared dead at once, a new thread takes its place, and whatever
@@ -153,26 +153,28 @@ class ThreadWorker(WorkerHandle):
 
 
 class Threads:
-    """The thread transport (``--backend local``)."""
+    """The thread transport (``--backend local``); ``spread_cores``: move the workers of one
+    request apart when they ran on one core (:mod:`.spread`; off: affinity is never touched)."""
 
     name = "local"
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
-    def __init__(self):
-        self.spread = CoreSpread()
+    def __init__(self, *, spread_cores: bool = False):
+        self.spread = CoreSpread() if spread_cores else None
+        if self.spread is not None:  # the predictor's optional hook (see Transport)
+            self.wake_order = self.spread.order
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> ThreadWorker:
         return ThreadWorker(index, groups, specs, sink, spread=self.spread, **faults)
 
-    def wake_order(self, workers: Sequence[WorkerHandle]) -> Sequence[WorkerHandle]:
-        return self.spread.order(workers)
-
     def healthy(self) -> bool:
         return True
 
     def describe(self) -> dict:
-        return {"kind": "threads"}
+        spread = self.spread
+        return {"kind": "threads", "spread_cores": spread is not None,
+                "spread_moves": None if spread is None else spread.moves}
 
     def close(self) -> None:
         pass
