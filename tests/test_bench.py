@@ -622,8 +622,8 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     client = HttpClientProcess([encode_png(fmnist_test[0][0])], [bytes(4 * 784)], [1, 1, 28, 28])
     try:
         with pytest.raises(RuntimeError, match="ConnectError"):
-            client.sequential(f"http://127.0.0.1:{port}", [0])
-        with pytest.raises(RuntimeError, match="ConnectError"):
+            client.timed("http", f"http://127.0.0.1:{port}", "sensai", [0])
+        with pytest.raises(RuntimeError, match="ConnectionRefused"):
             client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
         with pytest.raises(RuntimeError, match="ConnectError"):
             client.timed("http-v2", f"http://127.0.0.1:{port}", "sensai", [0])

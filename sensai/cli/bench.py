@@ -77,11 +77,14 @@ def register(sub) -> None:
     add_device_arg(p)
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
     p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
-    p.add_argument("--keep-cores-awake", choices=MODES, default=None,
+    p.add_argument("--keep-cores-awake", choices=MODES, default="off",
                    help="as for 'sensai serve', held for the whole run so every strategy and "
-                        "peer is timed alike (default: auto, or $SENSAI_KEEP_CORES_AWAKE)")
+                        "peer is timed alike (default: %(default)s)")
+    p.add_argument("--spread-cores", action="store_true",
+                   help="as for 'sensai serve': class parallel's local worker threads are moved "
+                        "apart when two share a core (default: off)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, parser=p)
     register_robust(sub)
     register_load(sub)
 
@@ -95,7 +98,6 @@ def cmd_bench(args) -> int:
                   if not (args.no_inprocess if t == "inprocess" else args.no_http)]
     if not transports:
         raise SensaiError("--transports, --no-http and --no-inprocess leave nothing to measure")
-    command = _command_line(args)
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_bench(
@@ -105,43 +107,42 @@ def cmd_bench(args) -> int:
         backend=args.backend, ray_address=args.ray_address, peers=args.peers,
         device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
-        keep_awake=args.keep_cores_awake, command=command, progress=not args.no_progress)
+        keep_awake=args.keep_cores_awake, spread_cores=args.spread_cores,
+        command=command_line(args), progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     return 0
 
 
-def _command_line(args) -> str:
-    """The command that reproduces this run (every option that differs from its default)."""
-    parts = ["sensai", "bench", args.artifact, "--out", args.out]
-    options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
-               ("--images", args.images, 200), ("--warmup", args.warmup, WARMUP),
-               ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
-               ("--requests", args.requests, None),
-               ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),
-               ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
-               ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
-               ("--keep-cores-awake", args.keep_cores_awake, None))
-    for flag, value, default in options:
-        if value != default:
-            parts += [flag, str(value)]
-    if list(args.strategies) != list(STRATEGIES):
-        parts += ["--strategies", *args.strategies]
-    if list(args.transports) != list(TRANSPORTS):
-        parts += ["--transports", *args.transports]
-    if list(args.backend) != ["local"]:
-        parts += ["--backend", *args.backend]
-    if args.peers:
-        parts += ["--peers", *args.peers]
-    for flag in ("no_http", "no_inprocess"):
-        if getattr(args, flag):
-            parts.append("--" + flag.replace("_", "-"))
+def command_line(args) -> str:
+    """The command that reproduces this run: the command's parser, and every argument given
+    that differs from its default."""
+    parser = args.parser
+    parts = [parser.prog]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings:  # a positional argument
+            parts += [str(v) for v in (value if isinstance(value, list) else [value])]
+            continue
+        if action.dest == "help" or value == action.default or value is None:
+            continue
+        flag = next(f for f in action.option_strings if f.startswith("--"))
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list) and action.nargs is None:  # a repeatable option
+            parts += [x for item in value for x in (flag, str(item))]
+        else:
+            parts += [flag, *(_arg(v) for v in (value if isinstance(value, list) else [value]))]
     return shlex.join(parts)
 
 
+def _arg(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 # --------------------------------------------------------------------------------------------
-# sensai bench-robust (issue 6: redundancy against stragglers and dead workers)
+# sensai bench-robust: redundancy against stragglers and dead workers
 
 
 def register_robust(sub) -> None:
@@ -173,7 +174,8 @@ def register_robust(sub) -> None:
                         "configuration)")
     p.add_argument("--images", type=int, default=200,
                    help="real test images per scenario (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=20, help="untimed requests (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help="untimed requests per configuration (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5,
                    help="none/straggler runs interleave the configurations in this many rounds "
                         "(default: %(default)s)")
@@ -192,11 +194,11 @@ def register_robust(sub) -> None:
     p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per subnet (1)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto")
-    p.add_argument("--device", default="cpu", help="cpu (default), auto, cuda:N")
+    add_device_arg(p)
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
     p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_robust)
+    p.set_defaults(func=cmd_bench_robust, parser=p)
 
 
 def cmd_bench_robust(args) -> int:
@@ -207,11 +209,12 @@ def cmd_bench_robust(args) -> int:
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
         scenarios=args.scenarios, backend=args.backend, ray_address=args.ray_address,
         images=args.images, warmup=args.warmup,
-        rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
+        rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim,
+        kill_at=args.kill_at,
         interval_ms=args.interval_ms, vote=args.vote, deadline_s=args.deadline,
         restart_delay_s=args.restart_delay,
         device=args.device, runtime=args.runtime, threads=args.threads, data_dir=args.data_dir,
-        seed=args.seed, command=shlex.join(["sensai", "bench-robust", *_argv_tail(args)]),
+        seed=args.seed, command=command_line(args),
         progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
@@ -219,34 +222,8 @@ def cmd_bench_robust(args) -> int:
     return 0
 
 
-def _argv_tail(args) -> list[str]:
-    parts = [args.artifact, "--out", args.out, "--redundancy", *map(str, args.redundancy)]
-    for flag, value, default in (("--backend", args.backend, "local"),
-                                 ("--ray-address", args.ray_address, None),
-                                 ("--images", args.images, 200), ("--warmup", args.warmup, 20),
-                                 ("--rounds", args.rounds, 5), ("--delay", args.delay, "exp:50ms"),
-                                 ("--straggler", args.straggler, 0), ("--victim", args.victim, 1),
-                                 ("--kill-at", args.kill_at, 0.3),
-                                 ("--interval-ms", args.interval_ms, 10.0),
-                                 ("--restart-delay", args.restart_delay, 0.0),
-                                 ("--deadline", args.deadline, 5.0),
-                                 ("--threads", args.threads, 1),
-                                 ("--runtime", args.runtime, "auto"),
-                                 ("--device", args.device, "cpu"),
-                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0)):
-        if value != default:
-            parts += [flag, str(value)]
-    if args.hedge_ms != [0.0]:
-        parts += ["--hedge-ms", *(f"{h:g}" for h in args.hedge_ms)]
-    if list(args.scenarios) != list(DEFAULT_SCENARIOS):
-        parts += ["--scenarios", *args.scenarios]
-    if args.vote:
-        parts.append("--vote")
-    return parts
-
-
 # --------------------------------------------------------------------------------------------
-# sensai bench-load (issue 12: soak and overload of the gateway)
+# sensai bench-load: soak and overload of the gateway
 
 
 def register_load(sub) -> None:
@@ -313,7 +290,7 @@ def register_load(sub) -> None:
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds the gateway may take to become ready (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_load)
+    p.set_defaults(func=cmd_bench_load, parser=p)
 
 
 def cmd_bench_load(args) -> int:
@@ -329,37 +306,10 @@ def cmd_bench_load(args) -> int:
         sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
         data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
-        command=shlex.join(["sensai", "bench-load", *_load_argv(args)]),
+        command=command_line(args),
         progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
     print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} "
           f"(gateway output: {out / 'gateway.log'})")
     return 0
-
-
-def _load_argv(args) -> list[str]:
-    parts = [args.artifact, "--out", args.out]
-    for flag, value, default in (("--backend", args.backend, None),
-                                 ("--deadline", args.deadline, None),
-                                 ("--max-requests", args.max_requests, None),
-                                 ("--max-predictions", args.max_predictions, None),
-                                 ("--concurrency", args.concurrency, 16),
-                                 ("--clients", args.clients, 2),
-                                 ("--warmup-seconds", args.warmup_seconds, 30.0),
-                                 ("--soak-seconds", args.soak_seconds, 600.0),
-                                 ("--overload-seconds", args.overload_seconds, 60.0),
-                                 ("--overload-factor", args.overload_factor, 4.0),
-                                 ("--overload-rate", args.overload_rate, None),
-                                 ("--overload-connections", args.overload_connections, None),
-                                 ("--burst-seconds", args.burst_seconds, 20.0),
-                                 ("--burst-concurrency", args.burst_concurrency, 32),
-                                 ("--sample-seconds", args.sample_seconds, 5.0),
-                                 ("--images", args.images, 200),
-                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
-                                 ("--startup-timeout", args.startup_timeout, 180.0)):
-        if value != default:
-            parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-    for item in args.env:
-        parts += ["--env", item]
-    return parts
