@@ -50,19 +50,18 @@ from sensai.errors import SensaiError
 from ..imaging import decode_image
 from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, free_port, sigterm_as_exit
+from ..build import free_ports
+from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
                       load_test_images, progress_bar, write_outputs)
-from .load_measures import (LAST_WINDOW_S, RssSampler, check_health, phase_report, rss_growth,
+from .load_measures import (RssSampler, check_health, phase_report, rss_growth,
                             scrape_metrics, server_view)
 from .load_report import plot, render_markdown
 from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
 from .stats import summarize
+from .targets import evaluate_load_targets
 
-SOAK_TARGET_S = 600.0
-SOAK_TARGET_CONCURRENCY = 16
-RSS_GROWTH_LIMIT_PCT = 5.0
 HEALTH_IMAGES = 20  # predictions checked after the overload
 RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
 # Settings the benchmark sets itself (--backend, --deadline, the address).
@@ -168,61 +167,6 @@ def check_open_files(connections: int) -> None:
         raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
                           f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
                           "or lower --overload-connections")
-
-
-# --------------------------------------------------------------------------------------------
-# Targets
-
-
-def _check(name: str, rule: str, value, limit, unit: str, met: bool | None,
-           conditions_met: bool, conditions: str) -> dict[str, Any]:
-    return {"name": name, "rule": rule, "value": value, "limit": limit, "unit": unit,
-            "met": met, "status": {True: "met", False: "not met", None: "not measured"}[met],
-            "conditions_met": conditions_met, "conditions": conditions}
-
-
-def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Issue 12's targets, each met / not met / not measured with its value, and whether the run
-    was the one the target is stated for (otherwise the verdict is only indicative)."""
-    st, phases = result["settings"], result["phases"]
-    soak, over = phases.get("soak"), phases.get("overload", {})
-    growth = (soak or {}).get("rss", {}).get("gateway")
-    soak_cond = (st["soak_s"] >= SOAK_TARGET_S and st["concurrency"] == SOAK_TARGET_CONCURRENCY)
-    soak_text = (f"a soak of >= {SOAK_TARGET_S / 60:g} minutes at concurrency "
-                 f"{SOAK_TARGET_CONCURRENCY} (this run: {st['soak_s']:g} s at concurrency "
-                 f"{st['concurrency']})")
-    measured = over.get("requests") is not None
-    offered, asked = over.get("offered_rate_rps"), over.get("target_rate_rps")
-    over_cond = bool(measured and offered and asked and offered >= 0.9 * asked)
-    over_text = (f"the client offered >= 90 % of the rate asked (this run: "
-                 f"{offered if offered is not None else '-'} of {asked or '-'} requests/s)")
-    deadline_ms = st["gateway"]["deadline_s"] * 1e3
-    p99 = over.get("latency_ok_ms", {}).get("p99") if measured else None
-    health = result.get("health_after") or {}
-    checks = [
-        _check("soak_errors", "soak: 0 errors (answers other than 200, requests without an "
-               "answer)", soak["errors"] if soak else None, 0, "requests",
-               soak["errors"] == 0 if soak else None, soak_cond, soak_text),
-        _check("soak_rss_growth", f"soak: gateway RSS growth after warm-up < "
-               f"{RSS_GROWTH_LIMIT_PCT:g} % (mean of the last {LAST_WINDOW_S:g} s vs the first "
-               "sample after warm-up)", growth["growth_pct"] if growth else None,
-               RSS_GROWTH_LIMIT_PCT, "%",
-               growth["growth_pct"] < RSS_GROWTH_LIMIT_PCT if growth else None, soak_cond,
-               soak_text),
-        _check("overload_only_200_503", "overload: only 200 or 503 answers",
-               over.get("not_200_or_503") if measured else None, 0, "requests",
-               over["not_200_or_503"] == 0 if measured else None, over_cond, over_text),
-        _check("overload_admitted_p99", "overload: p99 of the admitted (200) requests within "
-               "the deadline", p99, deadline_ms, "ms", None if p99 is None else p99 <= deadline_ms,
-               over_cond, over_text),
-        _check("healthy_after_overload", "overload: healthy afterwards (/v2/health/ready 200 and "
-               "correct predictions)", health.get("healthy") if measured else None, True, "",
-               health.get("healthy") if measured else None, over_cond, over_text),
-    ]
-    met = [c["met"] for c in checks]
-    return {"checks": checks,
-            "all_met": all(met) if all(m is not None for m in met) else None,
-            "conditions_met": all(c["conditions_met"] for c in checks)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,7 +411,7 @@ def run_load_bench(
     result = envelope("sensai-bench-load", command=command, artifact=artifact, spec=spec,
                       settings=settings)
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    gateway = GatewayProcess(artifact.root, port=free_port(), backend=backend,
+    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend=backend,
                              deadline_s=deadline_s, env=gateway_env,
                              log_path=out / "gateway.log")
     procs: list[HttpClientProcess] = []
@@ -521,7 +465,7 @@ def run_load_bench(
     result["rss"] = {"unit": "MB (10^6 bytes)", "source": f"/proc/{gateway.pid}/status VmRSS",
                      "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
     result["phases"] = phases
-    result["targets"] = evaluate_targets(result)
+    result["targets"] = evaluate_load_targets(result)
     finish(result, t_start)
     write_outputs(out, "load", result, render_markdown(result), plot)
     return result
