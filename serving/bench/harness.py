@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +60,27 @@ def check_int(name: str, value, low: int) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or value < low):
         raise SensaiError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_settings(*, ints: Sequence[tuple[str, Any, int]] = (),
+                   numbers: Sequence[tuple[str, Any, bool]] = (),
+                   choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+    """Every benchmark's arguments, checked before anything is loaded: ``ints`` (name, value,
+    lowest), ``numbers`` (name, value, whether 0 is allowed; None: the default applies) and
+    ``choices`` (what, the values given, those allowed; at least one)."""
+    for name, value, low in ints:
+        check_int(name, value, low)
+    for name, value, zero in numbers:
+        if value is not None and not (not isinstance(value, bool)
+                                      and isinstance(value, (int, float)) and math.isfinite(value)
+                                      and (value >= 0 if zero else value > 0)):
+            raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
+                              f"{value!r}")
+    for what, given, allowed in choices:
+        bad = [v for v in given if v not in allowed]
+        if bad or not given:
+            raise SensaiError(f"unknown {what} {', '.join(map(repr, bad)) or '(none)'}; choose "
+                              f"from {', '.join(allowed)}")
 
 
 def check_out_dir(out: Path) -> None:

@@ -44,7 +44,7 @@ from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
 from .comparison import comparison
-from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_int,
+from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_settings,
                       check_out_dir, envelope, finish, interleaved, load_test_images,
                       progress_bar, quiet_gc, throughput, warm_up, write_outputs)
 from .latency_report import plot, render_markdown
@@ -59,44 +59,25 @@ from .targets import evaluate_targets
 log = logging.getLogger(__name__)
 
 
-def backend_list(backend: str | Sequence[str]) -> list[str]:
-    """``backend`` as a list: one name, or several."""
-    return [backend] if isinstance(backend, str) else list(backend or [])
-
-
-def check_settings(*, workers, replicas, images, warmup, concurrency, requests, threads, rounds,
-                   isolated_images, strategies: Sequence[str], transports: Sequence[str],
-                   runtime: str, backend: str | Sequence[str], ray_address: str | None = None,
-                   peers: Sequence[str] = ()) -> None:
-    """Every setting checked before anything is loaded."""
-    for name, v, low in (("--workers", workers, 1), ("--replicas", replicas, 1),
-                         ("--images", images, 1), ("--warmup", warmup, 0),
-                         ("--concurrency", concurrency, 1), ("--requests", requests, 1),
-                         ("--threads", threads, 1), ("--rounds", rounds, 1),
-                         ("isolated_images", isolated_images, 0)):
-        check_int(name, v, low)
-    bad = [s for s in strategies if s not in STRATEGIES]
-    if bad or not strategies:
-        raise SensaiError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from "
-                          f"{', '.join(STRATEGIES)}")
-    if not transports or any(t not in TRANSPORTS for t in transports):
-        raise SensaiError(f"transports must be some of {', '.join(TRANSPORTS)}")
-    if runtime not in RUNTIMES:
-        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    backends = backend_list(backend)
-    bad = [b for b in backends if b not in BENCH_BACKENDS]
-    if bad or not backends:
-        raise SensaiError(f"unknown backend {', '.join(map(repr, bad)) or '(none)'} for the "
-                          f"benchmark; choose from {', '.join(BENCH_BACKENDS)}")
+def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requests, threads,
+                         rounds, isolated_images, strategies: Sequence[str],
+                         transports: Sequence[str], runtime: str, backends: Sequence[str],
+                         ray_address: str | None = None, peers: Sequence[str] = ()) -> None:
+    """Every setting of ``sensai bench`` checked before anything is loaded."""
+    check_settings(
+        ints=(("--workers", workers, 1), ("--replicas", replicas, 1), ("--images", images, 1),
+              ("--warmup", warmup, 0), ("--concurrency", concurrency, 1),
+              ("--requests", requests, 1), ("--threads", threads, 1), ("--rounds", rounds, 1),
+              ("isolated_images", isolated_images, 0)),
+        choices=(("strategy", strategies, STRATEGIES), ("transports", transports, TRANSPORTS),
+                 ("runtime", [runtime], RUNTIMES), ("backend", backends, BENCH_BACKENDS),
+                 ("peer", peers or [PEERS[0]], PEERS)))
     if len(set(backends)) < len(backends):
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
     if ray_address and "ray" not in backends:
         raise SensaiError("--ray-address is for --backend ray")
     if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
         raise SensaiError(f"--backend triton: {TRITON_HINT}")
-    bad = [p for p in peers if p not in PEERS]
-    if bad:
-        raise SensaiError(f"unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}")
     if peers and PEER_TRANSPORT not in transports:
         raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
                           "v2 binary tensor over HTTP, the one request they all take): add "
@@ -126,6 +107,7 @@ def run_bench(
     seed: int = 0,
     isolated_images: int = 20,
     keep_awake: str | None = None,
+    spread_cores: bool = False,
     command: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -148,21 +130,23 @@ def run_bench(
     ``isolated_images``: images on which each subnet is also timed alone.  ``keep_awake``: as
     ``sensai serve --keep-cores-awake`` (default: the gateway's setting), held for the whole run
     so every strategy and peer is timed with the machine's idle cores in the same state
-    (recorded in bench.json's ``machine.cores_awake``).  ``transports``: any
+    (recorded in bench.json's ``machine.cores_awake``).  ``spread_cores``: as ``sensai serve
+    --spread-cores``, for class parallel's local pool (``machine.spread_cores``).  ``transports``: any
     of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
     process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
     ``sensai`` command has it).
     """
-    check_settings(workers=workers, replicas=replicas, images=images, warmup=warmup,
-                   concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
-                   isolated_images=isolated_images, strategies=list(strategies or []),
-                   transports=list(transports or []), runtime=runtime, backend=backend,
-                   ray_address=ray_address, peers=list(peers or []))
+    backends = [backend] if isinstance(backend, str) else list(backend or [])
+    check_bench_settings(
+        workers=workers, replicas=replicas, images=images, warmup=warmup,
+        concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
+        isolated_images=isolated_images, strategies=list(strategies or []),
+        transports=list(transports or []), runtime=runtime, backends=backends,
+        ray_address=ray_address, peers=list(peers or []))
     if keep_awake is not None:
         check_mode(keep_awake)
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
-    backends = backend_list(backend)
     peers = [p for p in PEERS if p in set(peers or [])]
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
@@ -207,6 +191,7 @@ def run_bench(
     gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
     awake = keep_cores_awake(gateway.keep_cores_awake)
     result["machine"]["cores_awake"] = awake.describe()
+    result["machine"]["spread_cores"] = spread_cores
     bar = progress_bar(progress)
     try:
         recipes: dict[str, Recipe] = {}
@@ -232,7 +217,7 @@ def run_bench(
                     bar.set_description(f"load {name}")
                     s = build(recipes[key], artifact, backend=pool, device=device,
                               runtime=runtime, threads=threads, settings=gateway,
-                              ray_address=ray_address, key=name)
+                              ray_address=ray_address, key=name, spread_cores=spread_cores)
                     built.append(s)
                     result["strategies"][name] = s.info
             settings["runtime_resolved"] = sorted(

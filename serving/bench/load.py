@@ -52,7 +52,7 @@ from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
 from ..build import free_ports
 from .gateway_process import GatewayProcess, sigterm_as_exit
-from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
+from .harness import (check_dataset, check_out_dir, check_settings, envelope, finish,
                       load_test_images, progress_bar, write_outputs)
 from .load_measures import (RssSampler, check_health, phase_report, rss_growth,
                             scrape_metrics, server_view)
@@ -70,13 +70,6 @@ OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE
 
 # --------------------------------------------------------------------------------------------
 # Arguments
-
-
-def _check_seconds(name: str, value, *, zero: bool = False) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value >= 0 if zero else value > 0))
-    if not ok:
-        raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 def parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -125,27 +118,24 @@ def gateway_settings(*, backend: str | None, deadline_s: float | None,
     return settings, extra
 
 
-def check_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
-                   overload_s: float, overload_factor: float, overload_rate: float | None,
-                   overload_connections: int | None, sample_s: float, images: int,
-                   startup_timeout_s: float, burst_s: float = 0.0,
-                   burst_concurrency: int = 1) -> None:
-    check_int("--concurrency", concurrency, 1)
-    check_int("--clients", clients, 1)
+def check_load_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
+                        overload_s: float, overload_factor: float, overload_rate: float | None,
+                        overload_connections: int | None, sample_s: float, images: int,
+                        startup_timeout_s: float, burst_s: float = 0.0,
+                        burst_concurrency: int = 1) -> None:
+    check_settings(
+        ints=(("--concurrency", concurrency, 1), ("--clients", clients, 1),
+              ("--images", images, 1), ("--overload-connections", overload_connections, clients),
+              ("--burst-concurrency", burst_concurrency, 1)),
+        numbers=(("--warmup-seconds", warmup_s, True), ("--burst-seconds", burst_s, True),
+                 ("--soak-seconds", soak_s, False), ("--overload-seconds", overload_s, False),
+                 ("--overload-factor", overload_factor, False),
+                 ("--sample-seconds", sample_s, False),
+                 ("--startup-timeout", startup_timeout_s, False),
+                 ("--overload-rate", overload_rate, False)))
     if clients > concurrency:
         raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
                           "every client process keeps at least one request in flight")
-    check_int("--images", images, 1)
-    check_int("--overload-connections", overload_connections, clients)
-    _check_seconds("--warmup-seconds", warmup_s, zero=True)
-    _check_seconds("--burst-seconds", burst_s, zero=True)
-    check_int("--burst-concurrency", burst_concurrency, 1)
-    for name, v in (("--soak-seconds", soak_s), ("--overload-seconds", overload_s),
-                    ("--overload-factor", overload_factor), ("--sample-seconds", sample_s),
-                    ("--startup-timeout", startup_timeout_s)):
-        _check_seconds(name, v)
-    if overload_rate is not None:
-        _check_seconds("--overload-rate", overload_rate)
     if not Path("/proc/self/status").is_file():
         raise SensaiError("bench-load reads the gateway's memory from /proc: Linux only")
 
@@ -373,11 +363,12 @@ def run_load_bench(
     within the open-file limit); ``max_requests + concurrency`` of them are opened before it
     starts, more as they are needed.
     """
-    check_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
-                   overload_s=overload_s, overload_factor=overload_factor,
-                   overload_rate=overload_rate, overload_connections=overload_connections,
-                   sample_s=sample_s, images=images, startup_timeout_s=startup_timeout_s,
-                   burst_s=burst_s, burst_concurrency=burst_concurrency)
+    check_load_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
+                        overload_s=overload_s, overload_factor=overload_factor,
+                        overload_rate=overload_rate,
+                        overload_connections=overload_connections, sample_s=sample_s,
+                        images=images, startup_timeout_s=startup_timeout_s, burst_s=burst_s,
+                        burst_concurrency=burst_concurrency)
     gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
                                        max_requests=max_requests,
                                        max_predictions=max_predictions, env=dict(env or {}))

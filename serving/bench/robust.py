@@ -55,10 +55,10 @@ from ..placement import check_redundancy
 from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from ..server import run_like_the_gateway
-from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
+from .harness import (check_dataset, check_out_dir, check_settings, envelope, finish, interleaved,
                       load_test_images, progress_bar, quiet_gc, write_outputs)
 from .machine import descendant_pids
-from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS
+from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS, WARMUP
 from .robust_report import plot, render_markdown
 from .stats import summarize
 
@@ -71,39 +71,29 @@ def config_key(r: int, hedge_ms: float) -> str:
     return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
 
 
-def check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
-                   kill_at, rounds, groups: int, vote: bool, interval_ms: float,
-                   backend: str, runtime: str, ray_address: str | None = None) -> None:
+def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, groups: int, vote: bool, interval_ms: float,
+                          backend: str, runtime: str, ray_address: str | None = None) -> None:
     if not redundancies:
         raise SensaiError("give at least one --redundancy")
     for r in redundancies:
         check_redundancy(groups, None, r, vote)
-    if any(not h >= 0 for h in hedges):
-        raise SensaiError("--hedge-ms must be >= 0")
-    bad = [s for s in scenarios if s not in SCENARIOS]
-    if bad or not scenarios:
-        raise SensaiError(f"unknown scenario {', '.join(bad) or '(none)'}; choose from "
-                          f"{', '.join(SCENARIOS)}")
-    for name, v, low in (("--images", images, 2), ("--warmup", warmup, 0),
-                         ("--rounds", rounds, 1)):
-        check_int(name, v, low)
+    check_settings(
+        ints=(("--images", images, 2), ("--warmup", warmup, 0), ("--rounds", rounds, 1)),
+        numbers=(*(("--hedge-ms", h, True) for h in hedges),
+                 ("--interval-ms", interval_ms, True)),
+        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], BACKENDS),
+                 ("runtime", [runtime], RUNTIMES)))
     parse_delay(delay)
     for name, v in (("--straggler", straggler), ("--victim", victim)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:
             raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
     if not 0.0 <= kill_at < 1.0:
         raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
-    if not interval_ms >= 0:
-        raise SensaiError(f"--interval-ms must be >= 0, got {interval_ms}")
-    if backend not in BACKENDS:
-        raise SensaiError(f"unknown backend {backend!r} for bench-robust; choose one of "
-                          f"{', '.join(BACKENDS)}")
     if ray_address and backend != "ray":
         raise SensaiError("--ray-address is for --backend ray")
     if "node-loss" in scenarios and backend != "ray":
         raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
-    if runtime not in RUNTIMES:
-        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
 
 def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
@@ -116,7 +106,7 @@ def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "aut
     return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
 
 
-class Run:
+class Records:
     """Per-request records of one configuration in one scenario."""
 
     def __init__(self) -> None:
@@ -149,7 +139,7 @@ class Run:
         return out
 
 
-async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Run, *,
+async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,
                       kill=None) -> None:
     run.requests += 1
     t0 = time.perf_counter()
@@ -177,7 +167,7 @@ async def settle(pred: ClassParallelPredictor, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _straggler_figures(pred: ClassParallelPredictor, run: Run, straggler: int,
+def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: int,
                        delay: str) -> dict[str, Any]:
     """How often the delayed worker's own groups were still answered by it."""
     own = [f"subnet_{g:02d}" for g in pred.placement.workers[straggler]
@@ -201,7 +191,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             await pred.predict(xs[j % n])
             bar.update(1)
     for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
-        runs = {k: Run() for k in preds}
+        runs = {k: Records() for k in preds}
 
         async def run_chunk(key: str, chunk) -> None:
             pred = preds[key]
@@ -258,7 +248,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
     so every worker there) and the outage timed until it is up again."""
     n = len(xs)
-    run = Run()
+    run = Records()
     kill_index = int(kill_at * n)
     wk = pred.workers[victim]
     events: dict[str, Any] = {}
@@ -331,7 +321,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     finally:
         stop.set()
         await watcher
-    after = Run()
+    after = Records()
     runs0 = pred.counters()["per_worker_runs"][victim]
     for j in range(min(n, AFTER_REJOIN)):
         await one_request(pred, xs[j], refs[j], after)
@@ -381,7 +371,7 @@ def run_robust_bench(
     backend: str = "local",
     ray_address: str | None = None,
     images: int = 200,
-    warmup: int = 20,
+    warmup: int = WARMUP,
     rounds: int = 5,
     delay: str = "exp:50ms",
     straggler: int = 0,
@@ -392,7 +382,7 @@ def run_robust_bench(
     deadline_s: float = 5.0,
     restart_delay_s: float = 0.0,
     rejoin_timeout_s: float = 120.0,
-    device: str = "cpu",
+    device: str = "auto",
     runtime: str = "auto",
     threads: int = 1,
     data_dir: str | None = None,
@@ -416,8 +406,9 @@ def run_robust_bench(
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
     redundancies = sorted({int(r) for r in redundancies})
     hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
-    check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
-                   kill_at, rounds, g, vote, interval_ms, backend, runtime, ray_address)
+    check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
+                          ray_address)
     spec = artifact.spec.with_data_dir(data_dir)
     check_dataset(spec)
     out = Path(out_dir)

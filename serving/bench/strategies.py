@@ -185,7 +185,7 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
 
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
           threads: int, settings: GatewaySettings, ray_address: str | None = None,
-          key: str | None = None) -> Strategy:
+          key: str | None = None, spread_cores: bool = False) -> Strategy:
     """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
     recipe's) names class parallel on a further backend.  Backend ``triton``: a
     ``tritonserver`` started for the artifact's subnets, stopped with the strategy."""
@@ -206,7 +206,9 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                     threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
                     hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
                     triton_url=triton.url if triton else None,
-                    keep_awake=settings.keep_cores_awake)
+                    keep_awake=settings.keep_cores_awake,
+                    # build_predictor's spread_cores (off by default) once the serving side has it.
+                    **({"spread_cores": True} if spread_cores else {}))
             except BaseException:
                 if triton is not None:
                     triton.stop()
