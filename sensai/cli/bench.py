@@ -119,7 +119,7 @@ def command_line(args) -> str:
     """The command that reproduces this run: the command's parser, and every argument given
     that differs from its default."""
     parser = args.parser
-    parts = [parser.prog]
+    parts = parser.prog.split()
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if not action.option_strings:  # a positional argument

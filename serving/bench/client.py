@@ -23,7 +23,7 @@ import math
 import multiprocessing as mp
 import struct
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -206,34 +206,48 @@ class _Client:
 
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            counter = iter(range(n_requests))
-            latencies: list[float] = []
-            shed = [0]
 
-            async def one_client() -> None:
-                for j in counter:
-                    req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
-                    t0 = time.perf_counter()
-                    try:
-                        resp = await stub.ModelInfer(req, timeout=TIMEOUT_S)
-                    except grpc.aio.AioRpcError as e:
-                        if not refused(e):
-                            raise
-                        shed[0] += 1  # turned away by admission (HTTP's 503)
-                        continue
-                    _grpc_answer(resp)
-                    latencies.append((time.perf_counter() - t0) * 1e3)
+            async def one(j: int) -> bool:
+                req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
+                try:
+                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
+                    return True
+                except grpc.aio.AioRpcError as e:
+                    if not refused(e):
+                        raise
+                    return False  # turned away by admission (HTTP's 503)
 
             await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one_client() for _ in range(concurrency)))
-            return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed[0]}
+            return await closed_loop(n_requests, concurrency, one)
 
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
         for channel, _ in self.channels.values():
             channel.close()
+
+
+async def closed_loop(n_requests: int, concurrency: int,
+                      one: Callable[[int], Awaitable[bool]]) -> dict[str, Any]:
+    """``n_requests`` calls of ``one(j)`` from ``concurrency`` callers, each taking the next
+    request as soon as its last is answered: seconds, the answered requests' latencies (ms),
+    and ``shed``, those ``one`` says the server turned away."""
+    counter = iter(range(n_requests))
+    latencies: list[float] = []
+    shed = 0
+
+    async def caller() -> None:
+        nonlocal shed
+        for j in counter:
+            t0 = time.perf_counter()
+            if await one(j):
+                latencies.append((time.perf_counter() - t0) * 1e3)
+            else:
+                shed += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed}
 
 
 class _Connection:

@@ -40,7 +40,7 @@ from ..app import create_app
 from ..contract import Predictor
 from ..server import BackgroundServer
 from ..settings import GatewaySettings
-from .client import HttpClientProcess
+from .client import HttpClientProcess, closed_loop
 from .machine import load_average, machine_description
 from .stats import summarize
 
@@ -179,16 +179,12 @@ class InProcessDriver:
 
     async def concurrent(self, n_requests: int, concurrency: int
                          ) -> tuple[float, list[float], int]:
-        counter = iter(range(n_requests))
-        latencies: list[float] = []
+        async def one(j: int) -> bool:
+            await self.predictor.predict(self.xs[j % len(self.xs)])
+            return True
 
-        async def client() -> None:
-            for j in counter:
-                latencies.append((await self.one(j % len(self.xs)))[0])
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies, 0
+        r = await closed_loop(n_requests, concurrency, one)
+        return r["seconds"], r["latencies"], r["shed"]
 
     async def close(self) -> None:
         pass

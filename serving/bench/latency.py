@@ -1,26 +1,14 @@
 """``sensai bench``: single-image latency of class parallelism against the usual alternatives.
 
-One run measures, on the same real test images, the same runtime and the same thread/device
-budget per worker, the strategies of :mod:`.strategies` (single device, model parallel, class
-parallel, data parallel), each in process (the predictor called directly) and end to end over
-each remote transport - ``http`` (PNG upload to ``/v1/predict``), ``http-v2`` (KServe v2 binary
-tensor) and ``grpc`` (KServe v2 over gRPC) - against its own gateway on 127.0.0.1, from a client
-in its own process, warm-up excluded.  Latency is taken at concurrency 1 in interleaved rounds,
-throughput afterwards at a chosen concurrency.  Each request's latency is split into compute,
-merge and transport (:mod:`.stats`); over a remote transport the same client also times the bare
-request to the same server just before each request (``GET /v2/health/live``, gRPC
-``ServerLive``), the floor that transport puts under any request.  Class parallel's subnets are
-also timed one at a time, each alone on a worker ("each subnet alone"), to separate their own
-compute from competition for the cores.
-
-With ``peers`` (:mod:`.peers`), the systems a user would pick instead - the original model on
-Triton and on plain Ray Serve, started and stopped by the run - are timed over ``http-v2`` in the
-same rounds, by the same client, and :mod:`.comparison` puts them beside sensai's strategies
-(class parallel on each of the run's backends: ``backend`` may name several).
-
-Outputs in ``out_dir``: ``bench.json`` (every figure, raw latencies, the artifact's accuracy and
-shrink, the targets that apply to its model, settings, machine), ``bench.md``, ``bench.png`` and
-``models/`` (ONNX files of the full model and of the stages).
+The strategies of :mod:`.strategies` run on the same real test images, runtime and threads per
+worker, each in process and over each remote transport (``http``: PNG upload, ``http-v2``:
+KServe v2 binary tensor, ``grpc``) against its own gateway on 127.0.0.1, from a client in its own
+process.  Latency is taken at concurrency 1 in interleaved rounds (a change in the machine's load
+hits every strategy alike), throughput afterwards.  Over a remote transport the client times the
+bare request to the same server just before each request: the floor under any request.  The
+subnets are also timed each alone, to separate their compute from competition for the cores.
+``peers`` (:mod:`.peers`) are timed over ``http-v2`` in the same rounds and compared in
+:mod:`.comparison`.  Outputs: ``bench.json``, ``bench.md``, ``bench.png`` and ``models/``.
 """
 
 from __future__ import annotations
@@ -112,30 +100,12 @@ def run_bench(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Benchmark the artifact in ``artifact_dir``; write bench.json, bench.md, bench.png to
-    ``out_dir``; return what bench.json holds.
-
-    ``workers``: K, the model-parallel stages (default: G, the number of subnets, so both
-    parallel strategies use as many workers).  ``replicas``: data-parallel replicas (default K).
-    ``images``: real test images (stratified) timed at concurrency 1 in ``rounds`` interleaved
-    rounds, after ``warmup`` untimed requests per strategy and transport.  ``concurrency`` and
-    ``requests`` (default: max(images, 4 x concurrency)): the throughput run.  ``backend``: where
-    class parallel's workers run, as for ``sensai serve`` (the baselines always run on worker
-    threads), or several backends, each a strategy (``triton``: a ``tritonserver`` the run
-    starts); ``ray_address``: the Ray cluster of ``backend="ray"`` (each worker's node is
-    reported).  ``peers``: the systems of :mod:`.peers` serving the original model, started by
-    the run and timed over ``http-v2`` beside the strategies (bench.md's "sensai vs Triton vs
-    Ray Serve"; a peer that cannot run here is skipped with its reason).  ``threads``:
-    intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve``
-    (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
-    ``isolated_images``: images on which each subnet is also timed alone.  ``keep_awake``: as
-    ``sensai serve --keep-cores-awake`` (default: the gateway's setting), held for the whole run
-    so every strategy and peer is timed with the machine's idle cores in the same state
-    (recorded in bench.json's ``machine.cores_awake``).  ``spread_cores``: as ``sensai serve
-    --spread-cores``, for class parallel's local pool (``machine.spread_cores``).  ``transports``: any
-    of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
-    process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
-    ``sensai`` command has it).
-    """
+    ``out_dir``; return what bench.json holds.  The arguments are ``sensai bench``'s options
+    (``workers``: K, default G; ``replicas``: default K; ``requests``: default max(images,
+    4 x concurrency); ``backend``: one or several, each a class-parallel strategy; ``peers``:
+    the original model on other systems; ``keep_awake`` and ``spread_cores``: as for ``sensai
+    serve``, held for the whole run and recorded in ``machine``).  ``isolated_images``: images
+    on which each subnet is also timed alone."""
     backends = [backend] if isinstance(backend, str) else list(backend or [])
     check_bench_settings(
         workers=workers, replicas=replicas, images=images, warmup=warmup,

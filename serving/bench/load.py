@@ -1,33 +1,16 @@
 """``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
 serve (overload).
 
-The gateway is ``sensai serve ART`` in a process of its own on 127.0.0.1 (so its resident set is
-its own), started with the backend and gateway settings given, and always stopped at the end
-(SIGTERM: it drains and stops its workers; SIGKILL if it does not exit; with ``setpriv`` it also
-gets SIGTERM should this process die).  Real test images are sent as PNG uploads to
-``/v1/predict`` from :class:`~.client.HttpClientProcess` client processes, and every 200 answer
-is checked against offline evaluation's top-1.
-
-1. **warm-up**: closed loop at the soak's concurrency, not counted;
-2. **soak**: closed loop - ``concurrency`` requests always in flight - for ``soak_s``; the
-   gateway's RSS (``/proc/<pid>/status`` ``VmRSS``, and with its descendant processes) is
-   sampled every ``sample_s`` throughout the run; its growth is the mean of the soak's last
-   minute against the first sample after warm-up;
-3. **overload**: open loop at ``overload_factor`` x the soak's throughput (or ``overload_rate``)
-   for ``overload_s``: requests leave at that rate, evenly spaced, whatever the answers; a new
-   connection is opened whenever every open one is busy (up to the gateway's ``max_requests``
-   plus the arrivals of one deadline), so the client does not limit the requests in flight;
-   latency counts from when a request was due, and how late requests left is reported; the
-   gateway's own counts and latency histogram (``/metrics``) are read before and after;
-4. **health afterwards**: ``/v2/health/ready`` and sequential predictions compared with offline
-   evaluation.
-
-Targets (reported, with their values, never asserted): a soak of 10 minutes at concurrency 16
-with 0 errors and RSS growth under 5 % after warm-up; under overload only 200 or 503 answers,
-p99 of the admitted requests within the deadline, the server healthy afterwards.
-
-Outputs in ``out_dir``: ``load.json``, ``load.md``, ``load.png``, and ``gateway.log`` (the
-gateway's own output).
+The gateway is ``sensai serve ART`` in a process of its own (:mod:`.gateway_process`), so its
+resident set is its own; real test images go to ``/v1/predict`` as PNG uploads from client
+processes (:mod:`.client`), every 200 answer checked against offline evaluation's top-1.  Phases:
+a warm-up and a soak in a closed loop (the RSS sampled throughout; its growth is the soak's last
+minute against its first sample); an open-loop overload at a multiple of the soak's throughput
+(requests leave when due whatever the answers, latency counts from when a request was due, a new
+connection is opened whenever all are busy, so the client does not limit the requests in
+flight); health afterwards; a burst of the largest legal image for the peak memory.  Targets:
+:func:`~.targets.evaluate_load_targets`.  Outputs: ``load.json``, ``load.md``, ``load.png`` and
+``gateway.log``.
 """
 
 from __future__ import annotations
@@ -354,15 +337,11 @@ def run_load_bench(
 ) -> dict[str, Any]:
     """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
     load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
-
-    ``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``
-    (``SENSAI_*`` variables) are the gateway's settings; unset ones come from this process's
-    environment, as for ``sensai serve``.  ``clients`` processes share ``concurrency`` (soak) and
-    the overload's rate and connections.  ``overload_connections`` caps the overload's
-    connections (default: the gateway's ``max_requests`` plus the arrivals of one deadline,
-    within the open-file limit); ``max_requests + concurrency`` of them are opened before it
-    starts, more as they are needed.
-    """
+    The arguments are ``sensai bench-load``'s options: ``backend``, ``deadline_s``,
+    ``max_requests``, ``max_predictions`` and ``env`` (``SENSAI_*``) are the gateway's settings,
+    unset ones from this environment as for ``sensai serve``; ``clients`` processes share the
+    load; ``overload_connections`` (default: ``max_requests`` plus the arrivals of one
+    deadline, within the open-file limit) caps the overload's connections."""
     check_load_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
                         overload_s=overload_s, overload_factor=overload_factor,
                         overload_rate=overload_rate,

@@ -1,34 +1,16 @@
 """``sensai bench-robust``: latency, errors and compute cost of redundant class parallelism.
 
-Every configuration (redundancy ``r``, and for ``r >= 1`` optionally a hedge delay) is the
-predictor ``sensai serve ART --redundancy r [--hedge-ms h]`` builds
-(:func:`~sensai.serving.build.build_predictor`): W = G workers on the chosen backend (``local``:
-worker threads, the default serving path that ``sensai bench`` measures; ``processes``; ``ray``),
-cyclic placement.  ``r = 0`` is the default serving path itself, so the cost of redundancy is
-measured against it.  The same real test images are sent one at a time (concurrency 1, in
-process) under three scenarios:
-
-* ``none`` - no fault: the reference latency;
-* ``straggler`` - one worker sleeps before every request, its delay drawn from a distribution
-  (``--delay``, e.g. ``exp:50ms``);
-* ``failure`` - one worker is ended while a request is in flight (at ``--kill-at`` of the run; a
-  thread is abandoned and replaced, a process SIGKILLed, a Ray actor killed); it is restarted and
-  rejoins.  Requests are paced (one every ``interval_ms``) so the error count reflects the
-  outage's length rather than how fast errors come back;
-* ``node-loss`` - the same, but what is killed is the victim worker's Ray node: its raylet and
-  every process the raylet started, as losing the machine would (``--backend ray``, a worker node
-  of a cluster on this machine, such as a loopback cluster); every worker on that node is lost at
-  once, and Ray restarts them where there is room once it has declared the node dead.  The node does
-  not come back, so this scenario takes a single configuration.
-
-The ``none`` and ``straggler`` runs are interleaved in rounds across configurations; ``failure``
-runs one configuration at a time (an outage is a wall-clock event).  Every answer is compared with
-the offline answer (the same ONNX subnets run in this process, merged with
-:func:`sensai.merge.merge_outputs`): ``wrong`` counts answers whose top-1 or scores differ.
-``errors`` counts requests answered with an error (503: no live copy of some classes, 504:
-deadline); latency figures are over answered requests.
-
-Outputs in ``out_dir``: ``robust.json``, ``robust.md``, ``robust.png``.
+Every configuration (redundancy ``r``, for ``r >= 1`` optionally a hedge delay) is the predictor
+``sensai serve ART --redundancy r [--hedge-ms h]`` builds; ``r = 0`` is the default serving path,
+so the cost of redundancy is measured against it.  The same test images are sent one at a time,
+in process, under the scenarios of :data:`.names.SCENARIOS`: ``none``; ``straggler`` (one worker
+sleeps before every request, ``--delay``); ``failure`` (one worker is ended while a request is in
+flight, then restarted; requests are paced so the error count measures the outage, not how fast
+errors come back); ``node-loss`` (the victim's Ray node's raylet and everything it started are
+killed, as losing the machine would; one configuration, the node does not come back).  ``none``
+and ``straggler`` interleave the configurations in rounds; an outage is a wall-clock event, one
+configuration at a time.  Every answer is compared with the offline one (``wrong``); ``errors``
+counts 503/504 answers.  Outputs: ``robust.json``, ``robust.md``, ``robust.png``.
 """
 
 from __future__ import annotations
@@ -391,16 +373,10 @@ def run_robust_bench(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the robust benchmark on the artifact in ``artifact_dir``; write robust.json,
-    robust.md and robust.png to ``out_dir``; return what robust.json holds.
-
-    ``redundancies`` x ``hedges_ms`` (hedges only for r >= 1) are the configurations, each on
-    W = G workers of ``backend``.  ``straggler``/``victim``: worker indices that get the
-    ``delay`` / are ended (at request ``kill_at`` x ``images``; in that scenario a request starts
-    every ``interval_ms``, or right after the previous one if it took longer).
-    ``restart_delay_s``: how long the predictor waits before restarting the dead worker
-    (stretches the outage).  ``ray_address``: the Ray cluster of ``backend="ray"``; the node of
-    every worker is reported.
-    """
+    robust.md and robust.png to ``out_dir``; return what robust.json holds.  The arguments are
+    ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
+    the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
+    worker indices; the victim is ended at request ``kill_at`` x ``images``."""
     artifact = load_artifact(artifact_dir)
     g = len(artifact.groups)
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
