@@ -48,6 +48,9 @@ def test_outputs_are_written_and_well_formed(short_run):
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk["kind"] == "sensai-bench" and on_disk["command"] == "test"
     assert on_disk["strategies"].keys() == result["strategies"].keys() == set(STRATS)
+    # Host tuning is opt-in, and recorded either way.
+    machine = on_disk["machine"]
+    assert machine["spread_cores"] is False and "held" in machine["cores_awake"]
     with Image.open(out / "bench.png") as img:
         assert img.format == "PNG" and img.size[0] > 400 and img.size[1] > 200
     md = (out / "bench.md").read_text()
@@ -516,8 +519,9 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     result = json.loads((out / "bench.json").read_text())
     assert set(result["strategies"]) == {"single", "class-parallel"}
     assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
-    assert result["command"].startswith(f"sensai bench {artifact} --out {out}")
-    assert "--no-http" in result["command"]
+    # The command that reproduces the run: the arguments given, none of the defaults.
+    assert result["command"].startswith(f"sensai bench {artifact} --out {out} --images 8 ")
+    assert "--no-http" in result["command"] and "--threads" not in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
     # Over HTTP nothing was measured, so no target there can be claimed either way.
     remote = [c for c in checks if c["transport"] != "inprocess"]

@@ -69,7 +69,8 @@ def start_ray_serve_peer(onnx: Path, *, threads: int) -> Peer:
                       python=platform.python_version()))
 
 
-STARTERS: dict[str, Callable[..., Peer]] = {"triton": start_triton_peer, "ray-serve": start_ray_serve_peer}
+STARTERS: dict[str, Callable[..., Peer]] = {"triton": start_triton_peer,
+                                             "ray-serve": start_ray_serve_peer}
 
 
 def unavailable(key: str) -> str | None:

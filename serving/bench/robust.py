@@ -400,7 +400,8 @@ def run_robust_bench(
         raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
                           "(one --redundancy, one --hedge-ms) at a time")
     settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
-                "backend": backend, "ray_address": ray_address, "images": len(xs), "warmup": warmup, "rounds": rounds,
+                "backend": backend, "ray_address": ray_address, "images": len(xs),
+                "warmup": warmup, "rounds": rounds,
                 "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
                 "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
                 "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
