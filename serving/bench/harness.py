@@ -1,17 +1,10 @@
-"""What ``sensai bench`` and ``sensai bench-robust`` share, written once.
-
-* the real test images (a stratified subset of the test split; normalized arrays for in-process
-  calls, PNG bytes for HTTP - PNG is lossless, so both give the same answers);
-* the drivers that time one request: :class:`InProcessDriver` (the predictor called directly)
-  and :class:`RemoteDriver` (the gateway of :mod:`sensai.serving.app` under
-  :class:`~sensai.serving.server.BackgroundServer`, called over HTTP or gRPC from
-  :class:`.client.HttpClientProcess`, each request paired with the bare request that is its
-  transport's floor);
-* warm-up, latency at concurrency 1 in interleaved rounds (every candidate serves a round in
-  turn, so a change in the machine's load hits them alike), throughput at a concurrency, and
-  :func:`quiet_gc` to keep the garbage collector's pauses out of the timed requests;
-* the result envelope (kind, schema version, command, artifact, model, dataset, settings,
-  machine, load averages), the argument checks and the json/md/png writers.
+"""What the benchmarks share, written once: the real test images (normalized arrays in process,
+lossless PNG over HTTP, so both give the same answers); the drivers that time one request
+(:class:`InProcessDriver`, the predictor called directly, and :class:`RemoteDriver`, its own
+gateway called from :class:`.client.HttpClientProcess`, each request paired with the bare request
+that is its transport's floor); warm-up, interleaved rounds (a change in the machine's load hits
+every candidate alike), throughput, :func:`quiet_gc`; the argument checks, the result envelope
+and the writers.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""How ``sensai bench`` builds each strategy, and what each costs per worker.
-
-1. ``single`` - the original model on one worker;
-2. ``model-parallel`` - the original model cut into K contiguous stages (:mod:`sensai.stages`) on
-   K workers;
-3. ``class-parallel`` - sensAI: exactly the predictor ``sensai serve`` builds
-   (:func:`~sensai.serving.build.build_predictor`, the gateway's default settings; backend
-   ``local`` = worker threads unless asked otherwise; ``triton``: on a ``tritonserver`` the run
-   starts), and ``class-parallel@<backend>`` the same on each further backend of the run;
-4. ``data-parallel`` - R replicas of the original model.
-
-The baselines (:mod:`.baselines`) run on the same thread workers as the default class-parallel
-backend, with the same runtime, device and threads per worker.  Their ONNX files (the full
-model, the stages) are exported into ``out/models``.  Each strategy is loaded under a
+"""How ``sensai bench`` builds each strategy, and what each costs per worker: ``single`` (the
+original model on one worker), ``model-parallel`` (K contiguous stages on K workers),
+``class-parallel`` (exactly the predictor ``sensai serve`` builds, ``class-parallel@<backend>``
+the same on each further backend) and ``data-parallel`` (R replicas).  The baselines run on the
+same thread workers as the default class-parallel backend, with the same runtime, device and
+threads; their ONNX files go to ``out/models``.  Each strategy is loaded under a
 :class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
 """
 
