@@ -520,8 +520,10 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     assert set(result["strategies"]) == {"single", "class-parallel"}
     assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
     # The command that reproduces the run: the arguments given, none of the defaults.
-    assert result["command"].startswith(f"sensai bench {artifact} --out {out} --images 8 ")
-    assert "--no-http" in result["command"] and "--threads" not in result["command"]
+    assert result["command"].startswith(f"sensai bench {artifact} --out {out} ")
+    for given in ("--images 8", "--rounds 1", "--strategies single class-parallel", "--no-http"):
+        assert given in result["command"]
+    assert "--threads" not in result["command"] and "--seed" not in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
     # Over HTTP nothing was measured, so no target there can be claimed either way.
     remote = [c for c in checks if c["transport"] != "inprocess"]

@@ -16,8 +16,9 @@ from .train import add_device_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "bench", help="latency benchmark: class parallel vs single device / model parallel",
+    p = _parser(
+        sub, "bench", cmd_bench,
+        help="latency benchmark: class parallel vs single device / model parallel",
         description="Measure single-image latency (p50/p90/p99/mean at concurrency 1), throughput, "
                     "params/MACs and memory per worker, and top-1, of the original model on one "
                     "worker, the original model cut into K pipeline stages on K workers, the G "
@@ -26,14 +27,10 @@ def register(sub) -> None:
                     "v2 binary tensor) and gRPC (KServe v2), each remote request paired with the "
                     "same client's bare request to the same server. Writes bench.json, bench.md "
                     "and bench.png to --out.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--workers", "-K", type=int, default=None,
                    help="model-parallel stages, one worker each (default: G, as many as subnets)")
     p.add_argument("--replicas", type=int, default=None,
                    help="data-parallel replicas (default: the number of stages)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images timed one at a time (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP,
                    help="untimed requests per strategy and transport first, while the workers' "
                         "placement on the cores settles (default: %(default)s)")
@@ -61,32 +58,51 @@ def register(sub) -> None:
                         f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts); "
                         "several: class parallel on each, in the same run (default: local = "
                         "worker threads; the baselines always run on threads)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --backend ray: the Ray cluster to run the workers on (default: "
-                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=[], metavar="PEER",
                    help=f"also serve the original model with {' and '.join(PEERS)} (Triton "
                         "Inference Server, plain Ray Serve), started and stopped by the run, "
                         f"and time them over {PEER_TRANSPORT} beside the strategies: bench.md's "
                         "'sensai vs Triton vs Ray Serve' table; a peer that cannot run here is "
                         "skipped with its reason (default: none)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="intra-op threads of every worker's runner (default: %(default)s)")
-    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
-                   help="auto: ONNX Runtime on CPUs, torch on GPUs (default: %(default)s)")
-    add_device_arg(p)
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
+    _worker_args(p)
     p.add_argument("--keep-cores-awake", choices=MODES, default="off",
                    help="as for 'sensai serve', held for the whole run so every strategy and "
                         "peer is timed alike (default: %(default)s)")
     p.add_argument("--spread-cores", action="store_true",
                    help="as for 'sensai serve': class parallel's local worker threads are moved "
                         "apart when two share a core (default: off)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench, parser=p)
+    _images_args(p, "real test images timed one at a time")
     register_robust(sub)
     register_load(sub)
+
+
+def _parser(sub, name: str, func, *, help: str, description: str):
+    """A benchmark command's parser: the artifact and the output directory first."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=func, parser=p)
+    return p
+
+
+def _images_args(p, images: str) -> None:
+    """The test images, and how the run reports its progress."""
+    p.add_argument("--images", type=int, default=200, help=f"{images} (default: %(default)s)")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _worker_args(p) -> None:
+    """Where and how the workers run, as for 'sensai serve'."""
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the Ray cluster to run the workers on (default: "
+                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of every worker's runner (default: %(default)s)")
+    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
+                   help="auto: ONNX Runtime on CPUs, torch on GPUs (default: %(default)s)")
+    add_device_arg(p)
 
 
 def cmd_bench(args) -> int:
@@ -146,16 +162,15 @@ def _arg(value) -> str:
 
 
 def register_robust(sub) -> None:
-    p = sub.add_parser(
-        "bench-robust", help="redundant class parallelism: stragglers and a killed worker",
+    p = _parser(
+        sub, "bench-robust", cmd_bench_robust,
+        help="redundant class parallelism: stragglers and a killed worker",
         description="Serve the artifact as 'sensai serve --redundancy r' does (cyclic placement "
                     "on W = G workers; r = 0 is the default serving path 'sensai bench' "
                     "measures) and measure latency p50/p99, errors, wrong answers and the "
                     "compute overhead of the copies, without faults, with one worker delayed "
                     "(a delay distribution) and with one worker ended mid-run. Writes "
                     "robust.json, robust.md and robust.png to --out.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--redundancy", "-r", type=int, nargs="+", default=[0, 1], metavar="R",
                    help="redundancies to compare (default: 0 1)")
     p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
@@ -163,17 +178,12 @@ def register_robust(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="local",
                    help="where the workers run: local (threads, the default serving path), "
                         "processes or ray (default: %(default)s)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --backend ray: the Ray cluster to run the workers on (default: "
-                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
                    metavar="SCENARIO",
                    help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}; "
                         "node-loss kills the victim's node (its raylet and the processes it "
                         "started): --backend ray on a cluster of this machine's nodes, one "
                         "configuration)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images per scenario (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP,
                    help="untimed requests per configuration (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5,
@@ -192,13 +202,8 @@ def register_robust(sub) -> None:
                    help="seconds before the dead worker is restarted (default: 0)")
     p.add_argument("--vote", action="store_true", help="vote mode (2r+1 copies, majority)")
     p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per subnet (1)")
-    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto")
-    add_device_arg(p)
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_robust, parser=p)
+    _worker_args(p)
+    _images_args(p, "real test images per scenario")
 
 
 def cmd_bench_robust(args) -> int:
@@ -229,8 +234,9 @@ def cmd_bench_robust(args) -> int:
 def register_load(sub) -> None:
     from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
 
-    p = sub.add_parser(
-        "bench-load", help="soak and overload the HTTP gateway: memory, errors, 503s, health",
+    p = _parser(
+        sub, "bench-load", cmd_bench_load,
+        help="soak and overload the HTTP gateway: memory, errors, 503s, health",
         description="Start 'sensai serve ART' as a process of its own on 127.0.0.1, warm it up, "
                     "then drive it with PNG uploads to /v1/predict from separate client "
                     "processes: a soak at a fixed concurrency (throughput, p50/p99, status "
@@ -239,8 +245,6 @@ def register_load(sub) -> None:
                     "p50/p99 of the admitted and of the rejected requests, health afterwards). "
                     "Writes load.json, load.md, load.png and gateway.log to --out; stops the "
                     "gateway in every case.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
                         "$SENSAI_BACKEND)")
@@ -283,14 +287,9 @@ def register_load(sub) -> None:
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="RSS sampling period, and the bins of the timelines (default: "
                         "%(default)s)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images, sent in turn (default: %(default)s)")
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds the gateway may take to become ready (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_load, parser=p)
+    _images_args(p, "real test images, sent in turn")
 
 
 def cmd_bench_load(args) -> int:
