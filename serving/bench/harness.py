@@ -76,8 +76,13 @@ def check_settings(*, ints: Sequence[tuple[str, Any, int]] = (),
                               f"from {', '.join(allowed)}")
 
 
-def check_out_dir(out: Path) -> None:
-    """Fail now, not after the measurements, when ``out`` cannot be written."""
+def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
+           ) -> tuple[DatasetSpec, Path]:
+    """The run's dataset and output directory, checked now rather than after the measurements:
+    the test split must be where the spec says, the directory writable."""
+    spec = artifact.spec.with_data_dir(data_dir)
+    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".bench-write-test"
@@ -85,6 +90,7 @@ def check_out_dir(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    return spec, out
 
 
 def progress_bar(enabled: bool, desc: str = "bench"):
@@ -100,16 +106,14 @@ def envelope(kind: str, *, command: str | None, artifact: Artifact, spec: Datase
             "machine": machine_description()}
 
 
-def finish(result: dict[str, Any], t_start: float) -> None:
+def finish(out: Path, stem: str, result: dict[str, Any], t_start: float,
+           markdown: Callable[[dict], str], plot: Callable[[dict, Path], None]) -> None:
+    """The run's end in ``result``, then ``stem.json``, ``stem.md`` and ``stem.png`` in
+    ``out``, each written atomically."""
     result["machine"]["load_average_end"] = load_average()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-
-
-def write_outputs(out: Path, stem: str, result: dict[str, Any], markdown: str,
-                  plot: Callable[[dict, Path], None]) -> None:
-    """``stem.json``, ``stem.md`` and ``stem.png`` in ``out``, each written atomically."""
     write_json_atomic(out / f"{stem}.json", result)
-    write_text_atomic(out / f"{stem}.md", markdown)
+    write_text_atomic(out / f"{stem}.md", markdown(result))
     plot(result, out / f"{stem}.png")
 
 
@@ -133,11 +137,6 @@ class TestImages:
     def batch(self, count: int) -> torch.Tensor:
         """The first ``count`` images as one tensor (export checks, activation estimates)."""
         return torch.from_numpy(np.concatenate(self.xs[:count]))
-
-
-def check_dataset(spec: DatasetSpec) -> None:
-    """The test split must be where the spec says (fails with one line otherwise)."""
-    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
 
 
 def load_test_images(spec: DatasetSpec, count: int, seed: int, *, png: bool) -> TestImages:

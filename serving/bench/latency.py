@@ -32,9 +32,9 @@ from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
 from .comparison import comparison
-from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_settings,
-                      check_out_dir, envelope, finish, interleaved, load_test_images,
-                      progress_bar, quiet_gc, throughput, warm_up, write_outputs)
+from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings, envelope,
+                      finish, inputs, interleaved, load_test_images, progress_bar, quiet_gc,
+                      throughput, warm_up)
 from .latency_report import plot, render_markdown
 from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, WARMUP,
                     strategy_key)
@@ -126,10 +126,7 @@ def run_bench(
                           "--runtime onnx (or auto on a CPU)")
     needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
     model, record = load_original(artifact) if needs_original else (None, None)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    spec, out = inputs(artifact, data_dir, out_dir)
     g = len(artifact.subnets)
     k = workers or g
     if "model-parallel" in strategies:
@@ -227,8 +224,7 @@ def run_bench(
 
     result["accuracy"]["on_bench_images"] = _measured_top1(result, n)
     result["targets"] = evaluate_targets(result)
-    finish(result, t_start)
-    write_outputs(out, "bench", result, render_markdown(result), plot)
+    finish(out, "bench", result, t_start, render_markdown, plot)
     log.info("benchmark done in %.0f s -> %s", result["seconds"], out)
     return result
 

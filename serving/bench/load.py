@@ -35,8 +35,7 @@ from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
 from ..build import free_ports
 from .gateway_process import GatewayProcess, sigterm_as_exit
-from .harness import (check_dataset, check_out_dir, check_settings, envelope, finish,
-                      load_test_images, progress_bar, write_outputs)
+from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load_measures import (RssSampler, check_health, phase_report, rss_growth,
                             scrape_metrics, server_view)
 from .load_report import plot, render_markdown
@@ -354,10 +353,7 @@ def run_load_bench(
     if overload_connections is not None:
         check_open_files(overload_connections)
     artifact = load_artifact(artifact_dir)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, images, seed, png=True)
@@ -436,6 +432,5 @@ def run_load_bench(
                      "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
     result["phases"] = phases
     result["targets"] = evaluate_load_targets(result)
-    finish(result, t_start)
-    write_outputs(out, "load", result, render_markdown(result), plot)
+    finish(out, "load", result, t_start, render_markdown, plot)
     return result

@@ -37,8 +37,8 @@ from ..placement import check_redundancy
 from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from ..server import run_like_the_gateway
-from .harness import (check_dataset, check_out_dir, check_settings, envelope, finish, interleaved,
-                      load_test_images, progress_bar, quiet_gc, write_outputs)
+from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
+                      progress_bar, quiet_gc)
 from .machine import descendant_pids
 from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS, WARMUP
 from .robust_report import plot, render_markdown
@@ -385,10 +385,7 @@ def run_robust_bench(
     check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
                           victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
                           ray_address)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, images, seed, png=False)
@@ -442,6 +439,5 @@ def run_robust_bench(
                              "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
                              "scenarios": measured[k]}
                          for (r, h), k in zip(configs, preds)}
-    finish(result, t_start)
-    write_outputs(out, "robust", result, render_markdown(result), plot)
+    finish(out, "robust", result, t_start, render_markdown, plot)
     return result
