@@ -20,11 +20,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from sensai.errors import SensaiError
 
@@ -34,7 +32,6 @@ log = logging.getLogger(__name__)
 
 WORKDIR_PREFIX = "sensai-triton-"
 OWNER = "owner.pid"
-SETPRIV = shutil.which("setpriv")
 
 
 def _alive(pid: int) -> bool:
@@ -181,8 +178,7 @@ class TritonServerProcess:
         # The server dies with us even when we are SIGKILLed: setpriv (util-linux) sets the
         # parent-death signal before it execs tritonserver.  The parent is the thread that
         # starts it, so start it from a thread that lives as long as the server should.
-        guard = [SETPRIV, "--pdeathsig", "KILL", "--"] if SETPRIV else []
-        cmd = [*guard, str(self.install.binary), f"--model-repository={self.repo}",
+        cmd = [*child.death_guard("KILL"), str(self.install.binary), f"--model-repository={self.repo}",
                f"--http-address={self.host}", f"--http-port={self.http_port}",
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                f"--metrics-port={self.metrics_port}", "--allow-metrics=true",
@@ -197,35 +193,23 @@ class TritonServerProcess:
         log.info("starting %s", " ".join(cmd))
         self._log = open(self.log_path, "wb")
         # Without setpriv the child sets its parent-death signal itself, between fork and exec.
-        pre = set_parent_death_signal if not SETPRIV and sys.platform == "linux" else None
+        pre = set_parent_death_signal if not child.SETPRIV and sys.platform == "linux" else None
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self._env(), start_new_session=True, preexec_fn=pre)
-        deadline = time.monotonic() + self.startup_timeout_s
         try:  # an interrupted or failed start leaves no server and no directory behind
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise SensaiError(f"tritonserver exited with code {self.proc.returncode}: "
-                                      f"{self.log_tail()}")
-                try:
-                    if httpx.get(f"http://{self.url}/v2/health/ready",
-                                 timeout=1.0).status_code == 200:
-                        log.info("tritonserver ready at %s", self.url)
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-            raise SensaiError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s: "
-                              f"{self.log_tail()}")
+            child.wait_ready(
+                f"http://{self.url}/v2/health/ready", self.startup_timeout_s, what="tritonserver",
+                exited=lambda: self.proc.poll() is not None and f"exited with code "
+                                                                f"{self.proc.returncode}",
+                tail=lambda: f": {self.log_tail()}")
+            log.info("tritonserver ready at %s", self.url)
+            return self
         except BaseException:
             self.stop()
             raise
 
     def log_tail(self, n: int = 15) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(lines[-n:])
+        return child.log_tail(self.log_path, n)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is not None:

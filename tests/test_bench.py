@@ -48,6 +48,9 @@ def test_outputs_are_written_and_well_formed(short_run):
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk["kind"] == "sensai-bench" and on_disk["command"] == "test"
     assert on_disk["strategies"].keys() == result["strategies"].keys() == set(STRATS)
+    # Host tuning is opt-in, and recorded either way.
+    machine = on_disk["machine"]
+    assert machine["spread_cores"] is False and "held" in machine["cores_awake"]
     with Image.open(out / "bench.png") as img:
         assert img.format == "PNG" and img.size[0] > 400 and img.size[1] > 200
     md = (out / "bench.md").read_text()
@@ -516,8 +519,11 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     result = json.loads((out / "bench.json").read_text())
     assert set(result["strategies"]) == {"single", "class-parallel"}
     assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
-    assert result["command"].startswith(f"sensai bench {artifact} --out {out}")
-    assert "--no-http" in result["command"]
+    # The command that reproduces the run: the arguments given, none of the defaults.
+    assert result["command"].startswith(f"sensai bench {artifact} --out {out} ")
+    for given in ("--images 8", "--rounds 1", "--strategies single class-parallel", "--no-http"):
+        assert given in result["command"]
+    assert "--threads" not in result["command"] and "--seed" not in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
     # Over HTTP nothing was measured, so no target there can be claimed either way.
     remote = [c for c in checks if c["transport"] != "inprocess"]
@@ -622,8 +628,8 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     client = HttpClientProcess([encode_png(fmnist_test[0][0])], [bytes(4 * 784)], [1, 1, 28, 28])
     try:
         with pytest.raises(RuntimeError, match="ConnectError"):
-            client.sequential(f"http://127.0.0.1:{port}", [0])
-        with pytest.raises(RuntimeError, match="ConnectError"):
+            client.timed("http", f"http://127.0.0.1:{port}", "sensai", [0])
+        with pytest.raises(RuntimeError, match="ConnectionRefused"):
             client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
         with pytest.raises(RuntimeError, match="ConnectError"):
             client.timed("http-v2", f"http://127.0.0.1:{port}", "sensai", [0])

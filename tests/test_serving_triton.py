@@ -211,7 +211,7 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
 def test_an_interrupted_or_failed_start_leaves_nothing(tiny_artifact, monkeypatch):
     if find_tritonserver() is None:
         pytest.fail("no tritonserver: deploy/setup.sh unpacks one into .venv/triton")
-    from sensai.serving import tritonserver
+    from sensai.serving import child, tritonserver
 
     started = []
     real_popen = subprocess.Popen
@@ -224,7 +224,7 @@ def test_an_interrupted_or_failed_start_leaves_nothing(tiny_artifact, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(tritonserver.subprocess, "Popen", popen)
-    monkeypatch.setattr(tritonserver.httpx, "get", interrupt)  # Ctrl-C while it starts
+    monkeypatch.setattr(child.httpx, "get", interrupt)  # Ctrl-C while it starts
     before = set(Path(tempfile.gettempdir()).glob(WORKDIR_PREFIX + "*"))
     with pytest.raises(KeyboardInterrupt):
         launch_triton(tiny_artifact)

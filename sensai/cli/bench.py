@@ -16,8 +16,9 @@ from .train import add_device_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "bench", help="latency benchmark: class parallel vs single device / model parallel",
+    p = _parser(
+        sub, "bench", cmd_bench,
+        help="latency benchmark: class parallel vs single device / model parallel",
         description="Measure single-image latency (p50/p90/p99/mean at concurrency 1), throughput, "
                     "params/MACs and memory per worker, and top-1, of the original model on one "
                     "worker, the original model cut into K pipeline stages on K workers, the G "
@@ -26,14 +27,10 @@ def register(sub) -> None:
                     "v2 binary tensor) and gRPC (KServe v2), each remote request paired with the "
                     "same client's bare request to the same server. Writes bench.json, bench.md "
                     "and bench.png to --out.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--workers", "-K", type=int, default=None,
                    help="model-parallel stages, one worker each (default: G, as many as subnets)")
     p.add_argument("--replicas", type=int, default=None,
                    help="data-parallel replicas (default: the number of stages)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images timed one at a time (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP,
                    help="untimed requests per strategy and transport first, while the workers' "
                         "placement on the cores settles (default: %(default)s)")
@@ -61,29 +58,51 @@ def register(sub) -> None:
                         f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts); "
                         "several: class parallel on each, in the same run (default: local = "
                         "worker threads; the baselines always run on threads)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --backend ray: the Ray cluster to run the workers on (default: "
-                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=[], metavar="PEER",
                    help=f"also serve the original model with {' and '.join(PEERS)} (Triton "
                         "Inference Server, plain Ray Serve), started and stopped by the run, "
                         f"and time them over {PEER_TRANSPORT} beside the strategies: bench.md's "
                         "'sensai vs Triton vs Ray Serve' table; a peer that cannot run here is "
                         "skipped with its reason (default: none)")
+    _worker_args(p)
+    p.add_argument("--keep-cores-awake", choices=MODES, default="off",
+                   help="as for 'sensai serve', held for the whole run so every strategy and "
+                        "peer is timed alike (default: %(default)s)")
+    p.add_argument("--spread-cores", action="store_true",
+                   help="as for 'sensai serve': class parallel's local worker threads are moved "
+                        "apart when two share a core (default: off)")
+    _images_args(p, "real test images timed one at a time")
+    register_robust(sub)
+    register_load(sub)
+
+
+def _parser(sub, name: str, func, *, help: str, description: str):
+    """A benchmark command's parser: the artifact and the output directory first."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=func, parser=p)
+    return p
+
+
+def _images_args(p, images: str) -> None:
+    """The test images, and how the run reports its progress."""
+    p.add_argument("--images", type=int, default=200, help=f"{images} (default: %(default)s)")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _worker_args(p) -> None:
+    """Where and how the workers run, as for 'sensai serve'."""
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the Ray cluster to run the workers on (default: "
+                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
     p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
                    help="auto: ONNX Runtime on CPUs, torch on GPUs (default: %(default)s)")
     add_device_arg(p)
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: %(default)s)")
-    p.add_argument("--keep-cores-awake", choices=MODES, default=None,
-                   help="as for 'sensai serve', held for the whole run so every strategy and "
-                        "peer is timed alike (default: auto, or $SENSAI_KEEP_CORES_AWAKE)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
-    register_robust(sub)
-    register_load(sub)
 
 
 def cmd_bench(args) -> int:
@@ -95,7 +114,6 @@ def cmd_bench(args) -> int:
                   if not (args.no_inprocess if t == "inprocess" else args.no_http)]
     if not transports:
         raise SensaiError("--transports, --no-http and --no-inprocess leave nothing to measure")
-    command = _command_line(args)
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_bench(
@@ -105,56 +123,54 @@ def cmd_bench(args) -> int:
         backend=args.backend, ray_address=args.ray_address, peers=args.peers,
         device=args.device,
         runtime=args.runtime, threads=args.threads, data_dir=args.data_dir, seed=args.seed,
-        keep_awake=args.keep_cores_awake, command=command, progress=not args.no_progress)
+        keep_awake=args.keep_cores_awake, spread_cores=args.spread_cores,
+        command=command_line(args), progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     return 0
 
 
-def _command_line(args) -> str:
-    """The command that reproduces this run (every option that differs from its default)."""
-    parts = ["sensai", "bench", args.artifact, "--out", args.out]
-    options = (("--workers", args.workers, None), ("--replicas", args.replicas, None),
-               ("--images", args.images, 200), ("--warmup", args.warmup, WARMUP),
-               ("--rounds", args.rounds, 10), ("--concurrency", args.concurrency, 8),
-               ("--requests", args.requests, None),
-               ("--ray-address", args.ray_address, None), ("--threads", args.threads, 1),
-               ("--runtime", args.runtime, "auto"), ("--device", args.device, "auto"),
-               ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
-               ("--keep-cores-awake", args.keep_cores_awake, None))
-    for flag, value, default in options:
-        if value != default:
-            parts += [flag, str(value)]
-    if list(args.strategies) != list(STRATEGIES):
-        parts += ["--strategies", *args.strategies]
-    if list(args.transports) != list(TRANSPORTS):
-        parts += ["--transports", *args.transports]
-    if list(args.backend) != ["local"]:
-        parts += ["--backend", *args.backend]
-    if args.peers:
-        parts += ["--peers", *args.peers]
-    for flag in ("no_http", "no_inprocess"):
-        if getattr(args, flag):
-            parts.append("--" + flag.replace("_", "-"))
+def command_line(args) -> str:
+    """The command that reproduces this run: the command's parser, and every argument given
+    that differs from its default."""
+    parser = args.parser
+    parts = parser.prog.split()
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings:  # a positional argument
+            parts += [str(v) for v in (value if isinstance(value, list) else [value])]
+            continue
+        if action.dest == "help" or value == action.default or value is None:
+            continue
+        flag = next(f for f in action.option_strings if f.startswith("--"))
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list) and action.nargs is None:  # a repeatable option
+            parts += [x for item in value for x in (flag, str(item))]
+        else:
+            parts += [flag, *(_arg(v) for v in (value if isinstance(value, list) else [value]))]
     return shlex.join(parts)
 
 
+def _arg(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 # --------------------------------------------------------------------------------------------
-# sensai bench-robust (issue 6: redundancy against stragglers and dead workers)
+# sensai bench-robust: redundancy against stragglers and dead workers
 
 
 def register_robust(sub) -> None:
-    p = sub.add_parser(
-        "bench-robust", help="redundant class parallelism: stragglers and a killed worker",
+    p = _parser(
+        sub, "bench-robust", cmd_bench_robust,
+        help="redundant class parallelism: stragglers and a killed worker",
         description="Serve the artifact as 'sensai serve --redundancy r' does (cyclic placement "
                     "on W = G workers; r = 0 is the default serving path 'sensai bench' "
                     "measures) and measure latency p50/p99, errors, wrong answers and the "
                     "compute overhead of the copies, without faults, with one worker delayed "
                     "(a delay distribution) and with one worker ended mid-run. Writes "
                     "robust.json, robust.md and robust.png to --out.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--redundancy", "-r", type=int, nargs="+", default=[0, 1], metavar="R",
                    help="redundancies to compare (default: 0 1)")
     p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
@@ -162,18 +178,14 @@ def register_robust(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="local",
                    help="where the workers run: local (threads, the default serving path), "
                         "processes or ray (default: %(default)s)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --backend ray: the Ray cluster to run the workers on (default: "
-                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
                    metavar="SCENARIO",
                    help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}; "
                         "node-loss kills the victim's node (its raylet and the processes it "
                         "started): --backend ray on a cluster of this machine's nodes, one "
                         "configuration)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images per scenario (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=20, help="untimed requests (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help="untimed requests per configuration (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5,
                    help="none/straggler runs interleave the configurations in this many rounds "
                         "(default: %(default)s)")
@@ -190,13 +202,8 @@ def register_robust(sub) -> None:
                    help="seconds before the dead worker is restarted (default: 0)")
     p.add_argument("--vote", action="store_true", help="vote mode (2r+1 copies, majority)")
     p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per subnet (1)")
-    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto")
-    p.add_argument("--device", default="cpu", help="cpu (default), auto, cuda:N")
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_robust)
+    _worker_args(p)
+    _images_args(p, "real test images per scenario")
 
 
 def cmd_bench_robust(args) -> int:
@@ -207,11 +214,12 @@ def cmd_bench_robust(args) -> int:
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
         scenarios=args.scenarios, backend=args.backend, ray_address=args.ray_address,
         images=args.images, warmup=args.warmup,
-        rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim, kill_at=args.kill_at,
+        rounds=args.rounds, delay=args.delay, straggler=args.straggler, victim=args.victim,
+        kill_at=args.kill_at,
         interval_ms=args.interval_ms, vote=args.vote, deadline_s=args.deadline,
         restart_delay_s=args.restart_delay,
         device=args.device, runtime=args.runtime, threads=args.threads, data_dir=args.data_dir,
-        seed=args.seed, command=shlex.join(["sensai", "bench-robust", *_argv_tail(args)]),
+        seed=args.seed, command=command_line(args),
         progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
@@ -219,41 +227,16 @@ def cmd_bench_robust(args) -> int:
     return 0
 
 
-def _argv_tail(args) -> list[str]:
-    parts = [args.artifact, "--out", args.out, "--redundancy", *map(str, args.redundancy)]
-    for flag, value, default in (("--backend", args.backend, "local"),
-                                 ("--ray-address", args.ray_address, None),
-                                 ("--images", args.images, 200), ("--warmup", args.warmup, 20),
-                                 ("--rounds", args.rounds, 5), ("--delay", args.delay, "exp:50ms"),
-                                 ("--straggler", args.straggler, 0), ("--victim", args.victim, 1),
-                                 ("--kill-at", args.kill_at, 0.3),
-                                 ("--interval-ms", args.interval_ms, 10.0),
-                                 ("--restart-delay", args.restart_delay, 0.0),
-                                 ("--deadline", args.deadline, 5.0),
-                                 ("--threads", args.threads, 1),
-                                 ("--runtime", args.runtime, "auto"),
-                                 ("--device", args.device, "cpu"),
-                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0)):
-        if value != default:
-            parts += [flag, str(value)]
-    if args.hedge_ms != [0.0]:
-        parts += ["--hedge-ms", *(f"{h:g}" for h in args.hedge_ms)]
-    if list(args.scenarios) != list(DEFAULT_SCENARIOS):
-        parts += ["--scenarios", *args.scenarios]
-    if args.vote:
-        parts.append("--vote")
-    return parts
-
-
 # --------------------------------------------------------------------------------------------
-# sensai bench-load (issue 12: soak and overload of the gateway)
+# sensai bench-load: soak and overload of the gateway
 
 
 def register_load(sub) -> None:
     from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
 
-    p = sub.add_parser(
-        "bench-load", help="soak and overload the HTTP gateway: memory, errors, 503s, health",
+    p = _parser(
+        sub, "bench-load", cmd_bench_load,
+        help="soak and overload the HTTP gateway: memory, errors, 503s, health",
         description="Start 'sensai serve ART' as a process of its own on 127.0.0.1, warm it up, "
                     "then drive it with PNG uploads to /v1/predict from separate client "
                     "processes: a soak at a fixed concurrency (throughput, p50/p99, status "
@@ -262,8 +245,6 @@ def register_load(sub) -> None:
                     "p50/p99 of the admitted and of the rejected requests, health afterwards). "
                     "Writes load.json, load.md, load.png and gateway.log to --out; stops the "
                     "gateway in every case.")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
                         "$SENSAI_BACKEND)")
@@ -306,14 +287,9 @@ def register_load(sub) -> None:
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="RSS sampling period, and the bins of the timelines (default: "
                         "%(default)s)")
-    p.add_argument("--images", type=int, default=200,
-                   help="real test images, sent in turn (default: %(default)s)")
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="which test images (default: 0)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds the gateway may take to become ready (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench_load)
+    _images_args(p, "real test images, sent in turn")
 
 
 def cmd_bench_load(args) -> int:
@@ -329,37 +305,10 @@ def cmd_bench_load(args) -> int:
         sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
         data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
-        command=shlex.join(["sensai", "bench-load", *_load_argv(args)]),
+        command=command_line(args),
         progress=not args.no_progress)
     print(render_table(result))
     out = Path(args.out)
     print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} "
           f"(gateway output: {out / 'gateway.log'})")
     return 0
-
-
-def _load_argv(args) -> list[str]:
-    parts = [args.artifact, "--out", args.out]
-    for flag, value, default in (("--backend", args.backend, None),
-                                 ("--deadline", args.deadline, None),
-                                 ("--max-requests", args.max_requests, None),
-                                 ("--max-predictions", args.max_predictions, None),
-                                 ("--concurrency", args.concurrency, 16),
-                                 ("--clients", args.clients, 2),
-                                 ("--warmup-seconds", args.warmup_seconds, 30.0),
-                                 ("--soak-seconds", args.soak_seconds, 600.0),
-                                 ("--overload-seconds", args.overload_seconds, 60.0),
-                                 ("--overload-factor", args.overload_factor, 4.0),
-                                 ("--overload-rate", args.overload_rate, None),
-                                 ("--overload-connections", args.overload_connections, None),
-                                 ("--burst-seconds", args.burst_seconds, 20.0),
-                                 ("--burst-concurrency", args.burst_concurrency, 32),
-                                 ("--sample-seconds", args.sample_seconds, 5.0),
-                                 ("--images", args.images, 200),
-                                 ("--data-dir", args.data_dir, None), ("--seed", args.seed, 0),
-                                 ("--startup-timeout", args.startup_timeout, 180.0)):
-        if value != default:
-            parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-    for item in args.env:
-        parts += ["--env", item]
-    return parts

@@ -1,25 +1,10 @@
-"""The benchmark harness: ``sensai bench`` (latency of class parallelism against single device,
-model parallel and data parallel) and ``sensai bench-robust`` (redundancy under faults).
-
-Written once, on the predictor ``sensai serve`` builds; one responsibility per module:
-
-* :mod:`.latency` - ``sensai bench``: :func:`~.latency.run_bench`;
-* :mod:`.robust` - ``sensai bench-robust``: :func:`~.robust.run_robust_bench`;
-* :mod:`.harness` - what both share: test images, drivers (in process, HTTP), warm-up,
-  interleaved rounds, throughput, the result envelope and the writers;
-* :mod:`.strategies` - how ``sensai bench`` builds each strategy (and what it costs);
-* :mod:`.baselines` - single device, model parallel and data parallel on thread workers;
-* :mod:`.peers` - the systems a user would pick instead (``--peers``): the original model on
-  Triton and on plain Ray Serve (:mod:`.ray_serve_peer`); :mod:`.comparison` - their table
-  beside sensai's;
-* :mod:`.targets` - the declarative targets, per model;
-* :mod:`.accuracy` - the artifact's recorded accuracy and shrink, reported beside the latencies;
-* :mod:`.latency_report`, :mod:`.robust_report`, :mod:`.render` - markdown, tables and plots;
-* :mod:`.stats`, :mod:`.machine` - percentiles, latency split, machine and memory figures;
-* :mod:`.client` - the HTTP client, in its own process;
-* :mod:`.names` - the vocabulary (strategies, transports, backends, scenarios, labels).
+"""The benchmark harness: ``sensai bench`` (:mod:`.latency`: class parallelism against single
+device, model parallel and data parallel, and ``--peers``: the original model on Triton and Ray
+Serve), ``sensai bench-robust`` (:mod:`.robust`: redundancy under faults) and ``sensai
+bench-load`` (:mod:`.load`: soak and overload of a gateway process).  :mod:`.harness` holds what
+they share; :mod:`.client` is the HTTP/gRPC client, in its own process, and :mod:`.names` the
+vocabulary.
 
 Nothing is imported here: the client's spawned process imports this package, and must stay
-light.  A script calling :func:`~.latency.run_bench` needs the usual
-``if __name__ == "__main__":`` guard (the client is a spawned process).
+light.  A script calling a benchmark needs the usual ``if __name__ == "__main__":`` guard.
 """

@@ -1,20 +1,14 @@
 """The baselines of ``sensai bench``, on the same workers the class-parallel predictor uses.
 
-Every strategy's workers are :class:`~sensai.serving.transports.threads.ThreadWorker`\\ s (the
-transport ``sensai serve`` runs by default): one thread holding one runner, fed
-:class:`~sensai.serving.messages.Run` messages, answering :class:`~sensai.serving.messages.Output`
-events that carry the compute time measured inside the worker.  :class:`WorkerSet` is the small
-sink those events come back to, so the strategies differ only in how a request travels:
-
-* :class:`SingleDevice` - the original model on one worker;
-* :class:`ModelParallel` - K contiguous stages on K workers, the activation handed from worker to
-  worker one stage after the other;
-* :class:`DataParallel` - R replicas of the full model, each request on the least busy one (more
-  images per second, never a shorter single-image latency).
-
-Each answers with the timing keys of the class-parallel predictor: ``compute`` (critical path),
-``compute_sum``, ``merge`` (a softmax here), ``total`` and ``compute.<worker>``, and keeps a
-deadline the same way (a timer per request; a late answer is a 504).
+Every baseline's workers are the serving pool's thread workers
+(:class:`~sensai.serving.transports.threads.ThreadWorker`), answering with the compute time
+measured inside the worker; :class:`WorkerSet` is the sink their answers come back to.  The
+class-parallel predictor cannot host them: it sends every request to all its workers and merges
+their class groups, while a baseline calls one worker (:class:`SingleDevice`,
+:class:`DataParallel`: the least busy replica) or hands the activation from worker to worker
+(:class:`ModelParallel`).  Each answers with the predictor's timing keys (``compute``,
+``compute_sum``, ``merge``: a softmax here, ``total``, ``compute.<worker>``) and keeps a
+deadline the same way (a late answer is a 504).
 """
 
 from __future__ import annotations

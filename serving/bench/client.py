@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import multiprocessing as mp
 import struct
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,14 +52,17 @@ def _parse(resp, url: str) -> tuple[int, dict]:
 
 
 def _parse_v2(resp, url: str) -> tuple[int, dict]:
+    if resp.status_code != 200:
+        raise RuntimeError(f"server at {url} answered {resp.status_code}: {resp.text[:200]}")
+    return _v2_answer(resp.content, resp.headers.get(V2_HEADER))
+
+
+def _v2_answer(body: bytes, header_length) -> tuple[int, dict]:
     """A v2 answer (a JSON header, then each binary output's bytes in order): the class, from
     the ``class_index`` output (the gateway's, and the Ray Serve peer's) or else the argmax of
     the first output (a model's scores, as Triton answers), and the server's ``timings_ms``
     ({} when it reports none)."""
-    if resp.status_code != 200:
-        raise RuntimeError(f"server at {url} answered {resp.status_code}: {resp.text[:200]}")
-    body = resp.content
-    n = int(resp.headers.get(V2_HEADER, len(body)))
+    n = int(header_length or len(body))
     head, offset, pred, first = json.loads(body[:n]), n, None, None
     for out in head["outputs"]:
         size = (out.get("parameters") or {}).get("binary_data_size")
@@ -70,7 +74,7 @@ def _parse_v2(resp, url: str) -> tuple[int, dict]:
         offset += size or 0
     if pred is None:
         if not first:
-            raise RuntimeError(f"server at {url} answered neither class_index nor scores")
+            raise RuntimeError("the server answered neither class_index nor scores")
         pred = max(range(len(first)), key=first.__getitem__)
     timings = (head.get("parameters") or {}).get("timings_ms")
     return int(pred), json.loads(timings) if timings else {}
@@ -134,17 +138,6 @@ class _Client:
             self.channels[target] = (channel, pb_grpc.GRPCInferenceServiceStub(channel))
         return self.channels[target][1]
 
-    def sequential(self, url: str, indices: list[int]) -> list[tuple[float, int, dict]]:
-        client = self._http(url)
-        out = []
-        for j in indices:
-            t0 = time.perf_counter()
-            resp = client.post(PREDICT, content=self.pngs[j], headers=HEADERS)
-            ms = (time.perf_counter() - t0) * 1e3
-            pred, timings = _parse(resp, url)
-            out.append((ms, pred, timings))
-        return out
-
     def _calls(self, transport: str, address: str, model: str):
         """(bare request, prepare(image) -> request, send(request) -> answer, parse(answer) ->
         (predicted index, timings)) of one transport, on this client's connection."""
@@ -189,34 +182,20 @@ class _Client:
 
     async def concurrent(self, url: str, n_requests: int, concurrency: int,
                          transport: str = "http", model: str = "sensai") -> dict[str, Any]:
+        """``n_requests`` requests from ``concurrency`` callers: the load generator's closed
+        loop with a request budget; a refusal by the server's admission is counted in ``shed``,
+        any other failure ends the run."""
         if transport == "grpc":
             return await self._concurrent_grpc(url, n_requests, concurrency, model)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, limits=limits) as client:
-            counter = iter(range(n_requests))
-            latencies: list[float] = []
-            shed = [0]
-            path = PREDICT if transport == "http" else f"/v2/models/{model}/infer"
-
-            async def one_client() -> None:
-                for j in counter:
-                    if transport == "http":
-                        content, headers = self.pngs[j % len(self.pngs)], HEADERS
-                    else:
-                        content, headers = self.tensors.v2_body(j % len(self.tensors.tensors))
-                    t0 = time.perf_counter()
-                    resp = await client.post(path, content=content, headers=headers)
-                    if resp.status_code == 503 and "retry-after" in resp.headers:
-                        shed[0] += 1  # turned away by admission: counted, not fatal
-                        continue  # (a 503 without Retry-After, e.g. a lost subnet, is fatal)
-                    (_parse if transport == "http" else _parse_v2)(resp, url)
-                    latencies.append((time.perf_counter() - t0) * 1e3)
-
-            # Warm the pool's connections so the timed part does not pay for TCP set-up.
-            await asyncio.gather(*(client.get("/v2/health/live") for _ in range(concurrency)))
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one_client() for _ in range(concurrency)))
-            return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed[0]}
+        if transport == "http":
+            bodies = [(PREDICT, HEADERS, p) for p in self.pngs]
+        else:
+            bodies = [(f"/v2/models/{model}/infer", *self.tensors.v2_body(j)[::-1])
+                      for j in range(len(self.tensors.tensors))]
+        out = await load_phase(raw_requests(url, bodies), url, count=n_requests,
+                               concurrency=concurrency, strict=True)
+        ok = [ms for ms, status in zip(out["ms"], out["status"]) if status == 200]
+        return {"seconds": out["seconds"], "latencies": ok, "shed": len(out["ms"]) - len(ok)}
 
     async def _concurrent_grpc(self, target: str, n_requests: int, concurrency: int,
                                model: str) -> dict[str, Any]:
@@ -227,28 +206,19 @@ class _Client:
 
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            counter = iter(range(n_requests))
-            latencies: list[float] = []
-            shed = [0]
 
-            async def one_client() -> None:
-                for j in counter:
-                    req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
-                    t0 = time.perf_counter()
-                    try:
-                        resp = await stub.ModelInfer(req, timeout=TIMEOUT_S)
-                    except grpc.aio.AioRpcError as e:
-                        if not refused(e):
-                            raise
-                        shed[0] += 1  # turned away by admission (HTTP's 503)
-                        continue
-                    _grpc_answer(resp)
-                    latencies.append((time.perf_counter() - t0) * 1e3)
+            async def one(j: int) -> bool:
+                req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
+                try:
+                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
+                    return True
+                except grpc.aio.AioRpcError as e:
+                    if not refused(e):
+                        raise
+                    return False  # turned away by admission (HTTP's 503)
 
             await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one_client() for _ in range(concurrency)))
-            return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed[0]}
+            return await closed_loop(n_requests, concurrency, one)
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -257,53 +227,73 @@ class _Client:
             channel.close()
 
 
+async def closed_loop(n_requests: int, concurrency: int,
+                      one: Callable[[int], Awaitable[bool]]) -> dict[str, Any]:
+    """``n_requests`` calls of ``one(j)`` from ``concurrency`` callers, each taking the next
+    request as soon as its last is answered: seconds, the answered requests' latencies (ms),
+    and ``shed``, those ``one`` says the server turned away."""
+    counter = iter(range(n_requests))
+    latencies: list[float] = []
+    shed = 0
+
+    async def caller() -> None:
+        nonlocal shed
+        for j in counter:
+            t0 = time.perf_counter()
+            if await one(j):
+                latencies.append((time.perf_counter() - t0) * 1e3)
+            else:
+                shed += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed}
+
+
 class _Connection:
     """One keep-alive HTTP/1.1 connection of :func:`load_phase`, on asyncio streams: a small
-    fraction of httpx's work per request, whose pool's bookkeeping also grows with the requests
-    waiting for a connection (under overload the client, not the gateway, became the
-    bottleneck).  Enough for the gateway, whose answers all carry Content-Length."""
+    fraction of an HTTP library's work per request (whose pool's bookkeeping also grows with the
+    requests waiting for a connection, so under overload the client, not the server, would be
+    the bottleneck).  Enough for the gateway and the peers, whose answers carry Content-Length."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def request(self, data: bytes) -> tuple[int, bytes]:
-        """Send ``data`` (a whole request), read the answer: (status, body)."""
+    async def request(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        """Send ``data`` (a whole request), read the answer: (status, headers, body)."""
         reused = self.writer is not None
         try:
             return await self._exchange(data)
         except ConnectionError:
             if not reused:
                 raise
-            # The gateway closed this connection while it was idle (keep-alive timeout) before
+            # The server closed this connection while it was idle (keep-alive timeout) before
             # reading the request: send it again on a new one.
             return await self._exchange(data)
 
-    async def _exchange(self, data: bytes) -> tuple[int, bytes]:
+    async def _exchange(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
         try:
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             self.writer.write(data)
             line = await self.reader.readline()
             if not line:
-                raise ConnectionResetError("the gateway closed the connection")
-            status, length, close = int(line.split()[1]), None, False
+                raise ConnectionResetError("the server closed the connection")
+            status, headers = int(line.split()[1]), {}
             while (line := await self.reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                if name == b"content-length":
-                    length = int(value)
-                elif name == b"connection":
-                    close = value.strip().lower() == b"close"
+                headers[name.strip().lower()] = value.strip()
+            length = headers.get(b"content-length")
             body = await (self.reader.read() if length is None
-                          else self.reader.readexactly(length))
+                          else self.reader.readexactly(int(length)))
         except BaseException:  # a timeout or an error leaves the stream in an unknown state
             self.close()
             raise
-        if close or length is None:
+        if length is None or headers.get(b"connection", b"").lower() == b"close":
             self.close()
-        return status, body
+        return status, headers, body
 
     def close(self) -> None:
         if self.writer is not None:
@@ -311,27 +301,45 @@ class _Connection:
         self.reader = self.writer = None
 
 
-async def load_phase(pngs: list[bytes], url: str, *, seconds: float, concurrency: int = 0,
-                     rate: float = 0.0, connections: int = 0, preopen: int = 0,
-                     expected: list[int] | None = None, timeout_s: float = 60.0,
-                     first: int = 0) -> dict[str, Any]:
-    """``sensai bench-load``'s traffic for ``seconds``: closed loop (``concurrency`` requests
-    always in flight) or, given ``rate``, open loop (a request every 1/rate s whatever the
-    answers; ``preopen`` connections opened first, a new one whenever all are busy, up to
-    ``connections``).  Per request: ``t``, when it started (``time.monotonic()``, the same
-    clock in every process; open loop: when it was due), ``ms``, its latency from then, and
-    ``status`` (0: no answer, its exception's type counted in ``failures``); ``wrong``: 200
-    answers whose top-1 is not ``expected[image]``; open loop: ``lag_ms``, how late each
-    request got a connection and left, and ``sent_in_time``, how many left before the end."""
+def raw_requests(url: str, items: list[tuple[str, dict[str, str], bytes]]) -> list[bytes]:
+    """Each (path, headers, body) as a whole HTTP/1.1 POST to ``url``, built once."""
+    parts = urlsplit(url)
+    head = f"HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+    return [f"POST {path} {head}".encode()
+            + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            for path, headers, body in items]
+
+
+def _answer(headers: dict[bytes, bytes], body: bytes) -> int:
+    """The class of a 200 answer: a JSON ``index``, or a KServe v2 binary answer's."""
+    if V2_HEADER.encode() in headers or b"octet-stream" in headers.get(b"content-type", b""):
+        return _v2_answer(body, headers.get(V2_HEADER.encode()))[0]
+    return json.loads(body)["index"]
+
+
+async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.inf,
+                     count: int | None = None, concurrency: int = 0, rate: float = 0.0,
+                     connections: int = 0, preopen: int = 0, expected: list[int] | None = None,
+                     timeout_s: float = TIMEOUT_S, first: int = 0,
+                     strict: bool = False) -> dict[str, Any]:
+    """The load generator: ``requests`` (whole HTTP requests, sent in turn) for ``seconds`` or
+    ``count`` requests, closed loop (``concurrency`` requests always in flight) or, given
+    ``rate``, open loop (a request every 1/rate s whatever the answers; ``preopen`` connections
+    opened first, a new one whenever all are busy, up to ``connections``).  Per request: ``t``,
+    when it started (``time.monotonic()``, the same clock in every process; open loop: when it
+    was due), ``ms``, its latency from then, and ``status`` (0: no answer, its exception's type
+    counted in ``failures``); ``wrong``: 200 answers whose top-1 is not ``expected[image]``;
+    open loop: ``lag_ms``, how late each request got a connection and left, and
+    ``sent_in_time``, how many left before the end.  ``strict``: an answer other than 200, or a
+    503 with Retry-After (the server's admission), raises instead of being counted."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    head = f"HTTP/1.1\r\nHost: {host}:{port}\r\n"
-    requests = [f"POST {PREDICT} {head}Content-Type: image/png\r\nContent-Length: {len(p)}"
-                f"\r\n\r\n".encode() + p for p in pngs]
-    live = f"GET {LIVE} {head}\r\n".encode()
+    live = f"GET {LIVE} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
     out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
                            "wrong": 0, "failures": {}}
     images = itertools.count(first)
+    budget = itertools.count() if count is None else iter(range(count))
     conns = [_Connection(host, port) for _ in range(concurrency or preopen or connections)]
     free: asyncio.Queue = asyncio.Queue()
 
@@ -340,10 +348,15 @@ async def load_phase(pngs: list[bytes], url: str, *, seconds: float, concurrency
         status = 0
         try:
             async with asyncio.timeout(timeout_s):
-                status, body = await conn.request(requests[j])
-            if status == 200 and expected is not None and json.loads(body)["index"] != expected[j]:
+                status, headers, body = await conn.request(requests[j])
+            if strict and status != 200 and not (status == 503 and b"retry-after" in headers):
+                raise RuntimeError(f"server at {url} answered {status}: "
+                                   f"{body[:200].decode(errors='replace')}")
+            if status == 200 and expected is not None and _answer(headers, body) != expected[j]:
                 out["wrong"] += 1
         except (OSError, EOFError, TimeoutError) as e:
+            if strict:
+                raise
             out["failures"][type(e).__name__] = out["failures"].get(type(e).__name__, 0) + 1
         except (ValueError, KeyError, TypeError, IndexError):  # not an answer we can read
             if status == 200:
@@ -356,9 +369,9 @@ async def load_phase(pngs: list[bytes], url: str, *, seconds: float, concurrency
         return status
 
     async def closed(conn: _Connection) -> None:
-        while (now := time.monotonic()) < end:
+        while (now := time.monotonic()) < end and next(budget, None) is not None:
             if not await one(conn, now):
-                await asyncio.sleep(0.05)  # no answer (gateway gone?): do not spin
+                await asyncio.sleep(0.05)  # no answer (server gone?): do not spin
 
     async def due_at(due: float) -> None:
         if free.empty() and len(conns) < connections:
@@ -412,14 +425,13 @@ def _serve(conn, pngs: list[bytes], tensors: list[bytes] | None = None,
             if msg[0] == "close":
                 return
             try:
-                if msg[0] == "sequential":
-                    conn.send(("ok", client.sequential(msg[1], msg[2])))
-                elif msg[0] == "timed":
+                if msg[0] == "timed":
                     conn.send(("ok", client.timed(*msg[1:])))
                 elif msg[0] == "concurrent":
                     conn.send(("ok", asyncio.run(client.concurrent(*msg[1:]))))
                 elif msg[0] == "load":
-                    conn.send(("ok", asyncio.run(load_phase(client.pngs, msg[1], **msg[2]))))
+                    requests = raw_requests(msg[1], [(PREDICT, HEADERS, p) for p in client.pngs])
+                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], **msg[2]))))
                 else:
                     conn.send(("error", f"unknown request {msg[0]!r}"))
             except Exception as e:  # reported to the benchmark, which raises it there
@@ -453,10 +465,6 @@ class HttpClientProcess:
         if status != "ok":
             raise RuntimeError(value)
         return value
-
-    def sequential(self, url: str, indices) -> list[tuple[float, int, dict]]:
-        """One request at a time: (latency ms, predicted index, gateway timings) per image."""
-        return self._ask("sequential", url, [int(j) for j in indices])
 
     def timed(self, transport: str, address: str, model: str,
               indices) -> list[tuple[float, int, dict, float]]:

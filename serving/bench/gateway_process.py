@@ -1,35 +1,21 @@
 """``sensai serve ART`` in a process (and session) of its own on 127.0.0.1, for the load
 benchmark: its resident set is its own, its output goes to a log, and it is always stopped
-(SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM should the benchmark die)."""
+(SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM should the benchmark die), as
+:mod:`sensai.serving.child` starts and stops a server."""
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import httpx
-
-from sensai.errors import SensaiError
-
 from .. import child
-
-SETPRIV = shutil.which("setpriv")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayProcess:
@@ -62,41 +48,24 @@ class GatewayProcess:
         return " ".join([*env, shlex.join(["sensai", *self.argv[3:]])])
 
     def launch(self) -> None:
-        # setpriv (util-linux): SIGTERM to the gateway should this process die, even SIGKILLed.
-        # The parent is the thread that starts it: this one, which outlives the run.
-        guard = [SETPRIV, "--pdeathsig", "TERM", "--"] if SETPRIV else []
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([*guard, *self.argv], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=os.environ | self.env, start_new_session=True)
+        self.proc = subprocess.Popen([*child.death_guard("TERM"), *self.argv],
+                                     stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=os.environ | self.env,
+                                     start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise SensaiError(f"the gateway exited with status {self.proc.returncode} before "
-                                  f"it was ready: {self.last_line()} (log: {self.log_path})")
-            try:
-                if httpx.get(f"{self.url}/v2/health/ready", timeout=2.0).status_code == 200:
-                    self.startup_s = round(time.monotonic() - t0, 2)
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise SensaiError(f"the gateway was not ready after {timeout_s:g} s: "
-                                  f"{self.last_line()} (log: {self.log_path})")
-            time.sleep(0.2)
+        self.startup_s = round(child.wait_ready(
+            f"{self.url}/v2/health/ready", timeout_s, what="the gateway",
+            exited=lambda: self.proc.poll() is not None and f"exited with status "
+                                                            f"{self.proc.returncode}",
+            tail=lambda: f": {self.last_line()} (log: {self.log_path})"), 2)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def last_line(self) -> str:
-        try:
-            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
-                     if ln.strip()]
-        except OSError:
-            lines = []
-        return lines[-1].strip() if lines else "(no output)"
+        return child.log_tail(self.log_path)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (the gateway drains and stops its workers), SIGKILL if it is still there

@@ -1,23 +1,17 @@
-"""What ``sensai bench`` and ``sensai bench-robust`` share, written once.
-
-* the real test images (a stratified subset of the test split; normalized arrays for in-process
-  calls, PNG bytes for HTTP - PNG is lossless, so both give the same answers);
-* the drivers that time one request: :class:`InProcessDriver` (the predictor called directly)
-  and :class:`RemoteDriver` (the gateway of :mod:`sensai.serving.app` under
-  :class:`~sensai.serving.server.BackgroundServer`, called over HTTP or gRPC from
-  :class:`.client.HttpClientProcess`, each request paired with the bare request that is its
-  transport's floor);
-* warm-up, latency at concurrency 1 in interleaved rounds (every candidate serves a round in
-  turn, so a change in the machine's load hits them alike), throughput at a concurrency, and
-  :func:`quiet_gc` to keep the garbage collector's pauses out of the timed requests;
-* the result envelope (kind, schema version, command, artifact, model, dataset, settings,
-  machine, load averages), the argument checks and the json/md/png writers.
+"""What the benchmarks share, written once: the real test images (normalized arrays in process,
+lossless PNG over HTTP, so both give the same answers); the drivers that time one request
+(:class:`InProcessDriver`, the predictor called directly, and :class:`RemoteDriver`, its own
+gateway called from :class:`.client.HttpClientProcess`, each request paired with the bare request
+that is its transport's floor); warm-up, interleaved rounds (a change in the machine's load hits
+every candidate alike), throughput, :func:`quiet_gc`; the argument checks, the result envelope
+and the writers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +33,7 @@ from ..app import create_app
 from ..contract import Predictor
 from ..server import BackgroundServer
 from ..settings import GatewaySettings
-from .client import HttpClientProcess
+from .client import HttpClientProcess, closed_loop
 from .machine import load_average, machine_description
 from .stats import summarize
 
@@ -61,8 +55,34 @@ def check_int(name: str, value, low: int) -> None:
         raise SensaiError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def check_out_dir(out: Path) -> None:
-    """Fail now, not after the measurements, when ``out`` cannot be written."""
+def check_settings(*, ints: Sequence[tuple[str, Any, int]] = (),
+                   numbers: Sequence[tuple[str, Any, bool]] = (),
+                   choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+    """Every benchmark's arguments, checked before anything is loaded: ``ints`` (name, value,
+    lowest), ``numbers`` (name, value, whether 0 is allowed; None: the default applies) and
+    ``choices`` (what, the values given, those allowed; at least one)."""
+    for name, value, low in ints:
+        check_int(name, value, low)
+    for name, value, zero in numbers:
+        if value is not None and not (not isinstance(value, bool)
+                                      and isinstance(value, (int, float)) and math.isfinite(value)
+                                      and (value >= 0 if zero else value > 0)):
+            raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
+                              f"{value!r}")
+    for what, given, allowed in choices:
+        bad = [v for v in given if v not in allowed]
+        if bad or not given:
+            raise SensaiError(f"unknown {what} {', '.join(map(repr, bad)) or '(none)'}; choose "
+                              f"from {', '.join(allowed)}")
+
+
+def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
+           ) -> tuple[DatasetSpec, Path]:
+    """The run's dataset and output directory, checked now rather than after the measurements:
+    the test split must be where the spec says, the directory writable."""
+    spec = artifact.spec.with_data_dir(data_dir)
+    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".bench-write-test"
@@ -70,6 +90,7 @@ def check_out_dir(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    return spec, out
 
 
 def progress_bar(enabled: bool, desc: str = "bench"):
@@ -85,16 +106,14 @@ def envelope(kind: str, *, command: str | None, artifact: Artifact, spec: Datase
             "machine": machine_description()}
 
 
-def finish(result: dict[str, Any], t_start: float) -> None:
+def finish(out: Path, stem: str, result: dict[str, Any], t_start: float,
+           markdown: Callable[[dict], str], plot: Callable[[dict, Path], None]) -> None:
+    """The run's end in ``result``, then ``stem.json``, ``stem.md`` and ``stem.png`` in
+    ``out``, each written atomically."""
     result["machine"]["load_average_end"] = load_average()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-
-
-def write_outputs(out: Path, stem: str, result: dict[str, Any], markdown: str,
-                  plot: Callable[[dict, Path], None]) -> None:
-    """``stem.json``, ``stem.md`` and ``stem.png`` in ``out``, each written atomically."""
     write_json_atomic(out / f"{stem}.json", result)
-    write_text_atomic(out / f"{stem}.md", markdown)
+    write_text_atomic(out / f"{stem}.md", markdown(result))
     plot(result, out / f"{stem}.png")
 
 
@@ -118,11 +137,6 @@ class TestImages:
     def batch(self, count: int) -> torch.Tensor:
         """The first ``count`` images as one tensor (export checks, activation estimates)."""
         return torch.from_numpy(np.concatenate(self.xs[:count]))
-
-
-def check_dataset(spec: DatasetSpec) -> None:
-    """The test split must be where the spec says (fails with one line otherwise)."""
-    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
 
 
 def load_test_images(spec: DatasetSpec, count: int, seed: int, *, png: bool) -> TestImages:
@@ -157,16 +171,12 @@ class InProcessDriver:
 
     async def concurrent(self, n_requests: int, concurrency: int
                          ) -> tuple[float, list[float], int]:
-        counter = iter(range(n_requests))
-        latencies: list[float] = []
+        async def one(j: int) -> bool:
+            await self.predictor.predict(self.xs[j % len(self.xs)])
+            return True
 
-        async def client() -> None:
-            for j in counter:
-                latencies.append((await self.one(j % len(self.xs)))[0])
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies, 0
+        r = await closed_loop(n_requests, concurrency, one)
+        return r["seconds"], r["latencies"], r["shed"]
 
     async def close(self) -> None:
         pass

@@ -1,26 +1,14 @@
 """``sensai bench``: single-image latency of class parallelism against the usual alternatives.
 
-One run measures, on the same real test images, the same runtime and the same thread/device
-budget per worker, the strategies of :mod:`.strategies` (single device, model parallel, class
-parallel, data parallel), each in process (the predictor called directly) and end to end over
-each remote transport - ``http`` (PNG upload to ``/v1/predict``), ``http-v2`` (KServe v2 binary
-tensor) and ``grpc`` (KServe v2 over gRPC) - against its own gateway on 127.0.0.1, from a client
-in its own process, warm-up excluded.  Latency is taken at concurrency 1 in interleaved rounds,
-throughput afterwards at a chosen concurrency.  Each request's latency is split into compute,
-merge and transport (:mod:`.stats`); over a remote transport the same client also times the bare
-request to the same server just before each request (``GET /v2/health/live``, gRPC
-``ServerLive``), the floor that transport puts under any request.  Class parallel's subnets are
-also timed one at a time, each alone on a worker ("each subnet alone"), to separate their own
-compute from competition for the cores.
-
-With ``peers`` (:mod:`.peers`), the systems a user would pick instead - the original model on
-Triton and on plain Ray Serve, started and stopped by the run - are timed over ``http-v2`` in the
-same rounds, by the same client, and :mod:`.comparison` puts them beside sensai's strategies
-(class parallel on each of the run's backends: ``backend`` may name several).
-
-Outputs in ``out_dir``: ``bench.json`` (every figure, raw latencies, the artifact's accuracy and
-shrink, the targets that apply to its model, settings, machine), ``bench.md``, ``bench.png`` and
-``models/`` (ONNX files of the full model and of the stages).
+The strategies of :mod:`.strategies` run on the same real test images, runtime and threads per
+worker, each in process and over each remote transport (``http``: PNG upload, ``http-v2``:
+KServe v2 binary tensor, ``grpc``) against its own gateway on 127.0.0.1, from a client in its own
+process.  Latency is taken at concurrency 1 in interleaved rounds (a change in the machine's load
+hits every strategy alike), throughput afterwards.  Over a remote transport the client times the
+bare request to the same server just before each request: the floor under any request.  The
+subnets are also timed each alone, to separate their compute from competition for the cores.
+``peers`` (:mod:`.peers`) are timed over ``http-v2`` in the same rounds and compared in
+:mod:`.comparison`.  Outputs: ``bench.json``, ``bench.md``, ``bench.png`` and ``models/``.
 """
 
 from __future__ import annotations
@@ -44,9 +32,9 @@ from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
 from .client import HttpClientProcess
 from .comparison import comparison
-from .harness import (InProcessDriver, RemoteDriver, TestImages, check_dataset, check_int,
-                      check_out_dir, envelope, finish, interleaved, load_test_images,
-                      progress_bar, quiet_gc, throughput, warm_up, write_outputs)
+from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings, envelope,
+                      finish, inputs, interleaved, load_test_images, progress_bar, quiet_gc,
+                      throughput, warm_up)
 from .latency_report import plot, render_markdown
 from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, WARMUP,
                     strategy_key)
@@ -59,44 +47,25 @@ from .targets import evaluate_targets
 log = logging.getLogger(__name__)
 
 
-def backend_list(backend: str | Sequence[str]) -> list[str]:
-    """``backend`` as a list: one name, or several."""
-    return [backend] if isinstance(backend, str) else list(backend or [])
-
-
-def check_settings(*, workers, replicas, images, warmup, concurrency, requests, threads, rounds,
-                   isolated_images, strategies: Sequence[str], transports: Sequence[str],
-                   runtime: str, backend: str | Sequence[str], ray_address: str | None = None,
-                   peers: Sequence[str] = ()) -> None:
-    """Every setting checked before anything is loaded."""
-    for name, v, low in (("--workers", workers, 1), ("--replicas", replicas, 1),
-                         ("--images", images, 1), ("--warmup", warmup, 0),
-                         ("--concurrency", concurrency, 1), ("--requests", requests, 1),
-                         ("--threads", threads, 1), ("--rounds", rounds, 1),
-                         ("isolated_images", isolated_images, 0)):
-        check_int(name, v, low)
-    bad = [s for s in strategies if s not in STRATEGIES]
-    if bad or not strategies:
-        raise SensaiError(f"unknown strategy {', '.join(bad) or '(none)'}; choose from "
-                          f"{', '.join(STRATEGIES)}")
-    if not transports or any(t not in TRANSPORTS for t in transports):
-        raise SensaiError(f"transports must be some of {', '.join(TRANSPORTS)}")
-    if runtime not in RUNTIMES:
-        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    backends = backend_list(backend)
-    bad = [b for b in backends if b not in BENCH_BACKENDS]
-    if bad or not backends:
-        raise SensaiError(f"unknown backend {', '.join(map(repr, bad)) or '(none)'} for the "
-                          f"benchmark; choose from {', '.join(BENCH_BACKENDS)}")
+def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requests, threads,
+                         rounds, isolated_images, strategies: Sequence[str],
+                         transports: Sequence[str], runtime: str, backends: Sequence[str],
+                         ray_address: str | None = None, peers: Sequence[str] = ()) -> None:
+    """Every setting of ``sensai bench`` checked before anything is loaded."""
+    check_settings(
+        ints=(("--workers", workers, 1), ("--replicas", replicas, 1), ("--images", images, 1),
+              ("--warmup", warmup, 0), ("--concurrency", concurrency, 1),
+              ("--requests", requests, 1), ("--threads", threads, 1), ("--rounds", rounds, 1),
+              ("isolated_images", isolated_images, 0)),
+        choices=(("strategy", strategies, STRATEGIES), ("transports", transports, TRANSPORTS),
+                 ("runtime", [runtime], RUNTIMES), ("backend", backends, BENCH_BACKENDS),
+                 ("peer", peers or [PEERS[0]], PEERS)))
     if len(set(backends)) < len(backends):
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
     if ray_address and "ray" not in backends:
         raise SensaiError("--ray-address is for --backend ray")
     if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
         raise SensaiError(f"--backend triton: {TRITON_HINT}")
-    bad = [p for p in peers if p not in PEERS]
-    if bad:
-        raise SensaiError(f"unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}")
     if peers and PEER_TRANSPORT not in transports:
         raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
                           "v2 binary tensor over HTTP, the one request they all take): add "
@@ -126,43 +95,28 @@ def run_bench(
     seed: int = 0,
     isolated_images: int = 20,
     keep_awake: str | None = None,
+    spread_cores: bool = False,
     command: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Benchmark the artifact in ``artifact_dir``; write bench.json, bench.md, bench.png to
-    ``out_dir``; return what bench.json holds.
-
-    ``workers``: K, the model-parallel stages (default: G, the number of subnets, so both
-    parallel strategies use as many workers).  ``replicas``: data-parallel replicas (default K).
-    ``images``: real test images (stratified) timed at concurrency 1 in ``rounds`` interleaved
-    rounds, after ``warmup`` untimed requests per strategy and transport.  ``concurrency`` and
-    ``requests`` (default: max(images, 4 x concurrency)): the throughput run.  ``backend``: where
-    class parallel's workers run, as for ``sensai serve`` (the baselines always run on worker
-    threads), or several backends, each a strategy (``triton``: a ``tritonserver`` the run
-    starts); ``ray_address``: the Ray cluster of ``backend="ray"`` (each worker's node is
-    reported).  ``peers``: the systems of :mod:`.peers` serving the original model, started by
-    the run and timed over ``http-v2`` beside the strategies (bench.md's "sensai vs Triton vs
-    Ray Serve"; a peer that cannot run here is skipped with its reason).  ``threads``:
-    intra-op threads of every worker's runner.  ``device``/``runtime``: as for ``sensai serve``
-    (auto: ONNX Runtime on CPUs, torch on GPUs), the same for every strategy.
-    ``isolated_images``: images on which each subnet is also timed alone.  ``keep_awake``: as
-    ``sensai serve --keep-cores-awake`` (default: the gateway's setting), held for the whole run
-    so every strategy and peer is timed with the machine's idle cores in the same state
-    (recorded in bench.json's ``machine.cores_awake``).  ``transports``: any
-    of ``inprocess``, ``http``, ``http-v2``, ``grpc``.  The HTTP/gRPC client is a spawned
-    process, so a script calling this needs the usual ``if __name__ == "__main__":`` guard (the
-    ``sensai`` command has it).
-    """
-    check_settings(workers=workers, replicas=replicas, images=images, warmup=warmup,
-                   concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
-                   isolated_images=isolated_images, strategies=list(strategies or []),
-                   transports=list(transports or []), runtime=runtime, backend=backend,
-                   ray_address=ray_address, peers=list(peers or []))
+    ``out_dir``; return what bench.json holds.  The arguments are ``sensai bench``'s options
+    (``workers``: K, default G; ``replicas``: default K; ``requests``: default max(images,
+    4 x concurrency); ``backend``: one or several, each a class-parallel strategy; ``peers``:
+    the original model on other systems; ``keep_awake`` and ``spread_cores``: as for ``sensai
+    serve``, held for the whole run and recorded in ``machine``).  ``isolated_images``: images
+    on which each subnet is also timed alone."""
+    backends = [backend] if isinstance(backend, str) else list(backend or [])
+    check_bench_settings(
+        workers=workers, replicas=replicas, images=images, warmup=warmup,
+        concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
+        isolated_images=isolated_images, strategies=list(strategies or []),
+        transports=list(transports or []), runtime=runtime, backends=backends,
+        ray_address=ray_address, peers=list(peers or []))
     if keep_awake is not None:
         check_mode(keep_awake)
     strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
     transports = [t for t in TRANSPORTS if t in set(transports)]
-    backends = backend_list(backend)
     peers = [p for p in PEERS if p in set(peers or [])]
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
@@ -172,10 +126,7 @@ def run_bench(
                           "--runtime onnx (or auto on a CPU)")
     needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
     model, record = load_original(artifact) if needs_original else (None, None)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    spec, out = inputs(artifact, data_dir, out_dir)
     g = len(artifact.subnets)
     k = workers or g
     if "model-parallel" in strategies:
@@ -207,6 +158,7 @@ def run_bench(
     gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
     awake = keep_cores_awake(gateway.keep_cores_awake)
     result["machine"]["cores_awake"] = awake.describe()
+    result["machine"]["spread_cores"] = spread_cores
     bar = progress_bar(progress)
     try:
         recipes: dict[str, Recipe] = {}
@@ -232,7 +184,7 @@ def run_bench(
                     bar.set_description(f"load {name}")
                     s = build(recipes[key], artifact, backend=pool, device=device,
                               runtime=runtime, threads=threads, settings=gateway,
-                              ray_address=ray_address, key=name)
+                              ray_address=ray_address, key=name, spread_cores=spread_cores)
                     built.append(s)
                     result["strategies"][name] = s.info
             settings["runtime_resolved"] = sorted(
@@ -272,8 +224,7 @@ def run_bench(
 
     result["accuracy"]["on_bench_images"] = _measured_top1(result, n)
     result["targets"] = evaluate_targets(result)
-    finish(result, t_start)
-    write_outputs(out, "bench", result, render_markdown(result), plot)
+    finish(out, "bench", result, t_start, render_markdown, plot)
     log.info("benchmark done in %.0f s -> %s", result["seconds"], out)
     return result
 

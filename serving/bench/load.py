@@ -1,33 +1,16 @@
 """``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
 serve (overload).
 
-The gateway is ``sensai serve ART`` in a process of its own on 127.0.0.1 (so its resident set is
-its own), started with the backend and gateway settings given, and always stopped at the end
-(SIGTERM: it drains and stops its workers; SIGKILL if it does not exit; with ``setpriv`` it also
-gets SIGTERM should this process die).  Real test images are sent as PNG uploads to
-``/v1/predict`` from :class:`~.client.HttpClientProcess` client processes, and every 200 answer
-is checked against offline evaluation's top-1.
-
-1. **warm-up**: closed loop at the soak's concurrency, not counted;
-2. **soak**: closed loop - ``concurrency`` requests always in flight - for ``soak_s``; the
-   gateway's RSS (``/proc/<pid>/status`` ``VmRSS``, and with its descendant processes) is
-   sampled every ``sample_s`` throughout the run; its growth is the mean of the soak's last
-   minute against the first sample after warm-up;
-3. **overload**: open loop at ``overload_factor`` x the soak's throughput (or ``overload_rate``)
-   for ``overload_s``: requests leave at that rate, evenly spaced, whatever the answers; a new
-   connection is opened whenever every open one is busy (up to the gateway's ``max_requests``
-   plus the arrivals of one deadline), so the client does not limit the requests in flight;
-   latency counts from when a request was due, and how late requests left is reported; the
-   gateway's own counts and latency histogram (``/metrics``) are read before and after;
-4. **health afterwards**: ``/v2/health/ready`` and sequential predictions compared with offline
-   evaluation.
-
-Targets (reported, with their values, never asserted): a soak of 10 minutes at concurrency 16
-with 0 errors and RSS growth under 5 % after warm-up; under overload only 200 or 503 answers,
-p99 of the admitted requests within the deadline, the server healthy afterwards.
-
-Outputs in ``out_dir``: ``load.json``, ``load.md``, ``load.png``, and ``gateway.log`` (the
-gateway's own output).
+The gateway is ``sensai serve ART`` in a process of its own (:mod:`.gateway_process`), so its
+resident set is its own; real test images go to ``/v1/predict`` as PNG uploads from client
+processes (:mod:`.client`), every 200 answer checked against offline evaluation's top-1.  Phases:
+a warm-up and a soak in a closed loop (the RSS sampled throughout; its growth is the soak's last
+minute against its first sample); an open-loop overload at a multiple of the soak's throughput
+(requests leave when due whatever the answers, latency counts from when a request was due, a new
+connection is opened whenever all are busy, so the client does not limit the requests in
+flight); health afterwards; a burst of the largest legal image for the peak memory.  Targets:
+:func:`~.targets.evaluate_load_targets`.  Outputs: ``load.json``, ``load.md``, ``load.png`` and
+``gateway.log``.
 """
 
 from __future__ import annotations
@@ -50,19 +33,17 @@ from sensai.errors import SensaiError
 from ..imaging import decode_image
 from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, free_port, sigterm_as_exit
-from .harness import (check_dataset, check_int, check_out_dir, envelope, finish,
-                      load_test_images, progress_bar, write_outputs)
-from .load_measures import (LAST_WINDOW_S, RssSampler, check_health, phase_report, rss_growth,
+from ..build import free_ports
+from .gateway_process import GatewayProcess, sigterm_as_exit
+from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
+from .load_measures import (RssSampler, check_health, phase_report, rss_growth,
                             scrape_metrics, server_view)
 from .load_report import plot, render_markdown
 from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
 from .stats import summarize
+from .targets import evaluate_load_targets
 
-SOAK_TARGET_S = 600.0
-SOAK_TARGET_CONCURRENCY = 16
-RSS_GROWTH_LIMIT_PCT = 5.0
 HEALTH_IMAGES = 20  # predictions checked after the overload
 RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
 # Settings the benchmark sets itself (--backend, --deadline, the address).
@@ -71,13 +52,6 @@ OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE
 
 # --------------------------------------------------------------------------------------------
 # Arguments
-
-
-def _check_seconds(name: str, value, *, zero: bool = False) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (value >= 0 if zero else value > 0))
-    if not ok:
-        raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 def parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -126,27 +100,24 @@ def gateway_settings(*, backend: str | None, deadline_s: float | None,
     return settings, extra
 
 
-def check_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
-                   overload_s: float, overload_factor: float, overload_rate: float | None,
-                   overload_connections: int | None, sample_s: float, images: int,
-                   startup_timeout_s: float, burst_s: float = 0.0,
-                   burst_concurrency: int = 1) -> None:
-    check_int("--concurrency", concurrency, 1)
-    check_int("--clients", clients, 1)
+def check_load_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
+                        overload_s: float, overload_factor: float, overload_rate: float | None,
+                        overload_connections: int | None, sample_s: float, images: int,
+                        startup_timeout_s: float, burst_s: float = 0.0,
+                        burst_concurrency: int = 1) -> None:
+    check_settings(
+        ints=(("--concurrency", concurrency, 1), ("--clients", clients, 1),
+              ("--images", images, 1), ("--overload-connections", overload_connections, clients),
+              ("--burst-concurrency", burst_concurrency, 1)),
+        numbers=(("--warmup-seconds", warmup_s, True), ("--burst-seconds", burst_s, True),
+                 ("--soak-seconds", soak_s, False), ("--overload-seconds", overload_s, False),
+                 ("--overload-factor", overload_factor, False),
+                 ("--sample-seconds", sample_s, False),
+                 ("--startup-timeout", startup_timeout_s, False),
+                 ("--overload-rate", overload_rate, False)))
     if clients > concurrency:
         raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
                           "every client process keeps at least one request in flight")
-    check_int("--images", images, 1)
-    check_int("--overload-connections", overload_connections, clients)
-    _check_seconds("--warmup-seconds", warmup_s, zero=True)
-    _check_seconds("--burst-seconds", burst_s, zero=True)
-    check_int("--burst-concurrency", burst_concurrency, 1)
-    for name, v in (("--soak-seconds", soak_s), ("--overload-seconds", overload_s),
-                    ("--overload-factor", overload_factor), ("--sample-seconds", sample_s),
-                    ("--startup-timeout", startup_timeout_s)):
-        _check_seconds(name, v)
-    if overload_rate is not None:
-        _check_seconds("--overload-rate", overload_rate)
     if not Path("/proc/self/status").is_file():
         raise SensaiError("bench-load reads the gateway's memory from /proc: Linux only")
 
@@ -168,61 +139,6 @@ def check_open_files(connections: int) -> None:
         raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
                           f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
                           "or lower --overload-connections")
-
-
-# --------------------------------------------------------------------------------------------
-# Targets
-
-
-def _check(name: str, rule: str, value, limit, unit: str, met: bool | None,
-           conditions_met: bool, conditions: str) -> dict[str, Any]:
-    return {"name": name, "rule": rule, "value": value, "limit": limit, "unit": unit,
-            "met": met, "status": {True: "met", False: "not met", None: "not measured"}[met],
-            "conditions_met": conditions_met, "conditions": conditions}
-
-
-def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Issue 12's targets, each met / not met / not measured with its value, and whether the run
-    was the one the target is stated for (otherwise the verdict is only indicative)."""
-    st, phases = result["settings"], result["phases"]
-    soak, over = phases.get("soak"), phases.get("overload", {})
-    growth = (soak or {}).get("rss", {}).get("gateway")
-    soak_cond = (st["soak_s"] >= SOAK_TARGET_S and st["concurrency"] == SOAK_TARGET_CONCURRENCY)
-    soak_text = (f"a soak of >= {SOAK_TARGET_S / 60:g} minutes at concurrency "
-                 f"{SOAK_TARGET_CONCURRENCY} (this run: {st['soak_s']:g} s at concurrency "
-                 f"{st['concurrency']})")
-    measured = over.get("requests") is not None
-    offered, asked = over.get("offered_rate_rps"), over.get("target_rate_rps")
-    over_cond = bool(measured and offered and asked and offered >= 0.9 * asked)
-    over_text = (f"the client offered >= 90 % of the rate asked (this run: "
-                 f"{offered if offered is not None else '-'} of {asked or '-'} requests/s)")
-    deadline_ms = st["gateway"]["deadline_s"] * 1e3
-    p99 = over.get("latency_ok_ms", {}).get("p99") if measured else None
-    health = result.get("health_after") or {}
-    checks = [
-        _check("soak_errors", "soak: 0 errors (answers other than 200, requests without an "
-               "answer)", soak["errors"] if soak else None, 0, "requests",
-               soak["errors"] == 0 if soak else None, soak_cond, soak_text),
-        _check("soak_rss_growth", f"soak: gateway RSS growth after warm-up < "
-               f"{RSS_GROWTH_LIMIT_PCT:g} % (mean of the last {LAST_WINDOW_S:g} s vs the first "
-               "sample after warm-up)", growth["growth_pct"] if growth else None,
-               RSS_GROWTH_LIMIT_PCT, "%",
-               growth["growth_pct"] < RSS_GROWTH_LIMIT_PCT if growth else None, soak_cond,
-               soak_text),
-        _check("overload_only_200_503", "overload: only 200 or 503 answers",
-               over.get("not_200_or_503") if measured else None, 0, "requests",
-               over["not_200_or_503"] == 0 if measured else None, over_cond, over_text),
-        _check("overload_admitted_p99", "overload: p99 of the admitted (200) requests within "
-               "the deadline", p99, deadline_ms, "ms", None if p99 is None else p99 <= deadline_ms,
-               over_cond, over_text),
-        _check("healthy_after_overload", "overload: healthy afterwards (/v2/health/ready 200 and "
-               "correct predictions)", health.get("healthy") if measured else None, True, "",
-               health.get("healthy") if measured else None, over_cond, over_text),
-    ]
-    met = [c["met"] for c in checks]
-    return {"checks": checks,
-            "all_met": all(met) if all(m is not None for m in met) else None,
-            "conditions_met": all(c["conditions_met"] for c in checks)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,30 +336,24 @@ def run_load_bench(
 ) -> dict[str, Any]:
     """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
     load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
-
-    ``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``
-    (``SENSAI_*`` variables) are the gateway's settings; unset ones come from this process's
-    environment, as for ``sensai serve``.  ``clients`` processes share ``concurrency`` (soak) and
-    the overload's rate and connections.  ``overload_connections`` caps the overload's
-    connections (default: the gateway's ``max_requests`` plus the arrivals of one deadline,
-    within the open-file limit); ``max_requests + concurrency`` of them are opened before it
-    starts, more as they are needed.
-    """
-    check_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
-                   overload_s=overload_s, overload_factor=overload_factor,
-                   overload_rate=overload_rate, overload_connections=overload_connections,
-                   sample_s=sample_s, images=images, startup_timeout_s=startup_timeout_s,
-                   burst_s=burst_s, burst_concurrency=burst_concurrency)
+    The arguments are ``sensai bench-load``'s options: ``backend``, ``deadline_s``,
+    ``max_requests``, ``max_predictions`` and ``env`` (``SENSAI_*``) are the gateway's settings,
+    unset ones from this environment as for ``sensai serve``; ``clients`` processes share the
+    load; ``overload_connections`` (default: ``max_requests`` plus the arrivals of one
+    deadline, within the open-file limit) caps the overload's connections."""
+    check_load_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
+                        overload_s=overload_s, overload_factor=overload_factor,
+                        overload_rate=overload_rate,
+                        overload_connections=overload_connections, sample_s=sample_s,
+                        images=images, startup_timeout_s=startup_timeout_s, burst_s=burst_s,
+                        burst_concurrency=burst_concurrency)
     gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
                                        max_requests=max_requests,
                                        max_predictions=max_predictions, env=dict(env or {}))
     if overload_connections is not None:
         check_open_files(overload_connections)
     artifact = load_artifact(artifact_dir)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, images, seed, png=True)
@@ -467,7 +377,7 @@ def run_load_bench(
     result = envelope("sensai-bench-load", command=command, artifact=artifact, spec=spec,
                       settings=settings)
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    gateway = GatewayProcess(artifact.root, port=free_port(), backend=backend,
+    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend=backend,
                              deadline_s=deadline_s, env=gateway_env,
                              log_path=out / "gateway.log")
     procs: list[HttpClientProcess] = []
@@ -521,7 +431,6 @@ def run_load_bench(
     result["rss"] = {"unit": "MB (10^6 bytes)", "source": f"/proc/{gateway.pid}/status VmRSS",
                      "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
     result["phases"] = phases
-    result["targets"] = evaluate_targets(result)
-    finish(result, t_start)
-    write_outputs(out, "load", result, render_markdown(result), plot)
+    result["targets"] = evaluate_load_targets(result)
+    finish(out, "load", result, t_start, render_markdown, plot)
     return result

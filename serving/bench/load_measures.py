@@ -189,7 +189,7 @@ def check_health(url: str, client: HttpClientProcess, expected: Sequence[int],
     except httpx.HTTPError as e:
         out["error"] = f"/v2/health/ready: {type(e).__name__}: {e}"
     try:
-        answers = client.sequential(url, range(n_images))
+        answers = client.timed("http", url, "sensai", range(n_images))
         out["predictions"] = len(answers)
         out["correct"] = sum(int(a[1] == expected[j]) for j, a in enumerate(answers))
     except (RuntimeError, TimeoutError, EOFError, OSError) as e:

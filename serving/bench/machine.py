@@ -77,8 +77,7 @@ def cpu_idle(sysfs: str = "/sys") -> dict[str, Any] | None:
     loop; each wake-up of an idle core pays that core's way out of its idle state.  Under a
     hypervisor's ``haltpoll`` driver an idle core first polls for up to ``guest_halt_poll_ns``
     (the kernel's default: 200000) before it halts, and a halted core is woken through the
-    hypervisor: with 0 every wake-up goes that way (the in-process overhead on 2 cores here:
-    see BENCHMARKS.md)."""
+    hypervisor: with 0 every wake-up goes that way (its effect: BENCHMARKS.md)."""
     base = Path(sysfs, "devices/system/cpu/cpuidle")
     driver = _read(str(base / "current_driver"))
     if driver is None:
@@ -123,12 +122,17 @@ def rss_bytes() -> int | None:
     return int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm else None
 
 
-def process_rss_bytes(pid: int) -> int | None:
-    """Resident set (``VmRSS``) of process ``pid`` (Linux), or None when it is gone."""
+def _status_bytes(pid: int | str, field: str) -> int | None:
+    """A size from ``/proc/<pid>/status`` (Linux), or None when the process is gone."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def process_rss_bytes(pid: int) -> int | None:
+    """Resident set (``VmRSS``) of process ``pid``, or None when it is gone."""
+    return _status_bytes(pid, "VmRSS")
 
 
 def descendant_pids(pid: int) -> list[int]:
@@ -150,11 +154,9 @@ def descendant_pids(pid: int) -> list[int]:
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
     """Peak resident set (``VmHWM``) of process ``pid`` (default: this one) since the last
     :func:`reset_peak_rss` or since it started; None when it is gone."""
-    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    if pid != "self":
-        return None
+    peak = _status_bytes(pid, "VmHWM")
+    if peak is not None or pid != "self":
+        return peak
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(ru if sys.platform == "darwin" else ru * 1024)
 

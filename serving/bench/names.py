@@ -23,9 +23,9 @@ BENCH_BACKENDS = (*BACKENDS, "triton")
 PEERS = ("triton", "ray-serve")
 PEER_LABELS = {"triton": "Triton Inference Server", "ray-serve": "Ray Serve"}
 PEER_TRANSPORT = "http-v2"
-# Untimed requests per strategy and transport before the timed rounds.  After a start the kernel
-# can keep the two workers of a request on one core for the first tens of requests (up to about
-# 50 measured with idle cores kept awake, 2 cores) before their placement settles.
+# Untimed requests (per strategy and transport, per configuration; `sensai predict --repeat`'s
+# first) before the timed ones: after a start the kernel can keep the workers of a request on one
+# core for the first tens of requests before their placement settles.
 WARMUP = 50
 # node-loss: the victim worker's whole Ray node is killed (Ray backend, a node of this machine).
 SCENARIOS = ("none", "straggler", "failure", "node-loss")

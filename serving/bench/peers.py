@@ -50,7 +50,7 @@ def _info(key: str, onnx: Path, threads: int, **extra) -> dict[str, Any]:
             "threads": threads, "transport": PEER_TRANSPORT, **extra, "transports": {}}
 
 
-def start_triton(onnx: Path, *, threads: int) -> Peer:
+def start_triton_peer(onnx: Path, *, threads: int) -> Peer:
     server = start_tritonserver(lambda repo, backend: write_model(
         repo, MODEL, onnx, backend=backend, threads=threads))
     return Peer("triton", f"http://{server.url}", MODEL, server.stop,
@@ -58,10 +58,10 @@ def start_triton(onnx: Path, *, threads: int) -> Peer:
                       tritonserver=server.install.source))
 
 
-def start_ray_serve(onnx: Path, *, threads: int) -> Peer:
-    from .ray_serve_peer import start_ray_serve as start  # Ray: only when this peer runs
+def start_ray_serve_peer(onnx: Path, *, threads: int) -> Peer:
+    from .ray_serve_peer import serve_original  # Ray: only when this peer runs
 
-    peer = start(onnx, threads=threads, model=MODEL, port=free_ports(1)[0])
+    peer = serve_original(onnx, threads=threads, model=MODEL, port=free_ports(1)[0])
     import ray
 
     return Peer("ray-serve", peer.url, MODEL, peer.stop,
@@ -69,7 +69,8 @@ def start_ray_serve(onnx: Path, *, threads: int) -> Peer:
                       python=platform.python_version()))
 
 
-STARTERS: dict[str, Callable[..., Peer]] = {"triton": start_triton, "ray-serve": start_ray_serve}
+STARTERS: dict[str, Callable[..., Peer]] = {"triton": start_triton_peer,
+                                             "ray-serve": start_ray_serve_peer}
 
 
 def unavailable(key: str) -> str | None:

@@ -9,7 +9,7 @@ replica's own timings, and the bare request the client times before each one
 (:class:`~sensai.serving.runners.OrtRunner`, ``threads`` intra-op threads), so the peer differs
 from sensai in the serving framework only.
 
-:func:`start_ray_serve` starts Serve on the Ray instance this process is connected to (else a
+:func:`serve_original` starts Serve on the Ray instance this process is connected to (else a
 new local one), its proxy on 127.0.0.1; :meth:`RayServePeer.stop` deletes the application, then
 shuts Serve down, and Ray when this call started it.
 """
@@ -21,7 +21,6 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import ray
 from ray import serve
@@ -31,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from sensai.errors import SensaiError
 from sensai.raycluster import connect, error_text
 
+from ..child import wait_ready
 from ..oip import HEADER_LENGTH, parse_infer_request
 from ..runners import OrtRunner
 
@@ -90,7 +90,7 @@ class RayServePeer:
             self.own_ray = False
 
 
-def start_ray_serve(onnx: Path, *, threads: int, model: str, port: int,
+def serve_original(onnx: Path, *, threads: int, model: str, port: int,
                     startup_timeout_s: float = 180.0) -> RayServePeer:
     """Serve ``onnx`` as ``model`` behind Serve's proxy at ``http://127.0.0.1:port``; returns
     once it answers.  The replica asks for no CPU, so it is placed whatever the run's other
@@ -107,16 +107,8 @@ def start_ray_serve(onnx: Path, *, threads: int, model: str, port: int,
         app = OriginalModel.options(ray_actor_options={"num_cpus": 0}).bind(
             str(Path(onnx).resolve()), threads, model)
         serve.run(app, name=APP, route_prefix="/")
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            try:
-                if httpx.get(peer.url + LIVE, timeout=2.0).status_code == 200:
-                    return peer
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SensaiError(f"Ray Serve's proxy not ready after {startup_timeout_s:.0f} s")
-            time.sleep(0.25)
+        wait_ready(peer.url + LIVE, startup_timeout_s, what="Ray Serve's proxy")
+        return peer
     except SensaiError:
         peer.stop()
         raise

@@ -1,34 +1,16 @@
 """``sensai bench-robust``: latency, errors and compute cost of redundant class parallelism.
 
-Every configuration (redundancy ``r``, and for ``r >= 1`` optionally a hedge delay) is the
-predictor ``sensai serve ART --redundancy r [--hedge-ms h]`` builds
-(:func:`~sensai.serving.build.build_predictor`): W = G workers on the chosen backend (``local``:
-worker threads, the default serving path that ``sensai bench`` measures; ``processes``; ``ray``),
-cyclic placement.  ``r = 0`` is the default serving path itself, so the cost of redundancy is
-measured against it.  The same real test images are sent one at a time (concurrency 1, in
-process) under three scenarios:
-
-* ``none`` - no fault: the reference latency;
-* ``straggler`` - one worker sleeps before every request, its delay drawn from a distribution
-  (``--delay``, e.g. ``exp:50ms``);
-* ``failure`` - one worker is ended while a request is in flight (at ``--kill-at`` of the run; a
-  thread is abandoned and replaced, a process SIGKILLed, a Ray actor killed); it is restarted and
-  rejoins.  Requests are paced (one every ``interval_ms``) so the error count reflects the
-  outage's length rather than how fast errors come back;
-* ``node-loss`` - the same, but what is killed is the victim worker's Ray node: its raylet and
-  every process the raylet started, as losing the machine would (``--backend ray``, a worker node
-  of a cluster on this machine, such as a loopback cluster); every worker on that node is lost at
-  once, and Ray restarts them where there is room once it has declared the node dead.  The node does
-  not come back, so this scenario takes a single configuration.
-
-The ``none`` and ``straggler`` runs are interleaved in rounds across configurations; ``failure``
-runs one configuration at a time (an outage is a wall-clock event).  Every answer is compared with
-the offline answer (the same ONNX subnets run in this process, merged with
-:func:`sensai.merge.merge_outputs`): ``wrong`` counts answers whose top-1 or scores differ.
-``errors`` counts requests answered with an error (503: no live copy of some classes, 504:
-deadline); latency figures are over answered requests.
-
-Outputs in ``out_dir``: ``robust.json``, ``robust.md``, ``robust.png``.
+Every configuration (redundancy ``r``, for ``r >= 1`` optionally a hedge delay) is the predictor
+``sensai serve ART --redundancy r [--hedge-ms h]`` builds; ``r = 0`` is the default serving path,
+so the cost of redundancy is measured against it.  The same test images are sent one at a time,
+in process, under the scenarios of :data:`.names.SCENARIOS`: ``none``; ``straggler`` (one worker
+sleeps before every request, ``--delay``); ``failure`` (one worker is ended while a request is in
+flight, then restarted; requests are paced so the error count measures the outage, not how fast
+errors come back); ``node-loss`` (the victim's Ray node's raylet and everything it started are
+killed, as losing the machine would; one configuration, the node does not come back).  ``none``
+and ``straggler`` interleave the configurations in rounds; an outage is a wall-clock event, one
+configuration at a time.  Every answer is compared with the offline one (``wrong``); ``errors``
+counts 503/504 answers.  Outputs: ``robust.json``, ``robust.md``, ``robust.png``.
 """
 
 from __future__ import annotations
@@ -55,10 +37,10 @@ from ..placement import check_redundancy
 from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from ..server import run_like_the_gateway
-from .harness import (check_dataset, check_int, check_out_dir, envelope, finish, interleaved,
-                      load_test_images, progress_bar, quiet_gc, write_outputs)
+from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
+                      progress_bar, quiet_gc)
 from .machine import descendant_pids
-from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS
+from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS, WARMUP
 from .robust_report import plot, render_markdown
 from .stats import summarize
 
@@ -71,39 +53,29 @@ def config_key(r: int, hedge_ms: float) -> str:
     return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
 
 
-def check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
-                   kill_at, rounds, groups: int, vote: bool, interval_ms: float,
-                   backend: str, runtime: str, ray_address: str | None = None) -> None:
+def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, groups: int, vote: bool, interval_ms: float,
+                          backend: str, runtime: str, ray_address: str | None = None) -> None:
     if not redundancies:
         raise SensaiError("give at least one --redundancy")
     for r in redundancies:
         check_redundancy(groups, None, r, vote)
-    if any(not h >= 0 for h in hedges):
-        raise SensaiError("--hedge-ms must be >= 0")
-    bad = [s for s in scenarios if s not in SCENARIOS]
-    if bad or not scenarios:
-        raise SensaiError(f"unknown scenario {', '.join(bad) or '(none)'}; choose from "
-                          f"{', '.join(SCENARIOS)}")
-    for name, v, low in (("--images", images, 2), ("--warmup", warmup, 0),
-                         ("--rounds", rounds, 1)):
-        check_int(name, v, low)
+    check_settings(
+        ints=(("--images", images, 2), ("--warmup", warmup, 0), ("--rounds", rounds, 1)),
+        numbers=(*(("--hedge-ms", h, True) for h in hedges),
+                 ("--interval-ms", interval_ms, True)),
+        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], BACKENDS),
+                 ("runtime", [runtime], RUNTIMES)))
     parse_delay(delay)
     for name, v in (("--straggler", straggler), ("--victim", victim)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:
             raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
     if not 0.0 <= kill_at < 1.0:
         raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
-    if not interval_ms >= 0:
-        raise SensaiError(f"--interval-ms must be >= 0, got {interval_ms}")
-    if backend not in BACKENDS:
-        raise SensaiError(f"unknown backend {backend!r} for bench-robust; choose one of "
-                          f"{', '.join(BACKENDS)}")
     if ray_address and backend != "ray":
         raise SensaiError("--ray-address is for --backend ray")
     if "node-loss" in scenarios and backend != "ray":
         raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
-    if runtime not in RUNTIMES:
-        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
 
 def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
@@ -116,7 +88,7 @@ def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "aut
     return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
 
 
-class Run:
+class Records:
     """Per-request records of one configuration in one scenario."""
 
     def __init__(self) -> None:
@@ -149,7 +121,7 @@ class Run:
         return out
 
 
-async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Run, *,
+async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,
                       kill=None) -> None:
     run.requests += 1
     t0 = time.perf_counter()
@@ -177,7 +149,7 @@ async def settle(pred: ClassParallelPredictor, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _straggler_figures(pred: ClassParallelPredictor, run: Run, straggler: int,
+def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: int,
                        delay: str) -> dict[str, Any]:
     """How often the delayed worker's own groups were still answered by it."""
     own = [f"subnet_{g:02d}" for g in pred.placement.workers[straggler]
@@ -201,7 +173,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             await pred.predict(xs[j % n])
             bar.update(1)
     for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
-        runs = {k: Run() for k in preds}
+        runs = {k: Records() for k in preds}
 
         async def run_chunk(key: str, chunk) -> None:
             pred = preds[key]
@@ -258,7 +230,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
     so every worker there) and the outage timed until it is up again."""
     n = len(xs)
-    run = Run()
+    run = Records()
     kill_index = int(kill_at * n)
     wk = pred.workers[victim]
     events: dict[str, Any] = {}
@@ -331,7 +303,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     finally:
         stop.set()
         await watcher
-    after = Run()
+    after = Records()
     runs0 = pred.counters()["per_worker_runs"][victim]
     for j in range(min(n, AFTER_REJOIN)):
         await one_request(pred, xs[j], refs[j], after)
@@ -381,7 +353,7 @@ def run_robust_bench(
     backend: str = "local",
     ray_address: str | None = None,
     images: int = 200,
-    warmup: int = 20,
+    warmup: int = WARMUP,
     rounds: int = 5,
     delay: str = "exp:50ms",
     straggler: int = 0,
@@ -392,7 +364,7 @@ def run_robust_bench(
     deadline_s: float = 5.0,
     restart_delay_s: float = 0.0,
     rejoin_timeout_s: float = 120.0,
-    device: str = "cpu",
+    device: str = "auto",
     runtime: str = "auto",
     threads: int = 1,
     data_dir: str | None = None,
@@ -401,27 +373,19 @@ def run_robust_bench(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the robust benchmark on the artifact in ``artifact_dir``; write robust.json,
-    robust.md and robust.png to ``out_dir``; return what robust.json holds.
-
-    ``redundancies`` x ``hedges_ms`` (hedges only for r >= 1) are the configurations, each on
-    W = G workers of ``backend``.  ``straggler``/``victim``: worker indices that get the
-    ``delay`` / are ended (at request ``kill_at`` x ``images``; in that scenario a request starts
-    every ``interval_ms``, or right after the previous one if it took longer).
-    ``restart_delay_s``: how long the predictor waits before restarting the dead worker
-    (stretches the outage).  ``ray_address``: the Ray cluster of ``backend="ray"``; the node of
-    every worker is reported.
-    """
+    robust.md and robust.png to ``out_dir``; return what robust.json holds.  The arguments are
+    ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
+    the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
+    worker indices; the victim is ended at request ``kill_at`` x ``images``."""
     artifact = load_artifact(artifact_dir)
     g = len(artifact.groups)
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
     redundancies = sorted({int(r) for r in redundancies})
     hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
-    check_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler, victim,
-                   kill_at, rounds, g, vote, interval_ms, backend, runtime, ray_address)
-    spec = artifact.spec.with_data_dir(data_dir)
-    check_dataset(spec)
-    out = Path(out_dir)
-    check_out_dir(out)
+    check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
+                          ray_address)
+    spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, images, seed, png=False)
@@ -433,7 +397,8 @@ def run_robust_bench(
         raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
                           "(one --redundancy, one --hedge-ms) at a time")
     settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
-                "backend": backend, "ray_address": ray_address, "images": len(xs), "warmup": warmup, "rounds": rounds,
+                "backend": backend, "ray_address": ray_address, "images": len(xs),
+                "warmup": warmup, "rounds": rounds,
                 "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
                 "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
                 "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
@@ -474,6 +439,5 @@ def run_robust_bench(
                              "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
                              "scenarios": measured[k]}
                          for (r, h), k in zip(configs, preds)}
-    finish(result, t_start)
-    write_outputs(out, "robust", result, render_markdown(result), plot)
+    finish(out, "robust", result, t_start, render_markdown, plot)
     return result

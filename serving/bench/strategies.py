@@ -1,17 +1,9 @@
-"""How ``sensai bench`` builds each strategy, and what each costs per worker.
-
-1. ``single`` - the original model on one worker;
-2. ``model-parallel`` - the original model cut into K contiguous stages (:mod:`sensai.stages`) on
-   K workers;
-3. ``class-parallel`` - sensAI: exactly the predictor ``sensai serve`` builds
-   (:func:`~sensai.serving.build.build_predictor`, the gateway's default settings; backend
-   ``local`` = worker threads unless asked otherwise; ``triton``: on a ``tritonserver`` the run
-   starts), and ``class-parallel@<backend>`` the same on each further backend of the run;
-4. ``data-parallel`` - R replicas of the original model.
-
-The baselines (:mod:`.baselines`) run on the same thread workers as the default class-parallel
-backend, with the same runtime, device and threads per worker.  Their ONNX files (the full
-model, the stages) are exported into ``out/models``.  Each strategy is loaded under a
+"""How ``sensai bench`` builds each strategy, and what each costs per worker: ``single`` (the
+original model on one worker), ``model-parallel`` (K contiguous stages on K workers),
+``class-parallel`` (exactly the predictor ``sensai serve`` builds, ``class-parallel@<backend>``
+the same on each further backend) and ``data-parallel`` (R replicas).  The baselines run on the
+same thread workers as the default class-parallel backend, with the same runtime, device and
+threads; their ONNX files go to ``out/models``.  Each strategy is loaded under a
 :class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
 """
 
@@ -185,7 +177,7 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
 
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
           threads: int, settings: GatewaySettings, ray_address: str | None = None,
-          key: str | None = None) -> Strategy:
+          key: str | None = None, spread_cores: bool = False) -> Strategy:
     """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
     recipe's) names class parallel on a further backend.  Backend ``triton``: a
     ``tritonserver`` started for the artifact's subnets, stopped with the strategy."""
@@ -206,7 +198,9 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                     threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
                     hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
                     triton_url=triton.url if triton else None,
-                    keep_awake=settings.keep_cores_awake)
+                    keep_awake=settings.keep_cores_awake,
+                    # build_predictor's spread_cores (off by default) once the serving side has it.
+                    **({"spread_cores": True} if spread_cores else {}))
             except BaseException:
                 if triton is not None:
                     triton.stop()

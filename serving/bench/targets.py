@@ -1,5 +1,6 @@
-"""The benchmark's targets: a small declarative table, each target set naming the model(s) it
-applies to.
+"""The benchmarks' targets, each reported as met / not met / not measured with its value (never
+asserted).  ``sensai bench``'s are a small declarative table, each target set naming the model(s)
+it applies to; ``sensai bench-load``'s (:func:`evaluate_load_targets`) are fixed.
 
 A :class:`TargetSet` holds :class:`Target`\\ s (a measure, a limit) checked at p50 on the set's
 transport (HTTP: end to end, what a caller sees), or on the target's own.  :func:`evaluate_targets`
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 
 from sensai.models import DEMO_MODEL
 
+from .load_measures import LAST_WINDOW_S
 from .names import PEER_LABELS, label
 
 EVERY_MODEL = ("*",)
@@ -170,36 +172,50 @@ class TargetSet:
 
 TARGET_SETS: tuple[TargetSet, ...] = (
     TargetSet("class parallel against the baselines, at the original's accuracy",
-              models=("vgg16_bn",), origin="issues 5 and 9",
+              models=("vgg16_bn",), origin="sensAI's claim",
               targets=(
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.35),
                   Target("class_parallel_vs_model_parallel",
                          Ratio("class-parallel", "model-parallel"), 0.35),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
-    TargetSet("the demo shows the gain", models=(DEMO_MODEL,), origin="issue 9",
+    TargetSet("the demo shows the gain", models=(DEMO_MODEL,), origin="the demo",
               targets=(
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.7),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
-    TargetSet("fan-out overhead", models=EVERY_MODEL, origin="issue 5", targets=(
+    TargetSet("fan-out overhead", models=EVERY_MODEL, origin="the gateway's cost", targets=(
         Target("fanout_overhead_ms", FanoutOverhead(), 1.5),)),
-    TargetSet("overhead above each transport's floor", models=EVERY_MODEL, origin="issue 10",
-              transport="http-v2", targets=(
+    TargetSet("overhead above each transport's floor", models=EVERY_MODEL,
+              origin="the gateway's cost per transport", transport="http-v2", targets=(
                   Target("over_floor_http_v2_ms", OverFloor(), 0.5),
                   Target("over_floor_png_upload_ms", OverFloor(), 0.8, transport="http"),
                   Target("fanout_overhead_inprocess_ms", FanoutOverhead(), 0.15,
                          transport="inprocess"))),
-    TargetSet("the Ray pool against the local one", models=EVERY_MODEL, origin="issue 10",
-              transport="http-v2", requires=("class-parallel@ray",),
+    TargetSet("the Ray pool against the local one", models=EVERY_MODEL,
+              origin="the Ray pool's cost", transport="http-v2", requires=("class-parallel@ray",),
               targets=(Target("ray_vs_local_pool", Ratio("class-parallel@ray", "class-parallel"),
                               2.0),)),
     TargetSet("sensai against Triton serving the original", models=("vgg16_bn",),
-              origin="issue 10", transport="http-v2", requires=("triton",), targets=(
+              origin="what a user would pick instead", transport="http-v2",
+              requires=("triton",), targets=(
                   Target("class_parallel_vs_triton_original", Ratio("class-parallel", "triton"),
                          0.4),
                   Target("overhead_vs_triton_ms", OverheadAgainstPeer("triton"), 0.0))),
 )
 
 STATUS = {True: "met", False: "not met", None: "not measured"}
+
+
+def verdict(name: str, rule: str, value, limit, unit: str, met: bool | None,
+            **extra) -> dict[str, Any]:
+    """One target's row: its rule, value and limit, and whether it was met."""
+    return {"name": name, "rule": rule, "value": value, "limit": limit, "unit": unit,
+            "met": met, "status": STATUS[met], **extra}
+
+
+def all_met(checks: Sequence[dict]) -> bool | None:
+    """True or False when every check was measured, else None."""
+    met = [c["met"] for c in checks]
+    return all(met) if met and all(m is not None for m in met) else None
 
 
 def reference_transport(transport: str) -> str:
@@ -212,11 +228,10 @@ def _check(target: Target, transport: str, result: dict) -> dict[str, Any]:
     value = m.value(result, transport)
     met = None if value is None else value <= target.limit
     other = reference_transport(transport)
-    return {"name": target.name, "rule": m.rule(target.limit), "transport": transport,
-            "value": value, "limit": target.limit, "unit": m.unit, "met": met,
-            "status": STATUS[met], "reference_transport": other,
-            f"{other}_value": m.value(result, other),
-            "why_not_measured": None if value is not None else m.needs(transport)}
+    return verdict(target.name, m.rule(target.limit), value, target.limit, m.unit, met,
+                   transport=transport, reference_transport=other,
+                   **{f"{other}_value": m.value(result, other)},
+                   why_not_measured=None if value is not None else m.needs(transport))
 
 
 def evaluate_targets(result: dict, sets: Sequence[TargetSet] = TARGET_SETS) -> dict[str, Any]:
@@ -227,11 +242,57 @@ def evaluate_targets(result: dict, sets: Sequence[TargetSet] = TARGET_SETS) -> d
                  else list(s.models), "origin": s.origin, "transport": s.transport,
                  "checks": [_check(t, s.transport, result) for t in s.targets]}
                 for s in applicable]
-    checks = [c for s in out_sets for c in s["checks"]]
     return {"model": model, "statistic": "p50", "sets": out_sets,
-            "all_met": (all(c["met"] for c in checks)
-                        if checks and all(c["met"] is not None for c in checks) else None)}
+            "all_met": all_met([c for s in out_sets for c in s["checks"]])}
 
 
 def all_checks(targets: dict) -> list[dict]:
     return [c for s in targets.get("sets", []) for c in s["checks"]]
+
+
+# ``sensai bench-load``'s targets are stated for a soak of this long at this concurrency.
+SOAK_TARGET_S = 600.0
+SOAK_TARGET_CONCURRENCY = 16
+RSS_GROWTH_LIMIT_PCT = 5.0
+
+
+def evaluate_load_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """``sensai bench-load``'s targets, and whether the run was the one each is stated for
+    (otherwise its verdict is only indicative)."""
+    st, phases = result["settings"], result["phases"]
+    soak, over = phases.get("soak"), phases.get("overload", {})
+    growth = (soak or {}).get("rss", {}).get("gateway")
+    soak_run = {"conditions_met": st["soak_s"] >= SOAK_TARGET_S
+                and st["concurrency"] == SOAK_TARGET_CONCURRENCY,
+                "conditions": f"a soak of >= {SOAK_TARGET_S / 60:g} minutes at concurrency "
+                              f"{SOAK_TARGET_CONCURRENCY} (this run: {st['soak_s']:g} s at "
+                              f"concurrency {st['concurrency']})"}
+    measured = over.get("requests") is not None
+    offered, asked = over.get("offered_rate_rps"), over.get("target_rate_rps")
+    over_run = {"conditions_met": bool(measured and offered and asked and offered >= 0.9 * asked),
+                "conditions": f"the client offered >= 90 % of the rate asked (this run: "
+                              f"{offered if offered is not None else '-'} of {asked or '-'} "
+                              "requests/s)"}
+    deadline_ms = st["gateway"]["deadline_s"] * 1e3
+    p99 = over.get("latency_ok_ms", {}).get("p99") if measured else None
+    healthy = (result.get("health_after") or {}).get("healthy") if measured else None
+    bad = over.get("not_200_or_503") if measured else None
+    checks = [
+        verdict("soak_errors", "soak: 0 errors (answers other than 200, requests without an "
+                "answer)", soak["errors"] if soak else None, 0, "requests",
+                soak["errors"] == 0 if soak else None, **soak_run),
+        verdict("soak_rss_growth", f"soak: gateway RSS growth after warm-up < "
+                f"{RSS_GROWTH_LIMIT_PCT:g} % (mean of the last {LAST_WINDOW_S:g} s vs the first "
+                "sample after warm-up)", growth["growth_pct"] if growth else None,
+                RSS_GROWTH_LIMIT_PCT, "%",
+                growth["growth_pct"] < RSS_GROWTH_LIMIT_PCT if growth else None, **soak_run),
+        verdict("overload_only_200_503", "overload: only 200 or 503 answers", bad, 0, "requests",
+                None if bad is None else bad == 0, **over_run),
+        verdict("overload_admitted_p99", "overload: p99 of the admitted (200) requests within "
+                "the deadline", p99, deadline_ms, "ms", None if p99 is None else p99 <= deadline_ms,
+                **over_run),
+        verdict("healthy_after_overload", "overload: healthy afterwards (/v2/health/ready 200 "
+                "and correct predictions)", healthy, True, "", healthy, **over_run),
+    ]
+    return {"checks": checks, "all_met": all_met(checks),
+            "conditions_met": all(c["conditions_met"] for c in checks)}
