@@ -198,9 +198,7 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                     threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
                     hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
                     triton_url=triton.url if triton else None,
-                    keep_awake=settings.keep_cores_awake,
-                    # build_predictor's spread_cores (off by default) once the serving side has it.
-                    **({"spread_cores": True} if spread_cores else {}))
+                    keep_awake=settings.keep_cores_awake, spread_cores=spread_cores)
             except BaseException:
                 if triton is not None:
                     triton.stop()
