@@ -3,8 +3,8 @@
 Everything that executes a subnet, a model-parallel stage or a whole model for serving or the
 benchmark goes through a runner, so the strategies compare like with like.
 
-* :class:`OrtRunner` - ONNX Runtime; CPU by default (1.5-3x faster than torch eager at batch 1 on
-  small CNNs), CUDA execution provider on a GPU when that provider is installed.
+* :class:`OrtRunner` - ONNX Runtime; CPU by default (faster than torch eager at batch 1 on small
+  CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
 * :class:`TorchRunner` - torch eager, for GPUs without onnxruntime-gpu.
 
 A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
