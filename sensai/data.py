@@ -1,11 +1,13 @@
-"""Datasets and the one preprocessing definition shared by training, decomposition and serving.
+"""Datasets, on the one preprocessing definition (:mod:`sensai.spec`) that training, decomposition
+and serving share.
 
 A :class:`DatasetSpec` (name, class labels, input shape, mean/std, where the files are) is recorded
 with every model and every decomposition artifact, so the gateway turns an uploaded picture into
 exactly the tensor the network was trained on.
 
-Images are kept as ``uint8`` tensors ``[C, H, W]`` until the last moment; :func:`normalize` is the
-only place that turns them into network input.  Nothing here downloads anything.
+Images are kept as ``uint8`` tensors ``[C, H, W]`` until the last moment; :func:`normalize`
+(defined in :mod:`sensai.spec`, torch-free, and offered here beside the datasets it applies to) is
+the only place that turns them into network input.  Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .spec import DatasetSpec
+from .spec import DATASET_NAMES, DatasetSpec, normalize, pil_to_array
 
 log = logging.getLogger(__name__)
 
@@ -35,50 +37,12 @@ FASHION_MNIST_HINT = (
     "install it with 'apt-get install dataset-fashion-mnist' (Debian/Ubuntu) or pass --data-dir "
     "pointing at the four *-idx*-ubyte(.gz) files"
 )
-DATASET_NAMES = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
-
-
-def normalize(images: torch.Tensor | np.ndarray, spec: DatasetSpec) -> torch.Tensor | np.ndarray:
-    """uint8 ``[B, C, H, W]`` (or ``[C, H, W]``) -> float32 network input, on the images' device.
-
-    A numpy array gives a numpy array, by the same float32 operations (bit for bit the same
-    values): the gateway normalizes one small image per request, where torch's per-call
-    overhead cost several times the arithmetic."""
-    shape = (-1, 1, 1)
-    if isinstance(images, np.ndarray):
-        x = images.astype(np.float32) / np.float32(255.0)
-        mean = np.asarray(spec.mean, dtype=np.float32).reshape(shape)
-        std = np.asarray(spec.std, dtype=np.float32).reshape(shape)
-        return (x - mean) / std
-    x = images.to(torch.float32).div_(255.0)
-    mean = torch.tensor(spec.mean, dtype=torch.float32, device=x.device).view(shape)
-    std = torch.tensor(spec.std, dtype=torch.float32, device=x.device).view(shape)
-    return (x - mean) / std
 
 
 def pil_to_uint8(img, spec: DatasetSpec) -> torch.Tensor:
     """A PIL image of any size or mode -> uint8 ``[C, H, W]`` in the spec's mode and size."""
     return torch.from_numpy(pil_to_array(img, spec))
-
-
-def pil_to_array(img, spec: DatasetSpec) -> np.ndarray:
-    """:func:`pil_to_uint8` as a numpy array (writable, contiguous)."""
-    from PIL import Image
-
-    if img.mode in ("RGBA", "LA", "P") and spec.pil_mode == "RGB":
-        img = img.convert("RGBA")
-        bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
-        img = Image.alpha_composite(bg, img)
-    if img.mode != spec.pil_mode:  # else convert() would only copy it
-        img = img.convert(spec.pil_mode)
-    _, h, w = spec.input_shape
-    if img.size != (w, h):
-        img = img.resize((w, h), Image.BILINEAR)
-    arr = np.array(img, dtype=np.uint8)  # a writable copy: torch refuses read-only buffers
-    if arr.ndim == 2:
-        return arr[None]
-    return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +100,7 @@ def iterate_batches(
     if shuffle:
         idx = np.random.default_rng(seed).permutation(idx)
     if isinstance(dataset, TensorImages):
-        # Fancy indexing on one tensor is ~100x faster than a DataLoader over 60k tiny items.
+        # Fancy indexing on one tensor: a DataLoader pays per item, and the items are tiny.
         for s in range(0, len(idx), batch_size):
             b = torch.from_numpy(idx[s:s + batch_size])
             yield dataset.images[b], torch.from_numpy(dataset.labels[idx[s:s + batch_size]])

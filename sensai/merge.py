@@ -2,7 +2,8 @@
 
 Offline evaluation, the HTTP gateway and the benchmark all merge through :class:`Merger`, so
 they apply the same rule.  One image (a request) goes through :meth:`Merger.one`'s Python
-arithmetic, a batch through numpy; their scores agree to float32 rounding.
+arithmetic, a batch through numpy; their scores agree to float32 rounding, which
+tests/test_merge.py checks on random layouts and outputs.
 
 * All subnets single-class (binary heads, one logit each): stack the G logits and softmax across
   them - each logit says "how much this image is my class", and the softmax makes them compete.
@@ -81,10 +82,10 @@ class Merger:
         return (scores / np.where(total > 0, total, 1.0)).astype(np.float32)
 
     def one(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
-        """The same rule for one image, in float64 Python arithmetic.  A request holds one image
-        and a dozen numpy calls cost far more than their arithmetic (the in-process fan-out's
-        whole overhead fell by a sixth, measured); the scores match the batch path's to float32
-        rounding (summation order and ``exp`` differ in the last bits of float64)."""
+        """The same rule for one image, in float64 Python arithmetic: a request holds one image,
+        and on one row a dozen numpy calls cost far more than their arithmetic.  The scores
+        match the batch path's to float32 rounding (summation order and ``exp`` differ in the
+        last bits of float64)."""
         return self.combine([self.part(g, o) for g, o in enumerate(outputs)])
 
     def part(self, group: int, output: np.ndarray) -> list[float]:
@@ -102,8 +103,8 @@ class Merger:
 
     def combine(self, parts: Sequence[list[float]]) -> np.ndarray:
         """Scores ``[1, N]`` from every group's :meth:`part`."""
-        # C-level flattening and gathering: this runs right after the event loop wakes, when
-        # every comprehension costs (in a cold cache, 2-3 us less than comprehensions, measured).
+        # C-level flattening and gathering rather than comprehensions: this runs right after the
+        # event loop wakes, in a cold cache, where every interpreted loop costs.
         flat = list(chain.from_iterable(parts))  # each kept column, in ``classes`` order
         if self.binary:  # the G logits compete in one softmax
             exp = math.exp

@@ -108,7 +108,7 @@ class Admission:
 
 
 # Context managers as plain classes: every request enters two, and @asynccontextmanager's
-# generator costs several times what they do.
+# generator costs more than the work they guard.
 
 class _Body:
     __slots__ = ("adm", "deadline", "by_body", "timeout")

@@ -9,12 +9,13 @@ Routes
 * ``GET /v1/models`` (what is served, where every worker runs), ``GET /metrics`` (Prometheus).
 
 With ``settings.grpc_port`` set, the app's lifespan also serves the Open Inference Protocol over
-gRPC (:mod:`sensai.serving.grpc_server`) on the same event loop, predictor and admission, through
-the same helpers (:func:`v2_infer`, :func:`predict`, :func:`check_model`...).
+gRPC (:mod:`sensai.serving.grpc_server`) on the same event loop, predictor and admission; both
+go through :mod:`sensai.serving.inference` from a parsed input to a prediction.
 
 Every error is JSON ``{"error", "status", "request_id", "subnet", "missing_classes"}`` with a
 4xx/5xx status; library code raises :class:`sensai.errors.SensaiError` subclasses and only the
-handlers here turn them into HTTP.  The work a request may cause is bounded
+handlers here (and :mod:`sensai.serving.middleware`'s early 413 and 503) turn them into HTTP.  The
+work a request may cause is bounded
 (:mod:`sensai.serving.admission`); nothing slow or unbounded runs on the event loop, so health
 checks answer whatever the other requests are doing.  The two prediction routes build their JSON
 themselves (FastAPI's response-model validation costs more than the rest of the request path) and
@@ -23,14 +24,9 @@ read their own parameters (so does FastAPI's per-request parameter solving).
 refer to per-app values, as objects.)
 """
 
-import asyncio
-import json
 import logging
-import os
-import re
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Annotated
@@ -49,39 +45,23 @@ from sensai.merge import ranking
 
 from . import oip
 from .admission import Admission
-from .contract import Prediction, Predictor
-from .errors import (InputError, ModelNotFound, Overloaded, PayloadTooLarge, ServingError,
-                     SubnetFailed, SubnetTimeout)
+from .contract import Predictor
+from .errors import InputError, ServingError
 from .imaging import decode_image, image_to_input, open_image
+from .inference import (INLINE_PARSE_BYTES, MODEL_VERSION, Gateway, check_model, count_error,
+                        predict, predictor_ready, v2_infer, v2_model_metadata, v2_server_metadata)
 from .metrics import GatewayMetrics
+from .middleware import GatewayMiddleware, json_bytes
 from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse
 from .settings import GatewaySettings
-from .wakeup import CoresAwake, keep_cores_awake
+from .wakeup import keep_cores_awake
 
 log = logging.getLogger(__name__)
 
-MODEL_VERSION = "1"
-# Images at most this big are decoded on the event loop (~0.2 ms, less than a thread hop); the
+# Images at most this big are decoded on the event loop (cheaper than a hop to a thread); the
 # header's size and PNG's text chunks are bounded, so this work is too.
 INLINE_DECODE_BYTES = 64 * 1024
 INLINE_DECODE_PIXELS = 128 * 128
-# v2 JSON bodies above this are parsed in a thread: 8 MB of JSON takes a few hundred ms.
-INLINE_PARSE_BYTES = 64 * 1024
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# Answered whatever the load: never queued, never turned away.
-UNGATED = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
-
-
-@dataclass
-class Gateway:
-    predictor: Predictor
-    settings: GatewaySettings
-    metrics: GatewayMetrics
-    admission: Admission
-    version: str
-    max_pixels: int
-    max_decoded_bytes: int
-    cores_awake: CoresAwake | None = None  # held from startup to shutdown
 
 
 # Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
@@ -145,112 +125,7 @@ def openapi_parameters(*models: tuple[type[BaseModel], str]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Pure ASGI middleware: request id, admission, body size limit, metrics (BaseHTTPMiddleware
-# would add a task and a copy per request on the hot path).
-
-
-# One encoder (json.dumps with any non-default argument builds a new one per call).
-JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def json_bytes(obj) -> bytes:
-    return JSON.encode(obj).encode()
-
-
-class GatewayMiddleware:
-    def __init__(self, app, gateway: Gateway):
-        self.app = app
-        self.gw = gateway
-
-    async def _reply(self, send, status: int, message: str, rid: str, extra=()) -> None:
-        body = json_bytes({"error": message, "status": status, "request_id": rid,
-                           "subnet": None, "missing_classes": None})  # ErrorResponse's shape
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", rid.encode()), *extra]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        gw, metrics = self.gw, self.gw.metrics
-        limit = gw.settings.max_body_bytes
-        headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = rid if REQUEST_ID.match(rid) else os.urandom(16).hex()
-        state = scope.setdefault("state", {})
-        state["request_id"] = rid
-        t0 = time.perf_counter()
-        # The deadline covers the whole request: body, decoding, waiting (also the wait for the
-        # event loop before this line, estimated by its lag), the subnets.
-        state["deadline"] = (asyncio.get_running_loop().time() + gw.settings.deadline_s
-                             - gw.admission.lag)
-        gated = scope.get("path") not in UNGATED
-        if gated and not gw.admission.admit():
-            reason, why = gw.admission.refusal()
-            metrics.rejected.labels(reason).inc()
-            metrics.child(metrics.requests, "unadmitted", scope.get("method", ""), "503").inc()
-            await self._reply(send, 503, why, rid, [(b"retry-after", b"1")])
-            return
-        status_box = [500]
-
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status_box[0] = message["status"]
-                message = dict(message)
-                message["headers"] = list(message.get("headers", [])) + [
-                    (b"x-request-id", rid.encode())]
-            await send(message)
-
-        metrics.inflight.inc()
-        try:
-            length = headers.get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                state["error_reason"] = "PayloadTooLarge"
-                await self._reply(send_wrapper, 413, f"request body is {int(length):,} bytes; "
-                                  f"the limit is {limit:,} (set SENSAI_MAX_BODY_BYTES)", rid,
-                                  [(b"connection", b"close")])
-                return
-            received = [0]
-            waiting_body = [False]
-
-            async def receive_limited():
-                message = await receive()
-                if message["type"] == "http.request":
-                    received[0] += len(message.get("body", b""))
-                    if received[0] > limit:
-                        raise PayloadTooLarge(f"request body is over the limit of {limit:,} bytes "
-                                              "(set SENSAI_MAX_BODY_BYTES)")
-                    more = message.get("more_body", False)
-                    if more and not waiting_body[0] and gated:
-                        gw.admission.start_receiving()
-                        waiting_body[0] = True
-                    elif not more and waiting_body[0]:
-                        gw.admission.done_receiving()
-                        waiting_body[0] = False
-                return message
-
-            try:
-                await self.app(scope, receive_limited, send_wrapper)
-            finally:
-                if waiting_body[0]:
-                    gw.admission.done_receiving()
-        finally:
-            if gated:
-                gw.admission.release()
-            metrics.inflight.dec()
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            status = status_box[0]
-            metrics.observe_request(path, scope.get("method", ""), str(status),
-                                    time.perf_counter() - t0)
-            if status >= 400:
-                metrics.errors.labels(path, str(status), state.get("error_reason", "http")).inc()
-
-
-# --------------------------------------------------------------------------------------------
-# Errors, translated here and nowhere else
+# Errors as HTTP answers, translated here (the middleware sends its own early 413 and 503)
 
 
 def _error(request: Request, status: int, message: str, reason: str,
@@ -261,18 +136,6 @@ def _error(request: Request, status: int, message: str, reason: str,
     body = ErrorResponse(error=message, status=status, request_id=rid, subnet=subnet,
                          missing_classes=missing_classes)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def count_error(gw: Gateway, exc: ServingError, request_id: str) -> None:
-    """The metrics and log line of a request that ended in ``exc`` (HTTP and gRPC alike)."""
-    if isinstance(exc, (SubnetFailed, SubnetTimeout)) and exc.subnet:
-        gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
-                                        else "failed").inc()
-        log.warning("request %s: %s", request_id, exc)
-    if isinstance(exc, Overloaded):
-        gw.metrics.rejected.labels(exc.reason).inc()
-    elif exc.status == 408:
-        gw.metrics.rejected.labels("slow_body").inc()
 
 
 def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
@@ -350,32 +213,6 @@ async def decode(gw: Gateway, data: bytes, deadline: float) -> np.ndarray:
         return await run_in_threadpool(decode_image, data, spec, limit, max_bytes)
 
 
-async def predict(gw: Gateway, x: np.ndarray, allow_partial: bool, deadline: float
-                  ) -> Prediction:
-    """The one path from a checked input batch to a prediction, for /v1 and /v2 alike."""
-    adm = gw.admission
-    gw.metrics.waiting.set(adm.waiting)
-    async with adm.slot(adm.predicting, deadline, "prediction"):
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            raise SubnetTimeout("the request's deadline passed before its subnets were asked")
-        pred = await gw.predictor.predict(x, allow_partial=allow_partial, timeout_s=left)
-    if not np.isfinite(pred.scores).all():
-        raise InputError("the input drives the network out of float range (non-finite "
-                         "scores): send normalized pixels")
-    gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
-    return pred
-
-
-async def v2_infer(gw: Gateway, req: oip.InferRequest, deadline: float
-                   ) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
-    """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC)."""
-    x = oip.input_batch(req, gw.predictor.spec, gw.settings.max_batch)
-    pred = await predict(gw, x, oip.allow_partial(req), deadline)
-    return pred, oip.infer_outputs(req, pred.scores, gw.predictor.spec.classes,
-                                   pred.covered_classes)
-
-
 def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = None
                ) -> list[dict]:
     """The k best classes of one row as ``{"index", "label", "score"}``, best first; a degraded
@@ -389,42 +226,6 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
     row = scores[0].tolist()  # Python floats at once: numpy scalars cost more one by one
     return [{"index": i, "label": classes[i], "score": row[i]}
             for i in ranking(ranked, k)[0].tolist()]
-
-
-def v2_server_metadata(gw: Gateway) -> dict:
-    return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
-
-
-def v2_model_metadata(gw: Gateway) -> dict:
-    spec = gw.predictor.spec
-    return {
-        "name": gw.predictor.name,
-        "versions": [MODEL_VERSION],
-        "platform": "sensai",
-        "inputs": [{"name": oip.INPUT_NAME, "datatype": "FP32",
-                    "shape": [-1, *spec.input_shape]}],
-        "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, spec.num_classes]},
-                    {"name": "class_index", "datatype": "INT64", "shape": [-1]}],
-        "parameters": {"preprocessing": f"uint8 pixels / 255, minus mean {list(spec.mean)}, "
-                                         f"divided by std {list(spec.std)}",
-                       "classes": list(spec.classes)},
-    }
-
-
-def check_model(gw: Gateway, model_name: str, version: str | None) -> None:
-    if model_name != gw.predictor.name:
-        raise ModelNotFound(f"unknown model {model_name!r}; this server serves "
-                            f"{gw.predictor.name!r}")
-    if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model {model_name!r} has no version {version!r} "
-                            f"(versions: {MODEL_VERSION})")
-
-
-def predictor_ready(gw: Gateway) -> bool:
-    try:
-        return bool(gw.predictor.is_ready())
-    except Exception:  # a probe that fails means "not ready", not a 500
-        return False
 
 
 def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from sensai.data import DatasetSpec
+    from sensai.spec import DatasetSpec
 
 
 @dataclass

@@ -4,8 +4,8 @@ The service is the one ``tritonclient`` ships (``tritonclient.grpc.service_pb2``
 ``tritonclient.grpc.InferenceServerClient`` calls it unchanged.  It runs on the gateway's event
 loop (started and stopped by the app's lifespan when ``settings.grpc_port`` is set), on the same
 predictor, admission and whole-request deadline, and every inference goes through the gateway's
-own helpers (:func:`~sensai.serving.app.v2_infer` -> :func:`~sensai.serving.app.predict`): this
-module only converts messages and errors.  Implemented: ``ServerLive``, ``ServerReady``,
+own path (:func:`~sensai.serving.inference.v2_infer` -> :func:`~sensai.serving.inference.predict`):
+this module only converts messages and errors.  Implemented: ``ServerLive``, ``ServerReady``,
 ``ModelReady``, ``ServerMetadata``, ``ModelMetadata`` and ``ModelInfer`` (tensors in
 ``raw_input_contents`` or typed ``contents``; outputs always in ``raw_output_contents``); the
 other methods answer UNIMPLEMENTED.
@@ -34,10 +34,10 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from sensai.errors import SensaiError
 
 from . import oip
-from .app import (INLINE_PARSE_BYTES, MODEL_VERSION, Gateway, check_model, count_error,
-                  predictor_ready, v2_infer, v2_model_metadata, v2_server_metadata)
 from .contract import Prediction
 from .errors import InputError, Overloaded, ServingError
+from .inference import (INLINE_PARSE_BYTES, MODEL_VERSION, Gateway, check_model, count_error,
+                        predictor_ready, v2_infer, v2_model_metadata, v2_server_metadata)
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,8 @@
 
 The size is checked from the header *before* any pixel is decoded, so a small file that would
 expand to gigabytes (a decompression bomb) costs nothing.  The conversion itself is the
-project's one preprocessing path: :func:`sensai.data.pil_to_array` (the array of
-:func:`sensai.data.pil_to_uint8`) then :func:`sensai.data.normalize`, exactly as in training and
-offline evaluation.
+project's one preprocessing path: :func:`sensai.spec.pil_to_array` then
+:func:`sensai.spec.normalize`, exactly as in training and offline evaluation.
 """
 
 from __future__ import annotations
@@ -16,12 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
-from sensai.data import normalize, pil_to_array
+from sensai.spec import normalize, pil_to_array
 
 from .errors import InputError, PayloadTooLarge
 
 if TYPE_CHECKING:
-    from sensai.data import DatasetSpec
+    from sensai.spec import DatasetSpec
 
 # What the gateway decodes; formats with a long history of parser bugs (TIFF, EPS...) are refused.
 FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP")

@@ -28,7 +28,7 @@ from .contract import Prediction
 from .errors import InputError, PayloadTooLarge
 
 if TYPE_CHECKING:
-    from sensai.data import DatasetSpec
+    from sensai.spec import DatasetSpec
 
 INPUT_NAME = "input"
 OUTPUTS = ("scores", "class_index")

@@ -177,9 +177,7 @@ class ClassParallelPredictor:
                 timer = loop.call_later(wait, self._expire, req)
             # The runs leave last, right before this thread waits and lets go of the GIL: a
             # worker woken while the GIL is still held sleeps again until it is handed on, and
-            # then more often ran after the other worker than beside it (in-process benchmark
-            # on 2 cores: side by side in 14 runs of 17 with this order, in 5 of 11 with the
-            # timer armed after the runs).
+            # then tends to run after the other workers instead of beside them.
             order = self._wake_order
             for wk in (req.dispatched if order is None else order(req.dispatched)):
                 groups, primaries = self._runs[wk.index]
@@ -327,8 +325,8 @@ class ClassParallelPredictor:
         elif share is not None and share.shape[0] == 1:
             # While other subnets still compute, this group's share of the merge is worked out
             # here, off the request's path; the answer then only combines the shares.  (The last
-            # group's is left to the event loop: working it out before waking the loop was no
-            # faster, measured.)
+            # group's is left to the event loop: working it out before waking the loop gains
+            # nothing, as nothing else runs then.)
             req.parts[g] = self._merge.part(g, share)
 
     def exited(self, worker: int, generation: int, detail: str) -> None:

@@ -3,8 +3,8 @@
 Everything that executes a subnet, a model-parallel stage or a whole model for serving or the
 benchmark goes through a runner, so the strategies compare like with like.
 
-* :class:`OrtRunner` - ONNX Runtime; CPU by default (1.5-3x faster than torch eager at batch 1 on
-  small CNNs), CUDA execution provider on a GPU when that provider is installed.
+* :class:`OrtRunner` - ONNX Runtime; CPU by default (faster than torch eager at batch 1 on small
+  CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
 * :class:`TorchRunner` - torch eager, for GPUs without onnxruntime-gpu.
 
 A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import onnxruntime as ort
 
 from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
+from sensai.models import device_for_worker, is_factory_path
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class Runner(Protocol):
 class OrtRunner:
     def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
                  name: str | None = None, num_outputs: int | None = None):
+        import onnxruntime as ort  # only the onnx runtime needs it
+
         opts = ort.SessionOptions()
         # One thread per worker: parallelism comes from running workers side by side, and
         # intra-op threads of several sessions on few cores only fight each other.
@@ -208,8 +210,6 @@ def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "au
 
     Refuses now, with one line, what would fail later: an unknown runtime, a missing file, and
     an architecture that names code when the torch runtime would import it without consent."""
-    from sensai.models import device_for_worker, is_factory_path  # torch: the gateway's side
-
     if runtime not in RUNTIMES:
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     m = artifact.manifest

@@ -22,8 +22,8 @@ T = TypeVar("T")
 
 def run_like_the_gateway(main: Awaitable[T]) -> T:
     """``asyncio.run(main)`` on the event loop uvicorn gives the gateway (its own choice for
-    the gateway's config: uvloop when installed, where a thread hand-off costs about a fifth
-    less): what calls a predictor in process (the benchmark) measures it as the gateway runs it."""
+    the gateway's config: uvloop when installed, whose thread hand-offs are cheaper): what calls
+    a predictor in process (the benchmark) measures it as the gateway runs it."""
     with asyncio.Runner(loop_factory=uvicorn_config(None).get_loop_factory()) as runner:
         return runner.run(main)
 

@@ -87,7 +87,7 @@ def v2(client, body: bytes, **headers):
 
 
 # --------------------------------------------------------------------------------------------
-# KServe v2 bodies that used to cost minutes or end in a 500
+# KServe v2 bodies that would cost minutes or end in a 500 without their bounds
 
 
 def test_a_shape_with_100k_dimensions_is_refused_before_any_arithmetic(client, good):

@@ -5,8 +5,11 @@
   and nothing imports the CLI;
 * no ``_private`` name is imported from another module;
 * imports sit at the top of a module - a project module may be imported inside a function only
-  when it pulls in a heavy optional dependency (torch, which an ONNX-only worker process must
-  not load; Ray; tritonclient) - and the CLI may import lazily so ``sensai --help`` stays fast;
+  when it pulls in a heavy optional dependency (torch, which an ONNX-only gateway or worker
+  must not load; Ray; tritonclient; matplotlib; ONNX Runtime) - and the CLI may import lazily so
+  ``sensai --help`` stays fast;
+* the command line's modules, the gateway and its local workers import nothing heavy at their
+  top level (tests/test_imports.py checks the running processes);
 * every package folder is installed (listed in pyproject.toml).
 """
 
@@ -21,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"sensai": "sensai", "serving": "sensai.serving", "pruning": "sensai.pruning",
            "training": "sensai.training"}
-HEAVY = ("torch", "torchvision", "ray", "tritonclient")
+HEAVY = ("torch", "torchvision", "ray", "tritonclient", "matplotlib", "onnxruntime")
 
 
 def modules() -> dict[str, Path]:
@@ -71,7 +74,13 @@ def imports(name: str):
             else:
                 target = node.module or ""
             names = [a.name for a in node.names]
-            yield target, names, node.lineno, id(node) in inner
+            # `from package import module` imports that module.
+            submodules = [n for n in names if f"{target}.{n}" in MODULES]
+            for n in submodules:
+                yield f"{target}.{n}", [], node.lineno, id(node) in inner
+            if len(submodules) < len(names):
+                yield target, [n for n in names if n not in submodules], node.lineno, \
+                    id(node) in inner
 
 
 def project(target: str) -> str | None:
@@ -151,12 +160,14 @@ def test_imports_are_at_the_top():
     assert not bad, "project imports inside functions (of light modules):\n" + "\n".join(bad)
 
 
-def test_onnx_only_workers_load_nothing_heavy():
+def test_onnx_only_paths_load_nothing_heavy():
     heavy = top_level_heavy()
-    for name in ("sensai.artifact", "sensai.manifest", "sensai.serving.runners",
-                 "sensai.serving.worker_core", "sensai.serving.transports.processes",
-                 "sensai.serving.transports.threads"):
-        assert name not in heavy, name
+    light = ("sensai.artifact", "sensai.manifest", "sensai.models", "sensai.spec",
+             "sensai.serving.runners", "sensai.serving.worker_core",
+             "sensai.serving.transports.processes", "sensai.serving.transports.threads",
+             "sensai.serving.app", "sensai.serving.predictor", "sensai.serving.imaging",
+             *(name for name in MODULES if layer(name) == "cli"))
+    assert sorted(name for name in light if name in heavy) == []
 
 
 def test_every_package_is_installed():

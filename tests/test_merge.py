@@ -1,4 +1,6 @@
-"""merge_outputs: the one rule turning subnet outputs into N-way scores, on known tensors."""
+"""merge_outputs: the one rule turning subnet outputs into N-way scores, on known tensors; and
+its two implementations (numpy for batches, Python floats for one image) agreeing on random
+layouts and outputs."""
 
 from __future__ import annotations
 
@@ -84,34 +86,6 @@ def test_mismatched_shapes_raise(outputs, groups, n):
         merge_outputs(outputs, groups, n)
 
 
-LAYOUTS = [  # (groups, num_classes): binary heads, groups, a group of one, a partial answer
-    ([[2], [0], [1]], 3),
-    ([[1, 3], [0, 2, 4]], 5),
-    ([[0, 2], [1]], 3),
-    ([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 10),
-    ([[3, 7], [0, 9, 4]], 10),  # some classes answered by no subnet
-    ([[4], [1]], 6),
-]
-
-
-@pytest.mark.parametrize("groups, n", LAYOUTS)
-def test_one_image_path_matches_the_batch_path(groups, n):
-    """A request's single image goes through Merger.one (Python floats); a batch through numpy.
-    Same rule: the scores agree to float32 rounding and rank the classes the same way."""
-    rng = np.random.default_rng(len(groups) * 31 + n)
-    widths = [1 if len(g) == 1 and all(len(h) == 1 for h in groups) else len(g) + 1
-              for g in groups]
-    batch = [(rng.standard_normal((400, w)) * rng.choice([0.1, 3.0, 40.0])).astype(np.float32)
-             for w in widths]
-    batch[0][:5] = 0.0  # exact ties inside a row
-    together = merge_outputs(batch, groups, n)
-    for i in range(len(together)):
-        one = merge_outputs([o[i:i + 1] for o in batch], groups, n)
-        assert one.dtype == np.float32 and one.shape == (1, n)
-        np.testing.assert_allclose(one[0], together[i], rtol=2e-7, atol=1e-30)
-        assert top_k(one, n)[0].tolist() == top_k(together[i:i + 1], n)[0].tolist()
-
-
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_one_image_path_treats_non_finite_logits_as_the_batch_path(bad):
     """NaN and +inf give non-finite scores, which the gateway refuses (4xx); -inf is a
@@ -124,3 +98,69 @@ def test_one_image_path_treats_non_finite_logits_as_the_batch_path(bad):
     assert np.isfinite(one).all() == np.isfinite(together[:1]).all() == (bad == -np.inf)
     if bad == -np.inf:
         np.testing.assert_allclose(one, together[:1], rtol=2e-7)
+
+
+def random_layout(rng) -> tuple[list[list[int]], list[int], int]:
+    """A random decomposition's layout: (groups, widths, N) - binary heads or groups of k classes
+    with k + 1 outputs (groups of one included), sometimes covering only some classes (a
+    partial answer)."""
+    n = int(rng.integers(1, 14))
+    classes = rng.permutation(n)
+    if n > 1 and rng.random() < 0.3:
+        classes = classes[:int(rng.integers(1, n))]
+    if rng.random() < 0.35:
+        return [[int(c)] for c in classes], [1] * len(classes), n
+    cuts = np.sort(rng.choice(np.arange(1, len(classes)), size=int(rng.integers(0, len(classes))),
+                              replace=False)) if len(classes) > 1 else []
+    groups = [[int(c) for c in part] for part in np.split(classes, cuts)]
+    return groups, [len(g) + 1 for g in groups], n
+
+
+def random_outputs(rng, widths: list[int], rows: int) -> list[np.ndarray]:
+    """Logits at scales from flat to saturating, with exact ties: repeated columns, constant
+    rows, and values rounded onto a coarse grid."""
+    scale = rng.choice([1e-3, 0.3, 3.0, 40.0, 300.0])
+    outs = [(rng.standard_normal((rows, w)) * scale).astype(np.float32) for w in widths]
+    z = np.concatenate(outs, axis=1)
+    if z.shape[1] > 1:
+        z[:, rng.integers(0, z.shape[1])] = z[:, rng.integers(0, z.shape[1])]
+    z[rng.random(rows) < 0.1] = rng.standard_normal()
+    coarse = rng.random(rows) < 0.2
+    z[coarse] = np.round(z[coarse])
+    return np.split(z, np.cumsum(widths)[:-1], axis=1)
+
+
+def the_rule(outputs: list[np.ndarray], groups: list[list[int]], n: int) -> np.ndarray:
+    """The module docstring's rule, written as plainly as possible (float64)."""
+    z = [o.astype(np.float64) for o in outputs]
+    scores = np.zeros((len(z[0]), n))
+    if all(o.shape[1] == 1 for o in z):
+        scores[:, [g[0] for g in groups]] = softmax(np.concatenate(z, axis=1), axis=1)
+        return scores
+    for g, o in zip(groups, z):
+        scores[:, g] = softmax(o, axis=1)[:, 1:]
+    total = scores.sum(axis=1, keepdims=True)
+    return scores / np.where(total > 0, total, 1.0)
+
+
+def test_both_paths_are_the_rule_on_random_layouts_and_outputs():
+    """Property: for any layout and any logits, the batch path is the rule, and Merger.one (per
+    image, Python floats, what a request goes through) gives the batch path's float32 scores to
+    within one rounding, with an order of classes the batch path's scores agree with."""
+    rng = np.random.default_rng(2021)
+    for case in range(300):
+        groups, widths, n = random_layout(rng)
+        outputs = random_outputs(rng, widths, rows=24)
+        together = merge_outputs(outputs, groups, n)
+        assert together.shape == (24, n) and together.dtype == np.float32
+        np.testing.assert_allclose(together, the_rule(outputs, groups, n), rtol=1e-6,
+                                   atol=1e-37, err_msg=f"case {case}: groups {groups}, N {n}")
+        for i in range(24):
+            one = merge_outputs([o[i:i + 1] for o in outputs], groups, n)
+            where = f"case {case}: groups {groups}, N {n}, row {i}"
+            np.testing.assert_allclose(one[0], together[i], rtol=2.4e-7, atol=1e-37,
+                                       err_msg=where)
+            # Best first by one path is best first by the other, up to that rounding.
+            order = top_k(one, n)[0][0]
+            ranked = together[i][order].astype(np.float64)
+            assert (ranked[1:] <= ranked[:-1] * (1 + 4.8e-7) + 1e-37).all(), where

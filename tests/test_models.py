@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from sensai.errors import UnknownModelError
+from sensai.errors import SensaiError, UnknownModelError
 from sensai.models import (DEFAULT_MODEL, classifier_layer, count_params, create_model,
                            device_for_worker, list_models, select_device)
 
@@ -72,8 +72,20 @@ def test_device_selection_on_this_machine():
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert select_device("auto").type == want
     if not torch.cuda.is_available():
-        from sensai.errors import SensaiError
-
         with pytest.raises(SensaiError, match="no CUDA"):
             select_device("cuda:0")
-        assert device_for_worker(3).type == "cpu"
+        assert device_for_worker(3) == "cpu"
+
+
+def test_worker_devices_agree_with_torch():
+    """``auto`` worker devices answered from the driver's files are the ones torch would pick,
+    and a GPU torch sees is never hidden by that shortcut."""
+    from sensai.models import gpu_possible
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert gpu_possible() or n == 0
+    for i in range(5):
+        assert device_for_worker(i) == (f"cuda:{i % n}" if n else "cpu")
+        assert device_for_worker(i, "cpu") == "cpu"
+    with pytest.raises(SensaiError, match="unknown device"):
+        device_for_worker(0, "tpu")

@@ -2,8 +2,10 @@
 
 This package is the one layer that may import every other one (core, training, pruning,
 serving); nothing imports it.  Each command group is a module here exposing
-``register(subparsers)``; heavy libraries (torch, Ray) are imported by the commands that run, so
-``sensai --help`` stays fast.
+``register(subparsers)``; heavy libraries (torch, Ray, ONNX Runtime) are imported by the commands
+that run, never while the parser is built, so ``sensai --help`` stays fast.  A command whose
+defaults live in a heavy module passes ``arguments=`` to ``add_parser``: they are added only when
+that command is parsed or its help is shown (:class:`CommandParser`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Callable
 
 from sensai.errors import SensaiError
 
@@ -19,11 +22,34 @@ from . import bench, decompose, demo, serve, train
 COMMAND_GROUPS = (train, decompose, serve, bench, demo)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser; ``arguments(parser)``, if given, adds its arguments the first time it
+    parses or formats its help."""
+
+    def __init__(self, *args, arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending = arguments
+
+    def complete(self) -> None:
+        if self.pending is not None:
+            add, self.pending = self.pending, None
+            add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.complete()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sensai", description="Class-parallel inference for convolutional networks (sensAI).")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for group in COMMAND_GROUPS:
         group.register(sub)
     return parser

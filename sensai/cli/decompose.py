@@ -5,18 +5,35 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .train import add_device_arg
+
 
 def register(sub) -> None:
-    from .train import add_device_arg
-
-    from sensai.pruning.decompose import DecomposeConfig
-
-    d = DecomposeConfig()
-    p = sub.add_parser(
+    sub.add_parser(
         "decompose", help="split a trained model into pruned per-group subnets",
         description="Group the classes, prune one subnet per group by class-specific APoZ, "
                     "retrain each (in parallel on Ray), export ONNX and evaluate. Every stage is "
-                    "saved under --out; re-running the same command resumes.")
+                    "saved under --out; re-running the same command resumes.",
+        arguments=add_decompose_args)
+
+    p = sub.add_parser("evaluate", help="original vs decomposed accuracy of an artifact")
+    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("--limit", type=int, default=None,
+                   help="evaluate on a stratified subset of this many test images (default: all)")
+    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--trust-model-code", action="store_true",
+                   help="the model is a package.module:factory: import it (that runs its code)")
+    add_device_arg(p)
+    p.set_defaults(func=cmd_evaluate)
+
+
+def add_decompose_args(p: argparse.ArgumentParser) -> None:
+    """``sensai decompose``'s arguments, whose defaults are :class:`DecomposeConfig`'s (a module
+    that imports torch: added only when the command is used)."""
+    from sensai.pruning.decompose import DecomposeConfig
+
+    d = DecomposeConfig()
     p.add_argument("--model-dir", required=True, help="directory written by 'sensai train' or "
                    "'sensai import' (model.json + model.safetensors)")
     p.add_argument("--groups", "-G", type=int, required=True,
@@ -107,17 +124,6 @@ def register(sub) -> None:
                    help="the model is a package.module:factory: import it (that runs its code)")
     add_device_arg(p)
     p.set_defaults(func=cmd_decompose)
-
-    p = sub.add_parser("evaluate", help="original vs decomposed accuracy of an artifact")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--limit", type=int, default=None,
-                   help="evaluate on a stratified subset of this many test images (default: all)")
-    p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
-    p.add_argument("--json", action="store_true", help="print the full result as JSON")
-    p.add_argument("--trust-model-code", action="store_true",
-                   help="the model is a package.module:factory: import it (that runs its code)")
-    add_device_arg(p)
-    p.set_defaults(func=cmd_evaluate)
 
 
 def cmd_decompose(args) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sensai.data import DATASET_NAMES
+from sensai.spec import DATASET_NAMES
 
 
 def add_data_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
