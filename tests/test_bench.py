@@ -732,7 +732,8 @@ def test_bench_robust_reports_straggler_and_failure(artifact, tmp_path):
         assert (out / f).stat().st_size > 0
     on_disk = json.loads((out / "robust.json").read_text())
     assert on_disk["kind"] == "sensai-bench-robust" and on_disk["settings"]["backend"] == "local"
-    assert on_disk["worker_transport"] == {"r=0": {"kind": "threads"}, "r=1": {"kind": "threads"}}
+    threads = {"kind": "threads", "spread_cores": False, "spread_moves": None}  # opt-in, off
+    assert on_disk["worker_transport"] == {"r=0": threads, "r=1": threads}
     assert on_disk["placement"]["r=0"] == [[g] for g in range(5)]
     assert on_disk["placement"]["r=1"][2] == [2, 3]  # worker 2: its own group, then a copy
     r0, r1 = res["configs"]["r=0"]["scenarios"], res["configs"]["r=1"]["scenarios"]

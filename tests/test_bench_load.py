@@ -17,7 +17,7 @@ import pytest
 PHASE_KEYS = {"start_s", "seconds", "duration_s", "requests", "status_counts", "ok", "errors",
               "not_200_or_503", "no_answer", "failures", "wrong", "throughput_rps",
               "latency_ms", "latency_ok_ms", "latency_rejected_ms", "timeline", "server"}
-TARGETS = ["soak_errors", "soak_rss_growth", "overload_only_200_503", "overload_admitted_p99",
+TARGETS = ["soak_errors", "soak_rss_growth", "lean_gateway_rss", "overload_only_200_503", "overload_admitted_p99",
            "healthy_after_overload"]
 
 

@@ -254,6 +254,24 @@ def all_checks(targets: dict) -> list[dict]:
 SOAK_TARGET_S = 600.0
 SOAK_TARGET_CONCURRENCY = 16
 RSS_GROWTH_LIMIT_PCT = 5.0
+# A gateway that runs its subnets with ONNX Runtime on the CPU needs neither torch nor Ray in its
+# process; this bound shows that it loads neither.
+LEAN_GATEWAY_RSS_MB = 400.0
+
+
+def lean_gateway_check(result: dict, growth: dict | None, soak_run: dict) -> list[dict]:
+    """The resident-set bound of a local-backend gateway on ONNX Runtime on the CPU (no check
+    for the other backends and runtimes, which load what they need)."""
+    st = result["settings"]
+    on_cpu = st["gateway"]["device"] == "cpu" or (st["gateway"]["device"] == "auto"
+                                                   and not result["machine"].get("gpus"))
+    if st["backend"] != "local" or st["gateway"]["runtime"] not in ("auto", "onnx") \
+            or not on_cpu:
+        return []
+    rss = growth["baseline_mb"] if growth else None
+    return [verdict("lean_gateway_rss", f"soak: a local ONNX gateway's RSS after warm-up <= "
+                    f"{LEAN_GATEWAY_RSS_MB:g} MB", rss, LEAN_GATEWAY_RSS_MB, "MB",
+                    None if rss is None else rss <= LEAN_GATEWAY_RSS_MB, **soak_run)]
 
 
 def evaluate_load_targets(result: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +304,7 @@ def evaluate_load_targets(result: dict[str, Any]) -> dict[str, Any]:
                 "sample after warm-up)", growth["growth_pct"] if growth else None,
                 RSS_GROWTH_LIMIT_PCT, "%",
                 growth["growth_pct"] < RSS_GROWTH_LIMIT_PCT if growth else None, **soak_run),
+        *lean_gateway_check(result, growth, soak_run),
         verdict("overload_only_200_503", "overload: only 200 or 503 answers", bad, 0, "requests",
                 None if bad is None else bad == 0, **over_run),
         verdict("overload_admitted_p99", "overload: p99 of the admitted (200) requests within "
