@@ -53,7 +53,7 @@ from sensai.models import count_params, select_device
 from .apoz import ChannelStats, collect_activation_stats
 from .grouping import group_classes, penultimate_features, plot_grouping
 from .iterative import step_policies
-from .jobs import run_in_process, run_on_ray
+from .jobs import RetrainProgress, run_in_process, run_on_ray
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
@@ -575,12 +575,18 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             for g in todo:  # no retraining asked for: the pruned subnet is the result
                 on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
                         {"samples": 0, "seconds": 0.0})
-        elif use_ray and retrain_fn is None:
-            run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
-                        len(todo), on_done, failures, ray_address)
         else:
-            run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
-                            failures)
+            on_ray = use_ray and retrain_fn is None
+            where = (f"{min(workers, len(todo))} Ray workers" if on_ray else "in process")
+            images = sum(len(idx) for idx, _ in plans.values())
+            with RetrainProgress(len(todo), images, f"retrain {len(todo)} subnets ({where})") as bar:
+                if on_ray:
+                    run_on_ray(jobs(), min(workers, len(todo)),
+                               str(dev) if device != "auto" else "auto", bar, on_done, failures,
+                               ray_address)
+                else:
+                    run_in_process(jobs(), retrain_fn or retrain_state, str(dev), bar, on_done,
+                                   failures)
     stages.run("retrain", time.perf_counter() - t0, bool(todo), done=not failures)
     if failures:
         done = n_groups - len(failures)
