@@ -75,11 +75,11 @@ AUTO_MIN_SAMPLES = 20_000
 class DecomposeConfig:
     """Every knob that changes what a decomposition produces (all recorded in the manifest).
 
-    Defaults were measured on fmnist_cnn / Fashion-MNIST (BENCHMARKS.md, "Decomposition: shrink
-    against accuracy"): the ``shrink`` policy at 10 makes every subnet >= 10x smaller than the
-    original in parameters *and* multiply-accumulates, whatever the architecture; 600k retraining
-    images in total (60k per subnet at G = 10) in batches of 32 (a 10x smaller subnet needs more
-    steps, not more images: batch 128 lost 0.9 points at G = 10 where 32 lost 0.14), half of each
+    Defaults were chosen by measurement on fmnist_cnn / Fashion-MNIST (BENCHMARKS.md,
+    "Decomposition: shrink against accuracy"): the ``shrink`` policy at 10 makes every subnet
+    >= 10x smaller than the original in parameters *and* multiply-accumulates, whatever the
+    architecture; 600k retraining images in total (60k per subnet at G = 10) in small batches (a
+    much smaller subnet needs more steps, not more images, so a small batch loses less), half of each
     subnet's negatives drawn where the original model is most tempted to answer with the
     subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
     Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.
@@ -99,7 +99,8 @@ class DecomposeConfig:
     zero_threshold: float = 0.005
     stats_per_class: int = 500
     # grouping (t-SNE off: on fmnist_cnn its 2-D class centroids paired Pullover with Bag and
-    # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, for 2 minutes)
+    # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, and it costs
+    # far more time)
     use_tsne: bool = False
     features_per_class: int = 200
     # retraining
