@@ -58,7 +58,7 @@ class RetrainProgress:
 
     def close(self) -> None:
         self._bar.close()
-        log.info("retrained %d of %d subnets on %d of %d images", self.finished, self.subnets,
+        log.debug("retrained %d of %d subnets on %d of %d images", self.finished, self.subnets,
                  self.total_done, self.images)
 
     def __enter__(self) -> "RetrainProgress":
