@@ -53,7 +53,7 @@ from sensai.models import count_params, select_device
 from .apoz import ChannelStats, collect_activation_stats
 from .grouping import group_classes, penultimate_features, plot_grouping
 from .iterative import step_policies
-from .jobs import run_in_process, run_on_ray
+from .jobs import RetrainProgress, run_in_process, run_on_ray
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
@@ -75,11 +75,11 @@ AUTO_MIN_SAMPLES = 20_000
 class DecomposeConfig:
     """Every knob that changes what a decomposition produces (all recorded in the manifest).
 
-    Defaults were measured on fmnist_cnn / Fashion-MNIST (BENCHMARKS.md, "Decomposition: shrink
-    against accuracy"): the ``shrink`` policy at 10 makes every subnet >= 10x smaller than the
-    original in parameters *and* multiply-accumulates, whatever the architecture; 600k retraining
-    images in total (60k per subnet at G = 10) in batches of 32 (a 10x smaller subnet needs more
-    steps, not more images: batch 128 lost 0.9 points at G = 10 where 32 lost 0.14), half of each
+    Defaults were chosen by measurement on fmnist_cnn / Fashion-MNIST (BENCHMARKS.md,
+    "Decomposition: shrink against accuracy"): the ``shrink`` policy at 10 makes every subnet
+    >= 10x smaller than the original in parameters *and* multiply-accumulates, whatever the
+    architecture; 600k retraining images in total (60k per subnet at G = 10) in small batches (a
+    much smaller subnet needs more steps, not more images, so a small batch loses less), half of each
     subnet's negatives drawn where the original model is most tempted to answer with the
     subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
     Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.
@@ -99,7 +99,8 @@ class DecomposeConfig:
     zero_threshold: float = 0.005
     stats_per_class: int = 500
     # grouping (t-SNE off: on fmnist_cnn its 2-D class centroids paired Pullover with Bag and
-    # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, for 2 minutes)
+    # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, and it costs
+    # far more time)
     use_tsne: bool = False
     features_per_class: int = 200
     # retraining
@@ -575,12 +576,18 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             for g in todo:  # no retraining asked for: the pruned subnet is the result
                 on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
                         {"samples": 0, "seconds": 0.0})
-        elif use_ray and retrain_fn is None:
-            run_on_ray(jobs(), min(workers, len(todo)), str(dev) if device != "auto" else "auto",
-                        len(todo), on_done, failures, ray_address)
         else:
-            run_in_process(jobs(), retrain_fn or retrain_state, str(dev), len(todo), on_done,
-                            failures)
+            on_ray = use_ray and retrain_fn is None
+            where = (f"{min(workers, len(todo))} Ray workers" if on_ray else "in process")
+            images = sum(len(idx) for idx, _ in plans.values())
+            with RetrainProgress(len(todo), images, f"retrain {len(todo)} subnets ({where})") as bar:
+                if on_ray:
+                    run_on_ray(jobs(), min(workers, len(todo)),
+                               str(dev) if device != "auto" else "auto", bar, on_done, failures,
+                               ray_address)
+                else:
+                    run_in_process(jobs(), retrain_fn or retrain_state, str(dev), bar, on_done,
+                                   failures)
     stages.run("retrain", time.perf_counter() - t0, bool(todo), done=not failures)
     if failures:
         done = n_groups - len(failures)

@@ -180,7 +180,7 @@ def group_classes(features: np.ndarray, labels: np.ndarray, num_classes: int, n_
     the raw feature space.  Balanced k-means then clusters the ``num_classes`` centroids.
     ``n_groups == num_classes`` gives one class per group without clustering.  ``threads`` caps
     the OpenMP/BLAS threads t-SNE may use (None: the libraries' default, all cores); on a busy
-    machine one thread is several times faster than many competing ones.
+    machine one thread is faster than many competing ones.
     """
     if not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise SensaiError(f"the number of classes must be a positive integer, got {num_classes!r}")

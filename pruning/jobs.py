@@ -1,9 +1,16 @@
 """Running the subnets' retraining jobs: one after another in this process, or as Ray tasks
-spread over a cluster's nodes (a task whose node is lost runs again elsewhere)."""
+spread over a cluster's nodes (a task whose node is lost runs again elsewhere).
+
+Retraining is the decomposition's longest step, so both ways show one live progress bar over the
+images of every subnet (done / total, images/s, time left).  In process, the training loop calls
+:meth:`RetrainProgress.report` directly; on Ray, each task sends its count to a small actor
+(:class:`ProgressBoard`) that the driver reads while it waits for the tasks.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Iterator
 
 from tqdm.auto import tqdm
@@ -15,36 +22,106 @@ from .retrain import retrain_state
 
 log = logging.getLogger(__name__)
 
-
-def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str, total: int,
-                    on_done: Callable, failures: dict[int, str]) -> None:
-    with tqdm(total=total, desc="retrain: subnets", unit="subnet") as bar:
-        for job in jobs:
-            g = job.pop("index")
-            try:
-                state, metrics = retrain_fn(**job, device=device,
-                                            progress=f"retrain subnet {g:02d}")
-            except Exception as e:  # one subnet's failure must not lose the others
-                log.error("retraining subnet %d failed: %s", g, e)
-                failures[g] = f"{type(e).__name__}: {e}"
-            else:
-                on_done(g, state, metrics)
-            bar.update(1)
+POLL_S = 0.5  # how often the driver reads the Ray tasks' counts, and tasks send theirs at most
 
 
-def retrain_on_node(**job) -> tuple[dict, dict]:
-    """``retrain_state`` as a Ray task; the metrics name the node that did the work."""
+class RetrainProgress:
+    """The console's view of a retraining: images done over all subnets, and subnets done.
+
+    Counts are per subnet and absolute (images of its plan done so far), so a task that is run
+    again after a lost node starts its count over instead of adding to it.
+    """
+
+    def __init__(self, subnets: int, images: int, desc: str = "retrain") -> None:
+        self.subnets, self.images = subnets, images
+        self.done: dict[int, int] = {}
+        self.finished = 0
+        self.updates = 0  # how many times the counts changed (the bar moved)
+        self._bar = tqdm(total=images, desc=desc, unit="img", dynamic_ncols=True)
+        self._bar.set_postfix_str(f"subnets 0/{subnets}")
+
+    def report(self, subnet: int, done: int) -> None:
+        """Subnet ``subnet`` has retrained on ``done`` images of its plan so far."""
+        if self.done.get(subnet) == done:
+            return
+        self.done[subnet] = done
+        self.updates += 1
+        self._bar.update(sum(self.done.values()) - self._bar.n)
+
+    def subnet_finished(self) -> None:
+        self.finished += 1
+        self._bar.set_postfix_str(f"subnets {self.finished}/{self.subnets}")
+
+    @property
+    def total_done(self) -> int:
+        return sum(self.done.values())
+
+    def close(self) -> None:
+        self._bar.close()
+        log.debug("retrained %d of %d subnets on %d of %d images", self.finished, self.subnets,
+                 self.total_done, self.images)
+
+    def __enter__(self) -> "RetrainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ProgressBoard:
+    """Ray actor: the latest count of every subnet's task, for the driver to read."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, int] = {}
+
+    def report(self, subnet: int, done: int) -> None:
+        self.done[subnet] = done
+
+    def counts(self) -> dict[int, int]:
+        return dict(self.done)
+
+
+def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str,
+                   progress: RetrainProgress, on_done: Callable, failures: dict[int, str]) -> None:
+    for job in jobs:
+        g = job.pop("index")
+        try:
+            state, metrics = retrain_fn(**job, device=device,
+                                        progress=lambda n, g=g: progress.report(g, n))
+        except Exception as e:  # one subnet's failure must not lose the others
+            log.error("retraining subnet %d failed: %s", g, e)
+            failures[g] = f"{type(e).__name__}: {e}"
+        else:
+            on_done(g, state, metrics)
+        progress.subnet_finished()
+
+
+def retrain_on_node(board, subnet: int, **job) -> tuple[dict, dict]:
+    """``retrain_state`` as a Ray task reporting to ``board``; the metrics name the node that
+    did the work."""
     import ray
 
-    state, metrics = retrain_state(**job)
+    last = {"t": 0.0, "ref": None}
+
+    def report(n: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if final or now - last["t"] >= POLL_S:  # no faster than the driver reads
+            last["t"], last["ref"] = now, board.report.remote(subnet, n)
+
+    state, metrics = retrain_state(**job, progress=report)
+    report(metrics["samples"], final=True)
+    # One caller's calls to an actor run in order: once the last is in, so are all the others,
+    # and the driver's final reading is complete.
+    ray.get(last["ref"])
     return state, {**metrics, "node": ray.get_runtime_context().get_node_id()}
 
 
-def run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
-                on_done: Callable, failures: dict[int, str], address: str | None) -> None:
+def run_on_ray(jobs: Iterator[dict], workers: int, device: str, progress: RetrainProgress,
+               on_done: Callable, failures: dict[int, str], address: str | None) -> None:
     import ray
 
     started = connect(address)
+    board = None
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
         if device != "cpu" and gpus >= 1:
@@ -54,35 +131,44 @@ def run_on_ray(jobs: Iterator[dict], workers: int, device: str, total: int,
             if device.startswith("cuda"):
                 raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
             options, task_device, threads = {"num_cpus": 1}, "cpu", 1
+        # No CPU of its own: the board only stores numbers and must not take a task's core.
+        board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         # SPREAD: subnets go to different nodes when there are several; a task whose node dies
         # is run again elsewhere (a subnet's retraining is deterministic, so a rerun is the same).
         remote = ray.remote(retrain_on_node).options(max_retries=3, scheduling_strategy="SPREAD",
                                                      **options)
+
+        def read_board() -> None:
+            for g, n in ray.get(board.counts.remote()).items():
+                progress.report(g, n)
+
         pending: dict = {}
         it = iter(jobs)
         exhausted = False
-        with tqdm(total=total, desc=f"retrain: subnets ({workers} Ray workers)", unit="subnet") as bar:
-            while pending or not exhausted:
-                while not exhausted and len(pending) < workers:
-                    job = next(it, None)
-                    if job is None:
-                        exhausted = True
-                        break
-                    g = job.pop("index")
-                    pending[remote.remote(**job, device=task_device, threads=threads)] = g
-                if not pending:
+        while pending or not exhausted:
+            while not exhausted and len(pending) < workers:
+                job = next(it, None)
+                if job is None:
+                    exhausted = True
                     break
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for ref in done:
-                    g = pending.pop(ref)
-                    try:
-                        state, metrics = ray.get(ref)
-                    except ray.exceptions.RayError as e:
-                        failures[g] = error_text(e)
-                        log.error("retraining subnet %d failed: %s", g, failures[g])
-                    else:
-                        on_done(g, state, metrics)
-                    bar.update(1)
+                g = job.pop("index")
+                pending[remote.remote(board, g, **job, device=task_device, threads=threads)] = g
+            if not pending:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            read_board()
+            for ref in done:
+                g = pending.pop(ref)
+                try:
+                    state, metrics = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    failures[g] = error_text(e)
+                    log.error("retraining subnet %d failed: %s", g, failures[g])
+                else:
+                    on_done(g, state, metrics)
+                progress.subnet_finished()
     finally:
+        if board is not None and not started:  # a cluster that outlives this run
+            ray.kill(board)
         if started:
             ray.shutdown()

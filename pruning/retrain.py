@@ -21,12 +21,11 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec, normalize
@@ -192,13 +191,14 @@ def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: 
 def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
                   targets: np.ndarray, spec: DatasetSpec, settings: RetrainSettings, *,
                   binary: bool, device: torch.device, soft: np.ndarray | None = None,
-                  progress: str | None = None) -> dict[str, Any]:
+                  progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Fine-tune ``model`` in place on ``images[positions]`` with ``targets``, in the given order.
 
     ``images`` is uint8 ``[M, C, H, W]`` (the distinct images the plan uses; ``positions`` index
     into it, so repeated positives are not copied).  One epoch is ``settings.samples`` items.
     ``soft`` (``[M, outputs]``, see :func:`soft_targets`) is needed when ``settings.distill > 0``:
     the loss is then ``(1 - distill) * hard + distill * soft``, both with the same class weights.
+    ``progress`` is called after every step with the number of items trained on so far.
     Returns training metrics; raises :class:`SensaiError` if the loss stops being finite.
     """
     settings.validate()
@@ -264,31 +264,29 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
     targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64))
     t0 = time.perf_counter()
     running, seen, recent = 0.0, 0, []
-    with tqdm(total=n, desc=progress, disable=progress is None, unit="img", leave=False) as bar:
-        for step, s in enumerate(range(0, n, settings.batch_size)):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            x = images[positions_t[s:s + settings.batch_size]]
-            if settings.flip:
-                x = augment(x, gen)
-            x = normalize(x.to(device), spec)
-            y = targets_t[s:s + settings.batch_size].to(device)
-            q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
-                 else None)
-            loss = loss_of(model(x), y, q)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
-                                  "lower --lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            running += value * len(y)
-            seen += len(y)
-            recent.append(value)
-            bar.update(len(y))
-            if step % 20 == 0:
-                bar.set_postfix(loss=f"{running / seen:.3f}")
+    for step, s in enumerate(range(0, n, settings.batch_size)):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x = images[positions_t[s:s + settings.batch_size]]
+        if settings.flip:
+            x = augment(x, gen)
+        x = normalize(x.to(device), spec)
+        y = targets_t[s:s + settings.batch_size].to(device)
+        q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
+             else None)
+        loss = loss_of(model(x), y, q)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
+                              "lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        running += value * len(y)
+        seen += len(y)
+        recent.append(value)
+        if progress is not None:
+            progress(seen)
     calibrated = recalibrate_batchnorm(model, images, positions_t, spec, device,
                                        batch_size=settings.batch_size)
     model.eval()
@@ -337,7 +335,7 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
                   images: np.ndarray, positions: np.ndarray, targets: np.ndarray,
                   spec: dict, settings: dict, *, binary: bool, device: str = "auto",
                   soft: np.ndarray | None = None, threads: int | None = None,
-                  progress: str | None = None, trust_code: bool = False,
+                  progress: Callable[[int], Any] | None = None, trust_code: bool = False,
                   schedule: Sequence[dict] = (), prune: dict | None = None,
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Rebuild the subnet from ``state``, retrain it, return its new CPU state dict and metrics.
@@ -345,6 +343,7 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
     Everything comes in as plain arrays and dicts so this runs unchanged in a Ray task (the device
     is chosen here, at run time, on whatever worker got the task) or in the calling process.
     ``trust_code``: the architecture may be a ``package.module:factory`` to import.
+    ``progress`` is called as training goes with the number of plan items done so far.
 
     ``schedule`` (policy dicts) makes this the rest of an iterative schedule (:mod:`.iterative`):
     the plan is cut into ``len(schedule) + 1`` equal parts, each retrained with its own warm-up
@@ -364,6 +363,7 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
         raise ValueError("an iterative schedule needs the pruning settings (prune=...)")
     parts = np.array_split(np.arange(len(positions)), len(schedule) + 1)
     steps = []
+    before = 0  # items of the earlier parts: the count goes on over the whole plan
     for i, part in enumerate(parts):
         if i:
             own = group_images(positions, targets, int(prune["stats_images"]), settings_o.seed + i)
@@ -374,7 +374,8 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
         step = retrain_model(model, images_t, positions[part], targets[part], spec_o, settings_o,
                              binary=binary, device=dev, soft=soft,
                              progress=None if progress is None else
-                             progress + (f" step {i + 1}/{len(parts)}" if len(parts) > 1 else ""))
+                             lambda n, before=before: progress(before + n))
+        before += len(part)
         steps.append({**step, "params": count_params(model)})
     metrics = dict(steps[-1])
     if len(steps) > 1:

@@ -4,6 +4,11 @@
 a local instance bound to 127.0.0.1, so a machine's Ray ports never face the network unless the
 operator runs a cluster on purpose.  Ray 2.60's ``ray start --head`` turns token authentication
 on; a client then needs ``RAY_AUTH_MODE=token`` (see deploy/README.md).
+
+Ray's start-up messages need nothing from the user, so they stay out of the console: Ray's own
+logging at WARNING and up only, the workers' output in the session's log files
+(``log_to_driver``), and the notice that a new local instance uses token authentication (Ray's
+secure default, a WARNING in the middle of a command's output) moved to this module's debug log.
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ import re
 
 from .errors import SensaiError
 
+log = logging.getLogger(__name__)
+
 LOOPBACK = "127.0.0.1"
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Where Ray says which authentication a new local instance got.
+AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -40,6 +49,10 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
                         log_to_driver=log_to_driver)
     if address is None:
         kwargs.update(include_dashboard=False, _node_ip_address=LOOPBACK, num_cpus=num_cpus)
+    # Only a new local instance announces its (default) authentication; setting RAY_AUTH_MODE
+    # ourselves would silence it too, but Ray reads that once per process and may have already.
+    notices = logging.getLogger(AUTH_NOTICE_LOGGER)
+    notices.addFilter(_to_debug_log)
     try:
         # "local": a new instance even when another Ray runs on this machine (ray.init(None)
         # would silently join the last cluster started here, e.g. a `ray start` left running).
@@ -47,7 +60,16 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SensaiError(f"cannot connect to Ray at {address or 'a new local instance'}: "
                           f"{error_text(e)}") from None
+    finally:
+        notices.removeFilter(_to_debug_log)
     return True
+
+
+def _to_debug_log(record: logging.LogRecord) -> bool:
+    """A logging filter: Ray's record goes to this module's debug log instead of Ray's console
+    handler."""
+    log.debug("ray: %s", record.getMessage())
+    return False
 
 
 def is_loopback(address: str) -> bool:

@@ -361,3 +361,62 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         assert metrics["threads"] == 1 and metrics["samples"] == 384  # ran in a Ray task on CPU
         assert metrics["node"] == node
         assert s.num_outputs == 6
+
+
+# --------------------------------------------------------------------------------------------
+# Retraining's live progress, in process and across Ray tasks
+
+
+def retrain_jobs(fmnist_spec, fmnist_train) -> list[dict]:
+    """Two real retraining jobs (group heads of fmnist_cnn on classes {0, 1} and {2, 3}),
+    built as the decomposition builds them."""
+    from sensai.models import create_model
+    from sensai.pruning.retrain import RetrainSettings, retrain_plan
+
+    settings = RetrainSettings(samples=300, batch_size=64)
+    jobs = []
+    for g, classes in enumerate([[0, 1], [2, 3]]):
+        idx, targets = retrain_plan(fmnist_train.labels, classes, settings, binary=False,
+                                    subnet_seed=g)
+        uniq, positions = np.unique(idx, return_inverse=True)
+        torch.manual_seed(g)
+        jobs.append({"index": g, "arch": "fmnist_cnn", "num_outputs": 3, "in_channels": 1,
+                     "state": create_model("fmnist_cnn", 3, 1).state_dict(),
+                     "images": fmnist_train.images[torch.from_numpy(uniq)].numpy(),
+                     "positions": positions.astype(np.int64), "targets": targets, "soft": None,
+                     "spec": fmnist_spec.to_dict(), "settings": settings.to_dict(),
+                     "binary": False})
+    return jobs
+
+
+def test_retraining_in_process_reports_every_step_up_to_the_total(fmnist_spec, fmnist_train):
+    from sensai.pruning.jobs import RetrainProgress, run_in_process
+    from sensai.pruning.retrain import retrain_state
+
+    jobs = retrain_jobs(fmnist_spec, fmnist_train)
+    sizes = {j["index"]: len(j["positions"]) for j in jobs}
+    done, failures = {}, {}
+    with RetrainProgress(2, sum(sizes.values())) as progress:
+        run_in_process(iter(jobs), retrain_state, "cpu", progress,
+                       lambda g, state, metrics: done.update({g: metrics["samples"]}), failures)
+    assert not failures and done == sizes
+    assert progress.done == sizes and progress.total_done == progress.images == 600
+    assert progress.finished == 2
+    # Live: one report per training step of each subnet, not one at the end.
+    assert progress.updates == sum(-(-n // 64) for n in sizes.values())
+
+
+@pytest.mark.slow
+def test_retraining_on_ray_reports_progress_from_the_tasks(fmnist_spec, fmnist_train):
+    """Counts travel from the Ray tasks through the progress actor to the driver's bar."""
+    from sensai.pruning.jobs import RetrainProgress, run_on_ray
+
+    jobs = retrain_jobs(fmnist_spec, fmnist_train)
+    sizes = {j["index"]: len(j["positions"]) for j in jobs}
+    done, failures = {}, {}
+    with local_ray(num_cpus=2), RetrainProgress(2, sum(sizes.values())) as progress:
+        run_on_ray(iter(jobs), 2, "cpu", progress,
+                   lambda g, state, metrics: done.update({g: metrics["samples"]}), failures, None)
+    assert not failures and done == sizes
+    assert progress.done == sizes and progress.total_done == progress.images
+    assert progress.finished == 2

@@ -21,6 +21,13 @@ def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
     text = capsys.readouterr().out
     for step in ("1/5 train", "2/5 decompose", "3/5 serve", "4/5 predict", "5/5 single-image"):
         assert step in text
+    # The original's whole default schedule, with its accuracy after every epoch.
+    history = json.loads((out / "fmnist_cnn" / "model.json").read_text())["train"]["history"]
+    assert len(history) == 3
+    assert ("3 epochs, one cosine schedule; test top-1 by epoch: "
+            + " -> ".join(f"{h['test_top1']:.4f}" for h in history)) in text
+    assert re.search(r"last epoch [+-]\d+\.\d\d points: (not converged|levelling off)", text)
+    assert re.search(r"original 0\.\d{4} \(3 epochs\), decomposed", text)
     assert len(re.findall(r"test image +\d+: predicted", text)) == 4 and "/4 right" in text
     manifest = json.loads((out / "fmnist_cnn_g2" / "manifest.json").read_text())
     assert len(manifest["subnets"]) == 2
@@ -60,3 +67,18 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
     assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_demo_says_how_far_from_converged_a_model_is(trained_model_dir):
+    from sensai.cli.demo import training_progress
+    from sensai.manifest import load_model_record
+
+    record = load_model_record(trained_model_dir)  # one real epoch
+    assert "one epoch shows no trend" in training_progress(record)
+    rising = record.train.model_copy(update={"completed_epochs": 2, "epochs": 2, "history": [
+        {"epoch": 1, "loss": 0.5, "test_top1": 0.88}, {"epoch": 2, "loss": 0.3, "test_top1": 0.91}]})
+    line = training_progress(record.model_copy(update={"train": rising}))
+    assert "by epoch: 0.8800 -> 0.9100 (last epoch +3.00 points: not converged; --epochs 4" in line
+    flat = rising.model_copy(update={"history": [
+        {"epoch": 1, "loss": 0.3, "test_top1": 0.91}, {"epoch": 2, "loss": 0.3, "test_top1": 0.911}]})
+    assert "+0.10 points: levelling off" in training_progress(record.model_copy(update={"train": flat}))

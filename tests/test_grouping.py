@@ -105,7 +105,7 @@ def trained(trained_model_dir):
 
 @pytest.fixture(scope="module")
 def features(trained, fmnist_spec, fmnist_train):
-    # 30 images per class keep the t-SNE in the tests to a few seconds.
+    # 30 images per class keep the t-SNE in the tests short.
     return penultimate_features(trained, fmnist_train, fmnist_spec, CPU, per_class=30, seed=0)
 
 

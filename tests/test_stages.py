@@ -96,7 +96,8 @@ def test_plan_balances_vgg(images):
     plan, _ = plan_stages(gm, 4)
     total = sum(node_macs(gm, n) for n in gm.graph.nodes)  # traced at batch 1
     assert sum(plan.stage_macs) == total
-    assert max(plan.stage_macs) < 0.4 * total  # a naive equal-layer split gives ~0.45
+    # Below what a naive split into equal numbers of layers gives on this model.
+    assert max(plan.stage_macs) < 0.4 * total
 
 
 def test_too_many_stages_is_a_clear_error(images):
