@@ -1,4 +1,9 @@
-"""``sensai serve``, ``sensai predict`` and ``sensai export-triton``."""
+"""``sensai serve``, ``sensai predict`` and ``sensai export-triton``.
+
+Every ``sensai`` command, ``--help`` included, builds this module's parsers, so what only a
+command needs (the artifact, the predictor, the image decoder, the HTTP client) is imported when
+that command runs.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import numpy as np
-
-from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.merge import top_k
 from sensai.serving.bench.names import WARMUP
-from sensai.serving.build import build_predictor, launch_triton
-from sensai.serving.faults import parse_delay
-from sensai.serving.imaging import decode_image
-from sensai.serving.placement import check_redundancy
 from sensai.serving.settings import BACKENDS, LOG_LEVELS, GatewaySettings, load_settings
 from sensai.serving.wakeup import MODES, keep_cores_awake
 
@@ -168,6 +164,8 @@ def settings_from(args) -> GatewaySettings:
 
 
 def injected_delays(items: list[str], workers: int) -> dict[int, str]:
+    from sensai.serving.faults import parse_delay
+
     delays = {}
     for item in items:
         worker, eq, spec = item.partition("=")
@@ -181,7 +179,10 @@ def injected_delays(items: list[str], workers: int) -> dict[int, str]:
 
 
 def cmd_serve(args) -> int:
+    from sensai.artifact import load_artifact
     from sensai.serving.app import create_app
+    from sensai.serving.build import launch_triton
+    from sensai.serving.placement import check_redundancy
     from sensai.serving.server import run_uvicorn
 
     settings = settings_from(args)
@@ -227,6 +228,8 @@ def cmd_serve(args) -> int:
 def predictor_for(artifact, settings: GatewaySettings, **extra):
     """The predictor ``settings`` describe (``extra``: what is not a setting, e.g. injected
     delays)."""
+    from sensai.serving.build import build_predictor
+
     s = settings
     return build_predictor(
         artifact, backend=s.backend, redundancy=s.redundancy, vote=s.vote, workers=s.workers,
@@ -258,6 +261,10 @@ def cmd_predict(args) -> int:
         raise SensaiError(f"image {path} does not exist")
     if args.url:
         return predict_remote(args, path)
+    from sensai.artifact import load_artifact
+    from sensai.merge import top_k
+    from sensai.serving.imaging import decode_image
+
     settings = settings_from(args)
     artifact = load_artifact(args.artifact)
     # The image is checked before any subnet is loaded.
@@ -302,6 +309,8 @@ def cmd_predict(args) -> int:
 
 
 def predict_remote(args, path: Path) -> int:
+    import httpx
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     url = args.url.rstrip("/") + "/v1/predict"
     data = path.read_bytes()
@@ -335,6 +344,8 @@ def predict_remote(args, path: Path) -> int:
 
 
 def print_latency(times_ms: list[float], what: str) -> None:
+    import numpy as np
+
     t = np.asarray(times_ms)
     print(f"{what}: {len(t)} requests, p50 {np.percentile(t, 50):.2f} ms, "
           f"p90 {np.percentile(t, 90):.2f} ms, p99 {np.percentile(t, 99):.2f} ms, "
