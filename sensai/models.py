@@ -25,7 +25,7 @@ _DESCRIPTIONS: dict[str, str] = {}
 
 DEFAULT_MODEL = "fmnist_cnn"  # `sensai train`'s default: small, trains in minutes
 # `sensai demo`'s: large enough that one image's compute outweighs the request path, so the
-# class-parallel gain shows over HTTP, and one epoch on 2 cores keeps the demo within 25 minutes.
+# class-parallel gain shows over HTTP, and small enough to train on a 2-core machine.
 DEMO_MODEL = "vgg11_bn"
 
 
