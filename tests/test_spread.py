@@ -140,4 +140,6 @@ def test_the_local_pool_moves_workers_left_on_one_core_apart(tiny_artifact):
     finally:
         predictor.shutdown()
     assert sum(n == 2 for n in cores[2:]) >= 16, cores
-    assert spread.moves >= 1
+    # Apart by the spread's move; on a busy machine the kernel's balancer sometimes parts them
+    # first, and then every request after the release already ran on two cores.
+    assert spread.moves >= 1 or all(n == 2 for n in cores), (spread.moves, cores)
