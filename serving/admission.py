@@ -12,7 +12,7 @@ can exhaust it or stall the others.
   longer than their request's deadline, which starts when the request arrives (503 when it runs
   out while waiting, 504 when the subnets are late);
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
-  counter sees.  The loop's lag is measured (a timer that should fire every 20 ms) and counts
+  counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
   at once (503), which costs far less than serving them and lets the loop catch up.
 

@@ -62,9 +62,10 @@ class DelaySpec:
 
 
 def parse_delay(text: str) -> DelaySpec:
-    """``fixed:50ms``, ``exp:20ms`` (exponential, mean 20 ms), ``uniform:10ms-80ms``, each
-    optionally ``@p`` (only a fraction p of requests is delayed, e.g. ``fixed:200ms@0.05``).
-    A bare number is milliseconds.  ``hang``: stuck for good (tests of the hang watchdog)."""
+    """``fixed:T`` (always T), ``exp:T`` (exponential, mean T), ``uniform:T1-T2``, each
+    optionally ``@p`` (only a fraction p of requests is delayed); T is a number with ``us``,
+    ``ms`` or ``s``, and a bare number is milliseconds.  ``hang``: stuck for good (tests of the
+    hang watchdog)."""
     if not isinstance(text, str) or not text.strip():
         raise SensaiError("empty delay spec; use e.g. fixed:50ms, exp:20ms, uniform:10ms-80ms")
     spec = text.strip()

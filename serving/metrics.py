@@ -5,7 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-# Latency buckets from 0.5 ms (a tiny subnet on a GPU) to 10 s (the deadline's neighbourhood).
+# Latency buckets wide enough for a small subnet on a fast device at one end and a request near
+# its deadline at the other.
 BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
            0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 

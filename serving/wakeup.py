@@ -5,8 +5,8 @@ wakes the event loop, so how long an idle core takes to wake up is on every requ
 lets a process ask that no core sleep deeper than a given wake-up latency for as long as it keeps
 ``/dev/cpu_dma_latency`` open with the limit written in it (the kernel's PM QoS interface, the
 one tuned's ``latency-performance`` profile uses).  Closing the file withdraws the request, and
-so does the process ending, however it ends: nothing is left behind.  With 0 us an idle core
-polls instead of halting; in a KVM guest the wake-up then no longer goes through the hypervisor.
+so does the process ending, however it ends: nothing is left behind.  With a limit of zero
+(``LATENCY_US``) an idle core polls instead of halting; in a KVM guest the wake-up then no longer goes through the hypervisor.
 
 What it costs: idle cores draw power (on a VM, the host keeps the vCPUs running; on bare metal
 it eats into turbo headroom) while the request is held.  Idle time still counts as idle and every
