@@ -119,6 +119,7 @@ def retrain_on_node(board, subnet: int, **job) -> tuple[dict, dict]:
 def run_on_ray(jobs: Iterator[dict], workers: int, device: str, progress: RetrainProgress,
                on_done: Callable, failures: dict[int, str], address: str | None) -> None:
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     started = connect(address)
     board = None
@@ -131,8 +132,10 @@ def run_on_ray(jobs: Iterator[dict], workers: int, device: str, progress: Retrai
             if device.startswith("cuda"):
                 raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
             options, task_device, threads = {"num_cpus": 1}, "cpu", 1
-        # No CPU of its own: the board only stores numbers and must not take a task's core.
-        board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        # No CPU of its own: the board only stores numbers and must not take a task's core. On
+        # the driver's node: losing a worker node must cost only its tasks, never the board.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        board = ray.remote(num_cpus=0)(ProgressBoard).options(scheduling_strategy=here).remote()
         # SPREAD: subnets go to different nodes when there are several; a task whose node dies
         # is run again elsewhere (a subnet's retraining is deterministic, so a rerun is the same).
         remote = ray.remote(retrain_on_node).options(max_retries=3, scheduling_strategy="SPREAD",
