@@ -5,7 +5,9 @@ benchmark goes through a runner, so the strategies compare like with like.
 
 * :class:`OrtRunner` - ONNX Runtime; CPU by default (faster than torch eager at batch 1 on small
   CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
-* :class:`TorchRunner` - torch eager, for GPUs without onnxruntime-gpu.
+* :class:`TorchRunner` - torch eager.
+* :class:`~sensai.serving.graphs.GraphRunner` - torch replayed from CUDA graphs: the default on
+  CUDA devices, falling back to eager (with a warning) where a network cannot be captured.
 
 A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
 it is built where the runner will live, and checks the file it loads against the manifest's hash
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -25,19 +27,52 @@ from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
+from .settings import RUNTIMES
+
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("auto", "onnx", "torch")
+
+
+def resolve_runtime(runtime: str, device: str, *, has_onnx: bool = True) -> str:
+    """``auto``: ONNX Runtime on CPUs (where an ONNX file exists), CUDA graphs on GPUs, torch
+    eager otherwise; an explicit runtime as given."""
+    if runtime != "auto":
+        return runtime
+    if str(device).startswith("cuda"):
+        return "cuda-graph"
+    return "onnx" if has_onnx else "torch"
+
+
+def torch_runner(model, *, device: str, runtime: str, name: str,
+                 input_shape: Sequence[int]) -> "Runner":
+    """The torch network as the runtime asks: CUDA graphs (``auto`` on a GPU falls back to
+    eager, with a warning, when capture fails; an explicit ``cuda-graph`` fails instead) or
+    eager."""
+    from .graphs import GraphCaptureError, GraphRunner  # torch: the torch runtimes only
+
+    chosen = resolve_runtime(runtime, device, has_onnx=False)
+    if chosen != "cuda-graph":
+        return TorchRunner(model, device=device, name=name)
+    try:
+        return GraphRunner(model, device=device, input_shape=input_shape, name=name)
+    except GraphCaptureError as e:
+        if runtime == "cuda-graph":
+            raise CheckpointError(f"{e}; use --runtime torch") from None
+        log.warning("%s; running it eagerly", e)
+        return TorchRunner(model, device=device, name=name)
 
 
 class Runner(Protocol):
     name: str
     device: str
+    runtime: str
 
     def run(self, x: np.ndarray) -> np.ndarray: ...
 
 
 class OrtRunner:
+    runtime = "onnx"
+
     def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
                  name: str | None = None, num_outputs: int | None = None):
         import onnxruntime as ort  # only the onnx runtime needs it
@@ -79,30 +114,38 @@ class OrtRunner:
 
 
 class TorchRunner:
+    runtime = "torch"
+
     def __init__(self, model, *, device: str = "cpu", name: str = "model"):
         import torch
 
         self._torch = torch
         self.device = device
-        self.model = model.eval().to(torch.device(device))
+        dev = torch.device(device)
+        self.model = model.eval().to(dev)
         self.name = name
+        # Its own stream, as the graph runner has: workers sharing a GPU overlap, not queue.
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def run(self, x: np.ndarray) -> np.ndarray:
         torch = self._torch
         if not x.flags.writeable:
             x = np.array(x)  # arrays from Ray or shared buffers are read-only; torch wants its own
         with torch.inference_mode():
-            out = self.model(torch.from_numpy(x).to(self.device, non_blocking=True))
-        # .cpu() waits for the device, so the caller's clock covers the whole computation.
-        return out.float().cpu().numpy()
+            if self.stream is None:
+                return self.model(torch.from_numpy(x)).float().numpy()
+            with torch.cuda.stream(self.stream):
+                out = self.model(torch.from_numpy(x).to(self.device, non_blocking=True))
+                # .cpu() waits for this stream, so the caller's clock covers the computation.
+                return out.float().cpu().numpy()
 
 
 @dataclass(frozen=True)
 class RunnerSpec:
     """Everything needed to build one subnet's runner, picklable.
 
-    ``runtime="auto"``: ONNX Runtime when the device is a CPU and an ONNX file exists, torch
-    otherwise (GPUs, or artifacts without ONNX files).  The torch network is rebuilt from its
+    ``runtime="auto"``: ONNX Runtime when the device is a CPU and an ONNX file exists, CUDA
+    graphs on GPUs, torch eager otherwise (see :func:`resolve_runtime`).  The torch network is rebuilt from its
     safetensors weights - nothing is unpickled; an architecture given as
     ``package.module:factory`` is imported only with ``trust_code``.
     """
@@ -127,9 +170,7 @@ class RunnerSpec:
     weights_blob: Any = None
 
     def resolved_runtime(self) -> str:
-        if self.runtime == "auto":
-            return "onnx" if self.device == "cpu" and self.onnx_path else "torch"
-        return self.runtime
+        return resolve_runtime(self.runtime, self.device, has_onnx=bool(self.onnx_path))
 
     def build(self) -> Runner:
         if self.resolved_runtime() == "onnx":
@@ -166,7 +207,8 @@ class RunnerSpec:
             model = build_from_weights(self.arch, self.num_outputs, self.in_channels, state,
                                        f"weights of {self.name} ({self.weights_path})",
                                        trust_code=self.trust_code)
-            runner = TorchRunner(model, device=self.device, name=self.name)
+            runner = torch_runner(model, device=self.device, runtime=self.runtime,
+                                  name=self.name, input_shape=self.input_shape)
         if self.warmup:
             # The first run allocates buffers (and compiles kernels on GPUs); do it now so the
             # first request does not pay for it.
@@ -214,6 +256,8 @@ def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "au
         raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     m = artifact.manifest
     specs = []
+    if runtime == "cuda-graph" and not str(device).startswith("cuda") and device != "auto":
+        raise SensaiError(f"the cuda-graph runtime needs a CUDA device, not {device!r}")
     for s in artifact.subnets:
         spec = RunnerSpec(
             name=s.name, input_shape=tuple(m.dataset.input_shape),

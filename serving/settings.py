@@ -20,6 +20,8 @@ from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# How a subnet runs: see serving/runners.py (auto picks per device).
+RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
 ENV_PREFIX = "SENSAI_"
 
 
@@ -63,7 +65,8 @@ class GatewaySettings(BaseSettings):
                                 "is restarted (default: max(10 s, 2 x deadline))")
     threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each subnet runner")
     default_top_k: int = Field(5, ge=1)
-    runtime: str = Field("auto", pattern=r"^(auto|onnx|torch)$")
+    runtime: str = Field("auto", pattern=f"^({'|'.join(RUNTIMES)})$",
+                         description="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     trust_model_code: bool = Field(False, description="allow the torch runtime to import an "
                                    "architecture the manifest names as package.module:factory")

@@ -10,6 +10,7 @@ from sensai.errors import SensaiError
 from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
                                         PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS,
                                         WARMUP)
+from sensai.serving.settings import RUNTIMES
 from sensai.serving.wakeup import MODES
 
 from .train import add_device_arg
@@ -100,8 +101,9 @@ def _worker_args(p) -> None:
                         "RAY_ADDRESS, else a local instance); each worker's node is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
-    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default="auto",
-                   help="auto: ONNX Runtime on CPUs, torch on GPUs (default: %(default)s)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                   help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where a "
+                        "network cannot be captured); torch: eager (default: %(default)s)")
     add_device_arg(p)
 
 

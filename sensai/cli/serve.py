@@ -18,7 +18,8 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.bench.names import WARMUP
-from sensai.serving.settings import BACKENDS, LOG_LEVELS, GatewaySettings, load_settings
+from sensai.serving.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
+                                     load_settings)
 from sensai.serving.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
                         "(default: auto)")
-    p.add_argument("--runtime", choices=("auto", "onnx", "torch"), default=None,
-                   help="auto: ONNX Runtime on CPU, torch on GPUs (default: auto)")
+    p.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where a "
+                        "network cannot be captured); torch: eager (default: auto)")
     p.add_argument("--threads", dest="threads_per_worker", type=int, default=None, metavar="N",
                    help="intra-op threads per subnet (default: 1)")
     p.add_argument("--trust-model-code", action="store_true", default=None,

@@ -27,7 +27,7 @@ from sensai.spec import DatasetSpec
 from ..contract import Prediction
 from ..errors import SubnetFailed, SubnetTimeout
 from ..messages import Done, Output, Run, Skip
-from ..runners import TorchRunner
+from ..runners import Runner, resolve_runtime, torch_runner
 from ..transports.threads import ThreadWorker
 
 GROUP = 0  # a baseline worker hosts one runner, filed under this key
@@ -51,24 +51,26 @@ class ModuleSpec:
     input_shape: tuple[int, ...]
     device: str = "cpu"
     threads: int = 1
+    runtime: str = "auto"  # auto: CUDA graphs on a GPU, as the subnets get them; else eager
     warmup: bool = True
 
     def resolved_runtime(self) -> str:
-        return "torch"
+        return resolve_runtime(self.runtime, self.device, has_onnx=False)
 
-    def build(self) -> TorchRunner:
+    def build(self) -> Runner:
         import torch  # the torch runtime only
 
         if self.device == "cpu":
             torch.set_num_threads(max(1, self.threads))
-        runner = TorchRunner(copy.deepcopy(self.module), device=self.device, name=self.name)
+        runner = torch_runner(copy.deepcopy(self.module), device=self.device,
+                              runtime=self.runtime, name=self.name, input_shape=self.input_shape)
         if self.warmup:
             runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
         return runner
 
     def describe(self) -> dict:
         return {"name": self.name, "device": self.device, "threads": self.threads,
-                "runtime": "torch"}
+                "runtime": self.resolved_runtime()}
 
 
 def _settle(future: asyncio.Future, value=None, error: BaseException | None = None) -> None:

@@ -102,7 +102,8 @@ def envelope(kind: str, *, command: str | None, artifact: Artifact, spec: Datase
     """The fields every benchmark result starts with."""
     return {"kind": kind, "schema_version": SCHEMA_VERSION, "command": command,
             "created": utc_now(), "artifact": str(artifact.root), "model": artifact.manifest.model,
-            "dataset": spec.name, "groups": artifact.groups, "settings": settings,
+            "dataset": spec.name, "input_shape": list(spec.input_shape),
+            "groups": artifact.groups, "settings": settings,
             "machine": machine_description()}
 
 

@@ -23,7 +23,7 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import select_device
 
-from ..runners import RUNTIMES, runner_specs
+from ..runners import RUNTIMES, resolve_runtime, runner_specs
 from ..server import run_like_the_gateway
 from ..settings import GatewaySettings
 from ..tritonserver import TRITON_HINT, find_tritonserver
@@ -41,7 +41,7 @@ from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORT
 from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
-                         prepare_class_parallel, resolved_runtime, stage_count)
+                         prepare_class_parallel, stage_count)
 from .targets import evaluate_targets
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def run_bench(
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
     resolved_device = str(select_device(device))
-    if peers and resolved_runtime(runtime, resolved_device) != "onnx":
+    if peers and resolve_runtime(runtime, resolved_device) != "onnx":
         raise SensaiError("the peers (--peers) serve the original model's ONNX file: use "
                           "--runtime onnx (or auto on a CPU)")
     needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
@@ -213,6 +213,10 @@ def run_bench(
             cp = result["strategies"]["class-parallel"]
             cp.update(isolated_compute(recipes["class-parallel"], imgs, isolated_images,
                                        cores=cores, threads=threads, bar=bar))
+        # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
+        for key in ("class-parallel", "single"):
+            if key in strategies and key in result["strategies"]:
+                result["strategies"][key].update(graph_replay(recipes[key], bar))
         if peers:
             alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
                                       threads=threads, bar=bar) if isolated_images else {})
@@ -325,6 +329,23 @@ def isolated_compute(recipe: Recipe, imgs: TestImages, count: int, *, cores: int
         # the fan-out: the core-bound floor, next to the slowest subnet's own compute.
         out["core_bound_floor_ms"] = round(max(max(p50s), sum(p50s) * threads / cores), 4)
     return out
+
+
+def graph_replay(recipe: Recipe, bar, repeats: int = 200) -> dict[str, Any]:
+    """Each worker on CUDA graphs rebuilt alone and its replay timed by CUDA events (nothing
+    for workers on other runtimes)."""
+    per: dict[str, float] = {}
+    for name, spec in zip(recipe.names, recipe.specs):
+        if spec.resolved_runtime() != "cuda-graph":
+            continue
+        bar.set_description(f"{recipe.key}: graph replay of {name}")
+        runner = spec.build()
+        if hasattr(runner, "replay_ms"):  # not when the capture fell back to eager
+            per[name] = round(runner.replay_ms(repeats), 4)
+        del runner
+    if not per:
+        return {}
+    return {"graph_replay_ms": per, "graph_replay_ms_max": max(per.values())}
 
 
 def _measured_top1(result: dict, n: int) -> dict[str, Any]:

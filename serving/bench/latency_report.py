@@ -314,6 +314,12 @@ def render_markdown(result: dict) -> str:
             + (f"; with {m['usable_cores']} usable core(s) the subnets of one image cannot all be "
                f"done in less than {fmt(floor)} ms (the core-bound floor)"
                if floor is not None else "") + ".", ""]
+    for key in ("class-parallel", "single"):
+        replay = (result["strategies"].get(key) or {}).get("graph_replay_ms")
+        if replay:
+            lines += [f"{label(key)}, CUDA-graph replay per image (the GPU's own time, CUDA "
+                      "events, each worker alone): "
+                      + ", ".join(f"{k} {fmt(v, 4)} ms" for k, v in replay.items()) + ".", ""]
     remote = [b for b in _backends(st) if b != "local"]
     elsewhere = (" (with --backend " + ", ".join(remote) + ", class parallel's workers live in "
                  "other processes, which these figures do not see)" if remote else "")

@@ -28,7 +28,7 @@ from sensai.stages import export_stage_onnx, peak_activation_bytes, plan_stages,
 from ..build import build_predictor, launch_triton
 from ..contract import Predictor
 from ..predictor import worker_devices
-from ..runners import RunnerSpec, runner_specs
+from ..runners import RunnerSpec, resolve_runtime, runner_specs
 from ..settings import GatewaySettings
 from .baselines import BASELINES, ModuleSpec, WorkerSet
 from .harness import TestImages
@@ -55,13 +55,6 @@ class Strategy:
     recipe: Recipe
     info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
     stop: Callable[[], None] | None = None  # what it runs beside its predictor (a tritonserver)
-
-
-def resolved_runtime(runtime: str, device: str) -> str:
-    """``auto``: ONNX Runtime on CPUs, torch on GPUs (as :class:`RunnerSpec` resolves it)."""
-    if runtime == "auto":
-        return "onnx" if device == "cpu" else "torch"
-    return runtime
 
 
 def load_original(artifact: Artifact):
@@ -108,7 +101,7 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
                  peak_activation_bytes(model, check[:2]))
     devices = [str(device_for_worker(i, device)) for i in range(max(stages, replicas))]
     full_onnx = models_dir / "full.onnx"
-    if (any(resolved_runtime(runtime, d) == "onnx" for d in devices)
+    if (any(resolve_runtime(runtime, d) == "onnx" for d in devices)
             and {"single", "data-parallel"} & set(strategies)):
         status("export full model")
         export_onnx(model, spec.input_shape, full_onnx, check_batch=check)
@@ -141,7 +134,7 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
         for i, (stage, name) in enumerate(zip(modules, names)):
             in_shape = tuple(h.shape[1:])
             act = peak_activation_bytes(stage, h[:2].clone())
-            if resolved_runtime(runtime, devices[i]) == "onnx":
+            if resolve_runtime(runtime, devices[i]) == "onnx":
                 status(f"export stage {i + 1}/{stage_plan.num_stages}")
                 path = models_dir / f"{name}.onnx"
                 export_stage_onnx(stage, h, path)
@@ -149,7 +142,8 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
                                         runtime="onnx", threads=threads, onnx_path=str(path),
                                         onnx_sha256=sha256_file(path)))
             else:
-                specs.append(ModuleSpec(name, stage, in_shape, device=devices[i], threads=threads))
+                specs.append(ModuleSpec(name, stage, in_shape, device=devices[i], threads=threads,
+                                        runtime=runtime))
             with torch.no_grad():
                 h = stage(h.clone())
             infos.append(_cost(stage_plan.stage_params[i], stage_plan.stage_macs[i], act,

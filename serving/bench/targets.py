@@ -146,9 +146,70 @@ class OverheadAgainstPeer:
 
 
 @dataclass(frozen=True)
+class OverGraphReplay:
+    """p50 of class-parallel latency minus the slowest subnet's CUDA-graph replay time (the
+    GPU's own time for one image, measured alone), ms: everything the host adds on top."""
+
+    unit = "ms"
+
+    def rule(self, limit: float) -> str:
+        return f"p50(class-parallel latency) - slowest subnet's graph replay <= {limit:g} ms"
+
+    def value(self, result: dict, transport: str) -> float | None:
+        rep = _rep(result, "class-parallel", transport)
+        floor = result.get("strategies", {}).get("class-parallel", {}).get("graph_replay_ms_max")
+        if rep is None or floor is None or not rep["latency_ms"]["p50"]:
+            return None
+        return round(rep["latency_ms"]["p50"] - floor, 4)
+
+    def needs(self, transport: str) -> str:
+        return f"needs class-parallel on CUDA graphs, measured over {transport}"
+
+
+@dataclass(frozen=True)
+class AddedOver:
+    """p50 of class parallel over ``transport`` minus its p50 in process, ms: what the gateway
+    and the wire add."""
+
+    unit = "ms"
+
+    def rule(self, limit: float) -> str:
+        return f"p50(class parallel) - p50(class parallel in process) <= {limit:g} ms"
+
+    def value(self, result: dict, transport: str) -> float | None:
+        a, b = _rep(result, "class-parallel", transport), _rep(result, "class-parallel",
+                                                                "inprocess")
+        if a is None or b is None or not a["latency_ms"]["p50"] or not b["latency_ms"]["p50"]:
+            return None
+        return round(a["latency_ms"]["p50"] - b["latency_ms"]["p50"], 4)
+
+    def needs(self, transport: str) -> str:
+        return f"needs class-parallel measured in process and over {transport}"
+
+
+@dataclass(frozen=True)
+class ShrinkFactor:
+    """How many times fewer parameters the largest subnet has than the original (reported as
+    its inverse, so that lower is better like every other measure)."""
+
+    unit = "of the original's params"
+
+    def rule(self, limit: float) -> str:
+        return f"largest subnet's params <= {limit:g} x the original's"
+
+    def value(self, result: dict, transport: str) -> float | None:
+        ratio = result.get("shrink", {}).get("params_ratio")
+        return None if not ratio else round(1.0 / ratio, 4)
+
+    def needs(self, transport: str) -> str:
+        return "needs the parameter counts in the artifact's manifest"
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
-    measure: Ratio | FanoutOverhead | OverFloor | AccuracyLoss | OverheadAgainstPeer
+    measure: (Ratio | FanoutOverhead | OverFloor | AccuracyLoss | OverheadAgainstPeer
+              | OverGraphReplay | AddedOver | ShrinkFactor)
     limit: float
     transport: str | None = None  # None: the set's
 
@@ -163,11 +224,17 @@ class TargetSet:
     # Strategies or peers the set compares: a run that did not ask for them (no --backend ray,
     # no --peers) is not judged by it.
     requires: tuple[str, ...] = ()
+    gpu: bool = False  # stated for runs on a CUDA device
+    min_image_side: int = 0  # stated for inputs at least this large (compute, not launches)
 
     def applies_to(self, result: dict) -> bool:
         ran = {*result.get("strategies", {}), *result.get("peers", {})}
+        st = result.get("settings", {})
+        on_gpu = str(st.get("device_resolved", "")).startswith("cuda")
+        side = min(result.get("input_shape", [0, 0, 0])[1:] or [0])
         return ((self.models == EVERY_MODEL or result.get("model") in self.models)
-                and all(key in ran for key in self.requires))
+                and all(key in ran for key in self.requires)
+                and (on_gpu or not self.gpu) and side >= self.min_image_side)
 
 
 TARGET_SETS: tuple[TargetSet, ...] = (
@@ -178,6 +245,16 @@ TARGET_SETS: tuple[TargetSet, ...] = (
                   Target("class_parallel_vs_model_parallel",
                          Ratio("class-parallel", "model-parallel"), 0.35),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
+    TargetSet("on a GPU: the flagship decomposed there", models=("vgg16_bn",), gpu=True,
+              origin="sensAI on its own hardware", transport="inprocess", targets=(
+                  Target("accuracy_loss_points", AccuracyLoss(), 0.5),
+                  Target("largest_subnet_params", ShrinkFactor(), 0.1),
+                  Target("over_graph_replay_ms", OverGraphReplay(), 0.05),
+                  Target("http_v2_added_ms", AddedOver(), 0.3, transport="http-v2"))),
+    TargetSet("on a GPU at 224x224: compute, not launches", models=EVERY_MODEL, gpu=True,
+              min_image_side=224, origin="sensAI on its own hardware", transport="inprocess",
+              targets=(Target("class_parallel_vs_single", Ratio("class-parallel", "single"),
+                              0.4),)),
     TargetSet("the demo shows the gain", models=(DEMO_MODEL,), origin="the demo",
               targets=(
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.7),

@@ -38,7 +38,7 @@ def process_main(rx, tx, hosted: list, fault: Fault, seed: int) -> None:
     serve_connection(rx, tx, WorkerCore(runners, delay=fault.delay, corrupt=fault.corrupt,
                                         seed=seed),
                      Ready(os.getpid(), spec.device if spec else "cpu",
-                           spec.resolved_runtime() if spec else None))
+                           next(iter(runners.values())).runtime if runners else None))
 
 
 class ProcessWorker(ConnectionWorker):

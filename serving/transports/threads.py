@@ -66,6 +66,8 @@ class ThreadWorker(WorkerHandle):
         detail = "its thread ended"
         try:
             runners = {g: spec.build() for g, spec in zip(self.groups, self.specs)}
+            if runners:  # what runs, which differs from the spec where CUDA graphs fell back
+                self.runtime = next(iter(runners.values())).runtime
             inc.core = WorkerCore(runners, delay=self.delay, corrupt=self.corrupt,
                                   seed=self.seed + 7919 * inc.number)
         except BaseException as e:  # reported by wait_ready; the supervisor decides

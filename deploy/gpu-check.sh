@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# sensai on one GPU, end to end, with no network: train, decompose, bench, one table.
+#
+#   deploy/gpu-check.sh OUT             # on the GPU machine, from the repository root
+#   deploy/gpu-check.sh OUT --tiny      # the same steps on the CPU with tiny settings (the tests)
+#   deploy/gpu-check.sh --fetch         # on a machine WITH network: fill deploy/gpu-bundle/
+#
+# The bundle (deploy/gpu-bundle/, or $SENSAI_GPU_BUNDLE) holds what a GPU image with torch,
+# numpy, onnx, onnxruntime, safetensors, pillow, scikit-learn, httpx and tqdm lacks:
+#   wheels/         the web stack, the pruning library and pytest for Python 3.12 x86_64
+#                   (deploy/gpu-requirements.txt), installed offline into OUT/site, put on
+#                   PYTHONPATH before the machine's own packages (its torch included);
+#   fashion-mnist/  the four .gz files of the Debian package dataset-fashion-mnist.
+# Where the running Python already imports all of it (this repository's .venv), nothing is
+# installed.
+#
+# Steps (each timed in OUT/gpu-check.log; none starts after $SENSAI_GPU_CHECK_DEADLINE_S seconds,
+# default 480, so that the table comes within 9 minutes):
+#   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU;
+#   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray);
+#   3. bench single device, model parallel and class parallel on CUDA graphs and on eager
+#      torch, in process and through the real gateway over HTTP (PNG upload, KServe v2 tensor);
+#   4. the same latency comparison on a latency-only VGG-16-bn artifact at 224x224
+#      (1 training epoch on a few hundred images, --policy keep, no retraining);
+#   5. the GPU tests (tests/test_graphs.py);
+#   6. one table: OUT/gpu-check.md (bench.json / bench.md of every run under OUT/<run>/).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+BUNDLE=${SENSAI_GPU_BUNDLE:-$REPO/deploy/gpu-bundle}
+
+if [[ ${1:-} == --fetch ]]; then
+    set -e
+    mkdir -p "$BUNDLE/wheels" "$BUNDLE/fashion-mnist"
+    pip download -d "$BUNDLE/wheels" --only-binary=:all: --python-version 3.12 \
+        --implementation cp --abi cp312 --abi abi3 --abi none \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 \
+        --platform manylinux1_x86_64 \
+        $(grep -v -e '^#' -e '^torch-pruning' "$REPO/deploy/gpu-requirements.txt")
+    # Its own dependencies (torch, numpy) are the GPU image's.
+    pip download -d "$BUNDLE/wheels" --no-deps --only-binary=:all: torch-pruning
+    cp /usr/share/datasets/fashion-mnist/*.gz "$BUNDLE/fashion-mnist/"
+    echo "bundle ready: $BUNDLE ($(du -sh "$BUNDLE" | cut -f1))"
+    exit 0
+fi
+
+OUT=${1:?usage: deploy/gpu-check.sh OUT [--tiny] | --fetch}
+TINY=0
+[[ ${2:-} == --tiny ]] && TINY=1
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# Away from the repository root, whose sensai/ folder would shadow the installed package.
+cd "$OUT"
+LOG=$OUT/gpu-check.log
+: > "$LOG"
+FAILED=()
+T0=$(date +%s)
+# Steps that would start later than this are skipped (the table is still written).
+DEADLINE_S=${SENSAI_GPU_CHECK_DEADLINE_S:-480}
+
+say() { echo "[gpu-check $(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+# step NAME CMD...: run, log, time; a failed step is reported at the end and the rest go on.
+step() {
+    local name=$1; shift
+    local t=$(date +%s)
+    if [[ $name != report ]] && (( t - T0 > DEADLINE_S )); then
+        say "$name: SKIPPED (past the ${DEADLINE_S} s deadline)"
+        FAILED+=("$name")
+        return 1
+    fi
+    say "$name: $*"
+    if "$@" >>"$LOG" 2>&1; then
+        say "$name: done in $(( $(date +%s) - t )) s"
+    else
+        say "$name: FAILED after $(( $(date +%s) - t )) s (see $LOG)"
+        FAILED+=("$name")
+        return 1
+    fi
+}
+
+# --- Python: this one if it has everything, else the bundle's wheels beside it.
+PY=${PYTHON:-python3}
+[[ -x $REPO/.venv/bin/python ]] && PY=$REPO/.venv/bin/python
+NEEDED="import fastapi, uvicorn, pydantic_settings, multipart, torch_pruning, pytest, sensai.serving.app"
+if ! "$PY" -c "$NEEDED" 2>/dev/null; then
+    [[ -d $BUNDLE/wheels ]] || { say "no $BUNDLE/wheels: run 'deploy/gpu-check.sh --fetch' on a machine with network"; exit 2; }
+    # Into a folder on PYTHONPATH rather than a venv: the machine's torch may live where a
+    # venv does not look (a distribution's dist-packages, a user site).
+    SITE=$OUT/site
+    step wheels "$PY" -m pip install -q --no-index --find-links "$BUNDLE/wheels" --target "$SITE" \
+        $(grep -v -e '^#' -e '^torch-pruning' -e '^setuptools' "$REPO/deploy/gpu-requirements.txt") || exit 2
+    # Its own dependencies (torch, numpy) are the machine's.
+    step torch-pruning "$PY" -m pip install -q --no-index --no-deps --find-links "$BUNDLE/wheels" \
+        --target "$SITE" torch-pruning || exit 2
+    # setuptools only builds sensai: it stays off the path the runs use (torch pins its own).
+    step setuptools "$PY" -m pip install -q --no-index --no-deps --find-links "$BUNDLE/wheels" \
+        --target "$OUT/build-tools" setuptools || exit 2
+    step sensai env PYTHONPATH="$OUT/build-tools" "$PY" -m pip install -q --no-index --no-deps \
+        --no-build-isolation --target "$SITE" "$REPO" || exit 2
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    "$PY" -c "$NEEDED" >>"$LOG" 2>&1 || { say "the environment still lacks a package (see $LOG)"; exit 2; }
+fi
+SENSAI=("$PY" -m sensai)
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" | tee -a "$LOG"
+
+FMNIST=/usr/share/datasets/fashion-mnist
+[[ -f $FMNIST/train-images-idx3-ubyte.gz ]] || FMNIST=$BUNDLE/fashion-mnist
+
+if (( TINY )); then
+    DEVICE=cpu RUNTIMES=torch MODEL=fmnist_cnn SIZE=32
+    TRAIN=(--epochs 1 --train-limit 600)
+    DECOMPOSE=(--retrain-epochs 1 --samples-per-subnet 256 --features-per-class 10 --stats-per-class 20 --eval-limit 200)
+    BENCH=(--images 8 --warmup 2 --rounds 1 --concurrency 2 --requests 8)
+    PER_CLASS=6
+else
+    DEVICE=cuda RUNTIMES="cuda-graph torch" MODEL=vgg16_bn SIZE=224
+    TRAIN=(--epochs 3)
+    DECOMPOSE=()
+    BENCH=(--images 200)
+    PER_CLASS=30
+fi
+STRATS=(--strategies single model-parallel class-parallel)
+
+# --- 1-2, 4: the artifacts: the flagship trained and decomposed on the device, and the
+# latency-only one at 224x224 (compute rather than launches).
+step train "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" "${TRAIN[@]}" \
+    --device "$DEVICE" --out "$OUT/models/$MODEL"
+step decompose "${SENSAI[@]}" decompose --model-dir "$OUT/models/$MODEL" --groups 2 \
+    --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g2"
+step imagefolder "$PY" "$REPO/deploy/gpu_check.py" imagefolder "$FMNIST" "$OUT/data/fmnist_folder" \
+    --per-class "$PER_CLASS"
+step train-224 "${SENSAI[@]}" train --model "$MODEL" --dataset imagefolder \
+    --data-dir "$OUT/data/fmnist_folder" --image-size "$SIZE" --epochs 1 --device "$DEVICE" \
+    --out "$OUT/models/${MODEL}_${SIZE}"
+step decompose-224 "${SENSAI[@]}" decompose --model-dir "$OUT/models/${MODEL}_${SIZE}" --groups 2 \
+    --policy keep --retrain-epochs 0 --features-per-class 10 --stats-per-class 10 \
+    --device "$DEVICE" --no-ray --out "$OUT/models/${MODEL}_${SIZE}_g2"
+
+# --- 3-4: the benches, the default runtime first (graphs on a GPU), in process and through the
+# real gateway.  Past the deadline the remaining ones are skipped, so the table still comes.
+for rt in $RUNTIMES; do
+    step "bench-fmnist-$rt" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_g2" --device "$DEVICE" \
+        --runtime "$rt" "${STRATS[@]}" --transports inprocess http http-v2 "${BENCH[@]}" \
+        --no-progress --out "$OUT/fmnist_${rt}"
+    step "bench-${SIZE}-$rt" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_${SIZE}_g2" \
+        --device "$DEVICE" --runtime "$rt" "${STRATS[@]}" --transports inprocess http-v2 \
+        "${BENCH[@]}" --no-progress --out "$OUT/${SIZE}_${rt}"
+done
+
+# --- 5: the tests that need a GPU (they skip on a CPU).
+(( TINY )) || step gpu-tests env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q \
+    -p no:cacheprovider "$REPO/tests/test_graphs.py"
+
+# --- 6: one table.
+step report "$PY" "$REPO/deploy/gpu_check.py" report "$OUT"
+cat "$OUT/gpu-check.md" 2>/dev/null
+say "total $(( $(date +%s) - T0 )) s; failed steps: ${FAILED[*]:-none}"
+(( ${#FAILED[@]} == 0 ))
