@@ -144,13 +144,15 @@ def select_device(preference: str = "auto") -> torch.device:
 
 
 def device_for_worker(index: int, preference: str = "auto") -> str:
-    """Device of the ``index``-th of several parallel workers: one GPU each, round robin.
-    The CPU (asked for, or ``auto`` where no GPU driver shows) is answered without torch."""
+    """Device of the ``index``-th of several parallel workers: with ``auto`` or ``cuda`` and
+    ``n`` GPUs, GPU ``index mod n`` (one GPU per worker, several workers per GPU when there are
+    more workers than GPUs); a numbered GPU (``cuda:1``) is every worker's.  The CPU (asked for,
+    or ``auto`` where no GPU driver shows) is answered without torch."""
     if preference == "cpu" or (preference == "auto" and not gpu_possible()):
         return "cpu"
-    if preference == "auto":
-        import torch
+    dev = select_device(preference)
+    if dev.type == "cuda" and dev.index is None:
+        import torch  # loaded by select_device
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return f"cuda:{index % n}" if n else "cpu"
-    return str(select_device(preference))
+        return f"cuda:{index % torch.cuda.device_count()}"
+    return str(dev)

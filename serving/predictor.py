@@ -445,5 +445,6 @@ class ClassParallelPredictor:
 
 
 def worker_devices(workers: int, device: str) -> list[str]:
-    """One device per worker: GPU ``w mod n`` with ``n`` GPUs (``auto``), else as asked."""
+    """One device per worker, by :func:`~sensai.models.device_for_worker`: GPU ``w mod n`` with
+    ``n`` GPUs (``auto`` or ``cuda``), else as asked."""
     return [str(device_for_worker(w, device)) for w in range(workers)]

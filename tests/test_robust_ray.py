@@ -33,7 +33,7 @@ def test_ray_actor_resources_always_fit_the_cluster():
     assert actor_resources(2, 16, 0, cpus=4) == ({"num_cpus": 4.0}, 4)  # 4 ORT threads
     opts, threads = actor_resources(5, 16, 8)
     assert opts == {"num_cpus": 1.0, "num_gpus": 1.0} and threads == 1
-    assert actor_resources(5, 16, 2)[0]["num_gpus"] == 0.4  # fewer GPUs than workers: shared
+    assert actor_resources(5, 16, 2)[0]["num_gpus"] == 0.33  # 3 share the busiest GPU
     assert "num_gpus" not in actor_resources(5, 16, 8, device="cpu")[0]
     for kwargs, fragment in (({"cpus": 1.0}, "do not fit"), ({"device": "cuda"}, "no GPU"),
                              ({"device": "mps"}, "auto, cpu or cuda"), ({"cpus": 0}, "> 0")):

@@ -55,8 +55,7 @@ class RayWorkerBody:
                  keep_awake: str = "off"):
         import ray
 
-        # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU(s): inside, it is cuda:0.
-        self.device = "cuda:0" if ray.get_gpu_ids() else "cpu"
+        self.device = actor_device()  # where it runs is settled before any runner is built
         self.name = name
         specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
         self.runtime = specs[0][1].resolved_runtime() if specs else None
@@ -141,6 +140,15 @@ class RayWorkerBody:
                     self.started.pop(req, None)
 
 
+def actor_device() -> str:
+    """The device of the worker in this Ray actor or task: Ray sets CUDA_VISIBLE_DEVICES to the
+    GPU it gave the worker (a share of one when workers outnumber GPUs), so inside it is always
+    ``cuda:0``; the CPU when Ray gave it none."""
+    import ray
+
+    return "cuda:0" if ray.get_gpu_ids() else "cpu"
+
+
 _ACTOR_CLASS = None
 
 
@@ -161,11 +169,18 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     """Ray resources of each of ``workers`` worker actors or Serve replicas, and ONNX Runtime
     threads per subnet - the one sizing rule of the Ray actor transport and the Serve app.
 
-    A GPU per worker when the cluster has GPUs and ``device`` is not ``cpu`` (an even share of
-    them when there are fewer GPUs than workers); otherwise ``cpus`` CPUs each (default: 1, or an
-    even share when the cluster has fewer CPUs than workers and ``others`` - replicas of another
-    kind, such as the Serve ingress, that take at most one worker's share each - always one that
-    fits, so the workers start on any cluster).  Raises :class:`SensaiError` when they cannot fit.
+    Each worker gets ``cpus`` CPUs (default: 1, or an even share when the cluster has fewer
+    CPUs than workers and ``others`` - replicas of another kind, such as the Serve ingress, that
+    take at most one worker's share each - always one that fits, so the workers start on any
+    cluster), and a GPU when the cluster has GPUs and ``device`` is not ``cpu``.
+
+    With more workers than GPUs they share: each asks for ``1/k`` of a GPU, ``k`` the workers
+    the busiest GPU must hold, because Ray places a fraction within one GPU (three workers asking
+    for 2/3 of two GPUs each would leave the third waiting forever).  Ray fills one GPU before
+    the next, so some GPUs may hold fewer than ``k`` (even none), but none holds more: the
+    busiest GPU, which sets the latency, is as loaded as with one worker per GPU in turn.
+
+    Raises :class:`SensaiError` when they cannot fit.
     """
     if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device or "")):
         raise SensaiError(f"device must be auto, cpu or cuda on the ray backend, got {device!r}")
@@ -188,8 +203,8 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
                           f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus (ray_cpus)")
     opts: dict[str, Any] = {"num_cpus": per}
     if use_gpu:
-        opts["num_gpus"] = 1.0 if cluster_gpus >= workers else \
-            math.floor(cluster_gpus / workers * 100) / 100
+        whole = int(cluster_gpus)  # Ray's GPUs are whole devices
+        opts["num_gpus"] = 1.0 if whole >= workers else share(1.0, math.ceil(workers / whole))
     return opts, (1 if use_gpu else max(1, int(per)))
 
 
