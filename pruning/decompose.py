@@ -53,7 +53,7 @@ from sensai.models import count_params, select_device
 from .apoz import ChannelStats, collect_activation_stats
 from .grouping import group_classes, penultimate_features, plot_grouping
 from .iterative import step_policies
-from .jobs import RetrainProgress, run_in_process, run_on_ray
+from .jobs import RetrainProgress, ray_or_in_process, run_in_process, run_on_ray
 from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
@@ -418,11 +418,12 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: one GPU per task when the
     cluster has GPUs, chosen by Ray).  ``workers``: subnets retrained at the same time (default:
     one per GPU, else one per CPU core).  ``use_ray=False`` retrains one after another in this
-    process; ``ray_address`` names a Ray cluster to retrain on (default: ``RAY_ADDRESS``, else
-    a local instance).  ``trust_code``: the model may be a ``package.module:factory`` to import
-    (the operator's consent).  ``eval_limit`` evaluates on a stratified subset of the test split.
-    ``retrain_fn`` replaces :func:`pruning.retrain.retrain_state` for in-process runs (same
-    signature), e.g. for a custom training loop.
+    process, as does a machine without Ray; ``ray_address`` names a Ray cluster to retrain on
+    (default: ``RAY_ADDRESS``, else a local instance).  ``trust_code``: the model may be a
+    ``package.module:factory`` to import (the operator's consent).  ``eval_limit`` evaluates on
+    a stratified subset of the test split.  ``retrain_fn`` replaces
+    :func:`pruning.retrain.retrain_state` for in-process runs (same signature), e.g. for a custom
+    training loop.
     Raises :class:`SensaiError` for bad input before any long work, and :class:`RetrainFailed`
     (after saving every other subnet) when some subnets could not be retrained.
     """
@@ -434,6 +435,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         raise SensaiError(f"--workers must be at least 1, got {workers}")
     if eval_limit is not None and eval_limit < 1:
         raise SensaiError(f"--eval-limit must be at least 1, got {eval_limit}")
+    on_ray = (use_ray and retrain_fn is None and config.retrain_epochs > 0
+              and ray_or_in_process(ray_address))
     model_dir = Path(model_dir)
     model, record = load_trained_model(model_dir, trust_code=trust_code)
     n_groups = _check_groups(groups, record.num_classes)
@@ -577,7 +580,6 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                 on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
                         {"samples": 0, "seconds": 0.0})
         else:
-            on_ray = use_ray and retrain_fn is None
             where = (f"{min(workers, len(todo))} Ray workers" if on_ray else "in process")
             images = sum(len(idx) for idx, _ in plans.values())
             with RetrainProgress(len(todo), images, f"retrain {len(todo)} subnets ({where})") as bar:
@@ -650,7 +652,7 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
             onnx_sha256=export_meta[g]["onnx_sha256"],
             widths=meta["widths"], params=meta["params"], flops=meta["flops"], accuracy=accuracy))
-    retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": bool(use_ray),
+    retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": on_ray,
                     "balance": "k+1 target classes with equal samples; positives repeated",
                     "subnets": {str(g): (read_json(layout.retrain_meta(g)) or {}).get("metrics", {})
                                 for g in range(n_groups)}}

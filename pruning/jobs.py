@@ -10,12 +10,14 @@ images of every subnet (done / total, images/s, time left).  In process, the tra
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable, Iterator
 
 from tqdm.auto import tqdm
 
 from sensai.errors import SensaiError
+from sensai.optional import installed, require
 from sensai.raycluster import connect, error_text
 
 from .retrain import retrain_state
@@ -79,6 +81,19 @@ class ProgressBoard:
 
     def counts(self) -> dict[int, int]:
         return dict(self.done)
+
+
+def ray_or_in_process(address: str | None) -> bool:
+    """Whether the retraining runs on Ray: where Ray is not installed, it runs in this process
+    (one warning says so), unless a cluster was named (``address``, else ``RAY_ADDRESS``):
+    only Ray can reach that, so that run stops here in one line."""
+    if installed("ray"):
+        return True
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        require("ray", f"retraining on the Ray cluster at {address}")
+    log.warning("Ray is not installed: retraining the subnets one after another in this process")
+    return False
 
 
 def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str,

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
+from sensai.optional import require
 from sensai.raycluster import alive_nodes, cluster_resources, connect
 
 from .faults import DelaySpec
@@ -30,6 +31,15 @@ from .triton_repo import export_triton_repo
 from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
 
 log = logging.getLogger(__name__)
+
+# The client library each backend needs beyond the gateway's own (the others need none).
+BACKEND_NEEDS = {"ray": "ray", "triton": "tritonclient"}
+
+
+def check_backend_installed(backend: str) -> None:
+    """One line, before anything starts, when what ``backend`` needs is not installed here."""
+    if backend in BACKEND_NEEDS:
+        require(BACKEND_NEEDS[backend], f"--backend {backend}")
 
 
 def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redundancy: int = 0,
@@ -54,6 +64,7 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                        deadline_s=deadline_s, hang_timeout_s=hang_timeout_s, runtime=runtime,
                        device=device, threads_per_worker=threads, model_name=name,
                        keep_cores_awake=keep_awake, spread_cores=spread_cores))
+    check_backend_installed(backend)
     if backend == "ray":
         artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories
     artifact = load_artifact(artifact_dir)
@@ -148,6 +159,7 @@ def start_tritonserver(fill: Callable[[Path, str], object], *,
 def launch_triton(artifact_dir: str | Path, *, threads: int = 1) -> TritonServerProcess:
     """A ``tritonserver`` on 127.0.0.1 serving the artifact's subnets (exported into the
     server's private directory, removed when it stops)."""
+    check_backend_installed("triton")  # the server is of no use without its client
     return start_tritonserver(lambda repo, backend: export_triton_repo(
         artifact_dir, repo, backend=backend, threads=threads),
         missing=TRITON_HINT + ", or pass --triton-url")

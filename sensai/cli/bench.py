@@ -111,11 +111,14 @@ def cmd_bench(args) -> int:
     # torch, onnxruntime, uvicorn: only when the command runs.
     from sensai.serving.bench.latency import run_bench
     from sensai.serving.bench.latency_report import render_table
+    from sensai.serving.build import check_backend_installed
 
     transports = [t for t in args.transports
                   if not (args.no_inprocess if t == "inprocess" else args.no_http)]
     if not transports:
         raise SensaiError("--transports, --no-http and --no-inprocess leave nothing to measure")
+    for backend in args.backend:  # before the baselines are built, not after
+        check_backend_installed(backend)
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_bench(

@@ -12,8 +12,9 @@ def register(sub) -> None:
     sub.add_parser(
         "decompose", help="split a trained model into pruned per-group subnets",
         description="Group the classes, prune one subnet per group by class-specific APoZ, "
-                    "retrain each (in parallel on Ray), export ONNX and evaluate. Every stage is "
-                    "saved under --out; re-running the same command resumes.",
+                    "retrain each (in parallel on Ray, else in process), export ONNX and "
+                    "evaluate. Every stage is saved under --out; re-running the same command "
+                    "resumes.",
         arguments=add_decompose_args)
 
     p = sub.add_parser("evaluate", help="original vs decomposed accuracy of an artifact")
@@ -110,7 +111,8 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=None,
                    help="subnets retrained at once (default: one per GPU, else one per CPU core)")
     g.add_argument("--no-ray", action="store_true",
-                   help="retrain the subnets one after another in this process")
+                   help="retrain the subnets one after another in this process (what a "
+                        "machine without Ray does)")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: RAY_ADDRESS, "
                         "else a local instance)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sensai.errors import SensaiError
+from sensai.optional import missing
 
 from ..build import free_ports, start_tritonserver
 from ..triton_repo import write_model
@@ -77,6 +78,8 @@ def unavailable(key: str) -> str | None:
     """Why peer ``key`` cannot run on this machine (one line), or None."""
     if key == "triton" and find_tritonserver() is None:
         return TRITON_HINT
+    if key == "ray-serve":
+        return missing("ray", "the Ray Serve peer")
     return None
 
 
