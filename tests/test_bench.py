@@ -347,8 +347,9 @@ def test_targets_of_another_model_are_not_reported(short_run):
     out, result = short_run
     md, table = (out / "bench.md").read_text(), render_table(result)
     vgg = [s for s in TARGET_SETS if s.models in (("vgg16_bn",), ("vgg11_bn",))]
-    assert len(vgg) == 3  # today's sets for VGG-16-bn (against the baselines, against Triton)
-    # and the demo model
+    # Today's sets for VGG-16-bn (against the baselines, on a GPU, against Triton) and the demo
+    # model.
+    assert len(vgg) == 4
     for tset in vgg:
         for target in tset.targets:
             rule = target.measure.rule(target.limit)
@@ -399,6 +400,24 @@ def test_targets_of_another_model_are_not_reported(short_run):
     text = render_markdown(mine)
     assert "tight fan-out" in text and "resnet20 only" not in text and "0.123" not in text
     assert mine["targets"]["all_met"] is False  # 1 us of overhead is never met
+
+    # The GPU sets: only for runs on CUDA; the flagship's only on its dataset, the 224 one only
+    # for inputs that large.  The graph floor comes from the run's replay times.
+    on_gpu = dict(copy.deepcopy(result), model="vgg16_bn")
+    assert not any("GPU" in s["name"] for s in evaluate_targets(on_gpu)["sets"])
+    on_gpu["settings"]["device_resolved"] = "cuda:0"
+    on_gpu["strategies"]["class-parallel"]["graph_replay_ms_max"] = 0.25
+    sets = {s["name"]: s for s in evaluate_targets(on_gpu)["sets"]}
+    flagship = {c["name"]: c for c in sets["on a GPU: the flagship decomposed there"]["checks"]}
+    p50 = on_gpu["strategies"]["class-parallel"]["transports"]["inprocess"]["latency_ms"]["p50"]
+    assert flagship["over_graph_replay_ms"]["value"] == pytest.approx(p50 - 0.25, abs=1e-3)
+    assert flagship["largest_subnet_params"]["value"] == pytest.approx(
+        1 / result["shrink"]["params_ratio"], abs=1e-3)
+    assert "on a GPU at 224x224: compute, not launches" not in sets
+    big = dict(copy.deepcopy(on_gpu), input_shape=[1, 224, 224], dataset="imagefolder")
+    names = [s["name"] for s in evaluate_targets(big)["sets"]]
+    assert "on a GPU at 224x224: compute, not launches" in names
+    assert "on a GPU: the flagship decomposed there" not in names
 
 
 def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnist_spec,

@@ -22,7 +22,7 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.export import export_onnx
 from sensai.flops import count_flops
 from sensai.fsutil import sha256_file
-from sensai.models import count_params, device_for_worker
+from sensai.models import count_params
 from sensai.stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
 from ..build import build_predictor, launch_triton
@@ -99,7 +99,7 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
     check = images.batch(32)
     cost = _cost(count_params(model), count_flops(model, spec.input_shape),
                  peak_activation_bytes(model, check[:2]))
-    devices = [str(device_for_worker(i, device)) for i in range(max(stages, replicas))]
+    devices = worker_devices(max(stages, replicas), device)
     full_onnx = models_dir / "full.onnx"
     if (any(resolve_runtime(runtime, d) == "onnx" for d in devices)
             and {"single", "data-parallel"} & set(strategies)):

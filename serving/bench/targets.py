@@ -225,6 +225,7 @@ class TargetSet:
     # no --peers) is not judged by it.
     requires: tuple[str, ...] = ()
     gpu: bool = False  # stated for runs on a CUDA device
+    datasets: tuple[str, ...] = ()  # stated for these datasets only (empty: any)
     min_image_side: int = 0  # stated for inputs at least this large (compute, not launches)
 
     def applies_to(self, result: dict) -> bool:
@@ -234,7 +235,8 @@ class TargetSet:
         side = min(result.get("input_shape", [0, 0, 0])[1:] or [0])
         return ((self.models == EVERY_MODEL or result.get("model") in self.models)
                 and all(key in ran for key in self.requires)
-                and (on_gpu or not self.gpu) and side >= self.min_image_side)
+                and (on_gpu or not self.gpu) and side >= self.min_image_side
+                and (not self.datasets or result.get("dataset") in self.datasets))
 
 
 TARGET_SETS: tuple[TargetSet, ...] = (
@@ -246,6 +248,7 @@ TARGET_SETS: tuple[TargetSet, ...] = (
                          Ratio("class-parallel", "model-parallel"), 0.35),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
     TargetSet("on a GPU: the flagship decomposed there", models=("vgg16_bn",), gpu=True,
+              datasets=("fashion-mnist",),
               origin="sensAI on its own hardware", transport="inprocess", targets=(
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5),
                   Target("largest_subnet_params", ShrinkFactor(), 0.1),

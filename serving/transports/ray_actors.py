@@ -58,8 +58,10 @@ class RayWorkerBody:
         self.device = actor_device()  # where it runs is settled before any runner is built
         self.name = name
         specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
-        self.runtime = specs[0][1].resolved_runtime() if specs else None
-        self.core = WorkerCore({g: spec.build() for g, spec in specs}, delay=fault.delay,
+        runners = {g: spec.build() for g, spec in specs}
+        # What runs, which differs from the spec where CUDA graphs fell back to eager.
+        self.runtime = next(iter(runners.values())).runtime if runners else None
+        self.core = WorkerCore(runners, delay=fault.delay,
                                corrupt=fault.corrupt, seed=seed)
         self.started: OrderedDict[int, int] = OrderedDict()  # request -> its run calls begun
         self.lock = threading.Lock()
