@@ -27,6 +27,7 @@ from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
+from .graphs import GraphCaptureError, GraphRunner
 from .settings import RUNTIMES
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def torch_runner(model, *, device: str, runtime: str, name: str,
     """The torch network as the runtime asks: CUDA graphs (``auto`` on a GPU falls back to
     eager, with a warning, when capture fails; an explicit ``cuda-graph`` fails instead) or
     eager."""
-    from .graphs import GraphCaptureError, GraphRunner  # torch: the torch runtimes only
-
     chosen = resolve_runtime(runtime, device, has_onnx=False)
     if chosen != "cuda-graph":
         return TorchRunner(model, device=device, name=name)

@@ -50,7 +50,7 @@ def test_local_pool_puts_subnet_i_on_gpu_i_mod_n(gpus, tiny_artifact, n):
     for device in ("auto", "cuda"):
         specs = runner_specs(artifact, device=device)
         assert [s.device for s in specs] == [f"cuda:{i % n}" for i in range(g)]
-        assert {s.resolved_runtime() for s in specs} == {"torch"}  # ONNX Runtime is the CPU's
+        assert {s.resolved_runtime() for s in specs} == {"cuda-graph"}  # GPUs replay graphs
         # A worker is one device: worker w (its own subnet w first) on GPU w mod n, for any
         # number of workers (redundant copies add workers).
         assert worker_devices(g + 2, device) == [f"cuda:{w % n}" for w in range(g + 2)]
