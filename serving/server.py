@@ -15,6 +15,9 @@ import uvicorn
 
 from sensai.errors import SensaiError
 
+from .connections import ConnectionLimits, http_protocol
+from .settings import GatewaySettings
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -30,8 +33,14 @@ def run_like_the_gateway(main: Awaitable[T]) -> T:
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                    graceful_s: float = 10.0) -> uvicorn.Config:
+    """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
+    settings before any request is admitted (:mod:`~sensai.serving.connections`)."""
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          access_log=False, timeout_graceful_shutdown=graceful_s)
+                          access_log=False, timeout_graceful_shutdown=graceful_s,
+                          http=http_protocol(limits),
+                          h11_max_incomplete_event_size=limits.max_header_bytes)
 
 
 def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",

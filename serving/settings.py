@@ -54,6 +54,12 @@ class GatewaySettings(BaseSettings):
                                  "others wait, up to their deadline")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
                                   "this long (408)")
+    max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "
+                                  "and headers) over this: 431, connection closed")
+    head_timeout_s: float = Field(10.0, gt=0, description="a request head must arrive within "
+                                  "this long of its first byte or of the connection (408)")
+    max_connections: int = Field(1000, ge=1, description="open connections; one more gets 503 "
+                                 "with Retry-After and is closed")
     max_loop_lag_s: float | None = Field(
         None, gt=0, description="while the event loop runs this late, new requests get 503 at "
                                 "once (default: a quarter of the deadline, at most 0.25 s)")

@@ -1,0 +1,157 @@
+"""What a connection may cost before admission, with real sockets against a real gateway: the
+head size limit (431), the head time limit (408), the connection cap (503), and the gateway's
+memory while a hundred clients trickle huge headers."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sensai.serving.build import build_predictor
+from tests.helpers import png, sample_images, start_gateway
+
+pytestmark = pytest.mark.slow
+
+HEAD_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def image(fmnist_test):
+    _, u8, _ = sample_images(fmnist_test, 1)
+    return png(u8[0])
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_artifact):
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, head_timeout_s=HEAD_TIMEOUT_S, max_connections=300)
+    yield server
+    server.stop()
+
+
+def connect(server) -> socket.socket:
+    s = socket.create_connection((server.host, server.port), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_response(s: socket.socket) -> tuple[int, dict[str, str], dict]:
+    """Status, headers and JSON body of the one response the server sends before closing."""
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, json.loads(body)
+
+
+def get(path: str, extra: bytes = b"") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n" + extra + b"\r\n"
+
+
+def test_a_head_over_the_limit_is_a_431_and_a_normal_one_passes(gateway, image):
+    with connect(gateway) as s:
+        s.sendall(get("/v2/health/live", b"x-big: " + b"a" * 20_000 + b"\r\n"))
+        status, headers, body = read_response(s)
+    assert status == 431 and headers["content-type"] == "application/json"
+    assert body["status"] == 431 and "16,384 bytes" in body["error"] and body["request_id"]
+    assert "SENSAI_MAX_HEADER_BYTES" in body["error"]
+    # 8 KB of headers (cookies, tokens) and a PNG body in the same packets are fine.
+    r = httpx.post(f"{gateway.url}/v1/predict", content=image,
+                   headers={"x-token": "t" * 8000}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_head_that_does_not_arrive_in_time_is_a_408(gateway):
+    with connect(gateway) as s:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: 127.0.0.1\r\n")  # never finished
+        t0 = time.monotonic()
+        status, _, body = read_response(s)
+        waited = time.monotonic() - t0
+    assert status == 408 and "SENSAI_HEAD_TIMEOUT_S" in body["error"]
+    assert HEAD_TIMEOUT_S * 0.8 < waited < HEAD_TIMEOUT_S + 5
+    with connect(gateway) as s:  # a connection that never says anything
+        status, _, _ = read_response(s)
+    assert status == 408
+
+
+def test_a_slow_but_timely_head_and_a_kept_alive_idle_connection_are_served(gateway):
+    with connect(gateway) as s:
+        for part in (b"GET /v2/health/live HTTP/1.1\r\n", b"host: 127.0.0.1\r\n", b"\r\n"):
+            s.sendall(part)
+            time.sleep(HEAD_TIMEOUT_S / 5)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        # Idle longer than the head timeout, shorter than uvicorn's keep-alive: still open.
+        time.sleep(HEAD_TIMEOUT_S * 1.5)
+        s.sendall(get("/v2/health/live"))
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field}")
+
+
+def test_a_hundred_huge_unfinished_heads_cost_little_memory(gateway, image):
+    """100 connections each sending up to 2 MB of one header, 64 KB at a time, in turns, until
+    the gateway answers: without a bound the gateway (in this process) would hold about 200 MB
+    of them."""
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    base = rss_mb("VmRSS")
+    socks = [connect(gateway) for _ in range(100)]
+    for s in socks:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: 127.0.0.1\r\nx-huge: ")
+    chunk = b"a" * 65536
+    answered: set[socket.socket] = set()
+    for _ in range(32):
+        for s in socks:
+            if s not in answered:
+                s.sendall(chunk)
+        readable, _, _ = select.select([s for s in socks if s not in answered], [], [], 0.01)
+        answered.update(readable)
+        if len(answered) == len(socks):
+            break
+    growth = rss_mb("VmHWM") - base
+    statuses = []
+    for s in socks:
+        s.shutdown(socket.SHUT_WR)
+        statuses.append(read_response(s)[0])
+        s.close()
+    assert statuses == [431] * len(socks)
+    assert growth < 60, f"peak RSS grew {growth:.0f} MB while the heads arrived"
+    r = httpx.post(f"{gateway.url}/v1/predict", content=image, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_connections_over_the_cap_get_a_fast_503(tiny_artifact, image):
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_connections=3, head_timeout_s=30)
+    try:
+        idle = [connect(server) for _ in range(3)]
+        time.sleep(0.2)  # the server has accepted them
+        with connect(server) as s:
+            t0 = time.monotonic()
+            s.sendall(get("/v2/health/live"))
+            status, headers, body = read_response(s)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert "SENSAI_MAX_CONNECTIONS" in body["error"] and time.monotonic() - t0 < 2
+        idle.pop().close()
+        time.sleep(0.2)
+        r = httpx.post(f"{server.url}/v1/predict", content=image, timeout=30)
+        assert r.status_code == 200, r.text
+        for s in idle:
+            s.close()
+    finally:
+        server.stop()
