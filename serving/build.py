@@ -20,6 +20,7 @@ from sensai.optional import require
 from sensai.raycluster import alive_nodes, cluster_resources, connect
 
 from .faults import DelaySpec
+from .messages import Batching
 from .placement import Placement
 from .predictor import ClassParallelPredictor, worker_devices
 from .runners import runner_specs
@@ -50,7 +51,8 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                     delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
                     seed: int = 0, ray_address: str | None = None, ray_cpus: float | None = None,
                     triton_url: str | None = None, trust_code: bool = False,
-                    keep_awake: str = "off", spread_cores: bool = False
+                    keep_awake: str = "off", spread_cores: bool = False,
+                    batch_max_rows: int = 8, batch_delay_us: float = 0.0
                     ) -> ClassParallelPredictor:
     """``workers`` (default G) workers on ``backend``, with ``redundancy`` extra copies of every
     group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest.  The keywords
@@ -58,12 +60,15 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     messages), before anything starts.  Host tunings, both off by default: ``keep_awake``,
     whether Ray actors keep their nodes' idle cores awake (:mod:`.wakeup`; the gateway's own
     machine is the gateway's to hold); ``spread_cores``, whether the local backend's worker
-    threads are moved apart (:mod:`.transports.spread`)."""
+    threads are moved apart (:mod:`.transports.spread`).  ``batch_max_rows`` /
+    ``batch_delay_us``: how every worker batches the requests it finds waiting
+    (:class:`~sensai.serving.messages.Batching`; Triton's workers are batched by the server)."""
     load_settings(dict(backend=backend, workers=workers, redundancy=redundancy, vote=vote,
                        hedge_ms=hedge_ms, restart_delay_s=restart_delay_s, ray_cpus=ray_cpus,
                        deadline_s=deadline_s, hang_timeout_s=hang_timeout_s, runtime=runtime,
                        device=device, threads_per_worker=threads, model_name=name,
-                       keep_cores_awake=keep_awake, spread_cores=spread_cores))
+                       keep_cores_awake=keep_awake, spread_cores=spread_cores,
+                       batch_max_rows=batch_max_rows, batch_delay_us=batch_delay_us))
     check_backend_installed(backend)
     if backend == "ray":
         artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories
@@ -72,7 +77,8 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     n = len(placement.workers)
     common = dict(name=name, deadline_s=deadline_s, hedge_ms=hedge_ms,
                   restart_delay_s=restart_delay_s, hang_timeout_s=hang_timeout_s,
-                  delays=delays, corrupt=corrupt, seed=seed)
+                  delays=delays, corrupt=corrupt, seed=seed,
+                  batching=Batching(batch_max_rows, batch_delay_us))
     if backend in ("local", "processes"):
         specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads,
                              trust_code=trust_code)

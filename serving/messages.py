@@ -3,8 +3,9 @@ pipe to a process, a Ray call).  Small, picklable, immutable.
 
 To a worker: :class:`Run` (compute groups of one request, in order), :class:`Skip` (do not
 compute these groups of a request, or none of it), :class:`Fault` (fault injection),
-:class:`Ping`, :class:`Shutdown`.  From a worker: :class:`Output`, :class:`Failure`,
-:class:`Done` (the request's run is over), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
+:class:`Ping`, :class:`Shutdown`; when it starts, its :class:`Batching`.  From a worker:
+:class:`Output`, :class:`Failure`, :class:`Done` (the request's run is over, with the worker's
+:class:`BatchCounts`), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,37 @@ class Fault:
 
 
 @dataclass(frozen=True, slots=True)
+class Batching:
+    """How a worker batches the runs it finds waiting: at most ``max_rows`` image rows in one
+    batch (a run with more still goes, alone and whole; 1: no batching), and a lone run may be
+    held up to ``delay_us`` for company (0: only what is already queued is batched, nothing ever
+    waits)."""
+
+    max_rows: int = 8
+    delay_us: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    """A worker's batching so far (since it started): the batches it ran (a run alone counts
+    as a batch of one), the requests they held, the most requests in one, and how many requests
+    were held back waiting for company (never any when the delay is 0)."""
+
+    batches: int = 0
+    requests: int = 0
+    largest: int = 0
+    held: int = 0
+
+    def __add__(self, other: "BatchCounts") -> "BatchCounts":
+        return BatchCounts(self.batches + other.batches, self.requests + other.requests,
+                           max(self.largest, other.largest), self.held + other.held)
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "requests": self.requests, "largest": self.largest,
+                "held": self.held}
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     token: int
 
@@ -59,7 +91,7 @@ class Output:
     req: int
     group: int
     output: np.ndarray
-    ms: float  # compute time inside the worker
+    ms: float  # compute time inside the worker (of the whole batch its rows were in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +105,7 @@ class Failure:
 class Done:
     req: int
     skipped: int
+    counts: BatchCounts | None = None  # the worker's batching, as of this request's batch
 
 
 @dataclass(frozen=True, slots=True)

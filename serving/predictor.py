@@ -39,7 +39,7 @@ from .contract import Prediction
 from .decoder import CoverageDecoder
 from .errors import SubnetFailed, SubnetTimeout
 from .faults import DelaySpec, parse_delay
-from .messages import Done, Failure, Fault, Output, Run, Skip
+from .messages import BatchCounts, Batching, Done, Failure, Fault, Output, Run, Skip
 from .placement import Placement
 from .runners import RunnerSpec
 from .supervisor import Supervisor
@@ -77,8 +77,10 @@ class ClassParallelPredictor:
     """See the module docstring.  ``specs[g]`` is group ``g``'s runner recipe; a worker is one
     device, so its subnets run on ``worker_devices[w]`` (default: one GPU per worker round robin,
     else the CPU).  ``hedge_ms``: a worker computes its own groups at once but waits up to this
-    long before computing copies, skipped if their group is answered meanwhile.  ``delays`` /
-    ``corrupt``: fault injection per worker.  Blocks until every worker is ready."""
+    long before computing copies, skipped if their group is answered meanwhile.  ``batching``:
+    how each worker batches the requests it finds waiting (default :class:`Batching`'s; ignored
+    by transports that do not batch in their workers).  ``delays`` / ``corrupt``: fault
+    injection per worker.  Blocks until every worker is ready."""
 
     def __init__(self, artifact: Artifact, specs: Sequence[RunnerSpec], transport: Transport,
                  placement: Placement | None = None, *, name: str = "sensai",
@@ -86,7 +88,8 @@ class ClassParallelPredictor:
                  load_timeout_s: float = 600.0, probe_timeout_s: float = 30.0,
                  hang_timeout_s: float | None = None,
                  delays: dict[int, DelaySpec | str] | None = None, corrupt: Sequence[int] = (),
-                 seed: int = 0, worker_devices: Sequence[str] | None = None):
+                 seed: int = 0, worker_devices: Sequence[str] | None = None,
+                 batching: Batching | None = None):
         manifest = artifact.manifest
         self.artifact = artifact
         self.manifest = manifest
@@ -127,12 +130,14 @@ class ClassParallelPredictor:
                 raise SensaiError(f"no worker {w}: workers are 0..{len(self.placement.workers) - 1}")
         if (delays or corrupt) and not caps.skip:
             raise SensaiError(f"the {transport.name} backend has no fault injection")
+        self.batching = (batching or Batching()) if caps.batch else None
         self.workers: list[WorkerHandle] = []
         for w, hosted in enumerate(self.placement.workers):
             dev = worker_devices[w] if worker_devices else specs[hosted[0]].device
             ws = [replace(specs[g], device=dev) for g in hosted]
             self.workers.append(transport.worker(w, hosted, ws, self, delay=delays.get(w),
-                                                 corrupt=w in corrupt, seed=seed + w))
+                                                 corrupt=w in corrupt, seed=seed + w,
+                                                 batching=self.batching))
         self._runs = [(wk.groups, self.placement.primaries(wk.index)) for wk in self.workers]
         self._worker_names = [wk.name for wk in self.workers]
         self._compute_keys = ["compute." + n for n in self._names]
@@ -284,6 +289,8 @@ class ClassParallelPredictor:
                 wk.pending.pop(event.req, None)
                 wk.skipped += event.skipped
                 wk.last_progress = now
+                if event.counts is not None:
+                    wk.counted(generation, event.counts)
             return
         req = self._requests.get(event.req)
         skips: list[int] = []
@@ -365,9 +372,12 @@ class ClassParallelPredictor:
             return [wk.state for wk in self.workers]
 
     def counters(self) -> dict:
-        """Work done so far (for the benchmark): subnet runs, compute ms, skipped copies."""
+        """Work done so far (for the benchmark): subnet runs, compute ms, skipped copies, and the
+        workers' batching (their counters summed; ``largest``: the largest of any worker)."""
         with self._lock:
+            batching = sum((w.batching_counts() for w in self.workers), BatchCounts())
             return {"runs": sum(w.runs for w in self.workers),
+                    "batching": batching.as_dict(),
                     "compute_ms": sum(w.compute_ms for w in self.workers),
                     "skipped": sum(w.skipped for w in self.workers),
                     "per_worker_runs": [w.runs for w in self.workers],
@@ -407,6 +417,8 @@ class ClassParallelPredictor:
                 "redundancy": self.placement.redundancy, "vote": self.placement.vote,
                 "copies_per_group": len(self.hosts[0]), "agreeing_copies_needed": self.need,
                 "hedge_ms": round(self.hedge_s * 1e3, 3),
+                "batching": None if self.batching is None else
+                {"max_rows": self.batching.max_rows, "delay_us": self.batching.delay_us},
                 "placement": [list(p) for p in self.placement.workers], "hosts": self.hosts,
                 "degraded_answers": self.degraded_answers, "workers": workers}
 

@@ -64,6 +64,12 @@ class GatewaySettings(BaseSettings):
         None, gt=0, description="while the event loop runs this late, new requests get 503 at "
                                 "once (default: a quarter of the deadline, at most 0.25 s)")
     max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
+    batch_max_rows: int = Field(8, ge=1, description="most image rows a worker runs as one batch "
+                                "of the requests it finds waiting (1: one request at a time; "
+                                "a larger v2 batch still runs whole, alone)")
+    batch_delay_us: float = Field(0.0, ge=0, description="how long a worker may hold a request "
+                                  "back waiting for company (0: it batches only what is queued "
+                                  "already, a request alone never waits)")
     deadline_s: float = Field(5.0, gt=0, description="deadline of a whole request, from its "
                               "arrival (body, decoding, waiting, the subnets)")
     hang_timeout_s: float | None = Field(

@@ -1,7 +1,8 @@
 """A Triton Inference Server model repository for an artifact (``sensai export-triton``).
 
 :func:`export_triton_repo` writes one Triton model per subnet (``sensai_subnet_00`` ...), each
-``config.pbtxt`` + ``1/model.onnx``.  ``backend="onnxruntime"`` is the normal choice for a Triton
+``config.pbtxt`` + ``1/model.onnx``; where the ONNX batch axis is dynamic the model batches,
+with Triton's dynamic batcher on.  ``backend="onnxruntime"`` is the normal choice for a Triton
 container; ``backend="python"`` adds a ``1/model.py`` that runs the same ONNX file with ONNX
 Runtime inside Triton's Python backend - for servers that ship only that backend, like the
 ``tritonserver`` binary inside the ``nvidia-pytriton`` wheel.  Every ONNX file is checked against
@@ -99,13 +100,30 @@ class TritonPythonModel:
         self.input_name = config["input"][0]["name"]
         self.output_name = config["output"][0]["name"]
 
+    def run(self, x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return self.session.run([self.output_name], {self.input_name: x})[0]
+
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = _as_numpy(pb_utils.get_input_tensor_by_name(request, self.input_name))
+        xs = [_as_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]
+        ys = None
+        # Triton's dynamic batcher hands over the requests it batched: one run for all of them
+        # when their inputs stack; else, or when that run fails, one run per request, so that
+        # only a request that fails alone fails.
+        stackable = len(xs) > 1 and all(x.ndim >= 1 for x in xs) and len(
+            {(x.shape[1:], x.dtype) for x in xs}) == 1
+        if stackable:
+            sizes = [len(x) for x in xs]
             try:
-                x = np.ascontiguousarray(x, dtype=np.float32)
-                y = self.session.run([self.output_name], {self.input_name: x})[0]
+                y = self.run(np.concatenate(xs))
+                if len(y) == sum(sizes):
+                    ys = np.split(y, np.cumsum(sizes)[:-1])
+            except Exception:
+                ys = None
+        responses = []
+        for i, x in enumerate(xs):
+            try:
+                y = ys[i] if ys is not None else self.run(x)
                 out = _from_numpy(self.output_name, np.ascontiguousarray(y, dtype=np.float32))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
             except Exception as e:  # one bad request must not take the model down
@@ -171,6 +189,10 @@ def model_config(name: str, backend: str, inp: _TensorInfo, out: _TensorInfo, *,
     if gpu is not None:
         group += f"\n    gpus: [ {gpu} ]"
     lines += ["instance_group [", group + "\n  }", "]"]
+    if batched:
+        # Triton's dynamic batcher: requests queued for the model run as one batch; by default
+        # it batches only what is queued already, never delaying a request alone.
+        lines += ["dynamic_batching { }"]
     if backend == "python":
         lines += ["parameters [", '  {\n    key: "intra_op_threads"\n'
                   f'    value: {{ string_value: "{max(1, threads)}" }}\n  }}', "]"]

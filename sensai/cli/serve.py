@@ -115,6 +115,14 @@ def register(sub) -> None:
                    help="triton backend: host:port of a running Triton HTTP endpoint serving "
                         "'sensai export-triton' models; default: launch tritonserver if found")
     add_redundancy_args(p)
+    g = p.add_argument_group(
+        "batching", "A worker runs the requests it finds waiting as one batch "
+                    "(deploy/README.md, 'Micro-batching').")
+    g.add_argument("--batch-max-rows", dest="batch_max_rows", type=int, default=None,
+                   metavar="N", help="most image rows in one batch (1: no batching; default: 8)")
+    g.add_argument("--batch-delay-us", dest="batch_delay_us", type=float, default=None,
+                   metavar="US", help="how long a request may wait for company (default: 0, "
+                                      "only what is queued already is batched)")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="the HTTP server's log level (default: info)")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
@@ -239,7 +247,8 @@ def predictor_for(artifact, settings: GatewaySettings, **extra):
         deadline_s=s.deadline_s, hedge_ms=s.hedge_ms, restart_delay_s=s.restart_delay_s,
         hang_timeout_s=s.hang_timeout(), ray_address=s.ray_address, ray_cpus=s.ray_cpus,
         triton_url=s.triton_url, trust_code=s.trust_model_code, keep_awake=s.keep_cores_awake,
-        spread_cores=s.spread_cores, **extra)
+        spread_cores=s.spread_cores, batch_max_rows=s.batch_max_rows,
+        batch_delay_us=s.batch_delay_us, **extra)
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from sensai.artifact import subnet_name
 from sensai.errors import SensaiError
 
+from ..messages import BatchCounts, Batching
+
 if TYPE_CHECKING:
     from ..faults import DelaySpec
     from ..runners import RunnerSpec
@@ -32,6 +34,7 @@ class Capabilities:
     skip: bool = True  # skip copies already answered elsewhere (hedging)
     restart: bool = True  # a dead worker comes back (restarted by us or by Ray)
     kill: bool = True  # can be ended from outside (fault injection, hung-worker watchdog)
+    batch: bool = True  # a worker runs the requests it finds waiting as one batch
 
 
 class Sink(Protocol):
@@ -44,19 +47,21 @@ class WorkerHandle:
     """The predictor's side of one worker.  Transports subclass it and implement the lifecycle
     (:meth:`start`, :meth:`wait_ready`, :meth:`probe`, :meth:`kill`, :meth:`stop`) and
     :meth:`send`.  ``state`` (new, starting, up, down, closed), ``pending`` and the counters are
-    kept by the predictor under its lock."""
+    kept by the predictor under its lock.  ``batching``: how the worker batches the requests it
+    finds waiting (None: it does not, or not in-house - Triton, Ray Serve)."""
 
     transport = "?"
 
     def __init__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"],
                  sink: Sink, *, delay: "DelaySpec | None" = None, corrupt: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, batching: Batching | None = None):
         self.index = index
         self.name = f"worker_{index:02d}"
         self.groups = tuple(groups)
         self.specs = list(specs)
         self.sink = sink
         self.delay, self.corrupt, self.seed = delay, bool(corrupt), seed
+        self.batching = batching
         self.state = "new"
         self.generation = 0
         self.restarts = 0
@@ -73,6 +78,11 @@ class WorkerHandle:
         self.compute_ms = 0.0
         self.skipped = 0
         self.failures = 0
+        # The worker's batching counters: of its current incarnation (as its latest Done said),
+        # and of the ones before it (an incarnation counts from zero).
+        self.batch_counts = BatchCounts()
+        self.batch_counts_before = BatchCounts()
+        self.batch_generation = 0
 
     # -- implemented by transports
 
@@ -90,6 +100,17 @@ class WorkerHandle:
         raise NotImplementedError
 
     # -- shared by transports
+
+    def counted(self, generation: int, counts: BatchCounts) -> None:
+        """The batching counters incarnation ``generation`` reported (with a Done)."""
+        if generation != self.batch_generation:
+            self.batch_counts_before = self.batch_counts_before + self.batch_counts
+            self.batch_generation = generation
+        self.batch_counts = counts
+
+    def batching_counts(self) -> BatchCounts:
+        """The worker's batching counters over all its incarnations."""
+        return self.batch_counts_before + self.batch_counts
 
     def wait_loaded(self, inc, timeout: float) -> None:
         """Block until incarnation ``inc`` (its ``ready`` event set, and ``error`` if loading
@@ -128,6 +149,10 @@ class WorkerHandle:
                 "generation": self.generation, "restarts": self.restarts, "deaths": self.deaths,
                 "runs": self.runs, "skipped": self.skipped, "failures": self.failures,
                 **self.where(),
+                **({"batching": {"max_rows": self.batching.max_rows,
+                                 "delay_us": self.batching.delay_us,
+                                 **self.batching_counts().as_dict()}}
+                   if self.batching is not None else {}),
                 **({"injected_delay": str(self.delay)} if self.delay is not None else {}),
                 **({"injected_corruption": True} if self.corrupt else {})}
 
@@ -138,7 +163,7 @@ class Transport(Protocol):
 
     def worker(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"],
                sink: Sink, *, delay: "DelaySpec | None" = None, corrupt: bool = False,
-               seed: int = 0) -> WorkerHandle: ...
+               seed: int = 0, batching: Batching | None = None) -> WorkerHandle: ...
 
     def healthy(self) -> bool:
         """Whether the transport's own infrastructure is up (e.g. the Triton server)."""

@@ -16,13 +16,14 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..messages import Fault, LoadFailed, Ready
+from ..messages import Batching, Fault, LoadFailed, Ready
 from ..worker_core import WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionWorker, Incarnation, serve_connection
 
 
-def process_main(rx, tx, hosted: list, fault: Fault, seed: int) -> None:
+def process_main(rx, tx, hosted: list, fault: Fault, seed: int,
+                 batching: Batching | None = None) -> None:
     """Body of a worker process: build the runners, then serve messages until told to stop."""
     # Ctrl-C in a terminal reaches the whole process group; the gateway stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -36,7 +37,7 @@ def process_main(rx, tx, hosted: list, fault: Fault, seed: int) -> None:
             return
     spec = hosted[0][1] if hosted else None
     serve_connection(rx, tx, WorkerCore(runners, delay=fault.delay, corrupt=fault.corrupt,
-                                        seed=seed),
+                                        seed=seed, batching=batching),
                      Ready(os.getpid(), spec.device if spec else "cpu",
                            next(iter(runners.values())).runtime if runners else None))
 
@@ -57,7 +58,7 @@ class ProcessWorker(ConnectionWorker):
         proc = ctx.Process(target=process_main, name=f"sensai-{self.name}", daemon=True,
                            args=(to_child_r, from_child_w, list(zip(self.groups, self.specs)),
                                  Fault(self.delay, self.corrupt),
-                                 self.seed + 7919 * inc.number))
+                                 self.seed + 7919 * inc.number, self.batching))
         proc.start()
         # Our copies of the child's ends: closing them lets EOF reach us when the child dies.
         to_child_r.close()

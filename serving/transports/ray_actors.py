@@ -34,7 +34,7 @@ import numpy as np
 from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
-from ..messages import Failure, Fault, Output, Ready, Skip
+from ..messages import Batching, Failure, Fault, Output, Ready, Skip
 from ..placement import Placement, spread
 from ..wakeup import keep_cores_awake
 from ..worker_core import MEMORY, WorkerCore
@@ -52,7 +52,7 @@ class RayWorkerBody:
     (:meth:`channel`, the actor transport) or one ``run`` call per (request, group) (Serve)."""
 
     def __init__(self, name: str, hosted: list, fault: Fault, seed: int,
-                 keep_awake: str = "off"):
+                 keep_awake: str = "off", batching: Batching | None = None):
         import ray
 
         self.device = actor_device()  # where it runs is settled before any runner is built
@@ -61,8 +61,8 @@ class RayWorkerBody:
         runners = {g: spec.build() for g, spec in specs}
         # What runs, which differs from the spec where CUDA graphs fell back to eager.
         self.runtime = next(iter(runners.values())).runtime if runners else None
-        self.core = WorkerCore(runners, delay=fault.delay,
-                               corrupt=fault.corrupt, seed=seed)
+        self.core = WorkerCore(runners, delay=fault.delay, corrupt=fault.corrupt, seed=seed,
+                               batching=batching)
         self.started: OrderedDict[int, int] = OrderedDict()  # request -> its run calls begun
         self.lock = threading.Lock()
         self.watch_stop: threading.Event | None = None
@@ -267,7 +267,7 @@ class RayActorWorker(ConnectionWorker):
         if self.actor is None:
             self.actor = actor_class().options(**self.actor_options).remote(
                 self.name, list(zip(self.groups, self.specs)), Fault(self.delay, self.corrupt),
-                self.seed, self.keep_awake)
+                self.seed, self.keep_awake, self.batching)
             self.actor_id = self.actor._actor_id.hex()
 
     def _control(self, method: str):

@@ -4,7 +4,8 @@
 
 Serve places and restarts the replicas (its health checks); a call that fails marks the worker
 down, and the supervisor takes it back once a ping through the handle answers again.  The
-replicas run the same worker body as the Ray actor transport.
+replicas run the same worker body as the Ray actor transport, one call per (request, group):
+Serve's handles carry each call on its own, so nothing queues in a replica to be batched.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class ServeHandles:
     """The Ray Serve transport over the injected handles ``handles[w]`` of worker ``w``."""
 
     name = "ray-serve"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True,
+                                batch=False)  # one call per (request, group)
 
     def __init__(self, handles: Sequence):
         self.handles = list(handles)

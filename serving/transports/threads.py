@@ -69,7 +69,7 @@ class ThreadWorker(WorkerHandle):
             if runners:  # what runs, which differs from the spec where CUDA graphs fell back
                 self.runtime = next(iter(runners.values())).runtime
             inc.core = WorkerCore(runners, delay=self.delay, corrupt=self.corrupt,
-                                  seed=self.seed + 7919 * inc.number)
+                                  seed=self.seed + 7919 * inc.number, batching=self.batching)
         except BaseException as e:  # reported by wait_ready; the supervisor decides
             inc.error = str(e) if isinstance(e, SensaiError) else f"{type(e).__name__}: {e}"
             inc.ready.set()

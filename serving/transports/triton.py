@@ -95,7 +95,8 @@ class Triton:
     ``url`` (``host:port`` of its HTTP endpoint)."""
 
     name = "triton"
-    capabilities = Capabilities(several_groups=False, skip=False, restart=False, kill=False)
+    capabilities = Capabilities(several_groups=False, skip=False, restart=False, kill=False,
+                                batch=False)  # the server batches: its dynamic batcher
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, prefix: str = "sensai_"):
         self.url = url.removeprefix("http://").rstrip("/")
