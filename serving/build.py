@@ -81,7 +81,7 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                   batching=Batching(batch_max_rows, batch_delay_us))
     if backend in ("local", "processes"):
         specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads,
-                             trust_code=trust_code)
+                             trust_code=trust_code, batch_rows=batch_max_rows)
         transport = Threads(spread_cores=spread_cores) if backend == "local" else Processes()
         return ClassParallelPredictor(artifact, specs, transport, placement,
                                       worker_devices=worker_devices(n, device), **common)
@@ -97,7 +97,7 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     # The device is chosen inside each actor (the GPU Ray gives it, else CPU); the CPU specs
     # check the files now.
     specs = runner_specs(artifact, device="cpu", runtime=runtime, threads=threads,
-                         trust_code=trust_code)
+                         trust_code=trust_code, batch_rows=batch_max_rows)
     own = connect(ray_address)
     import ray  # heavy, only the ray backend needs it; imported after connect() set Ray up
 

@@ -46,6 +46,16 @@ def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def buckets_up_to(rows: int) -> tuple[int, ...]:
+    """One graph per power of two below ``rows``, and ``rows`` itself: a micro-batch of n rows
+    pads to at most twice n."""
+    out, b = [], 1
+    while b < rows:
+        out.append(b)
+        b *= 2
+    return (*out, max(1, int(rows)))
+
+
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
     """The smallest bucket holding ``n`` rows (``n`` at most the largest bucket)."""
     for b in buckets:

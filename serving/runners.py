@@ -27,7 +27,7 @@ from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
-from .graphs import GraphCaptureError, GraphRunner
+from .graphs import GraphCaptureError, GraphRunner, buckets_up_to
 from .settings import RUNTIMES
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,17 @@ def resolve_runtime(runtime: str, device: str, *, has_onnx: bool = True) -> str:
     return "onnx" if has_onnx else "torch"
 
 
-def torch_runner(model, *, device: str, runtime: str, name: str,
-                 input_shape: Sequence[int]) -> "Runner":
-    """The torch network as the runtime asks: CUDA graphs (``auto`` on a GPU falls back to
-    eager, with a warning, when capture fails; an explicit ``cuda-graph`` fails instead) or
-    eager."""
+def torch_runner(model, *, device: str, runtime: str, name: str, input_shape: Sequence[int],
+                 batch_rows: int = 1) -> "Runner":
+    """The torch network as the runtime asks: CUDA graphs, one per batch-size bucket up to
+    ``batch_rows`` (``auto`` on a GPU falls back to eager, with a warning, when capture fails;
+    an explicit ``cuda-graph`` fails instead) or eager."""
     chosen = resolve_runtime(runtime, device, has_onnx=False)
     if chosen != "cuda-graph":
         return TorchRunner(model, device=device, name=name)
     try:
-        return GraphRunner(model, device=device, input_shape=input_shape, name=name)
+        return GraphRunner(model, device=device, input_shape=input_shape, name=name,
+                           buckets=buckets_up_to(batch_rows))
     except GraphCaptureError as e:
         if runtime == "cuda-graph":
             raise CheckpointError(f"{e}; use --runtime torch") from None
@@ -163,6 +164,7 @@ class RunnerSpec:
     weights_sha256: str | None = None
     trust_code: bool = False
     warmup: bool = True
+    batch_rows: int = 1  # the most rows its worker batches (CUDA graphs: one per bucket)
     # The files' contents (bytes, or Ray object refs to them) for workers that may not see the
     # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
     onnx_blob: Any = None
@@ -207,7 +209,8 @@ class RunnerSpec:
                                        f"weights of {self.name} ({self.weights_path})",
                                        trust_code=self.trust_code)
             runner = torch_runner(model, device=self.device, runtime=self.runtime,
-                                  name=self.name, input_shape=self.input_shape)
+                                  name=self.name, input_shape=self.input_shape,
+                                  batch_rows=self.batch_rows)
         if self.warmup:
             # The first run allocates buffers (and compiles kernels on GPUs); do it now so the
             # first request does not pay for it.
@@ -246,7 +249,8 @@ def fetch(blob) -> bytes:
 
 
 def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",
-                 threads: int = 1, trust_code: bool = False) -> list[RunnerSpec]:
+                 threads: int = 1, trust_code: bool = False,
+                 batch_rows: int = 1) -> list[RunnerSpec]:
     """One :class:`RunnerSpec` per subnet of an artifact, devices round robin over GPUs.
 
     Refuses now, with one line, what would fail later: an unknown runtime, a missing file, and
@@ -263,7 +267,7 @@ def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "au
             device=str(device_for_worker(s.index, device)), runtime=runtime, threads=threads,
             onnx_path=str(s.onnx) if s.onnx else None, onnx_sha256=s.onnx_sha256, arch=m.model,
             num_outputs=s.num_outputs, in_channels=m.in_channels, weights_path=str(s.weights),
-            weights_sha256=s.weights_sha256, trust_code=trust_code)
+            weights_sha256=s.weights_sha256, trust_code=trust_code, batch_rows=batch_rows)
         if spec.resolved_runtime() == "onnx":
             if not (s.onnx and s.onnx.is_file()):
                 raise CheckpointError(f"ONNX file {s.onnx} of {s.name} does not exist")

@@ -11,7 +11,8 @@ import torch
 
 from sensai.artifact import load_artifact
 from sensai.errors import CheckpointError, SensaiError
-from sensai.serving.graphs import (GraphCaptureError, GraphRunner, bucket_for, check_buckets)
+from sensai.serving.graphs import (GraphCaptureError, GraphRunner, bucket_for, buckets_up_to,
+                                   check_buckets)
 from sensai.serving.runners import TorchRunner, resolve_runtime, runner_specs, torch_runner
 
 CUDA = torch.cuda.is_available()
@@ -41,6 +42,8 @@ def subnet(tiny_artifact):
 
 
 def test_buckets():
+    assert buckets_up_to(1) == (1,) and buckets_up_to(8) == (1, 2, 4, 8)
+    assert buckets_up_to(6) == (1, 2, 4, 6)
     assert check_buckets([8, 1, 4, 4]) == (1, 4, 8)
     assert [bucket_for(n, (1, 4, 8)) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
     with pytest.raises(ValueError):
@@ -107,9 +110,11 @@ def test_cuda_graph_matches_eager_on_the_gpu(subnet, fmnist_test):
     model, shape = subnet
     x = np.stack([fmnist_test[i][0].numpy() for i in range(5)]).astype(np.float32)
     want = TorchRunner(model, device="cpu").run(x)
-    runner = torch_runner(model, device="cuda:0", runtime="auto", name="g0", input_shape=shape)
-    assert isinstance(runner, GraphRunner)
-    np.testing.assert_allclose(runner.run(x), want, rtol=1e-3, atol=1e-3)
+    runner = torch_runner(model, device="cuda:0", runtime="auto", name="g0", input_shape=shape,
+                          batch_rows=8)
+    assert isinstance(runner, GraphRunner) and runner.buckets == (1, 2, 4, 8)
+    np.testing.assert_allclose(runner.run(x), want, rtol=1e-3, atol=1e-3)  # 5 rows: bucket 8
+    np.testing.assert_allclose(runner.run(x[:1]), want[:1], rtol=1e-3, atol=1e-3)
     assert 0 < runner.replay_ms(repeats=20) < 50
 
 
@@ -123,3 +128,32 @@ def test_uncapturable_network_falls_back_to_eager_unless_asked(subnet, caplog):
     assert "running it eagerly" in caplog.text
     with pytest.raises(CheckpointError, match="CUDA graph failed"):
         torch_runner(bad, device="cuda:0", runtime="cuda-graph", name="g0", input_shape=shape)
+
+
+@needs_cuda
+def test_the_local_pool_on_the_gpu_answers_batches_like_offline(tiny_artifact, fmnist_test,
+                                                               fmnist_spec):
+    """Concurrent requests through the default GPU pool (CUDA graphs, micro-batches padded to
+    their bucket) give the offline evaluation's scores."""
+    import asyncio
+
+    from sensai.data import normalize
+    from sensai.merge import merge_outputs
+    from sensai.serving.build import build_predictor
+
+    art = load_artifact(tiny_artifact)
+    x = normalize(fmnist_test.images[:16], fmnist_spec)
+    with torch.inference_mode():
+        want = merge_outputs([m(x).float().numpy() for m in art.load_subnets("cpu")], art.groups,
+                             art.manifest.num_classes)
+    pred = build_predictor(tiny_artifact, device="cuda")
+
+    async def run():
+        try:
+            return await asyncio.gather(*(pred.predict(x[i:i + 1].numpy()) for i in range(16)))
+        finally:
+            await pred.close()
+
+    got = np.concatenate([p.scores for p in asyncio.run(run())])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    assert {w["runtime"] for w in pred.describe()["workers"]} == {"cuda-graph"}
