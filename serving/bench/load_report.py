@@ -216,7 +216,7 @@ def render_markdown(result: dict) -> str:
 
 def _shade_phases(ax, result: dict, legend: bool = False) -> None:
     for key, label in (*PHASES, ("burst", "burst of large images")):
-        rep = result["burst"] if key == "burst" else result["phases"].get(key)
+        rep = result.get("burst") if key == "burst" else result["phases"].get(key)
         if rep and "start_s" in rep:
             ax.axvspan(rep["start_s"], rep["start_s"] + rep["seconds"],
                        color=PHASE_COLORS[label], alpha=0.6, lw=0,
