@@ -8,9 +8,10 @@ can exhaust it or stall the others.
   (408), so clients trickling bodies cannot hold every slot;
 * image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
   time;
-* at most ``max_predictions`` requests are in the predictor; the others wait for a place, but no
-  longer than their request's deadline, which starts when the request arrives (503 when it runs
-  out while waiting, 504 when the subnets are late);
+* at most ``max_predictions`` requests are in the predictor and as many more wait for a place,
+  no longer than their request's deadline, which starts when the request arrives (503 when it
+  runs out while waiting, 504 when the subnets are late); a request that finds the queue full
+  gets a 503 at once, so an admitted request waits about one service time, not its deadline;
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
   counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
@@ -39,8 +40,12 @@ class Admission:
         self.requests = 0
         self.receiving = 0
         self.predicting = asyncio.Semaphore(max_predictions)
+        # A short queue: at most as many requests wait for the predictor as it holds, so an
+        # admitted request waits about one service time at most; the rest get a 503 at once.
+        self.max_queued = {id(self.predicting): max_predictions}
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.waiting = 0
+        self.queued: dict[int, int] = {}  # semaphore -> requests waiting for it
         self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
@@ -144,7 +149,13 @@ class _Slot:
             await sem.acquire()
             return
         adm = self.adm
+        queued = adm.queued.get(id(sem), 0)
+        limit = adm.max_queued.get(id(sem))
+        if limit is not None and queued >= limit:
+            raise Overloaded(f"{queued} requests are waiting for a {self.what} slot already; "
+                             "the gateway is overloaded, retry shortly", reason="queue_full")
         adm.waiting += 1
+        adm.queued[id(sem)] = queued + 1
         try:
             async with asyncio.timeout_at(self.deadline):
                 await sem.acquire()
@@ -154,6 +165,7 @@ class _Slot:
                              reason="no_slot_before_deadline") from None
         finally:
             adm.waiting -= 1
+            adm.queued[id(sem)] -= 1
 
     async def __aexit__(self, et, exc, tb) -> None:
         self.sem.release()

@@ -50,8 +50,8 @@ class GatewaySettings(BaseSettings):
                                    "size limit, an 8-bit RGBA picture of the largest size)")
     max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
                               "metrics excepted); beyond it: 503 with Retry-After")
-    max_predictions: int = Field(32, ge=1, description="requests in the predictor at once; the "
-                                 "others wait, up to their deadline")
+    max_predictions: int = Field(32, ge=1, description="requests in the predictor at once; as "
+                                 "many more may wait, up to their deadline; beyond: 503")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
                                   "this long (408)")
     max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "

@@ -28,6 +28,7 @@ from sensai.cores import usable_cores
 from sensai.data import normalize
 from sensai.serving.admission import Admission
 from sensai.serving.build import build_predictor
+from sensai.serving.errors import Overloaded
 from tests.helpers import png, sample_images, start_gateway
 
 pytestmark = pytest.mark.slow
@@ -417,5 +418,35 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
         assert adm.lag < 0.05 and adm.admit()
         adm.release()
         await adm.stop()
+
+    asyncio.run(go())
+
+
+def test_a_short_queue_turns_the_surplus_away_at_once():
+    """As many requests may wait for the predictor as it holds (here one each): the next one
+    gets a 503 at once instead of waiting for its deadline, and the queued one is served."""
+    adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=5)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        served = []
+
+        async def queued():
+            async with adm.slot(adm.predicting, deadline, "prediction"):
+                served.append(True)
+
+        async with adm.slot(adm.predicting, deadline, "prediction"):
+            waiter = asyncio.ensure_future(queued())
+            await asyncio.sleep(0.01)
+            assert adm.waiting == 1 and not served
+            t0 = loop.time()
+            with pytest.raises(Overloaded) as e:
+                async with adm.slot(adm.predicting, deadline, "prediction"):
+                    pass
+            assert e.value.reason == "queue_full" and loop.time() - t0 < 0.05
+            assert "1 requests are waiting for a prediction slot" in str(e.value)
+        await waiter
+        assert served == [True] and adm.waiting == 0
 
     asyncio.run(go())
