@@ -50,8 +50,12 @@ class Admission:
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
 
+    def full(self) -> bool:
+        """Whether :meth:`admit` would say no now (nothing taken)."""
+        return self.requests >= self.max_requests or self.lag > self.max_lag_s
+
     def admit(self) -> bool:
-        if self.requests >= self.max_requests or self.lag > self.max_lag_s:
+        if self.full():
             return False
         self.requests += 1
         return True

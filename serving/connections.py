@@ -11,7 +11,9 @@ protocol with three bounds, as nginx, h11 and Envoy have them:
   that came in one read);
 * a head not complete ``head_timeout_s`` after its first byte (or after the connection opened)
   -> 408, connection closed; an idle kept-alive connection is left to uvicorn's keep-alive timeout;
-* a connection beyond ``max_connections`` open ones -> 503 with ``Retry-After``, closed at once.
+* a connection beyond ``max_connections`` open ones -> 503 with ``Retry-After``, closed at once;
+* under overload, a request the gateway's admission would turn away -> 503 with
+  ``Retry-After`` from here, its body read and dropped, the connection kept.
 
 Each answer is the gateway's JSON error.  Without httptools, uvicorn's h11 protocol runs instead,
 bounded by its own incomplete-event limit (set to ``max_header_bytes``; it answers 400).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from .middleware import json_bytes
 
@@ -50,12 +53,13 @@ class ConnectionLimits:
         return cls(settings.max_header_bytes, settings.head_timeout_s, settings.max_connections)
 
 
-def error_response(status: int, message: str, extra: bytes = b"") -> bytes:
-    """A whole HTTP/1.1 response carrying the gateway's JSON error; the connection closes."""
+def error_response(status: int, message: str, extra: bytes = b"", *, close: bool = True) -> bytes:
+    """A whole HTTP/1.1 response carrying the gateway's JSON error."""
     body = json_bytes({"error": message, "status": status, "request_id": os.urandom(16).hex(),
                        "subnet": None, "missing_classes": None})
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n%s\r\n" % (status, REASONS[status], len(body), extra)) + body
+            b"%s%s\r\n" % (status, REASONS[status], len(body),
+                             b"connection: close\r\n" if close else b"", extra)) + body
 
 
 if HttpToolsProtocol is not None:
@@ -65,6 +69,9 @@ if HttpToolsProtocol is not None:
         (``limits``: set on a subclass, see :func:`http_protocol`)."""
 
         limits: ConnectionLimits  # set on the subclass http_protocol makes
+        # Set there too: gate(method, url) -> why the gateway's admission would turn the request
+        # away (counted by the gate), or None.
+        gate: Callable[[str, bytes], str | None] | None = None
 
         def connection_made(self, transport) -> None:
             full = len(self.connections) >= self.limits.max_connections
@@ -72,6 +79,7 @@ if HttpToolsProtocol is not None:
             self.head_bytes = self.parsed_bytes = 0
             self.awaiting_head = True
             self.refused = False
+            self.shed: str | None = None
             self.head_timer = None
             if full:
                 self.refuse(503, f"the gateway has {self.limits.max_connections} connections "
@@ -103,6 +111,7 @@ if HttpToolsProtocol is not None:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.parsed_bytes = 0
+            self.shed = None
 
         def on_url(self, url: bytes) -> None:
             self.parsed_bytes += len(url)
@@ -121,17 +130,38 @@ if HttpToolsProtocol is not None:
             if self.parsed_bytes > self.limits.max_header_bytes:
                 self.refuse(431, self.too_large())  # the parser's further callbacks: no-ops
                 return
+            # Under overload, a request the admission would turn away is answered here, without
+            # the app's task, middleware and response objects: shedding costs least where it
+            # happens first.  Not while an earlier request of this connection is unanswered
+            # (answers keep their order).
+            idle = (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+            if self.gate is not None and idle:
+                self.shed = self.gate(self.parser.get_method().decode("ascii", "replace"),
+                                      self.url)
+                if self.shed is not None:
+                    return  # answered once its body has been read (on_message_complete)
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
-            if not self.refused:
+            if not self.refused and self.shed is None:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
             if self.refused:
                 return
-            super().on_message_complete()
             self.awaiting_head = True  # a next head may follow on this connection
+            if self.shed is not None:
+                keep = self.parser.should_keep_alive()
+                self.transport.write(error_response(503, self.shed, b"retry-after: 1\r\n",
+                                                    close=not keep))
+                self.shed = None
+                if keep:
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self.timeout_keep_alive_handler)
+                else:
+                    self.transport.close()
+                return
+            super().on_message_complete()
 
         def too_large(self) -> str:
             return (f"the request head is over {self.limits.max_header_bytes:,} bytes "
@@ -171,9 +201,10 @@ if HttpToolsProtocol is not None:
             return super().eof_received()
 
 
-def http_protocol(limits: ConnectionLimits):
-    """What uvicorn's ``http`` option takes: the bounded protocol for ``limits``, or ``"h11"``
-    where httptools is not installed."""
+def http_protocol(limits: ConnectionLimits, gate=None):
+    """What uvicorn's ``http`` option takes: the bounded protocol for ``limits`` (and ``gate``,
+    see :class:`BoundedHttpProtocol`), or ``"h11"`` where httptools is not installed."""
     if HttpToolsProtocol is None:
         return "h11"
-    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
+    return type("BoundedHttpProtocol", (BoundedHttpProtocol,),
+                {"limits": limits, "gate": staticmethod(gate) if gate else None})

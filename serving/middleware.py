@@ -173,3 +173,22 @@ class GatewayMiddleware:
         if status >= 400:
             reason = scope["state"].get("error_reason", "http")
             metrics.errors.labels(path, str(status), reason).inc()
+
+
+def early_gate(gw: Gateway):
+    """For the HTTP protocol (:mod:`~sensai.serving.connections`): ``gate(method, url)`` -> why
+    the admission would turn the request away now (counted as :meth:`GatewayMiddleware.refuse`
+    counts it), or None; takes no slot."""
+    adm, metrics = gw.admission, gw.metrics
+
+    def gate(method: str, url: bytes) -> str | None:
+        if not adm.full():
+            return None
+        if url.split(b"?", 1)[0].decode("latin-1") in UNGATED:
+            return None
+        reason, why = adm.refusal()
+        metrics.rejected.labels(reason).inc()
+        metrics.child(metrics.requests, "unadmitted", method, "503").inc()
+        return why
+
+    return gate

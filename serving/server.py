@@ -16,6 +16,7 @@ import uvicorn
 from sensai.errors import SensaiError
 
 from .connections import ConnectionLimits, http_protocol
+from .middleware import early_gate
 from .settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     settings before any request is admitted (:mod:`~sensai.serving.connections`)."""
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
+    gate = early_gate(gateway) if gateway is not None else None
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                           access_log=False, timeout_graceful_shutdown=graceful_s,
-                          http=http_protocol(limits),
+                          http=http_protocol(limits, gate),
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 

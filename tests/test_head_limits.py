@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -154,4 +155,53 @@ def test_connections_over_the_cap_get_a_fast_503(tiny_artifact, image):
         for s in idle:
             s.close()
     finally:
+        server.stop()
+
+
+def read_one(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response off a kept-alive connection (by its content-length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, "the connection closed"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        body += s.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny_artifact,
+                                                                             image):
+    """One request slot, held by a slow request: the next upload is answered 503 by the
+    protocol itself (no app, hence no x-request-id), its body read and dropped, and the same
+    connection then serves a health check; the refusal is counted."""
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_requests=1, deadline_s=20)
+    try:
+        pred.inject(0, delay="fixed:1500ms")
+        slow = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/predict",),
+                                kwargs={"content": image, "timeout": 60})
+        slow.start()
+        time.sleep(0.5)  # it holds the one slot
+        with connect(server) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: image/png\r\n"
+                      b"content-length: %d\r\n\r\n" % len(image) + image)
+            status, headers, body = read_one(s)
+            took = time.monotonic() - t0
+            s.sendall(get("/v2/health/live"))
+            assert read_one(s)[0] == 200  # the connection was kept
+        assert status == 503 and headers["retry-after"] == "1" and took < 0.5
+        assert "x-request-id" not in headers and json.loads(body)["status"] == 503
+        assert "limit of 1 requests in flight" in json.loads(body)["error"]
+        slow.join(30)
+        pred.inject(0, delay=None)
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'sensai_rejected_total{reason="max_requests"} 1.0' in text
+        assert 'route="unadmitted",status="503"} 1.0' in text
+    finally:
+        pred.inject(0, delay=None)
         server.stop()
