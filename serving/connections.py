@@ -72,6 +72,8 @@ if HttpToolsProtocol is not None:
         # Set there too: gate(method, url) -> why the gateway's admission would turn the request
         # away (counted by the gate), or None.
         gate: Callable[[str, bytes], str | None] | None = None
+        # And count(reason): a connection refused before any request (its metric).
+        count: Callable[[str], None] | None = None
 
         def connection_made(self, transport) -> None:
             full = len(self.connections) >= self.limits.max_connections
@@ -82,7 +84,8 @@ if HttpToolsProtocol is not None:
             self.shed: str | None = None
             self.head_timer = None
             if full:
-                self.refuse(503, f"the gateway has {self.limits.max_connections} connections "
+                self.refuse(503, "max_connections",
+                            f"the gateway has {self.limits.max_connections} connections "
                                  "open, its limit (SENSAI_MAX_CONNECTIONS); retry shortly",
                             b"retry-after: 1\r\n")
                 return
@@ -106,7 +109,7 @@ if HttpToolsProtocol is not None:
             super().data_received(data)
             if (self.awaiting_head and self.head_bytes > self.limits.max_header_bytes
                     and not self.transport.is_closing()):
-                self.refuse(431, self.too_large())
+                self.refuse(431, "header_too_large", self.too_large())
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -128,7 +131,8 @@ if HttpToolsProtocol is not None:
             # A head that came whole in one read was never over the limit while incomplete:
             # its parsed size decides.
             if self.parsed_bytes > self.limits.max_header_bytes:
-                self.refuse(431, self.too_large())  # the parser's further callbacks: no-ops
+                # The parser's further callbacks for this request do nothing.
+                self.refuse(431, "header_too_large", self.too_large())
                 return
             # Under overload, a request the admission would turn away is answered here, without
             # the app's task, middleware and response objects: shedding costs least where it
@@ -170,7 +174,7 @@ if HttpToolsProtocol is not None:
         def head_late(self) -> None:
             self.head_timer = None
             if self.awaiting_head and not self.transport.is_closing():
-                self.refuse(408, f"the request head did not arrive within "
+                self.refuse(408, "head_timeout", f"the request head did not arrive within "
                                  f"{self.limits.head_timeout_s:g} s (SENSAI_HEAD_TIMEOUT_S)")
 
         def stop_head_timer(self) -> None:
@@ -178,12 +182,14 @@ if HttpToolsProtocol is not None:
                 self.head_timer.cancel()
                 self.head_timer = None
 
-        def refuse(self, status: int, message: str, extra: bytes = b"") -> None:
+        def refuse(self, status: int, reason: str, message: str, extra: bytes = b"") -> None:
             """Answer and end the connection.  Only its sending side is shut at once: closing
             a socket with unread data makes the kernel reset it, and the client would lose the
             answer; what still comes is read and dropped until the client closes, at most
             ``LINGER_S``."""
             log.debug("connection from %s refused: %d %s", self.client, status, message)
+            if self.count is not None:
+                self.count(reason)
             self.stop_head_timer()
             self.awaiting_head = False
             self.refused = True
@@ -201,10 +207,12 @@ if HttpToolsProtocol is not None:
             return super().eof_received()
 
 
-def http_protocol(limits: ConnectionLimits, gate=None):
-    """What uvicorn's ``http`` option takes: the bounded protocol for ``limits`` (and ``gate``,
-    see :class:`BoundedHttpProtocol`), or ``"h11"`` where httptools is not installed."""
+def http_protocol(limits: ConnectionLimits, gate=None, count=None):
+    """What uvicorn's ``http`` option takes: the bounded protocol for ``limits`` (with ``gate``
+    and ``count``, see :class:`BoundedHttpProtocol`), or ``"h11"`` where httptools is not
+    installed."""
     if HttpToolsProtocol is None:
         return "h11"
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,),
-                {"limits": limits, "gate": staticmethod(gate) if gate else None})
+                {"limits": limits, "gate": staticmethod(gate) if gate else None,
+                 "count": staticmethod(count) if count else None})

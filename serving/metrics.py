@@ -34,8 +34,11 @@ class GatewayMetrics:
                                      ["subnet", "kind"], registry=r)
         self.images = Counter("sensai_images", "images (batch rows) predicted", registry=r)
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
-                                "reason (max_requests, loop_lag, max_receiving, "
+                                "reason (max_requests, loop_lag, max_receiving, queue_full, "
                                 "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
+        self.rejected_connections = Counter(
+            "sensai_rejected_connections", "connections refused before any request, by reason "
+            "(max_connections, header_too_large, head_timeout)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
         # Labelled children by (metric, labels): ``labels()`` checks its arguments and takes a
@@ -49,6 +52,9 @@ class GatewayMetrics:
         if c is None:
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def rejected_connection(self, reason: str) -> None:
+        self.child(self.rejected_connections, reason).inc()
 
     def observe_request(self, route: str, method: str, status: str, seconds: float) -> None:
         self.child(self.requests, route, method, status).inc()

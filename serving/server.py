@@ -39,9 +39,10 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
     gate = early_gate(gateway) if gateway is not None else None
+    count = gateway.metrics.rejected_connection if gateway is not None else None
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                           access_log=False, timeout_graceful_shutdown=graceful_s,
-                          http=http_protocol(limits, gate),
+                          http=http_protocol(limits, gate, count),
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 

@@ -67,6 +67,8 @@ def test_a_head_over_the_limit_is_a_431_and_a_normal_one_passes(gateway, image):
     assert status == 431 and headers["content-type"] == "application/json"
     assert body["status"] == 431 and "16,384 bytes" in body["error"] and body["request_id"]
     assert "SENSAI_MAX_HEADER_BYTES" in body["error"]
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert 'sensai_rejected_connections_total{reason="header_too_large"}' in text
     # 8 KB of headers (cookies, tokens) and a PNG body in the same packets are fine.
     r = httpx.post(f"{gateway.url}/v1/predict", content=image,
                    headers={"x-token": "t" * 8000}, timeout=30)
@@ -152,6 +154,8 @@ def test_connections_over_the_cap_get_a_fast_503(tiny_artifact, image):
         time.sleep(0.2)
         r = httpx.post(f"{server.url}/v1/predict", content=image, timeout=30)
         assert r.status_code == 200, r.text
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'sensai_rejected_connections_total{reason="max_connections"} 1.0' in text
         for s in idle:
             s.close()
     finally:
