@@ -157,3 +157,47 @@ def test_the_local_pool_on_the_gpu_answers_batches_like_offline(tiny_artifact, f
     got = np.concatenate([p.scores for p in asyncio.run(run())])
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
     assert {w["runtime"] for w in pred.describe()["workers"]} == {"cuda-graph"}
+
+
+class Refusing:
+    """A graph runner stand-in whose launches of more than one row fail."""
+
+    def __init__(self, runner):
+        self.inner, self.runtime = runner, runner.runtime
+
+    def launch(self, x):
+        if len(x) > 1:
+            raise RuntimeError("no")
+        return self.inner.launch(x)
+
+    def collect(self, token):
+        return self.inner.collect(token)
+
+    def run(self, x):
+        return self.inner.run(x)
+
+
+def test_a_worker_launches_its_graphs_then_collects_them(tiny_artifact, fmnist_test):
+    """A worker hosting two subnets on graph runners starts both before waiting for either:
+    the answers are each request's own rows, as one by one; a launch that fails falls back to
+    the usual path."""
+    from sensai.serving.messages import Done, Output, Run
+    from sensai.serving.worker_core import WorkerCore
+
+    art = load_artifact(tiny_artifact)
+    shape = tuple(art.manifest.dataset.input_shape)
+    models = art.load_subnets("cpu")[:2]
+    graphs = {g: GraphRunner(m.eval(), device="cpu", input_shape=shape, buckets=(1, 2, 4),
+                             capture=eager_capture, name=f"g{g}") for g, m in enumerate(models)}
+    x = np.stack([fmnist_test[i][0].numpy() for i in range(4)]).astype(np.float32)
+    want = {g: TorchRunner(m, device="cpu").run(x) for g, m in enumerate(models)}
+    runs = [Run(1, x[0:1], (0, 1), 2), Run(2, x[1:3], (0, 1), 2), Run(3, x[3:4], (0, 1), 2)]
+    for runners in (graphs, {0: Refusing(graphs[0]), 1: graphs[1]}):
+        events = []
+        WorkerCore(runners).run(runs, events.append)
+        outs = {(e.req, e.group): e.output for e in events if isinstance(e, Output)}
+        assert sorted(outs) == [(r, g) for r in (1, 2, 3) for g in (0, 1)]
+        for g in (0, 1):
+            got = np.concatenate([outs[(r, g)] for r in (1, 2, 3)])
+            np.testing.assert_allclose(got, want[g], rtol=1e-5, atol=1e-5)
+        assert [e.req for e in events if isinstance(e, Done)] == [1, 2, 3]
