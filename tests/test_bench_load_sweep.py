@@ -63,7 +63,8 @@ def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
     with Image.open(out / "load.png") as img:
         assert img.format == "PNG" and img.size[0] > 600
     md = (out / "load.md").read_text()
-    for text in ("## Targets", "## Closed loops", "## Overload", "| class-parallel | http | 16 |",
+    for text in ("## Targets", "## Closed loops", "## Overload", "## Batching in the workers",
+                 "| class-parallel | http | 16 |",
                  "| class-parallel-unbatched | GET /v2/health/live | 16 |", "load.png"):
         assert text in md, text
 

@@ -239,10 +239,12 @@ class LoadRun:
             plan.update(seconds=seconds, expected=self.expected or None,
                         timeout_s=self.timeout_s, first=first, **self.request)
         scrape = scrape_metrics if self.metrics else lambda url: None
-        before, cpu = scrape(self.gateway.url), machine_cpu_seconds()
+        before = scrape(self.gateway.url)
+        cpu, t_cpu = machine_cpu_seconds(), time.monotonic()
         outs = self.drive(name, plans, seconds)
+        busy = busy_cores(cpu, time.monotonic() - t_cpu)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
-        rep["machine_busy_cores"] = busy_cores(cpu, rep["seconds"])
+        rep["machine_busy_cores"] = busy
         rep["duration_s"] = seconds
         rep["server"] = server_view(before, scrape(self.gateway.url))
         ok = rep["latency_ok_ms"]

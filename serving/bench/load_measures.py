@@ -52,27 +52,28 @@ class RssSampler:
         return s
 
 
-def machine_cpu_seconds() -> tuple[float, float] | None:
-    """(busy, all) CPU seconds of the whole machine since boot, summed over its cores, from
-    ``/proc/stat``; None where it cannot be read."""
+def machine_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over its cores, from
+    ``/proc/stat``; None where it cannot be read.  Busy: user, nice, system, irq and softirq
+    time, not idle, iowait or steal (a hypervisor's other guests)."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
+            ticks = [int(v) for v in f.readline().split()[1:8]]
     except (OSError, ValueError):
         return None
+    if len(ticks) < 7:
+        return None
     hz = os.sysconf("SC_CLK_TCK")
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-    total = sum(ticks[:8])  # guest time is already counted in user time
-    return (total - idle) / hz, total / hz
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / hz
 
 
-def busy_cores(before: tuple[float, float] | None, seconds: float) -> float | None:
+def busy_cores(before: float | None, seconds: float) -> float | None:
     """Cores the machine kept busy on average since ``before`` (a :func:`machine_cpu_seconds`)
     over ``seconds``."""
     after = machine_cpu_seconds()
     if before is None or after is None or seconds <= 0:
         return None
-    return round((after[0] - before[0]) / seconds, 3)
+    return round((after - before) / seconds, 3)
 
 
 def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,

@@ -14,7 +14,6 @@ client competes with the server.  Targets: :func:`~.targets.evaluate_sweep_targe
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,8 +37,6 @@ from .peers import MODEL as PEER_MODEL
 from .peers import Peers, unavailable
 from .robust import offline_reference
 from .targets import evaluate_sweep_targets
-
-log = logging.getLogger(__name__)
 
 CONFIGS = SWEEP_CONFIGS
 CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",

@@ -14,6 +14,8 @@ OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best clo
                    "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
                    "other"]
 SKIPPED_HEADER = ["configuration", "not run, because"]
+BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
+                   "rows per batch", "largest", "held back"]
 COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
           "single": "#55A868", "triton": "#C44E52"}
 
@@ -56,6 +58,18 @@ def overload_rows(result: dict) -> list[list[str]]:
                      "-" if share is None else f"{share * 100:.0f} %", fmt(ok["p50"]),
                      fmt(ok["p99"]), str(o["rejected_503"]), fmt(rej["p50"]), fmt(rej["p99"]),
                      str(o["not_200_or_503"])])
+    return rows
+
+
+def batching_rows(result: dict) -> list[list[str]]:
+    """Each gateway worker's batching over the whole configuration (its own counters)."""
+    rows = []
+    for key, c in result["configs"].items():
+        for w in c.get("batching") or []:
+            per = w["requests"] / w["batches"] if w.get("batches") else None
+            rows.append([key, str(w["name"]), str(w["max_rows"]), fmt(w["delay_us"], 0),
+                         str(w["requests"]), str(w["batches"]), fmt(per), str(w["largest"]),
+                         str(w["held"])])
     return rows
 
 
@@ -106,7 +120,9 @@ def render_markdown(result: dict) -> str:
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
         f"{result.get('seconds')} s in all.  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
-        "cores: the whole machine's (server, client and anything else).",
+        "cores: the whole machine's (server, client and anything else).  The configurations "
+        "run one after another, so what else ran on the machine may differ between them (that "
+        "column shows it).",
         "",
         "## Targets",
         "",
@@ -120,6 +136,11 @@ def render_markdown(result: dict) -> str:
     if overload_rows(result):
         lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
                   "other: answers neither 200 nor 503 (or no answer).", ""]
+    if batching_rows(result):
+        lines += ["## Batching in the workers", "", md_table(BATCHING_HEADER, batching_rows(result)),
+                  "", "From each gateway's `GET /v1/models` at the end of its configuration (the "
+                  "warm-up, levels, bare route and overload together); a request alone counts as "
+                  "a batch of one; held back: requests that waited for company.", ""]
     if skipped_rows(result):
         lines += ["## Not run", "", md_table(SKIPPED_HEADER, skipped_rows(result)), ""]
     lines += ["![p99 latency against throughput](load.png)", "",
