@@ -47,6 +47,7 @@ CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
 CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
 LEVELS = SWEEP_LEVELS
 NOOP_CONCURRENCY = 16
+WARMUP_CONCURRENCY = 16
 GATEWAY_MODEL = "sensai"  # the model name the gateway serves under KServe v2
 
 
@@ -139,7 +140,7 @@ class Sweep:
                 transport: str) -> dict[str, Any]:
         """Warm-up, the closed-loop levels, the bare route, the overload, on one server."""
         request = {"transport": transport, "model": model}
-        run = LoadRun(server, self.procs, expected=expected, concurrency=NOOP_CONCURRENCY,
+        run = LoadRun(server, self.procs, expected=expected, concurrency=WARMUP_CONCURRENCY,
                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
                       progress=self.progress, request=request, metrics=gateway)
         rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
@@ -255,12 +256,11 @@ def run_load_sweep(
             for key in {"single", "triton"} & set(configs):
                 results[key] = {"label": CONFIG_LABELS[key],
                                 "skipped": f"needs the original model: {e}"}
-    triton_reason = None
     if "triton" in configs and "triton" not in results:
-        triton_reason = unavailable("triton")
-        if triton_reason:
+        reason = unavailable("triton")
+        if reason:
             results["triton"] = {"label": CONFIG_LABELS["triton"],
-                                 "skipped": " ".join(triton_reason.split())}
+                                 "skipped": " ".join(reason.split())}
     transport = sweep_transport(configs, transport, "triton" not in results)
 
     expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
@@ -269,7 +269,7 @@ def run_load_sweep(
     timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
     settings = {
         "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
-        "warmup_s": warmup_s, "warmup_concurrency": NOOP_CONCURRENCY, "overload_s": overload_s,
+        "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
         "overload_factor": overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
         "clients": clients, "images": len(imgs), "seed": seed, "transport": transport,
         "request_timeout_s": timeout_s,

@@ -8,8 +8,9 @@ from pathlib import Path
 from .load_report import TARGET_HEADER, target_rows
 from .render import fmt, md_table, pyplot, save_figure, text_table
 
-LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms", "errors",
-                "status codes", "wrong", "client CPU (cores)", "client share", "machine busy cores"]
+LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
+                "errors", "status codes", "wrong", "client CPU (cores)", "client share",
+                "machine busy cores"]
 OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best closed loop",
                    "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
                    "other"]
@@ -137,8 +138,9 @@ def render_markdown(result: dict) -> str:
         lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
                   "other: answers neither 200 nor 503 (or no answer).", ""]
     if batching_rows(result):
-        lines += ["## Batching in the workers", "", md_table(BATCHING_HEADER, batching_rows(result)),
-                  "", "From each gateway's `GET /v1/models` at the end of its configuration (the "
+        lines += ["## Batching in the workers", "",
+                  md_table(BATCHING_HEADER, batching_rows(result)), "",
+                  "From each gateway's `GET /v1/models` at the end of its configuration (the "
                   "warm-up, levels, bare route and overload together); a request alone counts as "
                   "a batch of one; held back: requests that waited for company.", ""]
     if skipped_rows(result):
