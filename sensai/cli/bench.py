@@ -8,8 +8,9 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
-                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES, TRANSPORTS,
-                                        WARMUP)
+                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES,
+                                        SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
+                                        SWEEP_TRANSPORTS, SWEEP_WARMUP_S, TRANSPORTS, WARMUP)
 from sensai.serving.settings import RUNTIMES
 from sensai.serving.wakeup import MODES
 
@@ -269,15 +270,17 @@ def register_load(sub) -> None:
                    help="soak (and warm-up): requests always in flight (default: %(default)s)")
     p.add_argument("--clients", type=int, default=2,
                    help="client processes sharing the load (default: %(default)s)")
-    p.add_argument("--warmup-seconds", type=float, default=30.0,
-                   help="warm-up at the soak's concurrency, not counted (default: %(default)s)")
+    p.add_argument("--warmup-seconds", type=float, default=None,
+                   help="warm-up at the soak's concurrency, not counted (default: 30; with "
+                        f"--sweep {SWEEP_WARMUP_S:g} per configuration, at 16 in flight)")
     p.add_argument("--soak-seconds", type=float, default=600.0,
                    help="soak duration (default: %(default)s)")
-    p.add_argument("--overload-seconds", type=float, default=60.0,
-                   help="overload duration (default: %(default)s)")
+    p.add_argument("--overload-seconds", type=float, default=None,
+                   help="overload duration (default: 60; with --sweep "
+                        f"{SWEEP_OVERLOAD_S:g} per configuration, 0 to skip it)")
     p.add_argument("--overload-factor", type=float, default=4.0,
-                   help="overload arrival rate in multiples of the soak's throughput "
-                        "(default: %(default)s)")
+                   help="overload arrival rate in multiples of the soak's throughput (with "
+                        "--sweep: of the best closed-loop throughput) (default: %(default)s)")
     p.add_argument("--overload-rate", type=float, default=None, metavar="REQ_PER_S",
                    help="overload arrival rate in requests/s (overrides --overload-factor)")
     p.add_argument("--overload-connections", type=int, default=None,
@@ -294,6 +297,28 @@ def register_load(sub) -> None:
                         "%(default)s)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds the gateway may take to become ready (default: %(default)s)")
+    sweep = p.add_argument_group(
+        "sweep", "--sweep: instead of the soak, a throughput-latency sweep of several "
+                 "configurations, each started in turn: closed loops at each of --levels in "
+                 "flight, the server's bare GET /v2/health/live at 16 in flight, then an "
+                 "overload; the same client processes for all (their own CPU reported per "
+                 "level). load.png: p99 latency against throughput, one line per configuration.")
+    sweep.add_argument("--sweep", action="store_true", help="run the sweep")
+    sweep.add_argument("--configs", nargs="+", choices=SWEEP_CONFIGS, default=list(SWEEP_CONFIGS),
+                       metavar="CONFIG",
+                       help=f"of {', '.join(SWEEP_CONFIGS)}: the artifact with batching, without "
+                            "(SENSAI_BATCH_MAX_ROWS=1), the original model behind the same "
+                            "gateway, and the original on Triton with its dynamic batcher "
+                            "(skipped with the reason where it cannot run) (default: all)")
+    sweep.add_argument("--levels", type=int, nargs="+", default=list(SWEEP_LEVELS),
+                       metavar="N", help="requests in flight of each closed loop (default: "
+                                         f"{' '.join(map(str, SWEEP_LEVELS))})")
+    sweep.add_argument("--level-seconds", type=float, default=5.0,
+                       help="seconds of each closed loop (default: %(default)s)")
+    sweep.add_argument("--transport", choices=SWEEP_TRANSPORTS, default=None,
+                       help="http: PNG uploads to /v1/predict; http-v2: KServe v2 binary "
+                            "tensors; one for every configuration (default: http-v2 when "
+                            "triton runs, which takes only tensors, else http)")
     _images_args(p, "real test images, sent in turn")
 
 
@@ -301,10 +326,15 @@ def cmd_bench_load(args) -> int:
     from sensai.serving.bench.load import parse_env, run_load_bench
     from sensai.serving.bench.load_report import render_table
 
+    if args.sweep:
+        return cmd_bench_load_sweep(args)
     result = run_load_bench(
         args.artifact, args.out, backend=args.backend, concurrency=args.concurrency,
-        clients=args.clients, warmup_s=args.warmup_seconds, soak_s=args.soak_seconds,
-        overload_s=args.overload_seconds, overload_factor=args.overload_factor,
+        clients=args.clients,
+        warmup_s=30.0 if args.warmup_seconds is None else args.warmup_seconds,
+        soak_s=args.soak_seconds,
+        overload_s=60.0 if args.overload_seconds is None else args.overload_seconds,
+        overload_factor=args.overload_factor,
         overload_rate=args.overload_rate, overload_connections=args.overload_connections,
         burst_s=args.burst_seconds, burst_concurrency=args.burst_concurrency,
         sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
@@ -316,4 +346,26 @@ def cmd_bench_load(args) -> int:
     out = Path(args.out)
     print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} "
           f"(gateway output: {out / 'gateway.log'})")
+    return 0
+
+
+def cmd_bench_load_sweep(args) -> int:
+    from sensai.serving.bench.load import parse_env
+    from sensai.serving.bench.load_sweep import run_load_sweep
+    from sensai.serving.bench.load_sweep_report import render_table
+
+    result = run_load_sweep(
+        args.artifact, args.out, configs=args.configs, levels=args.levels,
+        level_s=args.level_seconds,
+        warmup_s=SWEEP_WARMUP_S if args.warmup_seconds is None else args.warmup_seconds,
+        overload_s=SWEEP_OVERLOAD_S if args.overload_seconds is None else args.overload_seconds,
+        overload_factor=args.overload_factor, clients=args.clients, transport=args.transport,
+        backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
+        max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
+        data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
+        command=command_line(args), progress=not args.no_progress)
+    print(render_table(result))
+    out = Path(args.out)
+    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} (server "
+          f"output: {out}/gateway-*.log)")
     return 0

@@ -187,15 +187,24 @@ class _Client:
         any other failure ends the run."""
         if transport == "grpc":
             return await self._concurrent_grpc(url, n_requests, concurrency, model)
-        if transport == "http":
-            bodies = [(PREDICT, HEADERS, p) for p in self.pngs]
-        else:
-            bodies = [(f"/v2/models/{model}/infer", *self.tensors.v2_body(j)[::-1])
-                      for j in range(len(self.tensors.tensors))]
-        out = await load_phase(raw_requests(url, bodies), url, count=n_requests,
+        out = await load_phase(self.requests(url, transport, model), url, count=n_requests,
                                concurrency=concurrency, strict=True)
         ok = [ms for ms, status in zip(out["ms"], out["status"]) if status == 200]
         return {"seconds": out["seconds"], "latencies": ok, "shed": len(out["ms"]) - len(ok)}
+
+    def requests(self, url: str, transport: str, model: str) -> list[bytes]:
+        """This client's images as whole HTTP/1.1 requests to ``url`` over ``transport``:
+        ``http`` (PNG uploads), ``http-v2`` (KServe v2 binary tensors to ``model``), or
+        ``live``, the server's bare ``GET /v2/health/live`` (the floor of both)."""
+        if transport == "live":
+            return [live_request(url)]
+        if transport == "http":
+            return raw_requests(url, [(PREDICT, HEADERS, p) for p in self.pngs])
+        if transport == "http-v2":
+            return raw_requests(url, [(f"/v2/models/{model}/infer",
+                                       *self.tensors.v2_body(j)[::-1])
+                                      for j in range(len(self.tensors.tensors))])
+        raise ValueError(f"no HTTP load over {transport!r}")
 
     async def _concurrent_grpc(self, target: str, n_requests: int, concurrency: int,
                                model: str) -> dict[str, Any]:
@@ -311,6 +320,12 @@ def raw_requests(url: str, items: list[tuple[str, dict[str, str], bytes]]) -> li
             for path, headers, body in items]
 
 
+def live_request(url: str) -> bytes:
+    """The server's bare ``GET /v2/health/live``, as a whole HTTP/1.1 request."""
+    parts = urlsplit(url)
+    return f"GET {LIVE} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n\r\n".encode()
+
+
 def _answer(headers: dict[bytes, bytes], body: bytes) -> int:
     """The class of a 200 answer: a JSON ``index``, or a KServe v2 binary answer's."""
     if V2_HEADER.encode() in headers or b"octet-stream" in headers.get(b"content-type", b""):
@@ -335,7 +350,7 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     503 with Retry-After (the server's admission), raises instead of being counted."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    live = f"GET {LIVE} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    live = live_request(url)
     out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
                            "wrong": 0, "failures": {}}
     images = itertools.count(first)
@@ -390,6 +405,7 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     try:
         # Open the connections first, so the phase does not pay for TCP set-up.
         await asyncio.gather(*(c.request(live) for c in conns))
+        cpu0 = time.process_time()
         t0 = time.monotonic()
         end = t0 + seconds
         if rate:
@@ -411,6 +427,7 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
             c.close()
     out["t0"] = t0
     out["seconds"] = time.monotonic() - t0
+    out["cpu_s"] = time.process_time() - cpu0  # this client process's own CPU in the phase
     out["connections"] = len(conns)
     return out
 
@@ -430,8 +447,10 @@ def _serve(conn, pngs: list[bytes], tensors: list[bytes] | None = None,
                 elif msg[0] == "concurrent":
                     conn.send(("ok", asyncio.run(client.concurrent(*msg[1:]))))
                 elif msg[0] == "load":
-                    requests = raw_requests(msg[1], [(PREDICT, HEADERS, p) for p in client.pngs])
-                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], **msg[2]))))
+                    plan = dict(msg[2])
+                    requests = client.requests(msg[1], plan.pop("transport", "http"),
+                                               plan.pop("model", "sensai"))
+                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], **plan))))
                 else:
                     conn.send(("error", f"unknown request {msg[0]!r}"))
             except Exception as e:  # reported to the benchmark, which raises it there
@@ -480,7 +499,8 @@ class HttpClientProcess:
         return self._ask("concurrent", url, int(n_requests), int(concurrency), transport, model)
 
     def load(self, url: str, **plan) -> dict[str, Any]:
-        """One phase of ``sensai bench-load`` (:func:`load_phase`'s keywords and answer)."""
+        """One phase of ``sensai bench-load``: :func:`load_phase`'s keywords and answer, and
+        ``transport`` and ``model`` (:meth:`_Client.requests`; default: PNG uploads)."""
         return self._ask("load", url, plan, timeout_s=float(plan["seconds"]) + 600.0)
 
     def close(self) -> None:

@@ -67,6 +67,13 @@ class GatewayProcess:
     def last_line(self) -> str:
         return child.log_tail(self.log_path)
 
+    def died(self) -> str | None:
+        """Why the gateway is no longer there (its exit status and last log line), or None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return (f"the gateway exited with status {self.proc.returncode}: {self.last_line()} "
+                f"(log: {self.log_path})")
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (the gateway drains and stops its workers), SIGKILL if it is still there
         after ``timeout_s``; the process is reaped either way."""

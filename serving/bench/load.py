@@ -36,8 +36,8 @@ from .client import HttpClientProcess
 from ..build import free_ports
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
-from .load_measures import (RssSampler, check_health, phase_report, rss_growth,
-                            scrape_metrics, server_view)
+from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
+                            phase_report, rss_growth, scrape_metrics, server_view)
 from .load_report import plot, render_markdown
 from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
@@ -134,6 +134,13 @@ def files_per_process() -> int:
     return 1 << 20 if soft == resource.RLIM_INFINITY else max(1, soft - 64)
 
 
+def overload_cap(gs: GatewaySettings, rate: float, clients: int) -> int:
+    """Connections an overload at ``rate`` may open: enough for every request to take up to
+    the deadline, within the open-file limit."""
+    return max(clients, min(gs.max_requests + math.ceil(rate * gs.deadline_s),
+                            files_per_process()))
+
+
 def check_open_files(connections: int) -> None:
     if connections > files_per_process():
         raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
@@ -165,14 +172,22 @@ class LoadRun:
 
     def __init__(self, gateway: GatewayProcess, procs: list[HttpClientProcess], *,
                  expected: list[int], concurrency: int, timeout_s: float, sample_s: float,
-                 bar, progress: bool):
+                 bar, progress: bool, request: dict[str, str] | None = None,
+                 metrics: bool = True):
+        """``gateway``: the server under load (a :class:`GatewayProcess`, or any object with its
+        ``url``, ``pid`` and ``died()``); ``expected``: each image's offline top-1 (empty: the
+        answers are not checked, as for the bare route); ``request``: the clients'
+        ``transport`` and ``model``
+        (default: PNG uploads); ``metrics``: whether the server has the gateway's
+        ``/metrics``."""
         self.gateway, self.procs, self.expected = gateway, procs, expected
         self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
         self.bar, self.progress = bar, progress
+        self.request, self.metrics = dict(request or {}), metrics
         self.t0 = time.monotonic()
         self.sampler = RssSampler(gateway.pid, self.t0, sample_s)
         # Each client process starts at its own image, so they do not send the same ones.
-        n, k = len(expected), len(procs)
+        n, k = len(expected) or 1, len(procs)
         self.offsets = [int(o) for o in np.cumsum([0] + split(n, k))[:-1]]
 
     def say(self, message: str) -> None:
@@ -201,10 +216,9 @@ class LoadRun:
                     bar.refresh()
                     if not pending or any(f.exception() for f in done):
                         break
-                    if not gateway.alive():
-                        raise SensaiError(f"the gateway exited with status "
-                                          f"{gateway.proc.returncode} during the {name}: "
-                                          f"{gateway.last_line()} (log: {gateway.log_path})")
+                    died = gateway.died()
+                    if died:
+                        raise SensaiError(f"during the {name}, {died}")
                 try:
                     outs = [f.result() for f in futures]
                 except (RuntimeError, EOFError, OSError, TimeoutError) as e:
@@ -222,13 +236,17 @@ class LoadRun:
 
     def phase(self, name: str, seconds: float, plans: list[dict]) -> dict[str, Any]:
         for plan, first in zip(plans, self.offsets):
-            plan.update(seconds=seconds, expected=self.expected, timeout_s=self.timeout_s,
-                        first=first)
-        before = scrape_metrics(self.gateway.url)
+            plan.update(seconds=seconds, expected=self.expected or None,
+                        timeout_s=self.timeout_s, first=first, **self.request)
+        scrape = scrape_metrics if self.metrics else lambda url: None
+        before = scrape(self.gateway.url)
+        cpu, t_cpu = machine_cpu_seconds(), time.monotonic()
         outs = self.drive(name, plans, seconds)
+        busy = busy_cores(cpu, time.monotonic() - t_cpu)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
+        rep["machine_busy_cores"] = busy
         rep["duration_s"] = seconds
-        rep["server"] = server_view(before, scrape_metrics(self.gateway.url))
+        rep["server"] = server_view(before, scrape(self.gateway.url))
         ok = rep["latency_ok_ms"]
         self.say(f"{name}: {rep['requests']} requests, {rep['throughput_rps']} answered 200 per "
                  f"second, status codes {rep['status_counts']}, p50/p99 of the 200s "
@@ -236,11 +254,15 @@ class LoadRun:
         rep["outs"] = outs
         return rep
 
-    def closed(self, name: str, seconds: float) -> dict[str, Any]:
-        rep = self.phase(name, seconds, [{"concurrency": c} for c in
-                                         split(self.concurrency, len(self.procs))])
+    def closed(self, name: str, seconds: float, concurrency: int | None = None
+               ) -> dict[str, Any]:
+        """A closed loop at ``concurrency`` (default: the run's), shared by as many client
+        processes as it has requests in flight (up to all of them)."""
+        concurrency = concurrency or self.concurrency
+        k = min(concurrency, len(self.procs))
+        rep = self.phase(name, seconds, [{"concurrency": c} for c in split(concurrency, k)])
         del rep["outs"]
-        rep["concurrency"] = self.concurrency
+        rep["concurrency"] = concurrency
         return rep
 
     def overload(self, seconds: float, rate: float, connections: int,
@@ -404,9 +426,7 @@ def run_load_bench(
                                                           "tree_rss_mb")}
             rate = overload_rate or overload_factor * (soak["throughput_rps"] or 0.0)
             if rate > 0:
-                # Enough connections for every request to take up to the deadline.
-                cap = overload_connections or max(clients, min(
-                    gs.max_requests + math.ceil(rate * gs.deadline_s), files_per_process()))
+                cap = overload_connections or overload_cap(gs, rate, clients)
                 phases["overload"] = run.overload(overload_s, rate, cap,
                                                   min(cap, gs.max_requests + concurrency))
                 result["health_after"] = run.health()

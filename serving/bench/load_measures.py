@@ -5,6 +5,7 @@ health afterwards."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
 from typing import Any, Sequence
@@ -49,6 +50,30 @@ class RssSampler:
         self.samples.append(s)
         self.next_due = now + self.period_s
         return s
+
+
+def machine_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over its cores, from
+    ``/proc/stat``; None where it cannot be read.  Busy: user, nice, system, irq and softirq
+    time, not idle, iowait or steal (a hypervisor's other guests)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 7:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / hz
+
+
+def busy_cores(before: float | None, seconds: float) -> float | None:
+    """Cores the machine kept busy on average since ``before`` (a :func:`machine_cpu_seconds`)
+    over ``seconds``."""
+    after = machine_cpu_seconds()
+    if before is None or after is None or seconds <= 0:
+        return None
+    return round((after - before) / seconds, 3)
 
 
 def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
@@ -100,6 +125,10 @@ def phase_report(outs: list[dict[str, Any]], *, t0: float, bin_s: float) -> dict
         "no_answer": codes.get(0, 0), "failures": dict(failures),
         "wrong": sum(o["wrong"] for o in outs),
         "throughput_rps": round(int(ok.sum()) / wall, 2) if wall > 0 else None,
+        # The client processes' own CPU (they share the machine with the server).
+        "client_cpu_s": round(sum(o.get("cpu_s", 0.0) for o in outs), 3),
+        "client_cores": (round(sum(o.get("cpu_s", 0.0) for o in outs) / wall, 3)
+                         if wall > 0 else None),
         "answers_per_s": round((n - codes.get(0, 0)) / wall, 2) if wall > 0 else None,
         "latency_ms": summarize(ms.tolist()),
         "latency_ok_ms": summarize(ms[ok].tolist()),

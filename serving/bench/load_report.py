@@ -92,6 +92,8 @@ def target_rows(result: dict) -> list[list[str]]:
         limit = "yes" if limit is True else f"{fmt(limit)} {c['unit']}".strip()
         status = c["status"] if c["conditions_met"] or c["met"] is None else \
             f"{c['status']} (indicative: needs {c['conditions']})"
+        if c["met"] is None and c.get("why_not_measured"):
+            status += f" ({c['why_not_measured']})"
         rows.append([c["rule"], _value(c), limit, status])
     return rows
 

@@ -42,3 +42,13 @@ def label(key: str) -> str:
     """A strategy's label; class parallel on a further backend names its pool."""
     base, _, backend = key.partition("@")
     return f"class parallel (sensAI, {backend} pool)" if backend else LABELS[base]
+
+# ``sensai bench-load --sweep``: the configurations it compares (the artifact with and without
+# the workers' batching, the original model behind the same gateway, the original on Triton),
+# the requests in flight of its closed loops, its transports, and its per-configuration warm-up
+# and overload seconds.
+SWEEP_CONFIGS = ("class-parallel", "class-parallel-unbatched", "single", "triton")
+SWEEP_LEVELS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_TRANSPORTS = ("http", "http-v2")
+SWEEP_WARMUP_S = 3.0
+SWEEP_OVERLOAD_S = 10.0

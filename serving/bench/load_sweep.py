@@ -1,0 +1,320 @@
+"""``sensai bench-load --sweep``: a throughput-latency sweep of several serving configurations.
+
+For each configuration a server starts on 127.0.0.1 - ``sensai serve`` in its own process
+(:class:`~.gateway_process.GatewayProcess`), or Triton (:mod:`.peers`) - and the same client
+processes (:mod:`.client`) drive it with :class:`~.load.LoadRun`, bench-load's own harness: a
+warm-up, closed loops at each concurrency level, the server's bare ``GET /v2/health/live`` at
+:data:`NOOP_CONCURRENCY` in flight (the floor a predict request cannot go below), then an
+open-loop overload at a multiple of the best closed-loop throughput.  Every 200 answer is
+checked against offline evaluation's top-1 of the model that configuration serves.  The client
+processes' own CPU and the machine's busy cores are recorded per level: on a small machine the
+client competes with the server.  Targets: :func:`~.targets.evaluate_sweep_targets`.  Outputs:
+``load.json``, ``load.md``, ``load.png`` and one log per server.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+
+from sensai.artifact import load_artifact
+from sensai.errors import CheckpointError, SensaiError
+
+from ..build import free_ports
+from .client import HttpClientProcess
+from .gateway_process import GatewayProcess, sigterm_as_exit
+from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
+from .load import LoadRun, gateway_settings, overload_cap
+from .load_single import original_as_artifact
+from .load_sweep_report import plot, render_markdown
+from .names import (SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS,
+                    SWEEP_WARMUP_S)
+from .peers import MODEL as PEER_MODEL
+from .peers import Peers, unavailable
+from .robust import offline_reference
+from .targets import evaluate_sweep_targets
+
+CONFIGS = SWEEP_CONFIGS
+CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
+                 "class-parallel-unbatched": "class parallel (sensAI), no batching",
+                 "single": "single device (the original), batching",
+                 "triton": "Triton, the original, dynamic batcher"}
+# Gateway settings that make a configuration (added to the run's own).
+CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
+LEVELS = SWEEP_LEVELS
+NOOP_CONCURRENCY = 16
+WARMUP_CONCURRENCY = 16
+GATEWAY_MODEL = "sensai"  # the model name the gateway serves under KServe v2
+
+
+class PeerServer:
+    """A peer (Triton) as :class:`~.load.LoadRun` watches a server: its URL, no process of ours
+    to sample, no gateway ``/metrics``."""
+
+    pid = None
+
+    def __init__(self, peer):
+        self.peer, self.url = peer, peer.url
+
+    def died(self) -> str | None:
+        return None
+
+
+def check_sweep_settings(*, configs: Sequence[str], levels: Sequence[int], level_s: float,
+                         warmup_s: float, overload_s: float, overload_factor: float,
+                         clients: int, images: int, transport: str | None,
+                         startup_timeout_s: float) -> None:
+    check_settings(
+        ints=(("--clients", clients, 1), ("--images", images, 1),
+              *(("--levels", c, 1) for c in levels)),
+        numbers=(("--level-seconds", level_s, False), ("--warmup-seconds", warmup_s, True),
+                 ("--overload-seconds", overload_s, True),
+                 ("--overload-factor", overload_factor, False),
+                 ("--startup-timeout", startup_timeout_s, False)),
+        choices=(("configuration", configs, CONFIGS),))
+    if not levels:
+        raise SensaiError("--levels needs at least one concurrency")
+    if transport is not None and transport not in SWEEP_TRANSPORTS:
+        raise SensaiError(f"unknown transport {transport!r}; choose one of "
+                          f"{', '.join(SWEEP_TRANSPORTS)}")
+    if not Path("/proc/self/status").is_file():
+        raise SensaiError("bench-load reads the machine's CPU from /proc: Linux only")
+
+
+def sweep_transport(configs: Sequence[str], transport: str | None, triton_runs: bool) -> str:
+    """One transport for every configuration, so they compare like with like: Triton takes only
+    tensors, so KServe v2 binary tensors when it runs; else PNG uploads (what a camera sends)."""
+    if transport is not None:
+        return transport
+    return "http-v2" if "triton" in configs and triton_runs else "http"
+
+
+def level_row(rep: dict[str, Any], usable_cores: int | None) -> dict[str, Any]:
+    """A closed-loop phase as one row of the sweep (no timeline)."""
+    row = {k: v for k, v in rep.items() if k != "timeline"}
+    cores = rep.get("client_cores")
+    row["client_cpu_share"] = (round(cores / usable_cores, 4)
+                               if cores is not None and usable_cores else None)
+    return row
+
+
+def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
+    row = {k: v for k, v in rep.items() if k != "timeline"}
+    row.update(goodput_rps=rep["throughput_rps"],
+               rejected_503=rep["status_counts"].get("503", 0),
+               goodput_of_best_closed=(round(rep["throughput_rps"] / best_rps, 4)
+                                       if best_rps and rep["throughput_rps"] is not None
+                                       else None))
+    return row
+
+
+def batching_counters(url: str) -> list[dict] | None:
+    """Each worker's batching counters, from the gateway's ``GET /v1/models``."""
+    try:
+        body = httpx.get(f"{url}/v1/models", timeout=10.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    workers = ((body.get("predictor") or {}).get("workers") or []) if isinstance(body, dict) \
+        else []
+    return [{"name": w.get("name"), **(w.get("batching") or {})} for w in workers] or None
+
+
+class Sweep:
+    """One configuration after another on the same client processes."""
+
+    def __init__(self, *, out: Path, procs: list[HttpClientProcess], levels: Sequence[int],
+                 level_s: float, warmup_s: float, overload_s: float, overload_factor: float,
+                 gs, timeout_s: float, transport: str, usable_cores: int | None, bar,
+                 progress: bool):
+        self.out, self.procs, self.levels, self.level_s = out, procs, list(levels), level_s
+        self.warmup_s, self.overload_s, self.overload_factor = warmup_s, overload_s, \
+            overload_factor
+        self.gs, self.timeout_s, self.transport = gs, timeout_s, transport
+        self.usable_cores, self.bar, self.progress = usable_cores, bar, progress
+
+    def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
+                transport: str) -> dict[str, Any]:
+        """Warm-up, the closed-loop levels, the bare route, the overload, on one server."""
+        request = {"transport": transport, "model": model}
+        run = LoadRun(server, self.procs, expected=expected, concurrency=WARMUP_CONCURRENCY,
+                      timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
+                      progress=self.progress, request=request, metrics=gateway)
+        rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
+        if self.warmup_s > 0:
+            run.closed(f"{key}: warm-up", self.warmup_s)
+        rep["levels"] = [level_row(run.closed(f"{key}: {c} in flight", self.level_s, c),
+                                   self.usable_cores) for c in self.levels]
+        noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
+                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
+                       progress=self.progress, request={"transport": "live"}, metrics=False)
+        rep["noop"] = level_row(noop.closed(f"{key}: GET /v2/health/live", self.level_s),
+                                self.usable_cores)
+        best = max((r["throughput_rps"] or 0.0 for r in rep["levels"]), default=0.0)
+        if self.overload_s > 0 and best > 0:
+            rate = self.overload_factor * best
+            cap = overload_cap(self.gs, rate, len(self.procs))
+            rep["overload"] = overload_row(
+                run.overload(self.overload_s, rate, cap,
+                             min(cap, self.gs.max_requests + NOOP_CONCURRENCY)), best)
+        else:
+            rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
+                               "no closed loop answered, so there is no rate to multiply"}
+        if gateway:
+            rep["batching"] = batching_counters(server.url)
+        return rep
+
+    def gateway(self, key: str, root: Path, env: dict[str, str], expected: list[int], *,
+                backend: str | None, deadline_s: float | None,
+                startup_timeout_s: float) -> dict[str, Any]:
+        gateway = GatewayProcess(root, port=free_ports(1)[0], backend=backend,
+                                 deadline_s=deadline_s, env=env,
+                                 log_path=self.out / f"gateway-{key}.log")
+        try:
+            self.bar.set_description(f"{key}: starting the gateway")
+            gateway.launch()
+            gateway.wait_ready(startup_timeout_s)
+            rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
+                               transport=self.transport)
+        finally:
+            gateway.stop()
+        rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,
+                         "exit_code": gateway.exit_code, "log": str(gateway.log_path)}
+        return rep
+
+    def triton(self, onnx: Path, expected: list[int], threads: int) -> dict[str, Any]:
+        peers = Peers()
+        try:
+            self.bar.set_description("triton: starting tritonserver")
+            peers.start(["triton"], onnx, threads=threads)
+            if not peers.running:
+                return {"label": CONFIG_LABELS["triton"], "skipped": peers.skipped["triton"]}
+            peer = peers.running[0]
+            # Triton takes tensors only (the run's transport is http-v2 unless asked otherwise).
+            rep = self.measure("triton", PeerServer(peer), expected, PEER_MODEL, gateway=False,
+                               transport="http-v2")
+            rep["server"] = peers.report()["triton"]
+        finally:
+            peers.stop()
+        return rep
+
+
+def run_load_sweep(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    configs: Sequence[str] = CONFIGS,
+    levels: Sequence[int] = LEVELS,
+    level_s: float = 5.0,
+    warmup_s: float = SWEEP_WARMUP_S,
+    overload_s: float = SWEEP_OVERLOAD_S,
+    overload_factor: float = 4.0,
+    clients: int = 2,
+    transport: str | None = None,
+    backend: str | None = None,
+    deadline_s: float | None = None,
+    max_requests: int | None = None,
+    max_predictions: int | None = None,
+    env: dict[str, str] | None = None,
+    images: int = 200,
+    data_dir: str | None = None,
+    seed: int = 0,
+    startup_timeout_s: float = 180.0,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The sweep of ``configs`` (of :data:`CONFIGS`) at ``levels`` in flight, ``level_s``
+    seconds each; writes load.json, load.md, load.png (and a log per server) to ``out_dir``
+    and returns what load.json holds.  ``transport``: ``http`` (PNG uploads) or ``http-v2``
+    (KServe v2 binary tensors) for every configuration (default: :func:`sweep_transport`).
+    The gateway settings are bench-load's (:func:`~.load.gateway_settings`); a configuration
+    that cannot run here is recorded with its reason."""
+    configs = list(dict.fromkeys(configs))
+    levels = sorted(set(levels))
+    check_sweep_settings(configs=configs, levels=levels, level_s=level_s, warmup_s=warmup_s,
+                         overload_s=overload_s, overload_factor=overload_factor, clients=clients,
+                         images=images, transport=transport,
+                         startup_timeout_s=startup_timeout_s)
+    gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
+                                       max_requests=max_requests,
+                                       max_predictions=max_predictions, env=dict(env or {}))
+    artifact = load_artifact(artifact_dir)
+    spec, out = inputs(artifact, data_dir, out_dir)
+    t_start = time.perf_counter()
+    imgs = load_test_images(spec, images, seed, png=True)
+    results: dict[str, Any] = {}
+
+    original = full_onnx = None
+    if {"single", "triton"} & set(configs):
+        try:
+            original, full_onnx = original_as_artifact(artifact, out / "original",
+                                                       check_batch=imgs.batch(8))
+        except CheckpointError as e:
+            for key in {"single", "triton"} & set(configs):
+                results[key] = {"label": CONFIG_LABELS[key],
+                                "skipped": f"needs the original model: {e}"}
+    if "triton" in configs and "triton" not in results:
+        reason = unavailable("triton")
+        if reason:
+            results["triton"] = {"label": CONFIG_LABELS["triton"],
+                                 "skipped": " ".join(reason.split())}
+    transport = sweep_transport(configs, transport, "triton" not in results)
+
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
+    expected_original = ([int(i) for i in offline_reference(original, imgs.xs).argmax(1)]
+                         if original is not None else None)
+    timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
+    settings = {
+        "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
+        "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
+        "overload_factor": overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
+        "clients": clients, "images": len(imgs), "seed": seed, "transport": transport,
+        "request_timeout_s": timeout_s,
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions, "batch_max_rows": gs.batch_max_rows,
+                    "batch_delay_us": gs.batch_delay_us,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "device": gs.device},
+        "gateway_env": gateway_env, "config_env": CONFIG_ENV,
+    }
+    result = envelope("sensai-bench-load-sweep", command=command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
+    tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
+    bar = progress_bar(progress, "bench-load --sweep")
+    bar.bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]"
+    procs: list[HttpClientProcess] = []
+    try:
+        with sigterm_as_exit():
+            procs = [HttpClientProcess(imgs.pngs, tensors, [1, *spec.input_shape])
+                     for _ in range(clients)]
+            sweep = Sweep(out=out, procs=procs, levels=levels, level_s=level_s,
+                          warmup_s=warmup_s, overload_s=overload_s,
+                          overload_factor=overload_factor, gs=gs, timeout_s=timeout_s,
+                          transport=transport,
+                          usable_cores=result["machine"].get("usable_cores"), bar=bar,
+                          progress=progress)
+            for key in configs:
+                if key in results:
+                    continue
+                if key == "triton":
+                    results[key] = sweep.triton(full_onnx, expected_original,
+                                                gs.threads_per_worker)
+                    continue
+                single = key == "single"
+                results[key] = sweep.gateway(
+                    key, original.root if single else artifact.root,
+                    gateway_env | CONFIG_ENV.get(key, {}),
+                    expected_original if single else expected, backend=backend,
+                    deadline_s=deadline_s, startup_timeout_s=startup_timeout_s)
+    finally:
+        bar.close()
+        for p in procs:
+            p.close()
+    result["configs"] = {key: results[key] for key in configs}
+    result["targets"] = evaluate_sweep_targets(result)
+    finish(out, "load", result, t_start, render_markdown, plot)
+    return result

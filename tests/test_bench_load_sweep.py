@@ -1,0 +1,140 @@
+"""``sensai bench-load --sweep`` on a tiny artifact: a real (tiny) sweep of two configurations -
+each a real ``sensai serve`` process on 127.0.0.1, driven by real client processes - and the
+original model as a one-group artifact the same gateway serves.
+
+Only the shape of the outputs is checked, and that every answer agrees with offline evaluation -
+never a timing or a target's verdict (the CPU is shared): the targets must be reported.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+LEVEL_KEYS = {"concurrency", "seconds", "requests", "status_counts", "ok", "errors", "wrong",
+              "throughput_rps", "latency_ok_ms", "client_cpu_s", "client_cores",
+              "client_cpu_share", "machine_busy_cores"}
+SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50_c1",
+                 "flagship_vs_triton", "overload_goodput_share", "overload_admitted_p99"]
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tiny_artifact, tmp_path_factory):
+    from sensai.serving.bench.load_sweep import run_load_sweep
+
+    out = tmp_path_factory.mktemp("sweep_out")
+    result = run_load_sweep(tiny_artifact, out, configs=["class-parallel",
+                                                         "class-parallel-unbatched"],
+                            levels=[1, 16], level_s=1.0, warmup_s=0.5, overload_s=1.0,
+                            images=12, deadline_s=2.0, max_requests=32, progress=False,
+                            command="test")
+    return out, result
+
+
+def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
+    from PIL import Image
+
+    out, result = sweep_run
+    on_disk = json.loads((out / "load.json").read_text())
+    assert on_disk["kind"] == "sensai-bench-load-sweep" and on_disk["command"] == "test"
+    st = on_disk["settings"]
+    assert st["levels"] == [1, 16] and st["level_s"] == 1.0 and st["transport"] == "http"
+    assert list(on_disk["configs"]) == ["class-parallel", "class-parallel-unbatched"]
+    for key, c in on_disk["configs"].items():
+        assert c["transport"] == "http"
+        assert [r["concurrency"] for r in c["levels"]] == [1, 16]
+        for r in [*c["levels"], c["noop"]]:
+            assert LEVEL_KEYS <= set(r), key
+            assert r["throughput_rps"] > 0 and r["ok"] == r["requests"] > 0
+            assert r["errors"] == 0 and r["wrong"] == 0 and set(r["status_counts"]) == {"200"}
+            assert 0 < r["client_cpu_share"] <= 1 and r["client_cpu_s"] > 0
+            lat = r["latency_ok_ms"]
+            assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+        assert c["noop"]["concurrency"] == 16
+        o = c["overload"]
+        assert o["goodput_rps"] == o["throughput_rps"] > 0 and o["wrong"] == 0
+        assert o["rejected_503"] == o["status_counts"].get("503", 0)
+        assert set(o["status_counts"]) <= {"200", "503"}
+        assert o["offered_rate_rps"] > 0 and o["latency_ok_ms"]["p99"] is not None
+        assert c["server"]["exit_code"] == 0 and (out / f"gateway-{key}.log").is_file()
+
+    with Image.open(out / "load.png") as img:
+        assert img.format == "PNG" and img.size[0] > 600
+    md = (out / "load.md").read_text()
+    for text in ("## Targets", "## Closed loops", "## Overload", "## Batching in the workers",
+                 "| class-parallel | http | 16 |",
+                 "| class-parallel-unbatched | GET /v2/health/live | 16 |", "load.png"):
+        assert text in md, text
+
+
+def test_each_configuration_runs_with_its_own_batching(sweep_run):
+    """The gateways' own counters (GET /v1/models): batches of up to 8 rows by default, of one
+    row where the configuration turns batching off."""
+    _, result = sweep_run
+    on, off = (result["configs"][k]["batching"] for k in ("class-parallel",
+                                                           "class-parallel-unbatched"))
+    assert on and off and len(on) == len(off) == len(result["groups"])
+    assert all(w["max_rows"] == 8 and w["held"] == 0 for w in on)
+    assert all(w["max_rows"] == 1 and w["largest"] == 1 for w in off)
+    assert all(w["requests"] > 0 for w in on + off)
+
+
+def test_the_targets_are_reported(sweep_run):
+    _, result = sweep_run
+    checks = result["targets"]["checks"]
+    assert [c["name"] for c in checks] == SWEEP_TARGETS
+    by = {c["name"]: c for c in checks}
+    for name in ("batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50_c1",
+                 "overload_goodput_share", "overload_admitted_p99"):
+        assert by[name]["value"] > 0 and by[name]["status"] in ("met", "not met"), name
+    assert by["flagship_vs_triton"]["status"] == "not measured"  # no triton in this sweep
+    assert by["flagship_vs_triton"]["why_not_measured"]
+    assert by["c16_vs_noop_route"]["conditions_met"] is False  # not the demo artifact
+    c = result["configs"]["class-parallel"]
+    assert by["c16_vs_noop_route"]["value"] == pytest.approx(
+        c["levels"][1]["throughput_rps"] / c["noop"]["throughput_rps"], abs=1e-3)
+
+
+def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifact, tmp_path):
+    """The single configuration's model: merged like any artifact, its scores are the
+    original's softmax, and its plain ONNX file (for Triton) gives the original's logits."""
+    import onnxruntime as ort
+    import torch
+
+    from sensai.artifact import load_artifact
+    from sensai.serving.bench.harness import load_test_images
+    from sensai.serving.bench.load_single import original_as_artifact
+    from sensai.serving.bench.robust import offline_reference
+    from sensai.serving.bench.strategies import load_original
+
+    artifact = load_artifact(tiny_artifact)
+    view, full = original_as_artifact(artifact, tmp_path / "original")
+    assert view.groups == [list(range(artifact.manifest.num_classes))]
+    assert view.subnets[0].num_outputs == artifact.manifest.num_classes + 1
+    xs = load_test_images(artifact.spec, 16, 0, png=False).xs
+    x = np.concatenate(xs)
+    model, _ = load_original(artifact)
+    with torch.no_grad():
+        want = torch.softmax(model(torch.from_numpy(x)), dim=1).numpy()
+    np.testing.assert_allclose(offline_reference(view, xs), want, atol=1e-5)
+    logits = ort.InferenceSession(str(full)).run(None, {"input": x})[0]
+    assert (logits.argmax(1) == want.argmax(1)).all()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--levels", "0"], "--levels must be an integer >= 1"),
+    (["--level-seconds", "0"], "--level-seconds must be a number > 0"),
+    (["--overload-seconds", "-1"], "--overload-seconds must be a number >= 0"),
+])
+def test_bad_sweep_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv,
+                                                     fragment):
+    from sensai.cli import main
+
+    out = tmp_path / "o"
+    assert main(["bench-load", str(tiny_artifact), "--out", str(out), "--sweep", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("sensai bench-load: error:")
+    assert not out.exists()
