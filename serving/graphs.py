@@ -133,13 +133,6 @@ class GraphRunner:
         return np.concatenate([self._run_chunk(x[i:i + top]) for i in range(0, len(x), top)])
 
     def _run_chunk(self, x: np.ndarray) -> np.ndarray:
-        return self.collect(self.launch(x))
-
-    def launch(self, x: np.ndarray):
-        """Start the forward pass of at most the largest bucket's rows on this runner's stream
-        and return at once; :meth:`collect` waits for it.  A worker hosting several subnets on
-        one GPU launches them all before collecting any: one thread keeps the GPU busy with all
-        of them, where one thread per subnet pays a hand-off each."""
         torch = self._torch
         n = len(x)
         g = self.graphs[bucket_for(n, self.buckets)]
@@ -155,11 +148,6 @@ class GraphRunner:
                 g.input.copy_(g.host_in, non_blocking=True)
                 g.replay()
                 g.host_out.copy_(g.output, non_blocking=True)
-        return g, n
-
-    def collect(self, launched) -> np.ndarray:
-        g, n = launched
-        if self.stream is not None:
             # Waits for this stream only: other runners' work on the GPU goes on meanwhile.
             self.stream.synchronize()
         return g.host_out.numpy()[:n].copy()

@@ -197,13 +197,15 @@ class WorkerCore:
             self.begin(m.req)
         first = batch[0]
         skipped = [0] * len(batch)
-        launched = self.launch_all(batch, skipped, emit)
         for j, g in enumerate(first.groups):
-            if g in launched:
-                continue
             if j >= first.primaries and first.hedge_s > 0:
                 self.hedge([m.req for m in batch], g, first.hedge_s)
-            live = self.live(batch, g, skipped)
+            live = []
+            for i, m in enumerate(batch):
+                if self.skipped(m.req, g):
+                    skipped[i] += 1
+                else:
+                    live.append(m)
             if live:
                 for event in self.results(g, [m.req for m in live], [m.x for m in live]):
                     emit(event)
@@ -211,57 +213,6 @@ class WorkerCore:
         for m, n in zip(batch, skipped):
             self.end(m.req)
             emit(Done(m.req, n, counts))
-
-    def live(self, batch: Sequence[Run], group: int, skipped: list[int]) -> list[Run]:
-        """The runs of ``batch`` whose ``group`` is still wanted (the others counted)."""
-        live = []
-        for i, m in enumerate(batch):
-            if self.skipped(m.req, group):
-                skipped[i] += 1
-            else:
-                live.append(m)
-        return live
-
-    def launch_all(self, batch: Sequence[Run], skipped: list[int],
-                   emit: Callable[[object], None]) -> set[int]:
-        """The batch's own groups whose runners can start without waiting (CUDA graphs on one
-        GPU): all started, then each collected and sent; the groups done so (the others are
-        computed one after the other as usual)."""
-        first = batch[0]
-        own = first.groups[:first.primaries]
-        if len(own) < 2 or not all(hasattr(self.runners[g], "launch") for g in own):
-            return set()
-        started = []
-        for g in own:
-            live = self.live(batch, g, skipped)
-            if not live:
-                started.append((g, live, None, 0.0))
-                continue
-            t0 = time.perf_counter()
-            try:
-                token = self.runners[g].launch(np.concatenate([m.x for m in live]))
-            except Exception:  # too many rows for one launch, or a failure: the usual path
-                token = None
-            started.append((g, live, token, t0))
-        for g, live, token, t0 in started:
-            if not live:
-                continue
-            out = None
-            if token is not None:
-                try:
-                    out = np.asarray(self.runners[g].collect(token), dtype=np.float32)
-                except Exception:
-                    out = None
-            if out is None or len(out) != sum(len(m.x) for m in live):
-                # Computed again on the usual path, where a failure stays its request's own.
-                for event in self.results(g, [m.req for m in live], [m.x for m in live]):
-                    emit(event)
-                continue
-            ms = (time.perf_counter() - t0) * 1e3
-            sizes = [len(m.x) for m in live]
-            for m, part in zip(live, np.split(out, np.cumsum(sizes)[:-1])):
-                emit(Output(m.req, g, corrupt_output(part) if self.corrupt else part, ms))
-        return set(own)
 
     def gather(self, first: Run, runs: "queue.SimpleQueue") -> tuple[list[Run], int, object]:
         """``first`` and the runs queued behind it that can share its batch; how many of them
