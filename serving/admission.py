@@ -12,6 +12,8 @@ can exhaust it or stall the others.
   no longer than their request's deadline, which starts when the request arrives (503 when it
   runs out while waiting, 504 when the subnets are late); a request that finds the queue full
   gets a 503 at once, so an admitted request waits about one service time, not its deadline;
+  while that queue is full, new requests are refused at admission, before their body is read
+  and their image decoded (under overload that decoding was most of the event loop's work);
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
   counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
@@ -52,7 +54,13 @@ class Admission:
 
     def full(self) -> bool:
         """Whether :meth:`admit` would say no now (nothing taken)."""
-        return self.requests >= self.max_requests or self.lag > self.max_lag_s
+        return (self.requests >= self.max_requests or self.lag > self.max_lag_s
+                or self.predict_queue_full())
+
+    def predict_queue_full(self) -> bool:
+        """As many requests wait for the predictor as may: a new one would be refused there
+        anyway, after its body was read and its image decoded; refused at admission instead."""
+        return self.queued.get(id(self.predicting), 0) >= self.max_queued[id(self.predicting)]
 
     def admit(self) -> bool:
         if self.full():
@@ -65,6 +73,10 @@ class Admission:
         if self.requests >= self.max_requests:
             return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
                                     "requests in flight; retry shortly")
+        if self.predict_queue_full():
+            return "queue_full", (f"{self.queued[id(self.predicting)]} requests are waiting for "
+                                  "a prediction slot already; the gateway is overloaded, retry "
+                                  "shortly")
         return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
 
     def start(self) -> None:

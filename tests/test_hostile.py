@@ -295,9 +295,10 @@ def test_a_compressed_tensor_is_parsed_off_the_event_loop(client, good, monkeypa
 
 
 def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
-    """Four requests may be in flight, one at a time in the predictor, each taking ~0.5 s:
-    a burst of 16 gets 200s and fast JSON 503s with Retry-After - never a 504 or a 500 - and
-    health checks answer throughout.  (The deadline leaves the four admitted ones time.)"""
+    """Four requests may be in flight, one at a time in the predictor and one waiting, each
+    taking ~0.5 s: a burst of 16 gets 200s and fast JSON 503s with Retry-After - never a 504
+    or a 500 - and health checks answer throughout; the refusals are counted by their reason
+    (the predictor's queue full, or the requests in flight at their limit)."""
     pred = build_predictor(tiny_artifact, device="cpu")
     server = start_gateway(pred, max_requests=4, max_predictions=1, deadline_s=20.0)
     try:
@@ -316,7 +317,8 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             assert c.post("/v1/predict", content=good["png"]).status_code == 200
             text = c.get("/metrics").text
-            assert 'sensai_rejected_total{reason="max_requests"}' in text
+            assert ('sensai_rejected_total{reason="queue_full"}' in text
+                    or 'sensai_rejected_total{reason="max_requests"}' in text), text
             assert 'sensai_requests_total{method="POST",route="unadmitted",status="503"}' in text
     finally:
         server.stop()
@@ -446,7 +448,9 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
                     pass
             assert e.value.reason == "queue_full" and loop.time() - t0 < 0.05
             assert "1 requests are waiting for a prediction slot" in str(e.value)
+            # New requests are refused at admission already, before their body and image.
+            assert adm.full() and not adm.admit() and adm.refusal()[0] == "queue_full"
         await waiter
-        assert served == [True] and adm.waiting == 0
+        assert served == [True] and adm.waiting == 0 and not adm.full()
 
     asyncio.run(go())
