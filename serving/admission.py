@@ -13,7 +13,7 @@ can exhaust it or stall the others.
   runs out while waiting, 504 when the subnets are late); a request that finds the queue full
   gets a 503 at once, so an admitted request waits about one service time, not its deadline;
   while that queue is full, new requests are refused at admission, before their body is read
-  and their image decoded (under overload that decoding was most of the event loop's work);
+  and their image decoded (work on the event loop that a refusal would waste);
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
   counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
