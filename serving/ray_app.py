@@ -8,13 +8,14 @@ keep_cores_awake...), honoured here as ``sensai serve`` honours them:
 
 * ``SubnetWorker`` (bound once per worker as ``worker_00`` ...) hosts its groups' subnets with
   the same worker body as the Ray actor transport: torch on the replica's GPU when Ray gave it one
-  (``num_gpus: 1``), ONNX Runtime on CPU otherwise;
+  (``num_gpus: 1``), ONNX Runtime on CPU otherwise; the ingress reaches it over the actor
+  transport's direct socket, Serve's handle serving only to find and watch it;
 * ``ServeIngress`` receives the workers' handles (Serve injects them), builds the one
   :class:`~sensai.serving.predictor.ClassParallelPredictor` over the
   :mod:`~sensai.serving.transports.ray_serve` transport, and serves
   :func:`sensai.serving.app.create_app`'s routes.
 
-Only the small raw subnet outputs travel back through handles; the merge runs in the gateway.
+Only the small raw subnet outputs travel back; the merge runs in the gateway.
 On a cluster of several nodes the worker deployments are spread over the nodes, the copies of a
 group on distinct nodes (as the Ray actor transport does).  The artifact directory must be
 readable at the same path on every node that runs a replica (shared filesystem, or baked into
@@ -25,6 +26,7 @@ fails with an error that names its node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,12 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from sensai.artifact import load_artifact
+from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
 from sensai.raycluster import alive_nodes
 
 from .app import create_app
-from .messages import Fault, Ready, Skip
+from .messages import Batching, Ready
 from .placement import Placement
 from .predictor import ClassParallelPredictor
 from .runners import RunnerSpec, runner_specs
@@ -66,7 +68,10 @@ class RayAppArgs(BaseModel):
                                       description="the gateway's settings (deploy/README.md)")
 
 
-@serve.deployment(max_ongoing_requests=64)
+# Requests reach a worker over its socket, not through Serve: Serve's calls are only ping,
+# channel and one long watch per ingress, and a replica being stopped has nothing of Serve's to
+# drain.
+@serve.deployment(max_ongoing_requests=64, graceful_shutdown_timeout_s=2)
 class SubnetWorker:
     """One worker's subnets (see :class:`~sensai.serving.transports.ray_actors.RayWorkerBody`)."""
 
@@ -76,23 +81,20 @@ class SubnetWorker:
         hosted = [(g, RunnerSpec(**spec) if isinstance(spec, dict) else spec)
                   for g, spec in hosted]
         try:
-            self.body = RayWorkerBody(name, hosted, Fault(), seed, keep_awake)
+            self.body = RayWorkerBody(name, hosted, seed, keep_awake)
         except (SensaiError, OSError) as e:
             ctx = ray.get_runtime_context()
             raise SensaiError(f"{name} on node {ctx.get_node_id()} "
                               f"({ray.util.get_node_ip_address()}): {e}") from None
 
-    def run(self, req: int, group: int, x, calls: int, copy: bool, hedge_s: float):
-        return self.body.run(req, group, x, calls, copy, hedge_s)
-
-    def skip(self, s: Skip) -> None:
-        self.body.skip(s)
-
-    def fault(self, f: Fault) -> None:
-        self.body.fault(f)
-
     def ping(self) -> Ready:
         return self.body.ping()
+
+    def channel(self, authkey: bytes, owner: str, batching: Batching | None) -> tuple[str, int]:
+        return self.body.channel(authkey, owner, batching)
+
+    def watch(self, owner: str) -> None:
+        self.body.watch(owner)
 
 
 @serve.deployment
@@ -102,20 +104,29 @@ class ServeIngress:
     as :func:`build_app` placed the workers (the same settings), and
     :func:`~sensai.serving.app.create_app`'s routes."""
 
-    def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict):
-        self.settings = GatewaySettings(**settings)
-        s = self.settings
+    async def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict):
+        self.settings = s = GatewaySettings(**settings)
         art = load_artifact(artifact)
-        specs = runner_specs(art, device="cpu", runtime=s.runtime, trust_code=s.trust_model_code)
-        placement = Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
-        # Serve restarts replicas itself: no restart delay, no hang timeout of ours.
-        self.predictor = ClassParallelPredictor(
-            art, specs, ServeHandles(workers), placement, name=s.model_name,
-            deadline_s=s.deadline_s, hedge_ms=s.hedge_ms, hang_timeout_s=None)
+        specs, placement = worker_plan(art, s)
+        # The predictor connects to every worker before it returns, through handle calls that
+        # wait for their replicas: off the replica's event loop, where they may not block.
+        # Serve replaces dead replicas itself: no restart delay, no hang timeout of ours.
+        self.predictor = await asyncio.to_thread(
+            ClassParallelPredictor, art, specs, ServeHandles(workers), placement,
+            name=s.model_name, deadline_s=s.deadline_s, hedge_ms=s.hedge_ms,
+            hang_timeout_s=None, batching=Batching(s.batch_max_rows, s.batch_delay_us))
 
     def __serve_build_asgi_app__(self):
         # The replicas belong to Serve: nothing to stop when the app stops.
         return create_app(self.predictor, self.settings, close_predictor=False)
+
+
+def worker_plan(art: Artifact, s: GatewaySettings) -> tuple[list[RunnerSpec], Placement]:
+    """The subnets' runner specs and the workers' placement, as ``settings`` describe them: one
+    rule for :func:`build_app`, which binds the workers, and the ingress, which reaches them."""
+    specs = runner_specs(art, device="cpu", runtime=s.runtime, threads=s.threads_per_worker,
+                         trust_code=s.trust_model_code, batch_rows=s.batch_max_rows)
+    return specs, Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
 
 
 def spread_options(base: dict, placement: Placement, nodes: list[dict], *,
@@ -144,9 +155,7 @@ def build_app(args: dict) -> serve.Application:
     s = a.settings
     artifact = str(Path(a.artifact).resolve())
     art = load_artifact(artifact)
-    specs = runner_specs(art, device="cpu", runtime=s.runtime, threads=s.threads_per_worker,
-                         trust_code=s.trust_model_code)
-    placement = Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
+    specs, placement = worker_plan(art, s)
     n = len(placement.workers)
     if ray.is_initialized():
         res = ray.cluster_resources()
@@ -167,6 +176,12 @@ def build_app(args: dict) -> serve.Application:
                                           ray_actor_options=per_worker[w]).bind(
             f"worker_{w:02d}", spec_dicts, w, s.keep_cores_awake))
     gateway_cpus = a.gateway_cpus if a.gateway_cpus is not None else min(1.0, base["num_cpus"])
-    return ServeIngress.options(num_replicas=a.gateway_replicas,
-                                ray_actor_options={"num_cpus": gateway_cpus}).bind(
+    # The ingress takes every request its own admission would (it answers the excess with a
+    # fast 503 and Retry-After, as `sensai serve` does): Serve's default of a few per replica
+    # would queue the rest in the proxy, unbounded, where no deadline or admission sees them.
+    # What the proxy still holds beyond that is bounded and refused with a 503 too.
+    return ServeIngress.options(
+        num_replicas=a.gateway_replicas, ray_actor_options={"num_cpus": gateway_cpus},
+        max_ongoing_requests=s.max_requests, max_queued_requests=s.max_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": 1}).bind(
         bound, artifact, s.model_dump())

@@ -22,7 +22,6 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import device_for_worker, select_device
 from sensai.raycluster import LOOPBACK, cluster_resources
-from sensai.serving.messages import Fault
 from sensai.serving.predictor import worker_devices
 from sensai.serving.runners import runner_specs
 from sensai.serving.transports.ray_actors import actor_class, actor_resources
@@ -110,7 +109,7 @@ def placed(workers: int, device: str = "auto") -> tuple[dict, list[tuple]]:
 
     cpus, gpus = cluster_resources()
     opts, _ = actor_resources(workers, cpus, gpus, device=device)
-    actors = [actor_class().options(**opts).remote(f"worker-{w}", [], Fault(), w)
+    actors = [actor_class().options(**opts).remote(f"worker-{w}", [], w)
               for w in range(workers)]
 
     def inside(body) -> tuple:  # runs in the actor, on its RayWorkerBody

@@ -4,6 +4,7 @@ Ray instance, then called over HTTP on 127.0.0.1 - predictions equal offline eva
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,8 +17,10 @@ import yaml
 
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.ray_app import RayAppArgs, build_app
-from tests.helpers import free_port, local_ray, offline_scores, png, sample_images
+from sensai.artifact import load_artifact
+from sensai.serving.ray_app import RayAppArgs, build_app, worker_plan
+from sensai.serving.settings import GatewaySettings
+from tests.helpers import free_port, local_ray, offline_scores, png, sample_images, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_SERVE_YAML = ROOT / "deploy" / "ray-serve.yaml"
@@ -87,14 +90,15 @@ def bound(app):
 
 def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
     """Settings given under ``args.settings`` are the ones the Serve application runs with:
-    redundancy 1 places every group on two worker deployments, and the ingress that Serve
-    would build from its bound arguments runs its predictor with that placement; the host
-    tuning reaches every worker replica."""
+    redundancy 1 places every group on two worker deployments, and the ingress plans the same
+    placement from its bound arguments; the host tuning reaches every worker replica; the
+    ingress takes as many requests as the gateway admits (it refuses the rest itself)."""
     app = build_app({"artifact": str(tiny_artifact),
                      "settings": {"redundancy": 1, "deadline_s": 7, "ray_cpus": 0.5,
                                   "keep_cores_awake": "auto"}})
     ingress, (workers, artifact, settings) = bound(app)
     assert ingress.name == "ServeIngress"
+    assert ingress.max_ongoing_requests == ingress.max_queued_requests == 256
     assert settings["redundancy"] == 1 and settings["deadline_s"] == 7
     hosted = []
     for w, worker in enumerate(workers):
@@ -103,29 +107,23 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
         assert d.ray_actor_options["num_cpus"] == 0.5
         hosted.append([g for g, _ in specs])
     assert hosted == [[w, (w + 1) % 5] for w in range(5)]  # cyclic, r = 1
-    # The ingress's own constructor (beneath Serve's ASGI wrapper) on its bound arguments, as a
-    # replica runs it; its handles are never called here.
-    cls = next(c for c in ingress.func_or_class.__mro__
-               if "__serve_build_asgi_app__" in vars(c))
-    replica = cls.__new__(cls)
-    cls.__init__(replica, workers, artifact, settings)
-    try:
-        p = replica.predictor
-        assert p.placement.redundancy == 1 and [list(h) for h in p.placement.workers] == hosted
-        assert p.deadline_s == 7 and replica.settings.keep_cores_awake == "auto"
-    finally:
-        p.shutdown()
+    # The ingress plans its predictor by the same rule from its own bound arguments.
+    specs, placement = worker_plan(load_artifact(artifact), GatewaySettings(**settings))
+    assert placement.redundancy == 1 and [list(h) for h in placement.workers] == hosted
+    assert len(specs) == 5 and GatewaySettings(**settings).keep_cores_awake == "auto"
 
 
 @pytest.fixture(scope="module")
 def ray_gateway(tiny_artifact, tmp_path_factory):
-    """Ray on 2 CPUs; the YAML (artifact and port filled in) deployed with `serve run`."""
+    """Ray on 2 CPUs; the YAML (artifact and port filled in, redundancy 1) deployed with
+    `serve run`."""
     from ray import serve
 
     port = free_port()
     cfg = yaml.safe_load(RAY_SERVE_YAML.read_text())
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     cfg["applications"][0]["args"]["artifact"] = str(tiny_artifact)
+    cfg["applications"][0]["args"]["settings"]["redundancy"] = 1  # a worker may die, below
     config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
 
@@ -165,6 +163,112 @@ def test_ray_http_predictions_equal_offline(ray_gateway, tiny_artifact, fmnist_t
         assert info["backend"] == "ray-serve" and len(info["workers"]) == 5
         assert info["transport"]["deployments"] == 5
         assert all(w["state"] == "up" for w in info["workers"])
+
+
+def post_images(url: str, images, concurrency: int, *, seconds: float = 0.0
+                ) -> list[tuple[int, int, dict]]:
+    """``images`` as PNG uploads with ``concurrency`` in flight (again and again for
+    ``seconds``, else once each): (image, status, JSON answer) per request."""
+    import asyncio
+    import itertools
+
+    bodies = [png(im) for im in images]
+
+    async def run():
+        got = []
+        jobs = itertools.count() if seconds else iter(range(len(bodies)))
+        end = time.monotonic() + seconds
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+            async def loop():
+                for j in jobs:
+                    if seconds and time.monotonic() > end:
+                        return
+                    i = j % len(bodies)
+                    r = await c.post("/v1/predict", params={"top_k": 10}, content=bodies[i])
+                    got.append((i, r.status_code, r.json()))
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return got
+
+    return asyncio.run(run())
+
+
+def assert_offline(got, expected) -> None:
+    for i, status, body in got:
+        assert status == 200, body
+        scores = {p["index"]: p["score"] for p in body["predictions"]}
+        np.testing.assert_allclose([scores[k] for k in range(10)], expected[i], atol=2e-5)
+
+
+def test_ray_serve_answers_16_concurrent_requests_as_offline(ray_gateway, tiny_artifact,
+                                                             fmnist_test, fmnist_spec):
+    """16 requests in flight at once through Serve's proxy, the ingress and the workers'
+    sockets: every answer is offline evaluation's, and the workers batched some of them."""
+    _, images, _ = sample_images(fmnist_test, 32)
+    got = post_images(ray_gateway, images, 16)
+    assert len(got) == len(images) >= 16
+    assert_offline(got, offline_scores(tiny_artifact, images, fmnist_spec))
+    workers = httpx.get(f"{ray_gateway}/v1/models", timeout=30).json()["predictor"]["workers"]
+    assert all(w["transport"] == "ray-serve" and w["channel"] for w in workers)
+    assert sum(w["batching"]["batches"] for w in workers) > 0
+
+
+def workers_of(url: str) -> list[dict]:
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["predictor"]["workers"]
+
+
+def test_ray_serve_worker_replica_killed_under_load_costs_no_request(
+        ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
+    """Redundancy 1: a worker replica SIGKILLed while 4 requests are always in flight costs
+    none of them (each group has a copy elsewhere); Serve starts a new replica and the ingress
+    reconnects to it over a new socket."""
+    import signal
+    import threading
+
+    _, images, _ = sample_images(fmnist_test, 8)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    before = workers_of(ray_gateway)[0]
+    assert before["state"] == "up" and before["pid"]
+    result = {}
+    load = threading.Thread(target=lambda: result.update(
+        got=post_images(ray_gateway, images, 4, seconds=6)))
+    load.start()
+    time.sleep(2)
+    os.kill(before["pid"], signal.SIGKILL)
+    load.join()
+    assert len(result["got"]) > 8
+    assert_offline(result["got"], expected)  # every request answered, and right
+
+    def rejoined():
+        w = workers_of(ray_gateway)[0]
+        return w["state"] == "up" and w["pid"] != before["pid"] and w["restarts"] >= 1
+
+    wait_until(rejoined, 120, "worker_00 back on a new replica")
+    after = workers_of(ray_gateway)[0]
+    assert after["deaths"] >= 1 and after["channel"] != before["channel"]
+    assert_offline(post_images(ray_gateway, images, 1), expected)
+
+
+def test_ray_serve_overload_is_answered_200_or_503(ray_gateway, fmnist_test):
+    """Far more requests at once than the gateway admits: each is answered, 200 or a 503 with
+    Retry-After and a JSON reason; none waits in an unbounded queue, none fails otherwise."""
+    import asyncio
+
+    _, images, _ = sample_images(fmnist_test, 1)
+    body = png(images[0])
+
+    async def flood():
+        limits = httpx.Limits(max_connections=400)
+        async with httpx.AsyncClient(base_url=ray_gateway, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(c.post("/v1/predict", content=body)
+                                          for _ in range(400)))
+
+    answers = asyncio.run(flood())
+    assert {r.status_code for r in answers} <= {200, 503}
+    for r in answers:
+        if r.status_code == 503:
+            assert r.headers.get("retry-after"), r.headers
+    assert httpx.get(f"{ray_gateway}/v2/health/live", timeout=30).status_code == 200
 
 
 def test_ray_kserve_v2_and_bad_input(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):

@@ -12,8 +12,9 @@ worker nodes, as Ray's own workers do.
 A death is seen twice over: the socket closes when the actor's process ends, and a long-lived
 ``watch`` call fails when Ray declares the actor (or its node) dead.  Actors are created with
 ``max_restarts=-1`` (Ray restarts them; the constructor reloads the subnets) and
-``max_task_retries=0``.  The same actor body serves as a Ray Serve deployment
-(:mod:`.ray_serve`), which calls ``run`` through Serve's handles instead.
+``max_task_retries=0``.  The same worker body, and the same gateway end
+(:class:`ChannelWorker`), serve the Ray Serve application (:mod:`.ray_serve`): there Serve
+places and restarts the replicas, and the requests take the same socket.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import re
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import replace
+from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,10 +35,10 @@ import numpy as np
 from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
-from ..messages import Batching, Failure, Fault, Output, Ready, Skip
+from ..messages import Batching, Fault, Ready
 from ..placement import Placement, spread
 from ..wakeup import keep_cores_awake
-from ..worker_core import MEMORY, WorkerCore
+from ..worker_core import WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionWorker, Incarnation, accept, connect, cut, serve_connection
 
@@ -46,27 +47,44 @@ log = logging.getLogger(__name__)
 ACCEPT_S = 60.0  # how long an actor's socket waits for the gateway to connect
 
 
-class RayWorkerBody:
-    """The worker inside a Ray actor or Serve replica: its hosted subnets' runners and the
-    in-worker loop of :mod:`sensai.serving.worker_core`, fed over the gateway's socket
-    (:meth:`channel`, the actor transport) or one ``run`` call per (request, group) (Serve)."""
+class OneAtATime:
+    """A runner shared by the gateways a worker serves (several Serve ingress replicas, each over
+    its own socket): one call at a time, as a runner's static buffers (CUDA graphs) require."""
 
-    def __init__(self, name: str, hosted: list, fault: Fault, seed: int,
-                 keep_awake: str = "off", batching: Batching | None = None):
+    def __init__(self, runner):
+        self.runner = runner
+        self.runtime = runner.runtime
+        self.lock = threading.Lock()
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        with self.lock:
+            return self.runner.run(x)
+
+
+class RayWorkerBody:
+    """The worker inside a Ray actor or a Serve replica: its hosted subnets' runners, served to
+    each gateway over a socket of its own (:meth:`channel`) by the in-worker loop of
+    :mod:`sensai.serving.worker_core`.
+
+    A gateway is known by its ``owner`` token: a newer channel of the same owner replaces its
+    older one (the gateway reconnecting), while the channels of other owners - the ingress
+    replicas of a Serve application - live side by side, each with its own
+    :class:`~sensai.serving.worker_core.WorkerCore`, since each gateway numbers its requests on
+    its own."""
+
+    def __init__(self, name: str, hosted: list, seed: int, keep_awake: str = "off"):
         import ray
 
         self.device = actor_device()  # where it runs is settled before any runner is built
         self.name = name
+        self.seed = seed
         specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
-        runners = {g: spec.build() for g, spec in specs}
+        self.runners = {g: OneAtATime(spec.build()) for g, spec in specs}
         # What runs, which differs from the spec where CUDA graphs fell back to eager.
-        self.runtime = next(iter(runners.values())).runtime if runners else None
-        self.core = WorkerCore(runners, delay=fault.delay, corrupt=fault.corrupt, seed=seed,
-                               batching=batching)
-        self.started: OrderedDict[int, int] = OrderedDict()  # request -> its run calls begun
+        self.runtime = next(iter(self.runners.values())).runtime if self.runners else None
         self.lock = threading.Lock()
-        self.watch_stop: threading.Event | None = None
-        self.conn = None  # the gateway's socket, once connected
+        self.conns: dict[str, Connection] = {}  # owner -> its gateway's socket
+        self.watches: dict[str, threading.Event] = {}  # owner -> its watch call's release
         ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
         # Its node's idle cores, held for the actor's life (the process ending withdraws it),
@@ -78,17 +96,19 @@ class RayWorkerBody:
     def ping(self) -> Ready:
         return Ready(os.getpid(), self.device, self.runtime, self.node, self.awake.held)
 
-    def channel(self, authkey: bytes) -> tuple[str, int]:
-        """Open a socket on this node's Ray address for the gateway holding ``authkey``; its
-        requests are then served over it (a newer channel replaces this one)."""
+    def channel(self, authkey: bytes, owner: str = "", batching: Batching | None = None
+                ) -> tuple[str, int]:
+        """Open a socket on this node's Ray address for the gateway ``owner`` holding
+        ``authkey``; its requests are then served over it, batched as ``batching`` says."""
         import ray
 
         server = socket.create_server((ray.util.get_node_ip_address(), 0))
-        threading.Thread(target=self._serve_channel, args=(server, authkey), daemon=True,
-                         name="sensai-channel").start()
+        threading.Thread(target=self._serve_channel, args=(server, authkey, owner, batching),
+                         daemon=True, name="sensai-channel").start()
         return server.getsockname()[:2]
 
-    def _serve_channel(self, server: socket.socket, authkey: bytes) -> None:
+    def _serve_channel(self, server: socket.socket, authkey: bytes, owner: str,
+                       batching: Batching | None) -> None:
         try:
             conn = accept(server, authkey, ACCEPT_S)
         finally:
@@ -97,49 +117,27 @@ class RayWorkerBody:
             log.warning("%s: the gateway did not connect within %g s", self.name, ACCEPT_S)
             return
         with self.lock:
-            old, self.conn = self.conn, conn
+            old, self.conns[owner] = self.conns.get(owner), conn
         if old is not None:
             cut(old)
+        core = WorkerCore(self.runners, seed=self.seed, batching=batching)
         try:
-            serve_connection(conn, conn, self.core, self.ping())
+            serve_connection(conn, conn, core, self.ping())
         finally:
             conn.close()
+            with self.lock:
+                if self.conns.get(owner) is conn:
+                    del self.conns[owner]
 
-    def fault(self, f: Fault) -> None:
-        self.core.fault(f)
-
-    def skip(self, s: Skip) -> None:
-        self.core.skip(s)
-
-    def watch(self) -> None:
-        """Returns only when a newer watch replaces it: the caller learns of this actor's death
-        when the call fails, without waiting for a request to fail."""
+    def watch(self, owner: str = "") -> None:
+        """Returns only when a newer watch of the same ``owner`` replaces it: the caller learns
+        of this worker's death when the call fails, without waiting for a request to fail."""
         ev = threading.Event()
         with self.lock:
-            if self.watch_stop is not None:
-                self.watch_stop.set()
-            self.watch_stop = ev
+            old, self.watches[owner] = self.watches.get(owner), ev
+        if old is not None:
+            old.set()
         ev.wait()
-
-    def run(self, req: int, group: int, x: np.ndarray, calls: int, copy: bool,
-            hedge_s: float) -> Output | Failure | None:
-        """Group ``group`` of request ``req``, one of the ``calls`` calls this worker gets for it
-        (None when it was skipped)."""
-        with self.lock:
-            begun = self.started.get(req, 0)
-            self.started[req] = begun + 1
-            self.started.move_to_end(req)
-            while len(self.started) > MEMORY:
-                self.started.popitem(last=False)
-        if begun == 0:
-            self.core.begin(req)
-        try:
-            return self.core.compute(req, group, x, copy=copy, hedge_s=hedge_s)
-        finally:
-            if begun + 1 >= calls:
-                self.core.end(req)
-                with self.lock:
-                    self.started.pop(req, None)
 
 
 def actor_device() -> str:
@@ -241,7 +239,75 @@ def node_options(base: dict, placement: Placement, nodes: list[dict], *,
     return opts, node_of, shared
 
 
-class RayActorWorker(ConnectionWorker):
+class ChannelWorker(ConnectionWorker):
+    """The gateway's end of a worker living in a Ray process - an actor, or a Serve replica -
+    reached over the socket the worker opens for it (:meth:`RayWorkerBody.channel`) and watched
+    by a long-lived ``watch`` call.  Subclasses say how a call reaches the worker
+    (:meth:`call`, :meth:`call_async`) and how it is started."""
+
+    def __init__(self, *args, owner: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.owner = owner  # this gateway, to the worker (it may serve others too)
+        self.channel: str | None = None  # host:port of the worker's socket
+        self._death: str | None = None
+
+    def call(self, method: str, *args, timeout: float):
+        """``method(*args)`` on the worker, its answer within ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def call_async(self, method: str, *args, done) -> None:
+        """``method(*args)`` on the worker; ``done(exception or None)`` when it ends."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.generation += 1
+        self._death = None
+        self.inc = Incarnation(self.generation)
+
+    def connect_channel(self, deadline: float) -> None:
+        """Once the worker answers: open its socket for this gateway, connect, bring its fault
+        settings up to date (over the socket, ahead of any request), wait for it to say it has
+        loaded, and give it a ``watch`` call for this generation."""
+        from ray.exceptions import RayError
+
+        inc = self.inc
+        authkey = os.urandom(32)
+        try:
+            address = self.call("channel", authkey, self.owner, self.batching,
+                                timeout=max(1.0, deadline - time.monotonic()))
+        except (RayError, TimeoutError) as e:
+            raise SensaiError(f"{self.name} failed right after loading its subnets: "
+                              f"{error_text(e)}") from None
+        conn = connect(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
+        self.channel = f"{address[0]}:{address[1]}"
+        self.attach(inc, conn, conn)
+        # A restarted worker forgot them; a fresh seed per incarnation.
+        self.send(Fault(self.delay, self.corrupt, self.seed + 7919 * self.generation))
+        self.wait_loaded(inc, max(1.0, deadline - time.monotonic()))
+        gen = self.generation
+        self.call_async("watch", self.owner, done=lambda exc: self._watch_done(gen, exc))
+
+    def ended(self, inc: Incarnation) -> str:
+        return f"died ({self._death or 'its connection closed'})"
+
+    def _watch_done(self, gen: int, exc: BaseException | None) -> None:
+        if exc is None:  # replaced by a newer watch
+            return
+        if gen == self.generation and self._death is None:
+            self._death = error_text(exc)
+        inc = self.inc
+        if inc is not None and inc.number == gen and inc.conn is not None:
+            cut(inc.conn)  # a lost node never closes it: its reader reports the end
+        self.sink.exited(self.index, gen, f"died ({self._death or error_text(exc)})")
+
+    def exit_detail(self) -> str:
+        return self._death or ""
+
+    def where(self) -> dict:
+        return {**super().where(), "channel": self.channel, "cores_awake": self.cores_awake}
+
+
+class RayActorWorker(ChannelWorker):
     """The gateway's handle on one worker actor."""
 
     transport = "ray"
@@ -253,36 +319,38 @@ class RayActorWorker(ConnectionWorker):
         self.keep_awake = keep_awake
         self.actor = None  # Ray owns the process
         self.actor_id: str | None = None
-        self._death: str | None = None
         self._closing = closing or threading.Event()
         self.owner_nodes: dict[str, str] = {}  # node id -> address, filled by the transport
-        self.channel: str | None = None  # host:port of the actor's socket
 
     def start(self) -> None:
         """First start: create the actor.  After a death: a new generation of the same actor,
         which Ray restarts by itself (a new actor only if Ray gave up on the old one)."""
-        self.generation += 1
-        self._death = None
-        self.inc = Incarnation(self.generation)
+        super().start()
         if self.actor is None:
             self.actor = actor_class().options(**self.actor_options).remote(
-                self.name, list(zip(self.groups, self.specs)), Fault(self.delay, self.corrupt),
-                self.seed, self.keep_awake, self.batching)
+                self.name, list(zip(self.groups, self.specs)), self.seed, self.keep_awake)
             self.actor_id = self.actor._actor_id.hex()
 
     def _control(self, method: str):
         return getattr(self.actor, method).options(concurrency_group="control")
 
+    def call(self, method: str, *args, timeout: float):
+        import ray
+
+        return ray.get(self._control(method).remote(*args), timeout=timeout)
+
+    def call_async(self, method: str, *args, done) -> None:
+        self._control(method).remote(*args).future().add_done_callback(
+            lambda fut: done(fut.exception()))
+
     def wait_ready(self, timeout: float) -> None:
         """Wait until the actor (created, or restarted by Ray) answers ``ping``, which it does
-        once its constructor has loaded the subnets; then bring its fault settings up to date,
-        connect to it, and give it a ``watch`` call for this generation."""
+        once its constructor has loaded the subnets; then connect to it."""
         import ray
-        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
         if self.actor is None:
             raise SensaiError(f"{self.name} was never started")
-        inc = self.inc
         deadline = time.monotonic() + timeout
         ref = None
         while True:
@@ -307,40 +375,7 @@ class RayActorWorker(ConnectionWorker):
             except RayActorError:
                 ref = None  # Ray is restarting it: ask again
                 time.sleep(0.1)
-        authkey = os.urandom(32)
-        try:  # a restarted actor was built with its creation arguments
-            ray.get(self._control("fault").remote(
-                Fault(self.delay, self.corrupt, self.seed + 7919 * self.generation)),
-                timeout=max(1.0, deadline - time.monotonic()))
-            address = ray.get(self._control("channel").remote(authkey),
-                              timeout=max(1.0, deadline - time.monotonic()))
-        except RayError as e:
-            raise SensaiError(f"{self.name} failed right after loading its subnets: "
-                              f"{error_text(e)}") from None
-        conn = connect(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
-        self.channel = f"{address[0]}:{address[1]}"
-        self.attach(inc, conn, conn)
-        self.wait_loaded(inc, max(1.0, deadline - time.monotonic()))
-        gen = self.generation
-        self._control("watch").remote().future().add_done_callback(
-            lambda fut: self._watch_done(gen, fut))
-
-    def ended(self, inc: Incarnation) -> str:
-        return f"died ({self._death or 'its connection closed'})"
-
-    def _watch_done(self, gen: int, fut) -> None:
-        exc = fut.exception()
-        if exc is None:  # replaced by a newer watch
-            return
-        if gen == self.generation and self._death is None:
-            self._death = error_text(exc)
-        inc = self.inc
-        if inc is not None and inc.number == gen and inc.conn is not None:
-            cut(inc.conn)  # a lost node never closes it: its reader reports the end
-        self.sink.exited(self.index, gen, f"died ({self._death or error_text(exc)})")
-
-    def exit_detail(self) -> str:
-        return self._death or ""
+        self.connect_channel(deadline)
 
     def kill(self) -> int | None:
         """Kill the actor's process; Ray restarts it (unless we are shutting down)."""
@@ -367,8 +402,7 @@ class RayActorWorker(ConnectionWorker):
         planned = self.actor_options.get("scheduling_strategy")
         return {**super().where(), "actor_id": self.actor_id, "resources": resources,
                 "node_planned": getattr(planned, "node_id", None),
-                "node_address": self.owner_nodes.get(self.node), "channel": self.channel,
-                "cores_awake": self.cores_awake}
+                "node_address": self.owner_nodes.get(self.node)}
 
 
 class RayActors:
@@ -384,6 +418,7 @@ class RayActors:
         self.actor_options = actor_options
         self.keep_awake = keep_awake
         self.own_ray = own_ray
+        self.owner = os.urandom(8).hex()  # this gateway, to its workers
         self.closing = threading.Event()
         self.node_addresses = {n["id"]: n["address"] for n in nodes}
 
@@ -394,7 +429,8 @@ class RayActors:
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> RayActorWorker:
         w = RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
-                           closing=self.closing, keep_awake=self.keep_awake, **faults)
+                           closing=self.closing, keep_awake=self.keep_awake, owner=self.owner,
+                           **faults)
         w.owner_nodes = self.node_addresses
         return w
 

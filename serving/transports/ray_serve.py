@@ -1,125 +1,110 @@
 """Workers as Ray Serve deployments (the Serve application of :mod:`sensai.serving.ray_app`,
-``serve run deploy/ray-serve.yaml`` or KubeRay's ``RayService``): the ingress holds one
-``DeploymentHandle`` per worker deployment, injected by Serve, and calls it from its event loop.
+``serve run deploy/ray-serve.yaml`` or KubeRay's ``RayService``).
 
-Serve places and restarts the replicas (its health checks); a call that fails marks the worker
-down, and the supervisor takes it back once a ping through the handle answers again.  The
-replicas run the same worker body as the Ray actor transport, one call per (request, group):
-Serve's handles carry each call on its own, so nothing queues in a replica to be batched.
+Serve places, health-checks and replaces the worker replicas; the requests do not take Serve's
+handles.  The ingress learns each worker through the ``DeploymentHandle`` Serve injects, asks
+it (through the handle) to open a socket for this ingress, and from then on reaches it exactly
+as the Ray actor transport reaches an actor (:class:`~.ray_actors.ChannelWorker`): the same
+authenticated socket, messages and in-worker loop, batching included, because a handle call
+per (request, group) costs far more than a small subnet's compute.  A replica that dies closes
+its socket (or fails its ``watch`` call); the supervisor then asks the handle again, which
+waits for the replica Serve starts in its place, and reconnects.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
+import threading
+import time
 from typing import Sequence
 
+from sensai.errors import SensaiError
 from sensai.raycluster import error_text
 
-from ..messages import Done, Failure, Run, Skip
-from .base import Capabilities, Sink, WorkerHandle
+from .base import Capabilities, Sink
+from .ray_actors import ChannelWorker
 
 
-class ServeWorker(WorkerHandle):
+class ServeWorker(ChannelWorker):
     transport = "ray-serve"
 
     def __init__(self, *args, handle=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.handle = handle
-        self.tasks: set[asyncio.Task] = set()
-        self._asking: asyncio.Task | None = None
+        self._closing = threading.Event()
 
-    def start(self) -> None:
-        self.generation += 1
-        self.node = self.pid = None  # learnt again from the new replica
+    # Called from the supervisor's threads, never the ingress's event loop.
+    def call(self, method: str, *args, timeout: float):
+        return getattr(self.handle, method).remote(*args).result(timeout_s=timeout)
 
-    async def _learn_where(self) -> None:
-        """Where the replica runs (pid, node, device), for ``/v1/models``: asked once per
-        replica, alongside its first request."""
-        try:
-            info = await self.handle.ping.remote()
-        except Exception:
-            return
-        self.pid, self.device, self.runtime, self.node = (info.pid, info.device, info.runtime,
-                                                          info.node)
-        self.cores_awake = info.cores_awake
+    def call_async(self, method: str, *args, done) -> None:
+        response = getattr(self.handle, method).remote(*args)
+
+        def wait() -> None:
+            try:
+                response.result()
+            except BaseException as e:  # the replica died (or Serve shut down)
+                done(e)
+                return
+            done(None)
+
+        threading.Thread(target=wait, daemon=True, name=f"{self.name}-watch").start()
 
     def wait_ready(self, timeout: float) -> None:
-        """Serve starts the replicas itself; requests wait in the handle until one is up."""
+        """Serve starts the replicas itself (and replaces a dead one): a ping through the
+        handle waits until one answers, which it does once it has loaded its subnets."""
+        from ray.exceptions import RayError
 
-    def send(self, msg) -> None:
-        kind = type(msg)
-        if kind is Run:  # called on the ingress's event loop by the predictor
-            loop = asyncio.get_running_loop()
-            if self.node is None and self._asking is None:
-                self._asking = loop.create_task(self._learn_where())
-                self._asking.add_done_callback(lambda _: setattr(self, "_asking", None))
-            state = {"left": len(msg.groups), "skipped": 0}
-            for j, g in enumerate(msg.groups):
-                resp = self.handle.run.remote(msg.req, g, msg.x, len(msg.groups),
-                                              j >= msg.primaries, msg.hedge_s)
-                task = loop.create_task(self._await(msg.req, g, resp, self.generation, state))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-        elif kind is Skip:
-            self.handle.skip.remote(msg)
-        else:  # Fault
-            self.handle.fault.remote(msg)
-
-    async def _await(self, req: int, group: int, resp, gen: int, state: dict) -> None:
-        from ray.exceptions import RayActorError
-
-        try:
-            res = await resp
-        except RayActorError as e:  # the replica died: Serve replaces it
-            self.sink.exited(self.index, gen, f"replica died ({error_text(e)})")
-            return
-        except Exception as e:  # the call failed: this copy is lost, the worker lives
-            res = Failure(req, group, error_text(e))
-        if res is None:
-            state["skipped"] += 1
-        else:
-            self.sink.deliver(self.index, gen, res)
-        state["left"] -= 1
-        if state["left"] == 0:
-            self.sink.deliver(self.index, gen, Done(req, state["skipped"]))
-
-    def probe(self, timeout: float) -> bool:
-        try:  # from the supervisor's thread, never the event loop
-            self.handle.ping.remote().result(timeout_s=timeout)
-            return True
-        except Exception:
-            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SensaiError(f"{self.name}: no replica answered within {timeout:g} s "
+                                  "(is the Ray cluster short of resources?)")
+            if self._closing.is_set():
+                raise SensaiError(f"{self.name}: shutting down")
+            try:
+                self.call("ping", timeout=min(left, 5.0))
+                break
+            except TimeoutError:
+                continue
+            except RayError:  # the replica died while answering: Serve replaces it
+                time.sleep(0.1)
+        self.connect_channel(deadline)
 
     def kill(self) -> int | None:
         """SIGKILL the replica's process (fault injection: it must run on this machine); Serve
         replaces it."""
-        try:
-            info = self.handle.ping.remote().result(timeout_s=10)
-        except Exception:
-            return None
-        os.kill(info.pid, signal.SIGKILL)
-        return info.pid
+        pid = self.pid
+        if pid is None:
+            try:
+                pid = self.call("ping", timeout=10).pid
+            except Exception as e:
+                raise SensaiError(f"{self.name}: no replica to kill ({error_text(e)})") from None
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def stop(self, timeout: float = 5.0) -> None:
-        for task in list(self.tasks):
-            task.cancel()
+        """Hang up; the replicas belong to Serve and stay."""
+        self._closing.set()
+        self.hang_up(self.inc)
 
 
 class ServeHandles:
     """The Ray Serve transport over the injected handles ``handles[w]`` of worker ``w``."""
 
     name = "ray-serve"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True,
-                                batch=False)  # one call per (request, group)
+    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
     def __init__(self, handles: Sequence):
         self.handles = list(handles)
+        self.owner = os.urandom(8).hex()  # this ingress replica, to the workers
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> ServeWorker:
-        return ServeWorker(index, groups, specs, sink, handle=self.handles[index], **faults)
+        return ServeWorker(index, groups, specs, sink, handle=self.handles[index],
+                           owner=self.owner, **faults)
 
     def healthy(self) -> bool:
         return True
