@@ -44,10 +44,10 @@ class Admission:
         self.predicting = asyncio.Semaphore(max_predictions)
         # A short queue: at most as many requests wait for the predictor as it holds, so an
         # admitted request waits about one service time at most; the rest get a 503 at once.
-        self.max_queued = {id(self.predicting): max_predictions}
+        self.max_queued = max_predictions
+        self.queued = 0  # requests waiting for the predictor
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
-        self.waiting = 0
-        self.queued: dict[int, int] = {}  # semaphore -> requests waiting for it
+        self.waiting = 0  # requests waiting for any slot
         self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
@@ -60,7 +60,7 @@ class Admission:
     def predict_queue_full(self) -> bool:
         """As many requests wait for the predictor as may: a new one would be refused there
         anyway, after its body was read and its image decoded; refused at admission instead."""
-        return self.queued.get(id(self.predicting), 0) >= self.max_queued[id(self.predicting)]
+        return self.queued >= self.max_queued
 
     def admit(self) -> bool:
         if self.full():
@@ -74,10 +74,12 @@ class Admission:
             return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
                                     "requests in flight; retry shortly")
         if self.predict_queue_full():
-            return "queue_full", (f"{self.queued[id(self.predicting)]} requests are waiting for "
-                                  "a prediction slot already; the gateway is overloaded, retry "
-                                  "shortly")
+            return "queue_full", self._queue_full_message()
         return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
+
+    def _queue_full_message(self) -> str:
+        return (f"{self.queued} requests are waiting for a prediction slot already; the gateway "
+                "is overloaded, retry shortly")
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call on the loop that serves requests)."""
@@ -165,13 +167,12 @@ class _Slot:
             await sem.acquire()
             return
         adm = self.adm
-        queued = adm.queued.get(id(sem), 0)
-        limit = adm.max_queued.get(id(sem))
-        if limit is not None and queued >= limit:
-            raise Overloaded(f"{queued} requests are waiting for a {self.what} slot already; "
-                             "the gateway is overloaded, retry shortly", reason="queue_full")
+        predictor = sem is adm.predicting
+        if predictor:
+            if adm.predict_queue_full():
+                raise Overloaded(adm._queue_full_message(), reason="queue_full")
+            adm.queued += 1
         adm.waiting += 1
-        adm.queued[id(sem)] = queued + 1
         try:
             async with asyncio.timeout_at(self.deadline):
                 await sem.acquire()
@@ -181,7 +182,8 @@ class _Slot:
                              reason="no_slot_before_deadline") from None
         finally:
             adm.waiting -= 1
-            adm.queued[id(sem)] -= 1
+            if predictor:
+                adm.queued -= 1
 
     async def __aexit__(self, et, exc, tb) -> None:
         self.sem.release()

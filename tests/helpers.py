@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
 import time
 from contextlib import contextmanager
 
@@ -64,6 +66,30 @@ def wait_for_server(proc, url: str, *, timeout_s: float) -> None:
             pass
         assert time.monotonic() < deadline, "sensai serve did not become ready"
         time.sleep(0.3)
+
+
+@contextmanager
+def server_process(argv, **popen_kw):
+    """``argv`` (a ``sensai serve``) running for the block inside, its output piped; killed if
+    it still runs when the block ends (a test that failed before stopping it)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kw)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_server(proc, *, timeout_s: float = 60) -> int:
+    """SIGTERMs the server in ``proc`` and returns its exit status; one still running after
+    ``timeout_s`` is killed (and its status is the kill's)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def predict_all(predictor, xs, **kw):

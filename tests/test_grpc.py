@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,8 +32,8 @@ from sensai.serving.app import create_app
 from sensai.serving.build import build_predictor
 from sensai.serving.server import BackgroundServer
 from sensai.serving.settings import GatewaySettings
-from tests.helpers import (free_port, offline_scores, sample_images, wait_for_server,
-                           wait_until)
+from tests.helpers import (free_port, offline_scores, sample_images, server_process,
+                           stop_server, wait_for_server, wait_until)
 
 MAX_BODY = 256 * 1024  # a batch of 16 images is 50 KB; 100 are over the limit
 
@@ -352,12 +351,10 @@ def test_sensai_serve_refuses_a_busy_grpc_port_in_one_line(tiny_artifact):
 @pytest.mark.slow
 def test_sensai_serve_grpc_port_serves_and_exits_on_sigterm(tiny_artifact, batch):
     port, grpc_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                             "--port", str(port), "--grpc-port", str(grpc_port), "--device",
-                             "cpu", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "SENSAI_DEADLINE_S": "20"})
-    try:
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--port",
+                         str(port), "--grpc-port", str(grpc_port), "--device", "cpu",
+                         "--log-level", "warning"],
+                        env={**os.environ, "SENSAI_DEADLINE_S": "20"}) as proc:
         wait_for_server(proc, f"http://127.0.0.1:{port}", timeout_s=120)
         client = tc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         assert client.is_server_ready()
@@ -365,9 +362,4 @@ def test_sensai_serve_grpc_port_serves_and_exits_on_sigterm(tiny_artifact, batch
         np.testing.assert_allclose(client.infer("sensai", [tensor(x)]).as_numpy("scores"),
                                    expected, atol=2e-5)
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert stop_server(proc) == 0

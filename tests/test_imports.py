@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,8 @@ import textwrap
 import httpx
 import pytest
 
-from tests.helpers import free_port, png, sample_images, wait_for_server
+from tests.helpers import (free_port, png, sample_images, server_process, stop_server,
+                           wait_for_server)
 
 # Only the paths that use them import these (the torch runtime, GPUs and training; the ray
 # backend; the triton backend; plots).
@@ -75,11 +75,9 @@ def test_a_local_onnx_gateway_loads_neither_torch_nor_ray(tiny_artifact, fmnist_
         from sensai.cli import main
         sys.exit(main(sys.argv[1:]))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", str(tiny_artifact),
-                             "--backend", "local", "--port", str(port),
-                             "--keep-cores-awake", "off", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with server_process([sys.executable, "-c", code, "serve", str(tiny_artifact), "--backend",
+                         "local", "--port", str(port), "--keep-cores-awake", "off",
+                         "--log-level", "warning"]) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)
         _, images, _ = sample_images(fmnist_test, 1)
@@ -88,12 +86,7 @@ def test_a_local_onnx_gateway_loads_neither_torch_nor_ray(tiny_artifact, fmnist_
         libs = mapped_libraries(proc.pid)
         assert any("onnxruntime" in lib for lib in libs)  # the check sees what is loaded
         assert not {lib for lib in libs if "torch" in lib or lib.startswith("libc10")}
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert stop_server(proc) == 0, proc.stderr.read().decode()[-3000:]
     loaded = top_level(json.loads(modules_file.read_text()))
     assert {"sensai", "onnxruntime", "fastapi"} <= loaded
     assert not loaded & set(GATEWAY_NEVER), sorted(loaded & set(GATEWAY_NEVER))

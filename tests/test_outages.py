@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import time
 
@@ -29,7 +27,8 @@ from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.serving.build import build_predictor
 from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
-                           start_gateway, wait_for_server, wait_until)
+                           server_process, start_gateway, stop_server, wait_for_server,
+                           wait_until)
 
 pytestmark = pytest.mark.slow  # workers are started, killed and restarted for real
 
@@ -226,19 +225,13 @@ def test_sigterm_exits_within_the_grace_period_with_a_hung_worker(backend, tiny_
         import ray
 
         argv += ["--ray-address", ray.get_runtime_context().gcs_address, "--ray-cpus", "0.1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with server_process(argv) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=180)
         r = httpx.post(f"{url}/v1/predict", content=images["png"][0], timeout=30)
         assert r.status_code == 504, r.text
-        proc.send_signal(signal.SIGTERM)
         # uvicorn's grace period is 10 s and every worker stop waits at most 5 s.
-        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert stop_server(proc, timeout_s=30) == 0, proc.stderr.read().decode()[-2000:]
 
 
 def test_killed_worker_process_with_5_requests_in_flight(tiny_artifact, images):

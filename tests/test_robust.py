@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 
 import httpx
@@ -26,7 +24,7 @@ from sensai.serving.decoder import CoverageDecoder
 from sensai.serving.faults import parse_delay
 from sensai.serving.placement import check_redundancy, cyclic_placement, group_hosts
 from tests.helpers import (free_port, local_ray, offline_scores, png, predict_all, sample_images,
-                           wait_for_server, wait_until)
+                           server_process, stop_server, wait_for_server, wait_until)
 
 N = 8
 BACKENDS = ("local", "processes", "ray")
@@ -321,11 +319,9 @@ def test_serve_rejects_bad_redundancy_flags_before_loading(tiny_artifact, capsys
 @pytest.mark.slow
 def test_sensai_serve_with_redundancy_shows_placement_and_answers(tiny_artifact, images):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                             "--redundancy", "1", "--port", str(port), "--device", "cpu",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                         "--redundancy", "1", "--port", str(port), "--device", "cpu",
+                         "--log-level", "warning"]) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)
         info = httpx.get(f"{url}/v1/models").json()["predictor"]
@@ -333,11 +329,6 @@ def test_sensai_serve_with_redundancy_shows_placement_and_answers(tiny_artifact,
         r = httpx.post(f"{url}/v1/predict", content=images["png"][0], timeout=30)
         assert r.status_code == 200, r.text
         assert set(r.json()["answered_by"]) == {f"subnet_{g:02d}" for g in range(5)}
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert stop_server(proc) == 0
         err = proc.stderr.read().decode()
         assert "placement:" in err and "worker_04: subnet_04, subnet_00 (copy)" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -6,9 +6,7 @@ test_robust.py and test_outages.py.
 
 from __future__ import annotations
 
-import signal
 import socket
-import subprocess
 import sys
 
 import httpx
@@ -18,7 +16,7 @@ import pytest
 from sensai.errors import SensaiError
 from sensai.serving.transports.ray_actors import actor_resources
 from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
-                           wait_for_server)
+                           server_process, stop_server, wait_for_server)
 
 pytestmark = pytest.mark.slow  # Ray instances and actor starts
 
@@ -61,12 +59,10 @@ def test_sensai_serve_backend_ray_with_redundancy(tiny_artifact, fmnist_test, fm
     expected = offline_scores(tiny_artifact, u8, fmnist_spec)[0]
     port = free_port()
     with local_ray(num_cpus=2) as address:
-        proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                                 "--backend", "ray", "--redundancy", "1", "--port", str(port),
-                                 "--ray-address", address, "--ray-cpus", "0.1",
-                                 "--device", "cpu", "--log-level", "warning"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
+        with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                             "--backend", "ray", "--redundancy", "1", "--port", str(port),
+                             "--ray-address", address, "--ray-cpus", "0.1",
+                             "--device", "cpu", "--log-level", "warning"]) as proc:
             url = f"http://127.0.0.1:{port}"
             wait_for_server(proc, url, timeout_s=180)
             info = httpx.get(f"{url}/v1/models").json()["predictor"]
@@ -84,12 +80,7 @@ def test_sensai_serve_backend_ray_with_redundancy(tiny_artifact, fmnist_test, fm
             assert r.status_code == 200, r.text
             got = {p["index"]: p["score"] for p in r.json()["predictions"]}
             np.testing.assert_allclose([got[k] for k in range(10)], expected, atol=1e-4)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0
+            assert stop_server(proc) == 0
             err = proc.stderr.read().decode()
             assert "5 ray workers" in err and "placement:" in err
             assert "worker_04: subnet_04, subnet_00 (copy)" in err
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()

@@ -10,7 +10,6 @@ import asyncio
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -23,8 +22,8 @@ from sensai.artifact import load_artifact
 from sensai.data import normalize, pil_to_uint8
 from sensai.pruning.decompose import evaluate_models
 from sensai.serving.build import build_predictor
-from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
-                           wait_for_server)
+from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
+                           start_gateway, stop_server, wait_for_server)
 
 
 @pytest.fixture(scope="module")
@@ -290,11 +289,9 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
     limit_before = current_limit_us()
     port = free_port()
     env = {**os.environ, "SENSAI_DEADLINE_S": "20"}
-    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning",
-                             "--keep-cores-awake", "auto", "--spread-cores"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                         "--port", str(port), "--device", "cpu", "--log-level", "warning",
+                         "--keep-cores-awake", "auto", "--spread-cores"], env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)
         _, images, _ = sample_images(fmnist_test, 1)
@@ -308,13 +305,8 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
         assert info["predictor"]["transport"]["spread_cores"] is True
         if may_hold:
             assert current_limit_us() == 0
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert stop_server(proc) == 0
         assert current_limit_us() == limit_before
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_rejects_a_bad_artifact_with_one_line(tmp_path):

@@ -29,8 +29,8 @@ from sensai.serving.build import build_predictor, launch_triton
 from sensai.serving.runners import OrtRunner
 from sensai.serving.triton_repo import export_triton_repo
 from sensai.serving.tritonserver import WORKDIR_PREFIX, find_tritonserver, sweep_stale_workdirs
-from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
-                           wait_for_server, wait_until)
+from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
+                           start_gateway, wait_for_server, wait_until)
 
 
 def _config(path):
@@ -188,10 +188,9 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
     """`sensai serve --backend triton` is SIGKILLed: its tritonserver dies with it, and the next
     start removes the directory it left (exported repository, log)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
-                             "--backend", "triton", "--port", str(port), "--log-level",
-                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                         "--backend", "triton", "--port", str(port), "--log-level",
+                         "warning"]) as proc:
         wait_for_server(proc, f"http://127.0.0.1:{port}", timeout_s=180)
         (server_pid,) = [p for p in _children(proc.pid)
                          if "tritonserver" in Path(f"/proc/{p}/cmdline").read_text()]
@@ -202,10 +201,6 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
         proc.wait()
         wait_until(lambda: not _alive(server_pid), 30, "tritonserver to die with its parent")
         assert mine[0] in sweep_stale_workdirs() and not mine[0].exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_an_interrupted_or_failed_start_leaves_nothing(tiny_artifact, monkeypatch):

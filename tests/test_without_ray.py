@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -20,7 +19,8 @@ import httpx
 import pytest
 
 from sensai.manifest import load_manifest
-from tests.helpers import free_port, png, sample_images, wait_for_server
+from tests.helpers import (free_port, png, sample_images, server_process, stop_server,
+                           wait_for_server)
 
 BLOCKED = ("ray", "tritonclient")
 MISSING_RAY = "needs Ray, which is not installed here (pip install 'ray[serve]')"
@@ -89,11 +89,9 @@ def test_serve_local_and_predict_answer_a_real_image(env, decomposed, fmnist_tes
     image = tmp_path / "image.png"
     image.write_bytes(png(images[0]))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sensai", "serve", str(art), "--backend",
-                             "local", "--port", str(port), "--device", "cpu",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
+    with server_process([sys.executable, "-m", "sensai", "serve", str(art), "--backend",
+                         "local", "--port", str(port), "--device", "cpu",
+                         "--log-level", "warning"], env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)
         r = httpx.post(f"{url}/v1/predict", files={"image": ("image.png", image.read_bytes())},
@@ -103,12 +101,7 @@ def test_serve_local_and_predict_answer_a_real_image(env, decomposed, fmnist_tes
         remote = sensai(env, "predict", art, image, "--url", url, "--top-k", 1)
         assert remote.returncode == 0, remote.stderr[-3000:]
         assert remote.stdout.split()[-1] == label
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert stop_server(proc) == 0, proc.stderr.read().decode()[-3000:]
     local = sensai(env, "predict", art, image, "--top-k", 1, "--device", "cpu")
     assert local.returncode == 0, local.stderr[-3000:]
     assert local.stdout.split()[-1] == label
