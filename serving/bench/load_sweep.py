@@ -55,7 +55,7 @@ class PeerServer:
     """A peer (Triton) as :class:`~.load.LoadRun` watches a server: its URL, no process of ours
     to sample, no gateway ``/metrics``."""
 
-    pid = None
+    pid = serving_pid = None
 
     def __init__(self, peer):
         self.peer, self.url = peer, peer.url
@@ -182,7 +182,8 @@ class Sweep:
         finally:
             gateway.stop()
         rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,
-                         "exit_code": gateway.exit_code, "log": str(gateway.log_path)}
+                         "exit_code": gateway.exit_code, "log": str(gateway.log_path),
+                         "sampled": gateway.sampled()}
         return rep
 
     def triton(self, onnx: Path, expected: list[int], threads: int) -> dict[str, Any]:
