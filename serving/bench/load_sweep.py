@@ -113,14 +113,16 @@ def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
 
 
 def batching_counters(url: str) -> list[dict] | None:
-    """Each worker's batching counters, from the gateway's ``GET /v1/models``."""
+    """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
+    workers do not batch, as the Ray Serve application's replicas may not)."""
     try:
         body = httpx.get(f"{url}/v1/models", timeout=10.0).json()
     except (httpx.HTTPError, ValueError):
         return None
     workers = ((body.get("predictor") or {}).get("workers") or []) if isinstance(body, dict) \
         else []
-    return [{"name": w.get("name"), **(w.get("batching") or {})} for w in workers] or None
+    return [{"name": w.get("name"), **w["batching"]} for w in workers
+            if isinstance(w, dict) and w.get("batching")] or None
 
 
 class Sweep:
