@@ -78,6 +78,9 @@ class ServeRun:
                                   "'serve shutdown', or use another cluster)")
             self.own_serve = True
             serve.start(http_options={"host": host, "port": port})
+            # serve.start sets Serve's logging up anew; serve.run's notices (it "connects to
+            # the existing Serve app", whose HTTP options it "will not apply") mislead here.
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
             self.name, app = build()
             serve.run(app, name=self.name, route_prefix="/")
             wait_ready(self.url + ready_path, startup_timeout_s, what="Ray Serve's proxy")
