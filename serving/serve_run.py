@@ -44,13 +44,14 @@ NOT_ON_SERVE = {
 }
 
 
-def check_serve_settings(settings: GatewaySettings, names: Mapping[str, str] = {}) -> None:
+def check_serve_settings(settings: GatewaySettings,
+                         names: Mapping[str, str] | None = None) -> None:
     """One line for the first setting the Serve application cannot honour that is set
     (``names``: field -> the flag it was given by; else its environment variable)."""
     defaults = GatewaySettings.model_fields
     for field, why in NOT_ON_SERVE.items():
         if getattr(settings, field) != defaults[field].default:
-            name = names.get(field) or f"{ENV_PREFIX}{field.upper()}"
+            name = (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
             raise SensaiError(f"{name} does not apply to --backend ray-serve ({why})")
 
 
