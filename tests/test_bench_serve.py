@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     """Every answer agrees with offline evaluation; the memory sampled is the Serve ingress
     replica's, not the CLI's; the gateway stops with exit status 0."""
@@ -32,6 +35,7 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     assert "Ray Serve application 'sensai'" in (out / "gateway-class-parallel.log").read_text()
 
 
+@pytest.mark.slow
 def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_artifact,
                                                                            tmp_path):
     """class-parallel@ray-serve: timed over http-v2 against its proxy's bare route, its
