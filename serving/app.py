@@ -25,6 +25,7 @@ refer to per-app values, as objects.)
 """
 
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError
@@ -348,6 +349,7 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         return ModelInfo(name=gw.predictor.name, dataset=spec.name, classes=list(spec.classes),
                          input_shape=list(spec.input_shape), mean=list(spec.mean),
                          std=list(spec.std), predictor=gw.predictor.describe(),
+                         pid=os.getpid(),
                          cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
 
     @app.get("/metrics", include_in_schema=False)

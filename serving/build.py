@@ -34,7 +34,7 @@ from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
 log = logging.getLogger(__name__)
 
 # The client library each backend needs beyond the gateway's own (the others need none).
-BACKEND_NEEDS = {"ray": "ray", "triton": "tritonclient"}
+BACKEND_NEEDS = {"ray": "ray", "ray-serve": "ray", "triton": "tritonclient"}
 
 
 def check_backend_installed(backend: str) -> None:
@@ -69,6 +69,10 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                        device=device, threads_per_worker=threads, model_name=name,
                        keep_cores_awake=keep_awake, spread_cores=spread_cores,
                        batch_max_rows=batch_max_rows, batch_delay_us=batch_delay_us))
+    if backend == "ray-serve":
+        raise SensaiError("the ray-serve backend is a Ray Serve application with its own "
+                          "gateway, not workers of this process: run 'sensai serve ART "
+                          "--backend ray-serve'")
     check_backend_installed(backend)
     if backend == "ray":
         artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories

@@ -57,6 +57,8 @@ class ModelInfo(BaseModel):
     mean: list[float]
     std: list[float]
     predictor: dict[str, Any]
+    pid: int = Field(description="the id of the process serving these routes (on Ray Serve: "
+                                 "the ingress replica's), on the gateway's machine")
     cores_awake: dict[str, Any] | None = Field(
         None, description="whether the gateway holds idle cores out of deep sleep (mode, held, "
                           "latency_us, and why not when it does not)")

@@ -18,7 +18,7 @@ from sensai.errors import SensaiError
 
 from .wakeup import MODES
 
-BACKENDS = ("local", "processes", "ray", "triton")
+BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # How a subnet runs: see serving/runners.py (auto picks per device).
 RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
@@ -33,7 +33,8 @@ class GatewaySettings(BaseSettings):
                             description="name served under the KServe v2 API")
     backend: str = Field("local", pattern=f"^({'|'.join(BACKENDS)})$",
                          description="where the workers run: local (threads of the gateway), "
-                                     "processes, ray (actors), triton")
+                                     "processes, ray (actors), triton, ray-serve (the Ray "
+                                     "Serve application, gateway included; sensai serve only)")
     workers: int | None = Field(None, ge=1, description="workers (default: one per group)")
     redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic placement)")
     vote: bool = Field(False, description="decide a group by r+1 agreeing of 2r+1 copies")

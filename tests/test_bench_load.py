@@ -50,6 +50,9 @@ def test_outputs_are_written_and_well_formed(load_run):
     assert st["gateway_env"] == {"SENSAI_MAX_REQUESTS": "16", "SENSAI_MAX_PREDICTIONS": "2"}
     assert on_disk["gateway"]["argv"][2:4] == ["sensai", "serve"]
     assert "--deadline 2" in on_disk["gateway"]["command"]
+    # The local gateway serves its routes itself: its memory is the one sampled.
+    assert on_disk["gateway"]["serving_pid"] == on_disk["gateway"]["pid"]
+    assert on_disk["rss"]["sampled"]["process"] == "the sensai serve process"
     assert on_disk["machine"]["load_average"] and on_disk["machine"]["load_average_end"]
     assert set(on_disk["phases"]) == {"warmup", "soak", "overload"}
     for name, phase in on_disk["phases"].items():

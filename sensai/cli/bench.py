@@ -57,7 +57,9 @@ def register(sub) -> None:
     p.add_argument("--backend", nargs="+", choices=BENCH_BACKENDS, default=["local"],
                    metavar="BACKEND",
                    help="where class parallel's workers run, as for 'sensai serve', of "
-                        f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts); "
+                        f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts; "
+                        "ray-serve: 'sensai serve --backend ray-serve' the run starts, timed over "
+                        "http and http-v2 through Serve's proxy); "
                         "several: class parallel on each, in the same run (default: local = "
                         "worker threads; the baselines always run on threads)")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=[], metavar="PEER",
@@ -98,8 +100,9 @@ def _images_args(p, images: str) -> None:
 def _worker_args(p) -> None:
     """Where and how the workers run, as for 'sensai serve'."""
     p.add_argument("--ray-address", default=None,
-                   help="with --backend ray: the Ray cluster to run the workers on (default: "
-                        "RAY_ADDRESS, else a local instance); each worker's node is reported")
+                   help="with --backend ray (or ray-serve): the Ray cluster to run the workers on "
+                        "(default: RAY_ADDRESS, else a local instance); each worker's node is "
+                        "reported")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
     p.add_argument("--runtime", choices=RUNTIMES, default="auto",

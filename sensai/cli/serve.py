@@ -34,7 +34,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="where the workers run: local (threads of this process, the default), "
                         "processes (one per worker), ray (actors on a Ray cluster), triton (a "
-                        "Triton server)")
+                        "Triton server), ray-serve ('sensai serve' only: the Ray Serve "
+                        "application, its gateway a Serve replica behind Serve's HTTP proxy)")
     p.add_argument("--processes", action="store_true", help="same as --backend processes")
     p.add_argument("--device", default=None,
                    help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
@@ -106,8 +107,8 @@ def register(sub) -> None:
     add_runtime_args(p)
     add_host_args(p)
     p.add_argument("--ray-address", default=None,
-                   help="ray backend: existing cluster (e.g. auto, or HEAD:6379); default: start "
-                        "a local Ray instance on 127.0.0.1")
+                   help="ray and ray-serve backends: existing cluster (e.g. auto, or HEAD:6379); "
+                        "default: start a local Ray instance on 127.0.0.1")
     p.add_argument("--ray-cpus", type=float, default=None,
                    help="ray backend: CPUs per worker actor (default: 1, or an even share that "
                         "fits the cluster)")
@@ -199,6 +200,8 @@ def cmd_serve(args) -> int:
     artifact = load_artifact(args.artifact)  # fails fast with one line
     workers = check_redundancy(len(artifact.subnets), settings.workers, settings.redundancy,
                                settings.vote)
+    if settings.backend == "ray-serve":
+        return serve_on_ray_serve(args, settings)
     delays = injected_delays(args.inject_delay, workers)
     if settings.grpc_port:
         check_port_free(settings.host, settings.grpc_port, "--grpc-port")
@@ -232,6 +235,21 @@ def cmd_serve(args) -> int:
     finally:
         if server is not None:
             server.stop()
+    return 0
+
+
+def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
+    """``--backend ray-serve``: the artifact's Ray Serve application until SIGTERM/SIGINT."""
+    from sensai.serving.build import check_backend_installed
+    from sensai.serving.serve_run import check_serve_settings, serve_artifact
+
+    if args.inject_delay:
+        raise SensaiError("--inject-delay does not apply to --backend ray-serve (its workers "
+                          "are Serve replicas)")
+    check_serve_settings(settings, args.flags)
+    check_backend_installed(settings.backend)
+    check_port_free(settings.host, settings.port, "--port")
+    serve_artifact(args.artifact, settings)
     return 0
 
 

@@ -13,7 +13,9 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import httpx
 
 from .. import child
 
@@ -31,8 +33,10 @@ class GatewayProcess:
             self.argv += ["--backend", backend]
         if deadline_s is not None:
             self.argv += ["--deadline", f"{deadline_s:g}"]
+        self.backend = backend
         self.env = dict(env)
         self.log_path = log_path
+        self.serving_pid: int | None = None  # the process serving the routes, once ready
         self.proc: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.startup_s: float | None = None
@@ -60,6 +64,26 @@ class GatewayProcess:
             exited=lambda: self.proc.poll() is not None and f"exited with status "
                                                             f"{self.proc.returncode}",
             tail=lambda: f": {self.last_line()} (log: {self.log_path})"), 2)
+        self.serving_pid = self.reported_pid()
+
+    def reported_pid(self) -> int | None:
+        """The process that serves the gateway's routes, as the gateway reports it
+        (``GET /v1/models``): ``sensai serve``'s own, or on Ray Serve the ingress replica's."""
+        try:
+            pid = httpx.get(f"{self.url}/v1/models", timeout=10.0).json().get("pid")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pid = None
+        return pid if isinstance(pid, int) and not isinstance(pid, bool) else self.pid
+
+    def sampled(self) -> dict[str, Any]:
+        """Which processes the benchmark samples: the one serving the routes, and the tree
+        under ``sensai serve`` (the processes it started: workers, a local Ray instance)."""
+        own = self.serving_pid in (None, self.pid)
+        return {"pid": self.serving_pid, "tree_of": self.pid,
+                "process": "the sensai serve process" if own else
+                "the process serving the gateway's routes, as GET /v1/models reports it (with "
+                f"--backend {self.backend}: the Serve ingress replica), not the sensai serve "
+                "process"}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

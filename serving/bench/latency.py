@@ -36,8 +36,8 @@ from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings,
                       finish, inputs, interleaved, load_test_images, progress_bar, quiet_gc,
                       throughput, warm_up)
 from .latency_report import plot, render_markdown
-from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS, WARMUP,
-                    strategy_key)
+from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS,
+                    UNTIMED_TRANSPORTS, WARMUP, strategy_key)
 from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
@@ -62,8 +62,14 @@ def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requ
                  ("peer", peers or [PEERS[0]], PEERS)))
     if len(set(backends)) < len(backends):
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
-    if ray_address and "ray" not in backends:
-        raise SensaiError("--ray-address is for --backend ray")
+    if ray_address and not {"ray", "ray-serve"} & set(backends):
+        raise SensaiError("--ray-address is for --backend ray and ray-serve")
+    for pool, untimed in UNTIMED_TRANSPORTS.items():
+        if pool in backends and "class-parallel" in strategies \
+                and not set(transports) - set(untimed):
+            raise SensaiError(f"--backend {pool} is timed over "
+                              f"{' and '.join(t for t in TRANSPORTS if t not in untimed)} only: "
+                              "add one to --transports")
     if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
         raise SensaiError(f"--backend triton: {TRITON_HINT}")
     if peers and PEER_TRANSPORT not in transports:
@@ -184,7 +190,12 @@ def run_bench(
                     bar.set_description(f"load {name}")
                     s = build(recipes[key], artifact, backend=pool, device=device,
                               runtime=runtime, threads=threads, settings=gateway,
-                              ray_address=ray_address, key=name, spread_cores=spread_cores)
+                              ray_address=ray_address, key=name, spread_cores=spread_cores,
+                              log_dir=out)
+                    if "untimed_transports" in s.info:  # those of this run only
+                        s.info["untimed_transports"] = {
+                            t: why for t, why in s.info["untimed_transports"].items()
+                            if t in transports}
                     built.append(s)
                     result["strategies"][name] = s.info
             settings["runtime_resolved"] = sorted(
@@ -193,8 +204,9 @@ def run_bench(
                 running.start(peers, Path(recipes["single"].specs[0].onnx_path),
                               threads=threads, status=bar.set_description)
                 result["peers"] = running.report()  # each filled in as it is measured
-            timed = (warmup + n + n_requests) * (len(built) * len(transports)
-                                                  + len(running.running))
+            timed = (warmup + n + n_requests) * (
+                sum(t not in s.info.get("untimed_transports", {}) for s in built
+                    for t in transports) + len(running.running))
             alone = min(isolated_images, n) * (
                 (g if "class-parallel" in strategies else 0) + (1 if peers else 0))
             bar.total = timed + alone
@@ -235,7 +247,8 @@ def run_bench(
 
 def _close(s: Strategy) -> None:
     try:
-        asyncio.run(s.predictor.close())
+        if s.predictor is not None:
+            asyncio.run(s.predictor.close())
     except Exception as e:  # closing is best effort; the measurements are already taken
         log.warning("closing %s: %s", s.key, e)
     finally:
@@ -258,7 +271,13 @@ async def _measure(built: list[Strategy], peers: Sequence[Peer], imgs: TestImage
                 client = HttpClientProcess(imgs.pngs, [x.tobytes() for x in imgs.xs],
                                            list(imgs.xs[0].shape))
             for s in built:
+                if transport in s.info.get("untimed_transports", {}):
+                    continue
                 infos[s.key] = s.info
+                if s.url is not None:  # its own gateway, which it stops
+                    drivers[s.key] = RemoteDriver.attach(transport, client, s.url,
+                                                         gateway.model_name)
+                    continue
                 drivers[s.key] = (
                     InProcessDriver(s.predictor, imgs) if transport == "inprocess"
                     else await RemoteDriver.start(transport, s.predictor, client, gateway))

@@ -88,7 +88,8 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     artifact's model (not those every model shares, which bench.md still reports)."""
     parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
              text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result),
-             *side_by_side_lines(result), *shed_lines(result), *idle_lines(result)]
+             *untimed_lines(result), *side_by_side_lines(result), *shed_lines(result),
+             *idle_lines(result)]
     if result.get("comparison"):
         parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
@@ -126,6 +127,13 @@ def _accuracy_section(result: dict) -> list[str]:
               "run's own answers on its images (PNG over HTTP is lossless: the same answers "
               "as in process).", ""]
     return lines
+
+
+def untimed_lines(result: dict) -> list[str]:
+    """A line per strategy a transport of the run could not time, and why."""
+    return [f"{label(key)} not timed {'in process' if t == 'inprocess' else 'over ' + t}: {why}"
+            for key, s in result.get("strategies", {}).items()
+            for t, why in (s.get("untimed_transports") or {}).items()]
 
 
 def shed_lines(result: dict) -> list[str]:
@@ -277,7 +285,7 @@ def render_markdown(result: dict) -> str:
         "## Latency (ms, one image per request)",
         "",
         *_latency_tables(result),
-        *[line for x in side_by_side_lines(result) + shed_lines(result)
+        *[line for x in untimed_lines(result) + side_by_side_lines(result) + shed_lines(result)
           for line in (x + ".", "")],
         *_summary_lines(result),
         *(comparison_markdown(result["comparison"]) if result.get("comparison") else []),

@@ -31,6 +31,7 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 
 from ..imaging import decode_image
+from ..serve_run import check_serve_settings
 from ..settings import BACKENDS, GatewaySettings
 from .client import HttpClientProcess
 from ..build import free_ports
@@ -97,6 +98,8 @@ def gateway_settings(*, backend: str | None, deadline_s: float | None,
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
+    if settings.backend == "ray-serve":
+        check_serve_settings(settings)  # now, not when the gateway exits with it
     return settings, extra
 
 
@@ -175,17 +178,16 @@ class LoadRun:
                  bar, progress: bool, request: dict[str, str] | None = None,
                  metrics: bool = True):
         """``gateway``: the server under load (a :class:`GatewayProcess`, or any object with its
-        ``url``, ``pid`` and ``died()``); ``expected``: each image's offline top-1 (empty: the
-        answers are not checked, as for the bare route); ``request``: the clients'
-        ``transport`` and ``model``
-        (default: PNG uploads); ``metrics``: whether the server has the gateway's
-        ``/metrics``."""
+        ``url``, ``pid``, ``serving_pid`` and ``died()``); ``expected``: each image's offline
+        top-1 (empty: the answers are not checked, as for the bare route); ``request``: the
+        clients' ``transport`` and ``model`` (default: PNG uploads); ``metrics``: whether the
+        server has the gateway's ``/metrics``."""
         self.gateway, self.procs, self.expected = gateway, procs, expected
         self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
         self.bar, self.progress = bar, progress
         self.request, self.metrics = dict(request or {}), metrics
         self.t0 = time.monotonic()
-        self.sampler = RssSampler(gateway.pid, self.t0, sample_s)
+        self.sampler = RssSampler(gateway.serving_pid, self.t0, sample_s, tree_of=gateway.pid)
         # Each client process starts at its own image, so they do not send the same ones.
         n, k = len(expected) or 1, len(procs)
         self.offsets = [int(o) for o in np.cumsum([0] + split(n, k))[:-1]]
@@ -288,7 +290,7 @@ class LoadRun:
         """``concurrency`` uploads of one large legal image always in flight: what decoding
         them costs the gateway at its peak (``VmHWM``, reset first), against what decoding
         every one at once would take."""
-        pid = self.gateway.pid
+        pid = self.gateway.serving_pid
         before = process_rss_bytes(pid)
         reset = reset_peak_rss(pid)
         plan = {"concurrency": concurrency, "seconds": seconds, "expected": [image["expected"]],
@@ -416,8 +418,8 @@ def run_load_bench(
             run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
                           timeout_s=timeout_s, sample_s=sample_s, bar=bar, progress=progress)
             run.sampler.sample("startup")
-            run.say(f"gateway pid {gateway.pid} ready at {gateway.url} in {gateway.startup_s} "
-                    f"s; its output: {gateway.log_path}")
+            run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
+                    f"{gateway.startup_s} s; its output: {gateway.log_path}")
             if warmup_s > 0:
                 phases["warmup"] = run.closed("warm-up", warmup_s)
             phases["soak"] = soak = run.closed("soak", soak_s)
@@ -445,10 +447,13 @@ def run_load_bench(
             for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
                 stopping.result()
     result["gateway"] = {"command": gateway.command(), "argv": gateway.argv,
-                         "env": gateway.env, "pid": gateway.pid, "url": gateway.url,
+                         "env": gateway.env, "pid": gateway.pid,
+                         "serving_pid": gateway.serving_pid, "url": gateway.url,
                          "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
                          "log": str(gateway.log_path)}
-    result["rss"] = {"unit": "MB (10^6 bytes)", "source": f"/proc/{gateway.pid}/status VmRSS",
+    result["rss"] = {"unit": "MB (10^6 bytes)",
+                     "source": f"/proc/{gateway.serving_pid}/status VmRSS",
+                     "sampled": gateway.sampled(),
                      "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
     result["phases"] = phases
     result["targets"] = evaluate_load_targets(result)

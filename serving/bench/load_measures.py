@@ -24,11 +24,14 @@ LAST_WINDOW_S = 60.0  # the soak's end, compared with its start
 
 class RssSampler:
     """The gateway's RSS over time: ``t`` in seconds since ``t0`` (the gateway ready), the
-    phase, the gateway process's own resident set and with its descendant processes (worker
+    phase, the resident set of process ``pid`` (the one serving the routes), and of process
+    ``tree_of`` (default: ``pid``; ``sensai serve``) with its descendant processes (worker
     processes of ``--backend processes``; a local Ray instance), in MB (10^6 bytes)."""
 
-    def __init__(self, pid: int, t0: float, period_s: float):
+    def __init__(self, pid: int | None, t0: float, period_s: float, *,
+                 tree_of: int | None = None):
         self.pid, self.t0, self.period_s = pid, t0, period_s
+        self.tree_of = tree_of or pid
         self.samples: list[dict[str, Any]] = []
         self.next_due = t0
 
@@ -43,8 +46,9 @@ class RssSampler:
         rss = process_rss_bytes(self.pid)
         if rss is None:
             return None
-        others = [process_rss_bytes(p) for p in descendant_pids(self.pid)]
-        tree = rss + sum(r for r in others if r)
+        root = rss if self.tree_of == self.pid else process_rss_bytes(self.tree_of) or 0
+        others = [process_rss_bytes(p) for p in descendant_pids(self.tree_of)]
+        tree = root + sum(r for r in others if r)
         s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
              "tree_rss_mb": round(tree / 1e6, 2), "processes": 1 + sum(1 for r in others if r)}
         self.samples.append(s)

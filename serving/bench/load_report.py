@@ -62,13 +62,23 @@ def server_rows(result: dict) -> list[list[str]]:
     return rows
 
 
+def _sampled(result: dict) -> str:
+    """Which process's memory the RSS figures are, when it is not ``sensai serve``'s own."""
+    gw, sampled = result["gateway"], result["rss"].get("sampled") or {}
+    if gw.get("serving_pid") in (None, gw["pid"]):
+        return ""
+    return f"; the RSS figures are pid {gw['serving_pid']}'s, {sampled.get('process')}"
+
+
 def rss_rows(result: dict) -> list[list[str]]:
     rss = (result["phases"].get("soak") or {}).get("rss") or {}
     # The descendants' row only when the gateway had child processes (not the local backend).
     children = any(s["processes"] > 1 for s in result["rss"]["samples"])
     rows = []
-    for key, label in (("gateway", "gateway process"),
-                       ("with_descendants", "with its descendant processes")):
+    elsewhere = bool(_sampled(result))
+    for key, label in (("gateway", "serving process" if elsewhere else "gateway process"),
+                       ("with_descendants", "sensai serve with its descendant processes"
+                        if elsewhere else "with its descendant processes")):
         g = rss.get(key)
         if g is None or (key == "with_descendants" and not children):
             continue
@@ -150,7 +160,8 @@ def render_markdown(result: dict) -> str:
         "",
         f"Command: `{result.get('command') or 'run_load_bench(...)'}`",
         "",
-        f"Gateway: `{gw['command']}` (pid {gw['pid']}, its own process; ready in "
+        f"Gateway: `{gw['command']}` (pid {gw['pid']}, its own process{_sampled(result)}; "
+        f"ready in "
         f"{gw['startup_s']} s; exit status {gw['exit_code']} after SIGTERM at the end; log "
         f"`{Path(gw['log']).name}`).  Backend {st['backend']}, {len(result['groups'])} subnets, "
         f"deadline {g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "

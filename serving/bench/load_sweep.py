@@ -55,7 +55,7 @@ class PeerServer:
     """A peer (Triton) as :class:`~.load.LoadRun` watches a server: its URL, no process of ours
     to sample, no gateway ``/metrics``."""
 
-    pid = None
+    pid = serving_pid = None
 
     def __init__(self, peer):
         self.peer, self.url = peer, peer.url
@@ -113,14 +113,16 @@ def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
 
 
 def batching_counters(url: str) -> list[dict] | None:
-    """Each worker's batching counters, from the gateway's ``GET /v1/models``."""
+    """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
+    workers do not batch, as the Ray Serve application's replicas may not)."""
     try:
         body = httpx.get(f"{url}/v1/models", timeout=10.0).json()
     except (httpx.HTTPError, ValueError):
         return None
     workers = ((body.get("predictor") or {}).get("workers") or []) if isinstance(body, dict) \
         else []
-    return [{"name": w.get("name"), **(w.get("batching") or {})} for w in workers] or None
+    return [{"name": w.get("name"), **w["batching"]} for w in workers
+            if isinstance(w, dict) and w.get("batching")] or None
 
 
 class Sweep:
@@ -182,7 +184,8 @@ class Sweep:
         finally:
             gateway.stop()
         rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,
-                         "exit_code": gateway.exit_code, "log": str(gateway.log_path)}
+                         "exit_code": gateway.exit_code, "log": str(gateway.log_path),
+                         "sampled": gateway.sampled()}
         return rep
 
     def triton(self, onnx: Path, expected: list[int], threads: int) -> dict[str, Any]:

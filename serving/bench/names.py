@@ -15,9 +15,16 @@ LABELS = {"single": "single device", "model-parallel": "model parallel",
 # a server of its own and cannot host redundant copies or be fault-injected).
 BACKENDS = ("local", "processes", "ray")
 # ``sensai bench`` may also run class parallel on a tritonserver it starts (one Triton model per
-# subnet), and on several backends in one run: the first backend's strategy is "class-parallel",
+# subnet), as the Ray Serve application (``sensai serve --backend ray-serve``, started by the
+# run), and on several backends in one run: the first backend's strategy is "class-parallel",
 # each other one's "class-parallel@<backend>".
-BENCH_BACKENDS = (*BACKENDS, "triton")
+BENCH_BACKENDS = (*BACKENDS, "triton", "ray-serve")
+# The transports a backend's class parallel cannot be timed over, and why (bench.json says so).
+UNTIMED_TRANSPORTS = {"ray-serve": {
+    "inprocess": "the predictor lives in the Serve ingress replica, not in the benchmark's "
+                 "process",
+    "grpc": "the Serve application is reached through Serve's HTTP proxy only; its ingress "
+            "has no gRPC server"}}
 # The systems a user would pick instead, serving the original model, each started by the run
 # and measured over PEER_TRANSPORT (the one request all of them take) beside the strategies.
 PEERS = ("triton", "ray-serve")

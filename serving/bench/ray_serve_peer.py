@@ -9,32 +9,26 @@ replica's own timings, and the bare request the client times before each one
 (:class:`~sensai.serving.runners.OrtRunner`, ``threads`` intra-op threads), so the peer differs
 from sensai in the serving framework only.
 
-:func:`serve_original` starts Serve on the Ray instance this process is connected to (else a
-new local one), its proxy on 127.0.0.1; :meth:`RayServePeer.stop` deletes the application, then
-shuts Serve down, and Ray when this call started it.
+:func:`serve_original` runs it as sensai's own Serve application is run
+(:func:`~sensai.serving.serve_run.launch`): on the Ray instance this process is connected to
+(else a new local one), its proxy on 127.0.0.1; the :class:`~sensai.serving.serve_run.ServeRun`
+it returns stops it.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
 import numpy as np
-import ray
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sensai.errors import SensaiError
-from sensai.raycluster import connect, error_text
-
-from ..child import wait_ready
 from ..oip import HEADER_LENGTH, parse_infer_request
 from ..runners import OrtRunner
-
-log = logging.getLogger(__name__)
+from ..serve_run import ServeRun, launch
 
 APP = "sensai-bench-peer"
 LIVE = "/v2/health/live"
@@ -73,48 +67,11 @@ class OriginalModel:
             "parameters": {"timings_ms": json.dumps(timings)}})
 
 
-class RayServePeer:
-    def __init__(self, url: str, own_ray: bool):
-        self.url, self.own_ray, self.own_serve = url, own_ray, False
-
-    def stop(self) -> None:
-        if self.own_serve:
-            try:
-                serve.delete(APP)
-                serve.shutdown()
-            except Exception as e:  # best effort: Ray itself may already be gone
-                log.warning("stopping Ray Serve: %s", error_text(e))
-            self.own_serve = False
-        if self.own_ray:
-            ray.shutdown()
-            self.own_ray = False
-
-
 def serve_original(onnx: Path, *, threads: int, model: str, port: int,
-                    startup_timeout_s: float = 180.0) -> RayServePeer:
+                   startup_timeout_s: float = 180.0) -> ServeRun:
     """Serve ``onnx`` as ``model`` behind Serve's proxy at ``http://127.0.0.1:port``; returns
     once it answers.  The replica asks for no CPU, so it is placed whatever the run's other
     Ray workers hold."""
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    own_ray = connect()
-    peer = RayServePeer(f"http://127.0.0.1:{port}", own_ray)
-    try:
-        if serve.status().proxies:
-            # Its proxy's address is not ours to choose, and its applications not ours to stop.
-            raise SensaiError("Ray Serve already runs on this Ray cluster")
-        peer.own_serve = True
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = OriginalModel.options(ray_actor_options={"num_cpus": 0}).bind(
-            str(Path(onnx).resolve()), threads, model)
-        serve.run(app, name=APP, route_prefix="/")
-        wait_ready(peer.url + LIVE, startup_timeout_s, what="Ray Serve's proxy")
-        return peer
-    except SensaiError:
-        peer.stop()
-        raise
-    except Exception as e:
-        peer.stop()
-        raise SensaiError(f"Ray Serve: {error_text(e)}") from None
-    except BaseException:
-        peer.stop()
-        raise
+    return launch(lambda: (APP, OriginalModel.options(ray_actor_options={"num_cpus": 0}).bind(
+        str(Path(onnx).resolve()), threads, model)), host="127.0.0.1", port=port,
+        ready_path=LIVE, startup_timeout_s=startup_timeout_s)

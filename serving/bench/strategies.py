@@ -1,7 +1,8 @@
 """How ``sensai bench`` builds each strategy, and what each costs per worker: ``single`` (the
 original model on one worker), ``model-parallel`` (K contiguous stages on K workers),
 ``class-parallel`` (exactly the predictor ``sensai serve`` builds, ``class-parallel@<backend>``
-the same on each further backend) and ``data-parallel`` (R replicas).  The baselines run on the
+the same on each further backend; on ``ray-serve``, ``sensai serve --backend ray-serve`` itself,
+a process of its own) and ``data-parallel`` (R replicas).  The baselines run on the
 same thread workers as the default class-parallel backend, with the same runtime, device and
 threads; their ONNX files go to ``out/models``.  Each strategy is loaded under a
 :class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import httpx
 import torch
 
 from sensai.artifact import Artifact
@@ -25,15 +27,18 @@ from sensai.fsutil import sha256_file
 from sensai.models import count_params
 from sensai.stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
-from ..build import build_predictor, launch_triton
+from ..build import build_predictor, free_ports, launch_triton
 from ..contract import Predictor
 from ..predictor import worker_devices
 from ..runners import RunnerSpec, resolve_runtime, runner_specs
 from ..settings import GatewaySettings
 from .baselines import BASELINES, ModuleSpec, WorkerSet
+from .gateway_process import GatewayProcess
 from .harness import TestImages
 from .machine import MemoryProbe
-from .names import label
+from .names import UNTIMED_TRANSPORTS, label
+
+SERVE_STARTUP_S = 300.0  # Ray, Serve and the replicas start on a busy machine too
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +56,12 @@ class Recipe:
 @dataclass
 class Strategy:
     key: str
-    predictor: Predictor
+    predictor: Predictor | None  # None: served by a server of its own only (``url``)
     recipe: Recipe
     info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
-    stop: Callable[[], None] | None = None  # what it runs beside its predictor (a tritonserver)
+    # What it runs beside its predictor (a tritonserver), or instead of one (a gateway process).
+    stop: Callable[[], None] | None = None
+    url: str | None = None  # the gateway of a strategy without a predictor in this process
 
 
 def load_original(artifact: Artifact):
@@ -169,21 +176,66 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
             "threads": spec.threads, "worker": worker.get("name"), "node": worker.get("node")}
 
 
+def start_serve_pool(artifact: Artifact, *, device: str, runtime: str, threads: int,
+                     settings: GatewaySettings, ray_address: str | None,
+                     log_path: Path) -> GatewayProcess:
+    """Class parallel as the Ray Serve application: ``sensai serve ART --backend ray-serve``
+    in a process of its own on 127.0.0.1 (its own local Ray instance unless ``ray_address``),
+    with the run's device, runtime, threads and gateway settings; returns once it is ready."""
+    env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
+           "SENSAI_THREADS_PER_WORKER": str(threads), "SENSAI_MODEL_NAME": settings.model_name,
+           "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake}
+    if ray_address:
+        env["SENSAI_RAY_ADDRESS"] = ray_address
+    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend="ray-serve",
+                             deadline_s=settings.deadline_s, env=env, log_path=log_path)
+    try:
+        gateway.launch()
+        gateway.wait_ready(SERVE_STARTUP_S)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def served_workers(url: str) -> list[dict[str, Any]]:
+    """The workers a gateway describes (``GET /v1/models``), as a predictor's ``describe()``."""
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=30.0).json()["predictor"]["workers"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise SensaiError(f"the gateway at {url} did not describe its workers: {e}") from None
+
+
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
           threads: int, settings: GatewaySettings, ray_address: str | None = None,
-          key: str | None = None, spread_cores: bool = False) -> Strategy:
+          key: str | None = None, spread_cores: bool = False,
+          log_dir: Path | None = None) -> Strategy:
     """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
     recipe's) names class parallel on a further backend.  Backend ``triton``: a
-    ``tritonserver`` started for the artifact's subnets, stopped with the strategy."""
+    ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backend
+    ``ray-serve``: the Ray Serve application in a ``sensai serve`` process of its own
+    (:func:`start_serve_pool`, its log in ``log_dir``), stopped with the strategy and timed
+    over HTTP only (bench.json's ``untimed_transports`` says why)."""
     key = key or recipe.key
     parallel = recipe.key == "class-parallel"
     if parallel:
         devices = worker_devices(len(recipe.specs), device)
     else:
         devices = [s.device for s in recipe.specs]
-    triton = None
+    triton = gateway = None
     with MemoryProbe(devices) as probe:
-        if parallel:
+        if parallel and backend == "ray-serve":
+            gateway = start_serve_pool(artifact, device=device, runtime=runtime,
+                                       threads=threads, settings=settings,
+                                       ray_address=ray_address,
+                                       log_path=Path(log_dir or ".") / f"gateway-{key}.log")
+            try:
+                described = served_workers(gateway.url)
+            except BaseException:
+                gateway.stop()
+                raise
+            predictor = None
+        elif parallel:
             triton = launch_triton(artifact.root, threads=threads) if backend == "triton" else None
             try:
                 # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
@@ -218,4 +270,9 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
         "memory": probe.figures,
         "transports": {},
     }
+    if gateway is not None:
+        info["gateway"] = {"command": gateway.command(), "url": gateway.url,
+                           "startup_s": gateway.startup_s, "log": str(gateway.log_path)}
+        info["untimed_transports"] = dict(UNTIMED_TRANSPORTS[backend])
+        return Strategy(key, None, recipe, info, gateway.stop, gateway.url)
     return Strategy(key, predictor, recipe, info, triton.stop if triton else None)

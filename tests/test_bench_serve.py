@@ -1,0 +1,65 @@
+"""The Ray Serve application as a pool of the benchmarks: ``sensai bench-load --sweep --backend
+ray-serve`` and ``sensai bench --backend local ray-serve`` on a tiny artifact, each starting the
+real ``sensai serve --backend ray-serve`` (its own local Ray instance on 127.0.0.1) and driving
+it with real images over HTTP.  Only the shape of the outputs and the answers are checked, never
+a timing (the CPU is shared)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
+    """Every answer agrees with offline evaluation; the memory sampled is the Serve ingress
+    replica's, not the CLI's; the gateway stops with exit status 0."""
+    from sensai.serving.bench.load_sweep import run_load_sweep
+
+    out = tmp_path / "sweep"
+    run_load_sweep(tiny_artifact, out, configs=["class-parallel"], backend="ray-serve",
+                   levels=[1, 4], level_s=1.0, warmup_s=0.5, overload_s=1.0, images=12,
+                   deadline_s=20.0, max_requests=32, progress=False, command="test")
+    result = json.loads((out / "load.json").read_text())
+    assert result["settings"]["backend"] == "ray-serve"
+    c = result["configs"]["class-parallel"]
+    assert [r["concurrency"] for r in c["levels"]] == [1, 4]
+    for r in [*c["levels"], c["noop"]]:
+        assert r["ok"] == r["requests"] > 0 and r["wrong"] == 0 and r["errors"] == 0
+    assert c["overload"]["wrong"] == 0 and c["overload"]["requests"] > 0
+    server = c["server"]
+    assert "--backend ray-serve" in server["command"] and server["exit_code"] == 0
+    sampled = server["sampled"]
+    assert sampled["pid"] != sampled["tree_of"] and "Serve ingress replica" in sampled["process"]
+    assert "Ray Serve application 'sensai'" in (out / "gateway-class-parallel.log").read_text()
+
+
+@pytest.mark.slow
+def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_artifact,
+                                                                           tmp_path):
+    """class-parallel@ray-serve: timed over http-v2 against its proxy's bare route, its
+    answers those of the local pool on the same images; in process it is not timed, and
+    bench.json and bench.md say why."""
+    from sensai.serving.bench.latency import run_bench
+
+    out = tmp_path / "bench"
+    run_bench(tiny_artifact, out, strategies=["class-parallel"],
+              transports=["inprocess", "http-v2"], backend=["local", "ray-serve"], images=8,
+              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
+              progress=False, command="test")
+    result = json.loads((out / "bench.json").read_text())
+    local, serve = (result["strategies"][k] for k in ("class-parallel",
+                                                      "class-parallel@ray-serve"))
+    assert list(local["transports"]) == ["inprocess", "http-v2"]
+    assert list(serve["transports"]) == ["http-v2"]
+    assert set(serve["untimed_transports"]) == {"inprocess"}
+    assert "Serve ingress" in serve["untimed_transports"]["inprocess"]
+    rep = serve["transports"]["http-v2"]
+    assert rep["predictions"] == local["transports"]["http-v2"]["predictions"]
+    assert len(rep["floors_ms"]) == len(rep["latencies_ms"]) == result["settings"]["images"]
+    assert rep["throughput"]["answered"] == 8
+    assert serve["backend"] == "ray-serve" and len(serve["per_worker"]) == 5
+    assert "--backend ray-serve" in serve["gateway"]["command"]
+    md = (out / "bench.md").read_text()
+    assert "class parallel (sensAI, ray-serve pool) not timed in process" in md

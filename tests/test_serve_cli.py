@@ -1,0 +1,156 @@
+"""``sensai serve ART --backend ray-serve``: the real CLI running the Ray Serve application on a
+real local Ray instance, Serve's proxy on 127.0.0.1, called over HTTP with real images - answers
+equal offline evaluation at concurrency 1 and 16, the gateway's settings reach the application,
+a second start on the same cluster is refused, and SIGTERM stops it all with exit status 0.
+Flags the Serve application cannot honour are refused in one line before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
+                           wait_for_server, wait_until)
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def serve_cli(tiny_artifact):
+    """``sensai serve --backend ray-serve`` on a Ray instance of this test process (so the test
+    can look at Serve's state), with two settings from the environment."""
+    with local_ray(num_cpus=2) as gcs:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--backend",
+             "ray-serve", "--ray-address", gcs, "--port", str(port), "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=os.environ | {"SENSAI_MODEL_NAME": MODEL, "SENSAI_DEFAULT_TOP_K": "3",
+                            "SENSAI_DEADLINE_S": "30"})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_server(proc, url, timeout_s=300)
+            yield proc, url, gcs
+        finally:  # Serve's actors end with this Ray instance
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def predict(url: str, image) -> dict:
+    r = httpx.post(f"{url}/v1/predict", params={"top_k": 10}, content=png(image), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_answers_equal_offline_evaluation_one_at_a_time_and_16_at_once(
+        serve_cli, tiny_artifact, fmnist_test, fmnist_spec):
+    _, url, _ = serve_cli
+    _, images, _ = sample_images(fmnist_test, 16)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    n = len(images)
+
+    def scores(body: dict) -> list[float]:
+        got = {p["index"]: p["score"] for p in body["predictions"]}
+        return [got[k] for k in range(10)]
+
+    for i in range(4):
+        np.testing.assert_allclose(scores(predict(url, images[i])), expected[i], atol=2e-5)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: predict(url, images[i % n]), range(16)))
+    np.testing.assert_allclose([scores(a) for a in answers],
+                               [expected[i % n] for i in range(16)], atol=2e-5)
+
+
+def test_the_environment_settings_reach_the_application_and_its_ingress_serves(serve_cli,
+                                                                             fmnist_test):
+    """SENSAI_MODEL_NAME and SENSAI_DEFAULT_TOP_K, read by the CLI, are the Serve
+    application's; the routes are served by the Serve ingress replica, a process of the Ray
+    instance, not by the CLI."""
+    proc, url, _ = serve_cli
+    info = httpx.get(f"{url}/v1/models", timeout=30).json()
+    assert info["name"] == MODEL and info["predictor"]["backend"] == "ray-serve"
+    assert httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=30).status_code == 200
+    _, images, _ = sample_images(fmnist_test, 1)
+    r = httpx.post(f"{url}/v1/predict", content=png(images[0]), timeout=60)
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 3
+    assert info["pid"] != proc.pid and info["pid"] != os.getpid()
+    with open(f"/proc/{info['pid']}/cmdline", "rb") as f:
+        assert b"ServeReplica" in f.read()
+
+
+def test_a_second_start_on_a_cluster_that_runs_serve_is_refused(serve_cli, tiny_artifact):
+    _, _, gcs = serve_cli
+    r = subprocess.run([sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--backend",
+                        "ray-serve", "--ray-address", gcs, "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("sensai serve: error: Ray Serve already runs on this Ray cluster")
+    assert "Traceback" not in r.stderr
+
+
+def serve_actors() -> list[str]:
+    """The names of Serve's actors on this test's Ray instance (its controller, proxy and the
+    application's replicas)."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_")]
+
+
+def test_sigterm_stops_the_application_and_exits_0(serve_cli):
+    """Last of the module: it ends the server."""
+    proc, url, _ = serve_cli
+    actors = serve_actors()
+    assert "SERVE_CONTROLLER_ACTOR" in actors
+    assert any(a.startswith("SERVE_REPLICA::sensai#ServeIngress") for a in actors), actors
+    ingress = httpx.get(f"{url}/v1/models", timeout=30).json()["pid"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    wait_until(lambda: not serve_actors(), 60, "Serve's actors to end")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/v2/health/live", timeout=5)
+    wait_until(lambda: not os.path.exists(f"/proc/{ingress}"), 60, "the ingress replica to end")
+    err = proc.stderr.read().decode()
+    assert f"on {url}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, env, fragment", [
+    (["--grpc-port", "9001"], {}, "--grpc-port does not apply to --backend ray-serve"),
+    (["--spread-cores"], {}, "--spread-cores does not apply to --backend ray-serve"),
+    (["--restart-delay", "1"], {}, "--restart-delay does not apply to --backend ray-serve"),
+    (["--inject-delay", "0=fixed:5ms"], {}, "--inject-delay does not apply"),
+    ([], {"SENSAI_MAX_CONNECTIONS": "10"}, "SENSAI_MAX_CONNECTIONS does not apply"),
+    (["--triton-url", "127.0.0.1:1"], {}, "--triton-url does not apply"),
+])
+def test_what_the_serve_application_cannot_honour_is_refused_in_one_line(
+        tiny_artifact, capsys, monkeypatch, argv, env, fragment):
+    from sensai.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", str(tiny_artifact), "--backend", "ray-serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("sensai serve: error:")
+
+
+def test_predict_refuses_the_ray_serve_backend_in_one_line(tiny_artifact, fmnist_test, tmp_path,
+                                                           capsys):
+    from sensai.cli import main
+
+    _, images, _ = sample_images(fmnist_test, 1)
+    image = tmp_path / "x.png"
+    image.write_bytes(png(images[0]))
+    assert main(["predict", str(tiny_artifact), str(image), "--backend", "ray-serve"]) == 2
+    err = capsys.readouterr().err
+    assert "sensai serve ART --backend ray-serve" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
