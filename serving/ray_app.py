@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "sensai"
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
+HEALTH_HEADROOM = 8  # requests an ingress takes beyond what its admission holds (health checks)
+PROXY_QUEUE = 16  # requests Serve's proxy holds for a busy ingress before it refuses
 
 
 class RayAppArgs(BaseModel):
@@ -109,10 +111,11 @@ class ServeIngress:
         art = load_artifact(artifact)
         specs, placement = worker_plan(art, s)
         # The predictor connects to every worker before it returns, through handle calls that
-        # wait for their replicas: off the replica's event loop, where they may not block.
+        # wait for their replicas: in a thread, while this loop serves the calls.
         # Serve replaces dead replicas itself: no restart delay, no hang timeout of ours.
         self.predictor = await asyncio.to_thread(
-            ClassParallelPredictor, art, specs, ServeHandles(workers), placement,
+            ClassParallelPredictor, art, specs,
+            ServeHandles(workers, asyncio.get_running_loop()), placement,
             name=s.model_name, deadline_s=s.deadline_s, hedge_ms=s.hedge_ms,
             hang_timeout_s=None, batching=Batching(s.batch_max_rows, s.batch_delay_us))
 
@@ -176,12 +179,14 @@ def build_app(args: dict) -> serve.Application:
                                           ray_actor_options=per_worker[w]).bind(
             f"worker_{w:02d}", spec_dicts, w, s.keep_cores_awake))
     gateway_cpus = a.gateway_cpus if a.gateway_cpus is not None else min(1.0, base["num_cpus"])
-    # The ingress takes every request its own admission would (it answers the excess with a
-    # fast 503 and Retry-After, as `sensai serve` does): Serve's default of a few per replica
-    # would queue the rest in the proxy, unbounded, where no deadline or admission sees them.
-    # What the proxy still holds beyond that is bounded and refused with a 503 too.
+    # Serve's proxy must shed what the ingress would refuse anyway, and before it costs the
+    # hop to the ingress: under overload that hop, not the subnets, is what saturates first.
+    # So the ingress takes what the gateway's admission can hold - the predictor's requests
+    # and as many waiting for it, and a few more for health checks - and the proxy keeps a
+    # short queue in front of it, refusing the rest at once with a 503.
+    most = min(s.max_requests, 2 * s.max_predictions + HEALTH_HEADROOM)
     return ServeIngress.options(
         num_replicas=a.gateway_replicas, ray_actor_options={"num_cpus": gateway_cpus},
-        max_ongoing_requests=s.max_requests, max_queued_requests=s.max_requests,
+        max_ongoing_requests=most, max_queued_requests=PROXY_QUEUE,
         backpressure_config={"status_code": 503, "retry_after_s": 1}).bind(
         bound, artifact, s.model_dump())

@@ -98,7 +98,7 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
                                   "keep_cores_awake": "auto"}})
     ingress, (workers, artifact, settings) = bound(app)
     assert ingress.name == "ServeIngress"
-    assert ingress.max_ongoing_requests == ingress.max_queued_requests == 256
+    assert ingress.max_ongoing_requests == 2 * 32 + 8 and ingress.max_queued_requests == 16
     assert settings["redundancy"] == 1 and settings["deadline_s"] == 7
     hosted = []
     for w, worker in enumerate(workers):

@@ -13,6 +13,8 @@ waits for the replica Serve starts in its place, and reconnects.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import signal
 import threading
@@ -29,27 +31,33 @@ from .ray_actors import ChannelWorker
 class ServeWorker(ChannelWorker):
     transport = "ray-serve"
 
-    def __init__(self, *args, handle=None, **kwargs):
+    def __init__(self, *args, handle=None, loop: asyncio.AbstractEventLoop | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.handle = handle
+        self.loop = loop
         self._closing = threading.Event()
 
-    # Called from the supervisor's threads, never the ingress's event loop.
+    # A handle is used on the ingress's event loop only (Serve's routers may be bound to it);
+    # these are called from the supervisor's threads, and hand the call to that loop.
+    def _submit(self, method: str, *args) -> concurrent.futures.Future:
+        async def ask():
+            return await getattr(self.handle, method).remote(*args)
+
+        return asyncio.run_coroutine_threadsafe(ask(), self.loop)
+
     def call(self, method: str, *args, timeout: float):
-        return getattr(self.handle, method).remote(*args).result(timeout_s=timeout)
+        future = self._submit(method, *args)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def call_async(self, method: str, *args, done) -> None:
-        response = getattr(self.handle, method).remote(*args)
-
-        def wait() -> None:
-            try:
-                response.result()
-            except BaseException as e:  # the replica died (or Serve shut down)
-                done(e)
-                return
-            done(None)
-
-        threading.Thread(target=wait, daemon=True, name=f"{self.name}-watch").start()
+        # Cancelled: the ingress is stopping, which is no death of the worker.
+        self._submit(method, *args).add_done_callback(
+            lambda f: done(None if f.cancelled() else f.exception()))
 
     def wait_ready(self, timeout: float) -> None:
         """Serve starts the replicas itself (and replaces a dead one): a ping through the
@@ -97,14 +105,15 @@ class ServeHandles:
     name = "ray-serve"
     capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
 
-    def __init__(self, handles: Sequence):
+    def __init__(self, handles: Sequence, loop: asyncio.AbstractEventLoop):
         self.handles = list(handles)
+        self.loop = loop  # the ingress's, where the handles are used
         self.owner = os.urandom(8).hex()  # this ingress replica, to the workers
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
                ) -> ServeWorker:
         return ServeWorker(index, groups, specs, sink, handle=self.handles[index],
-                           owner=self.owner, **faults)
+                           loop=self.loop, owner=self.owner, **faults)
 
     def healthy(self) -> bool:
         return True
