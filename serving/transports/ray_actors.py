@@ -245,9 +245,11 @@ class ChannelWorker(ConnectionWorker):
     by a long-lived ``watch`` call.  Subclasses say how a call reaches the worker
     (:meth:`call`, :meth:`call_async`) and how it is started."""
 
-    def __init__(self, *args, owner: str = "", **kwargs):
+    def __init__(self, *args, owner: str = "", closing: threading.Event | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.owner = owner  # this gateway, to the worker (it may serve others too)
+        self._closing = closing or threading.Event()
         self.channel: str | None = None  # host:port of the worker's socket
         self._death: str | None = None
 
@@ -263,6 +265,17 @@ class ChannelWorker(ConnectionWorker):
         self.generation += 1
         self._death = None
         self.inc = Incarnation(self.generation)
+
+    def time_left(self, deadline: float, timeout: float) -> float:
+        """Seconds left to wait for the worker to load; :class:`SensaiError` when none are, or
+        the gateway is shutting down."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s "
+                              "(is the Ray cluster short of resources?)")
+        if self._closing.is_set():
+            raise SensaiError(f"{self.name}: shutting down")
+        return left
 
     def connect_channel(self, deadline: float) -> None:
         """Once the worker answers: open its socket for this gateway, connect, bring its fault
@@ -312,14 +325,13 @@ class RayActorWorker(ChannelWorker):
 
     transport = "ray"
 
-    def __init__(self, *args, actor_options: dict | None = None, closing=None,
-                 keep_awake: str = "off", **kwargs):
+    def __init__(self, *args, actor_options: dict | None = None, keep_awake: str = "off",
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.actor_options = dict(actor_options or {})
         self.keep_awake = keep_awake
         self.actor = None  # Ray owns the process
         self.actor_id: str | None = None
-        self._closing = closing or threading.Event()
         self.owner_nodes: dict[str, str] = {}  # node id -> address, filled by the transport
 
     def start(self) -> None:
@@ -354,12 +366,7 @@ class RayActorWorker(ChannelWorker):
         deadline = time.monotonic() + timeout
         ref = None
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SensaiError(f"{self.name} did not load its subnets within {timeout:g} s "
-                                  "(is the Ray cluster short of resources?)")
-            if self._closing.is_set():
-                raise SensaiError(f"{self.name}: shutting down")
+            left = self.time_left(deadline, timeout)
             if ref is None:
                 ref = self._control("ping").remote()
             try:

@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import threading
 import time
 from typing import Sequence
 
@@ -36,7 +35,6 @@ class ServeWorker(ChannelWorker):
         super().__init__(*args, **kwargs)
         self.handle = handle
         self.loop = loop
-        self._closing = threading.Event()
 
     # A handle is used on the ingress's event loop only (Serve's routers may be bound to it);
     # these are called from the supervisor's threads, and hand the call to that loop.
@@ -66,12 +64,7 @@ class ServeWorker(ChannelWorker):
 
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SensaiError(f"{self.name}: no replica answered within {timeout:g} s "
-                                  "(is the Ray cluster short of resources?)")
-            if self._closing.is_set():
-                raise SensaiError(f"{self.name}: shutting down")
+            left = self.time_left(deadline, timeout)
             try:
                 self.call("ping", timeout=min(left, 5.0))
                 break
