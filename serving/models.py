@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -187,7 +186,7 @@ class ServedModels:
         """Every model of the repository (or served) with each version's state, as the KServe
         repository extension's index."""
         rows = []
-        names = set(self.models)
+        names = {n for n, versions in self.models.items() if versions}
         if self.repository is not None and self.repository.is_dir():
             names |= set(repo_layout.model_names(self.repository))
         for name in sorted(names):
@@ -327,6 +326,7 @@ class ServedModels:
         for name in sorted(present | set(self.models)):
             try:
                 if name not in present:
+                    self.failures = {k: f for k, f in self.failures.items() if k[0] != name}
                     if self.models.get(name):
                         await self.unload(name)
                 elif self.changed(name):
@@ -362,8 +362,9 @@ class ServedModels:
 
 def give_back_memory() -> None:
     """Return the freed memory of an unloaded predictor to the system: glibc keeps freed heap
-    in its arenas otherwise, and the gateway's resident set would stay at its swap peak."""
-    gc.collect()
+    in its arenas otherwise, and the gateway's resident set would stay at its swap peak.
+    (No gc.collect() here: from a thread it ran finalizers of native objects off their own
+    threads.)"""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
