@@ -24,6 +24,7 @@ read their own parameters (so does FastAPI's per-request parameter solving).
 refer to per-app values, as objects.)
 """
 
+import asyncio
 import logging
 import os
 import time
@@ -49,11 +50,13 @@ from .admission import Admission
 from .contract import Predictor
 from .errors import InputError, ServingError
 from .imaging import decode_image, image_to_input, open_image
-from .inference import (INLINE_PARSE_BYTES, MODEL_VERSION, Gateway, check_model, count_error,
-                        predict, predictor_ready, v2_infer, v2_model_metadata, v2_server_metadata)
+from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, predict, server_ready,
+                        v2_infer, v2_model_metadata, v2_server_metadata, version_ready)
 from .metrics import GatewayMetrics
 from .middleware import GatewayMiddleware, json_bytes
-from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse
+from .models import ModelVersion, ServedModels
+from .repository_api import repository_routes
+from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse, VersionInfo
 from .settings import GatewaySettings
 from .wakeup import keep_cores_awake
 
@@ -78,14 +81,19 @@ GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 # answer.  The models below validate them (pydantic, as FastAPI would, so the same 422s) and
 # document them in the OpenAPI schema.
 
-def predict_query(num_classes: int) -> type[BaseModel]:
-    class PredictQuery(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-        top_k: int | None = Field(None, ge=1, le=num_classes, description="how many classes")
-        allow_partial: bool = Field(
-            False, description="when some classes have no live subnet copy, answer over the "
-                               "others (flagged degraded) instead of 503/504")
-    return PredictQuery
+class PredictQuery(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    top_k: int | None = Field(None, ge=1, description="how many classes (at most the model's)")
+    allow_partial: bool = Field(
+        False, description="when some classes have no live subnet copy, answer over the "
+                           "others (flagged degraded) instead of 503/504")
+    model: str | None = Field(None, description="the model (default: the server's default "
+                                                "model, or its only one)")
+    version: str | None = Field(None, description="the model's version (default: its highest "
+                                                  "ready version)")
+
+
+NO_QUERY = PredictQuery()
 
 
 class ModelPath(BaseModel):
@@ -142,7 +150,7 @@ def _error(request: Request, status: int, message: str, reason: str,
 def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError):
-        count_error(gw, exc, getattr(request.state, "request_id", "?"))
+        count_error(gw, exc)
         headers = ({"Retry-After": f"{max(1, round(exc.retry_after))}"}
                    if exc.retry_after is not None else None)
         return _error(request, exc.status, str(exc), type(exc).__name__, exc.subnet,
@@ -201,10 +209,10 @@ async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
         return await request.body()
 
 
-async def decode(gw: Gateway, data: bytes, deadline: float) -> np.ndarray:
-    """Image bytes -> the model's input; a thumbnail inline, anything larger in a thread, at
-    most one per core at a time."""
-    spec, limit, max_bytes = gw.predictor.spec, gw.max_pixels, gw.max_decoded_bytes
+async def decode(gw: Gateway, mv: ModelVersion, data: bytes, deadline: float) -> np.ndarray:
+    """Image bytes -> the input of model version ``mv``; a thumbnail inline, anything larger
+    in a thread, at most one per core at a time."""
+    spec, limit, max_bytes = mv.spec, mv.max_pixels, mv.max_decoded_bytes
     if len(data) <= INLINE_DECODE_BYTES:
         img = open_image(data, limit, max_bytes)  # the header only: bounded by the byte count
         if img.size[0] * img.size[1] <= INLINE_DECODE_PIXELS:
@@ -212,6 +220,14 @@ async def decode(gw: Gateway, data: bytes, deadline: float) -> np.ndarray:
         img.close()
     async with gw.admission.slot(gw.admission.decoding, deadline, "image decoding"):
         return await run_in_threadpool(decode_image, data, spec, limit, max_bytes)
+
+
+def version_info(mv: ModelVersion) -> VersionInfo:
+    spec = mv.spec
+    return VersionInfo(name=mv.name, version=mv.version, state=mv.state, dataset=spec.name,
+                       classes=list(spec.classes), input_shape=list(spec.input_shape),
+                       mean=list(spec.mean), std=list(spec.std),
+                       predictor=mv.predictor.describe())
 
 
 def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = None
@@ -229,10 +245,12 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
             for i in ranking(ranked, k)[0].tolist()]
 
 
-def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
+def create_app(served: Predictor | ServedModels, settings: GatewaySettings | None = None, *,
                close_predictor: bool = True) -> FastAPI:
-    """The gateway for ``predictor``; ``close_predictor``: close it when the app shuts down."""
+    """The gateway for one predictor (served as version 1 of its name) or for a table of
+    models; ``close_predictor``: close what it serves when the app shuts down."""
     settings = settings or GatewaySettings()
+    models = served if isinstance(served, ServedModels) else ServedModels.of(served, settings)
     try:
         version = package_version("sensai")
     except PackageNotFoundError:
@@ -241,17 +259,18 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                           max_predictions=settings.max_predictions,
                           body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s,
                           max_lag_s=settings.max_loop_lag_s)
-    gw = Gateway(predictor, settings, GatewayMetrics(), admission, version,
-                 settings.image_pixels(predictor.spec.input_shape),
-                 settings.decoded_bytes(predictor.spec.input_shape))
+    gw = Gateway(models, settings, models.metrics, admission, version)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        grpc = None
+        grpc = poller = None
         admission.start()
         try:
             try:
                 gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
+                await models.start()
+                if settings.model_control == "poll":
+                    poller = asyncio.create_task(models.poll_forever(settings.repository_poll_s))
             except SensaiError as e:
                 app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
                 raise
@@ -266,35 +285,41 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
                     raise
             yield
         finally:
+            if poller is not None:
+                poller.cancel()
             await admission.stop()
             if gw.cores_awake is not None:
                 gw.cores_awake.release()
             if grpc is not None:
                 await grpc.stop()
             if close_predictor:
-                await predictor.close()
+                await models.close()
 
     app = FastAPI(title="sensai gateway", version=version, lifespan=lifespan,
                   description="Class-parallel CNN inference (sensAI)", responses=ERROR_RESPONSES)
     app.state.gateway = gw
     app.add_middleware(GatewayMiddleware, gateway=gw)
     _install_error_handlers(app, gw)
-    classes = predictor.spec.classes
 
     # The prediction routes first: a request is matched against the routes in order.
-    PredictQuery = predict_query(len(classes))
-    no_query = PredictQuery()
-
     @app.post("/v1/predict", response_model=None,
               responses={200: {"model": PredictResponse, "description": "the prediction"}},
               openapi_extra=openapi_parameters((PredictQuery, "query")))
     async def predict_image(request: Request) -> Response:
         t0 = time.perf_counter()
-        query = query_params(request, PredictQuery, no_query)
+        query = query_params(request, PredictQuery, NO_QUERY)
         deadline = request.state.deadline
-        x = await decode(gw, await read_body(request, gw, image=True), deadline)
-        t1 = time.perf_counter()
-        pred = await predict(gw, x, query.allow_partial, deadline)
+        models.route(query.model, query.version)  # an unknown model is told before its upload
+        data = await read_body(request, gw, image=True)
+        async with models.hold(query.model, query.version) as mv:
+            classes = mv.spec.classes
+            if query.top_k is not None and query.top_k > len(classes):
+                raise InputError(f"query top_k: at most {len(classes)}, the classes of model "
+                                 f"{mv.name!r}", status=422)
+            x = await decode(gw, mv, data, deadline)
+            t1 = time.perf_counter()
+            pred = await predict(gw, mv, x, query.allow_partial, deadline,
+                                 request.state.request_id)
         rows = top_k_rows(pred.scores,
                           query.top_k or min(gw.settings.default_top_k, len(classes)),
                           classes, pred.covered_classes)
@@ -302,7 +327,8 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         timings["decode"] = round((t1 - t0) * 1e3, 3)
         timings["request"] = round((time.perf_counter() - t0) * 1e3, 3)
         best = rows[0]
-        body = {"request_id": request.state.request_id, "model": gw.predictor.name,
+        body = {"request_id": request.state.request_id, "model": mv.name,
+                "model_version": mv.version,
                 "label": best["label"], "index": best["index"], "score": best["score"],
                 "predictions": rows, "timings_ms": timings, "degraded": pred.degraded,
                 "covered_classes": pred.covered_classes,
@@ -319,7 +345,7 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         model_name, version = path["model_name"], path.get("version")
         if "version" not in path and request.scope.get("query_string"):
             version = request.query_params.get("version")
-        check_model(gw, model_name, version)
+        models.route(model_name, version)  # an unknown model is told before its body
         deadline = request.state.deadline
         body = await read_body(request, gw, image=False)
         encoding = request.headers.get("content-encoding")
@@ -331,25 +357,29 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
         else:
             async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
                 req = await run_in_threadpool(oip.decode_request, *args)
-        pred, outputs = await v2_infer(gw, req, deadline)
+        async with models.hold(model_name, version) as mv:
+            pred, outputs = await v2_infer(gw, mv, req, deadline, request.state.request_id)
         content, headers, media = oip.encode_infer_response(
-            model_name=gw.predictor.name, model_version=version or MODEL_VERSION,
-            request_id=req.id, outputs=outputs, parameters=oip.response_parameters(pred))
+            model_name=mv.name, model_version=mv.version, request_id=req.id, outputs=outputs,
+            parameters=oip.response_parameters(pred))
         return Response(content, headers=headers, media_type=media)
 
     @app.get("/", include_in_schema=False)
     async def index(gw: GatewayDep) -> dict:
-        return {"name": "sensai", "model": gw.predictor.name, "predict": "/v1/predict",
-                "kserve_v2": f"/v2/models/{gw.predictor.name}", "metrics": "/metrics",
-                "docs": "/docs"}
+        name = gw.models.default_name()
+        return {"name": "sensai", "model": name, "models": gw.models.names(),
+                "predict": "/v1/predict", "kserve_v2": f"/v2/models/{name or '{model}'}",
+                "metrics": "/metrics", "docs": "/docs"}
 
     @app.get("/v1/models", response_model=ModelInfo)
     async def model_info(gw: GatewayDep):
-        spec = gw.predictor.spec
-        return ModelInfo(name=gw.predictor.name, dataset=spec.name, classes=list(spec.classes),
-                         input_shape=list(spec.input_shape), mean=list(spec.mean),
-                         std=list(spec.std), predictor=gw.predictor.describe(),
-                         pid=os.getpid(),
+        served = [version_info(mv) for name in gw.models.names()
+                  for mv in gw.models.models[name].values()]
+        try:
+            default = version_info(gw.models.route(None)).model_dump()
+        except ServingError:
+            default = {}
+        return ModelInfo(**default, models=served, pid=os.getpid(),
                          cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
 
     @app.get("/metrics", include_in_schema=False)
@@ -368,23 +398,23 @@ def create_app(predictor: Predictor, settings: GatewaySettings | None = None, *,
 
     @app.get("/v2/health/ready")
     async def ready(request: Request, gw: GatewayDep):
-        if not await run_in_threadpool(predictor_ready, gw):
+        if not await run_in_threadpool(server_ready, gw):
             return _error(request, 503, "not ready", "not_ready")
         return {"ready": True}
 
     @app.get("/v2/models/{model_name}")
     @app.get("/v2/models/{model_name}/versions/{version}")
     async def model_metadata(gw: GatewayDep, model_name: str, version: str | None = None):
-        check_model(gw, model_name, version)
-        return v2_model_metadata(gw)
+        return v2_model_metadata(gw, gw.models.route(model_name, version))
 
     @app.get("/v2/models/{model_name}/ready")
     @app.get("/v2/models/{model_name}/versions/{version}/ready")
     async def model_ready(request: Request, gw: GatewayDep, model_name: str,
                           version: str | None = None):
-        check_model(gw, model_name, version)
-        if not await run_in_threadpool(predictor_ready, gw):
+        mv = gw.models.route(model_name, version)
+        if not await run_in_threadpool(version_ready, mv):
             return _error(request, 503, f"model {model_name!r} is not ready", "not_ready")
-        return {"name": model_name, "ready": True}
+        return {"name": model_name, "version": mv.version, "ready": True}
 
+    app.include_router(repository_routes())
     return app

@@ -6,9 +6,11 @@ loop (started and stopped by the app's lifespan when ``settings.grpc_port`` is s
 predictor, admission and whole-request deadline, and every inference goes through the gateway's
 own path (:func:`~sensai.serving.inference.v2_infer` -> :func:`~sensai.serving.inference.predict`):
 this module only converts messages and errors.  Implemented: ``ServerLive``, ``ServerReady``,
-``ModelReady``, ``ServerMetadata``, ``ModelMetadata`` and ``ModelInfer`` (tensors in
-``raw_input_contents`` or typed ``contents``; outputs always in ``raw_output_contents``); the
-other methods answer UNIMPLEMENTED.
+``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (tensors in
+``raw_input_contents`` or typed ``contents``; outputs always in ``raw_output_contents``) and the
+repository's ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload`` (asked for
+what HTTP asks, :func:`~sensai.serving.repository_api.check_access`); the other methods answer
+UNIMPLEMENTED.
 
 Errors map to status codes by their HTTP status (:data:`CODES`): 400 INVALID_ARGUMENT, 404
 NOT_FOUND, 413 RESOURCE_EXHAUSTED (what gRPC itself answers for a message over
@@ -36,13 +38,16 @@ from sensai.errors import SensaiError
 from . import oip
 from .contract import Prediction
 from .errors import InputError, Overloaded, ServingError
-from .inference import (INLINE_PARSE_BYTES, MODEL_VERSION, Gateway, check_model, count_error,
-                        predictor_ready, v2_infer, v2_model_metadata, v2_server_metadata)
+from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
+                        v2_model_metadata, v2_server_metadata, version_ready)
+from .models import ModelVersion
+from .repository_api import check_access
 
 log = logging.getLogger(__name__)
 
 SERVICE = "/inference.GRPCInferenceService/"
-CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+         403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
          415: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -144,10 +149,9 @@ def _raw(arr: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
 
 
-def infer_response(name: str, msg: pb.ModelInferRequest, pred: Prediction,
+def infer_response(mv: ModelVersion, msg: pb.ModelInferRequest, pred: Prediction,
                    outputs: list[tuple[str, np.ndarray, bool]]) -> pb.ModelInferResponse:
-    resp = pb.ModelInferResponse(model_name=name, model_version=msg.model_version or MODEL_VERSION,
-                                 id=msg.id)
+    resp = pb.ModelInferResponse(model_name=mv.name, model_version=mv.version, id=msg.id)
     for key, value in oip.response_parameters(pred).items():
         _set_parameter(resp.parameters[key], value)
     for out_name, arr, _ in outputs:
@@ -195,7 +199,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except SensaiError as e:
             exc = e if isinstance(e, ServingError) else InputError(str(e))
             status, reason = exc.status, type(e).__name__
-            count_error(gw, exc, f"gRPC {method}")
+            count_error(gw, exc)
             await self._abort(context, exc)
         except Exception as e:
             log.exception("gRPC %s failed", method)
@@ -233,13 +237,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request, context):
         async def work(_):
-            return pb.ServerReadyResponse(ready=await asyncio.to_thread(predictor_ready, self.gw))
+            return pb.ServerReadyResponse(ready=await asyncio.to_thread(server_ready, self.gw))
         return await self._serve("ServerReady", context, work, gated=False)
 
     async def ModelReady(self, request, context):
         async def work(_):
-            check_model(self.gw, request.name, request.version or None)
-            return pb.ModelReadyResponse(ready=await asyncio.to_thread(predictor_ready, self.gw))
+            mv = self.gw.models.route(request.name, request.version or None)
+            return pb.ModelReadyResponse(ready=await asyncio.to_thread(version_ready, mv))
         return await self._serve("ModelReady", context, work)
 
     async def ServerMetadata(self, request, context):
@@ -249,8 +253,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async def work(_):
-            check_model(self.gw, request.name, request.version or None)
-            m = v2_model_metadata(self.gw)
+            m = v2_model_metadata(self.gw, self.gw.models.route(request.name,
+                                                                request.version or None))
             return pb.ModelMetadataResponse(
                 name=m["name"], versions=m["versions"], platform=m["platform"],
                 inputs=_tensor_metadata(m["inputs"]), outputs=_tensor_metadata(m["outputs"]))
@@ -262,16 +266,51 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         gw = self.gw
 
         async def work(deadline: float):
-            check_model(gw, request.model_name, request.model_version or None)
+            name, version = request.model_name, request.model_version or None
+            gw.models.route(name, version)  # an unknown model is told before its parsing
             if typed_elements(request) <= INLINE_ELEMENTS:
                 req = infer_request(request, gw.settings.max_body_bytes)
             else:
                 async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
                     req = await asyncio.to_thread(infer_request, request,
                                                   gw.settings.max_body_bytes)
-            pred, outputs = await v2_infer(gw, req, deadline)
-            return infer_response(gw.predictor.name, request, pred, outputs)
+            async with gw.models.hold(name, version) as mv:
+                pred, outputs = await v2_infer(gw, mv, req, deadline, f"gRPC {req.id or ''}")
+            return infer_response(mv, request, pred, outputs)
         return await self._serve("ModelInfer", context, work)
+
+    # -- the model repository (KServe v2 repository extension, as Triton's)
+
+    def _check_access(self, context, changes: bool) -> None:
+        peer = context.peer() or ""  # "ipv4:127.0.0.1:51234", "ipv6:[::1]:51234"
+        host = peer.partition(":")[2].rpartition(":")[0]
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        check_access(self.gw.settings, client=host, authorization=auth, changes=changes)
+
+    async def RepositoryIndex(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=False)
+            rows = self.gw.models.index(ready_only=request.ready)
+            return pb.RepositoryIndexResponse(models=[
+                pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+        return await self._serve("RepositoryIndex", context, work, gated=False)
+
+    async def RepositoryModelLoad(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=True)
+            if request.parameters:
+                raise InputError("load takes no parameters: a new version is a new folder in "
+                                 "the repository")
+            await self.gw.models.load(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+        return await self._serve("RepositoryModelLoad", context, work, gated=False)
+
+    async def RepositoryModelUnload(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=True)
+            await self.gw.models.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+        return await self._serve("RepositoryModelUnload", context, work, gated=False)
 
 
 class GrpcServer:

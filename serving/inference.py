@@ -18,15 +18,15 @@ import numpy as np
 
 from . import oip
 from .admission import Admission
-from .contract import Prediction, Predictor
-from .errors import InputError, ModelNotFound, Overloaded, ServingError, SubnetFailed, SubnetTimeout
+from .contract import Prediction
+from .errors import InputError, Overloaded, ServingError, SubnetFailed, SubnetTimeout
 from .metrics import GatewayMetrics
+from .models import ModelVersion, ServedModels
 from .settings import GatewaySettings
 from .wakeup import CoresAwake
 
 log = logging.getLogger(__name__)
 
-MODEL_VERSION = "1"
 # v2 bodies above this are parsed in a thread, not on the event loop (the same bound for typed
 # gRPC contents, counted in 4-byte elements).
 INLINE_PARSE_BYTES = 64 * 1024
@@ -34,81 +34,85 @@ INLINE_PARSE_BYTES = 64 * 1024
 
 @dataclass
 class Gateway:
-    """One served predictor and what guards it: settings, metrics, admission."""
+    """The served models and what guards them all: settings, metrics, admission."""
 
-    predictor: Predictor
+    models: ServedModels
     settings: GatewaySettings
     metrics: GatewayMetrics
     admission: Admission
     version: str
-    max_pixels: int
-    max_decoded_bytes: int
     cores_awake: CoresAwake | None = None  # held from startup to shutdown
 
 
-async def predict(gw: Gateway, x: np.ndarray, allow_partial: bool, deadline: float
-                  ) -> Prediction:
-    """The one path from a checked input batch to a prediction, for every route."""
+async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: bool,
+                  deadline: float, request_id: str) -> Prediction:
+    """The one path from a checked input batch to a prediction by model version ``mv`` (held
+    by the caller), for every route."""
     adm = gw.admission
     gw.metrics.waiting.set(adm.waiting)
     async with adm.slot(adm.predicting, deadline, "prediction"):
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise SubnetTimeout("the request's deadline passed before its subnets were asked")
-        pred = await gw.predictor.predict(x, allow_partial=allow_partial, timeout_s=left)
+        try:
+            pred = await mv.predictor.predict(x, allow_partial=allow_partial, timeout_s=left)
+        except (SubnetFailed, SubnetTimeout) as e:
+            if e.subnet:
+                kind = "timeout" if isinstance(e, SubnetTimeout) else "failed"
+                gw.metrics.child(gw.metrics.subnet_errors, mv.name, mv.version, e.subnet,
+                                 kind).inc()
+                log.warning("request %s (model %s version %s): %s", request_id, mv.name,
+                            mv.version, e)
+            raise
     if not np.isfinite(pred.scores).all():
         raise InputError("the input drives the network out of float range (non-finite "
                          "scores): send normalized pixels")
-    gw.metrics.observe_prediction(pred.timings_ms, x.shape[0])
+    gw.metrics.observe_prediction(mv.name, mv.version, pred.timings_ms, x.shape[0])
     return pred
 
 
-async def v2_infer(gw: Gateway, req: oip.InferRequest, deadline: float
-                   ) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
+async def v2_infer(gw: Gateway, mv: ModelVersion, req: oip.InferRequest, deadline: float,
+                   request_id: str) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
     """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC)."""
-    x = oip.input_batch(req, gw.predictor.spec, gw.settings.max_batch)
-    pred = await predict(gw, x, oip.allow_partial(req), deadline)
-    return pred, oip.infer_outputs(req, pred.scores, gw.predictor.spec.classes,
-                                   pred.covered_classes)
+    x = oip.input_batch(req, mv.spec, gw.settings.max_batch)
+    pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id)
+    return pred, oip.infer_outputs(req, pred.scores, mv.spec.classes, pred.covered_classes)
 
 
-def count_error(gw: Gateway, exc: ServingError, request_id: str) -> None:
-    """The metrics and log line of a request that ended in ``exc`` (HTTP and gRPC alike)."""
-    if isinstance(exc, (SubnetFailed, SubnetTimeout)) and exc.subnet:
-        gw.metrics.subnet_errors.labels(exc.subnet, "timeout" if isinstance(exc, SubnetTimeout)
-                                        else "failed").inc()
-        log.warning("request %s: %s", request_id, exc)
+def count_error(gw: Gateway, exc: ServingError) -> None:
+    """The metrics of a request turned away (HTTP and gRPC alike)."""
     if isinstance(exc, Overloaded):
         gw.metrics.rejected.labels(exc.reason).inc()
     elif exc.status == 408:
         gw.metrics.rejected.labels("slow_body").inc()
 
 
-def check_model(gw: Gateway, model_name: str, version: str | None) -> None:
-    if model_name != gw.predictor.name:
-        raise ModelNotFound(f"unknown model {model_name!r}; this server serves "
-                            f"{gw.predictor.name!r}")
-    if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model {model_name!r} has no version {version!r} "
-                            f"(versions: {MODEL_VERSION})")
-
-
-def predictor_ready(gw: Gateway) -> bool:
+def version_ready(mv: ModelVersion) -> bool:
     try:
-        return bool(gw.predictor.is_ready())
+        return bool(mv.predictor.is_ready())
     except Exception:  # a probe that fails means "not ready", not an error
         return False
+
+
+def server_ready(gw: Gateway) -> bool:
+    """Whether every served model's current version would answer in full (and one is served)."""
+    names = gw.models.names()
+    try:
+        routed = [gw.models.route(n) for n in names]
+    except ServingError:
+        return False
+    return bool(routed) and all(version_ready(mv) for mv in routed)
 
 
 def v2_server_metadata(gw: Gateway) -> dict:
     return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
 
 
-def v2_model_metadata(gw: Gateway) -> dict:
-    spec = gw.predictor.spec
+def v2_model_metadata(gw: Gateway, mv: ModelVersion) -> dict:
+    spec = mv.spec
     return {
-        "name": gw.predictor.name,
-        "versions": [MODEL_VERSION],
+        "name": mv.name,
+        "versions": gw.models.ready_versions(mv.name),
         "platform": "sensai",
         "inputs": [{"name": oip.INPUT_NAME, "datatype": "FP32",
                     "shape": [-1, *spec.input_shape]}],

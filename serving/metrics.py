@@ -24,15 +24,20 @@ class GatewayMetrics:
         self.errors = Counter("sensai_request_errors", "requests answered with an error, by reason",
                               ["route", "status", "reason"], registry=r)
         self.inflight = Gauge("sensai_inflight_requests", "requests being served", registry=r)
+        # Per model version: a gateway may serve several (:mod:`.models`).
         self.predict_seconds = Histogram("sensai_predict_seconds",
                                          "time in the predictor (fan-out + merge)",
-                                         buckets=BUCKETS, registry=r)
+                                         ["model", "version"], buckets=BUCKETS, registry=r)
         self.subnet_seconds = Histogram("sensai_subnet_seconds",
                                         "per-subnet latency as seen by the gateway",
-                                        ["subnet"], buckets=BUCKETS, registry=r)
+                                        ["model", "version", "subnet"], buckets=BUCKETS,
+                                        registry=r)
         self.subnet_errors = Counter("sensai_subnet_errors", "subnet failures and timeouts",
-                                     ["subnet", "kind"], registry=r)
-        self.images = Counter("sensai_images", "images (batch rows) predicted", registry=r)
+                                     ["model", "version", "subnet", "kind"], registry=r)
+        self.images = Counter("sensai_images", "images (batch rows) predicted",
+                              ["model", "version"], registry=r)
+        self.ready = Gauge("sensai_model_ready", "1 while a model version takes requests",
+                           ["model", "version"], registry=r)
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
                                 "reason (max_requests, loop_lag, max_receiving, queue_full, "
                                 "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
@@ -60,13 +65,25 @@ class GatewayMetrics:
         self.child(self.requests, route, method, status).inc()
         self.child(self.request_seconds, route).observe(seconds)
 
-    def observe_prediction(self, timings_ms: dict[str, float], rows: int) -> None:
-        self.images.inc(rows)
+    def observe_prediction(self, model: str, version: str, timings_ms: dict[str, float],
+                           rows: int) -> None:
+        self.child(self.images, model, version).inc(rows)
         for k, v in timings_ms.items():
             if k == "total":
-                self.predict_seconds.observe(v / 1e3)
+                self.child(self.predict_seconds, model, version).observe(v / 1e3)
             elif k.startswith("subnet_"):
-                self.child(self.subnet_seconds, k).observe(v / 1e3)
+                self.child(self.subnet_seconds, model, version, k).observe(v / 1e3)
+
+    def model_ready(self, model: str, version: str, ready: bool) -> None:
+        self.child(self.ready, model, version).set(1 if ready else 0)
+
+    def forget_model(self, model: str, version: str) -> None:
+        """Drop an unloaded version's series (a version number may come back with new files);
+        every per-version series is made through :meth:`child`, so it knows them all."""
+        for key in [k for k in self._children if k[1][:2] == (model, version)]:
+            metric, labels = key
+            metric.remove(*labels)
+            del self._children[key]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,6 +28,8 @@ from .inference import Gateway
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Answered whatever the load: never queued, never turned away.
 UNGATED = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+# The repository API too: an operator swapping a model must get through an overload.
+UNGATED_PREFIX = "/v2/repository/"
 LIMIT_HINT = "(set SENSAI_MAX_BODY_BYTES)"
 
 # One encoder (json.dumps with any non-default argument builds a new one per call).
@@ -36,6 +38,10 @@ JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 def json_bytes(obj) -> bytes:
     return JSON.encode(obj).encode()
+
+
+def ungated(path: str) -> bool:
+    return path in UNGATED or path.startswith(UNGATED_PREFIX)
 
 
 def request_id(headers: dict[bytes, bytes]) -> str:
@@ -116,7 +122,7 @@ class GatewayMiddleware:
         headers = dict(scope.get("headers") or [])
         t0 = time.perf_counter()
         send = TaggedSend(send, self.start(scope, headers))
-        gated = scope.get("path") not in UNGATED
+        gated = not ungated(scope.get("path", ""))
         if gated and not self.gw.admission.admit():
             await self.refuse(scope, send)
             return
@@ -184,7 +190,7 @@ def early_gate(gw: Gateway):
     def gate(method: str, url: bytes) -> str | None:
         if not adm.full():
             return None
-        if url.split(b"?", 1)[0].decode("latin-1") in UNGATED:
+        if ungated(url.split(b"?", 1)[0].decode("latin-1")):
             return None
         reason, why = adm.refusal()
         metrics.rejected.labels(reason).inc()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ClassScore(BaseModel):
@@ -18,8 +18,10 @@ class ClassScore(BaseModel):
 
 
 class PredictResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
     request_id: str
     model: str
+    model_version: str = Field(description="the version of the model that answered")
     label: str = Field(description="top-1 label")
     index: int = Field(description="top-1 class index")
     score: float = Field(description="top-1 score")
@@ -49,14 +51,31 @@ class ErrorResponse(BaseModel):
         None, description="redundant serving: the classes no live subnet copy could answer")
 
 
-class ModelInfo(BaseModel):
+class VersionInfo(BaseModel):
     name: str
+    version: str
+    state: str = Field(description="READY, or UNLOADING while requests it holds finish")
     dataset: str
     classes: list[str]
     input_shape: list[int]
     mean: list[float]
     std: list[float]
-    predictor: dict[str, Any]
+    predictor: dict[str, Any] = Field(description="its workers: where each runs, what it hosts")
+
+
+class ModelInfo(BaseModel):
+    """What is served; the top-level model fields describe the version a request that names no
+    model goes to (absent when the server has several models and no default, or none)."""
+
+    name: str | None = None
+    version: str | None = None
+    dataset: str | None = None
+    classes: list[str] | None = None
+    input_shape: list[int] | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    predictor: dict[str, Any] | None = None
+    models: list[VersionInfo] = Field(description="every loaded version of every model")
     pid: int = Field(description="the id of the process serving these routes (on Ray Serve: "
                                  "the ingress replica's), on the gateway's machine")
     cores_awake: dict[str, Any] | None = Field(
@@ -67,7 +86,7 @@ class ModelInfo(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": desc} for code, desc in (
         (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf, out of range)"),
-        (404, "unknown model or version"),
+        (404, "unknown model or version, or no version of it ready"),
         (408, "the request body did not arrive within SENSAI_BODY_TIMEOUT_S or the request's "
               "deadline, whichever came first"),
         (413, "body over the size limit, or an image over the pixel or decoded-bytes limit"),

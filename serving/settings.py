@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sensai.errors import SensaiError
 
+from .repository import VersionPolicy
 from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
@@ -96,6 +97,18 @@ class GatewaySettings(BaseSettings):
         False, description="host tuning, opt-in (local backend): move a worker thread to "
                            "another core when it ran a request on the same core as another "
                            "worker of that request (sched_setaffinity)")
+    model_control: str = Field(
+        "none", pattern="^(none|explicit|poll)$",
+        description="a model repository's control API (/v2/repository/...): none (off), "
+                    "explicit (index, load, unload), poll (index; the files are watched)")
+    repository_poll_s: float = Field(15.0, gt=0, description="model_control poll: how often "
+                                     "the repository is looked at")
+    version_policy: str = Field("latest:1", description="which versions of each repository "
+                                "model are served: latest[:N], all, specific:V[,V...] (a model's "
+                                "own sensai-model.json overrides it)")
+    repository_token: str | None = Field(
+        None, min_length=16, description="a bearer token the repository API then asks for; "
+                                         "without one it answers loopback clients only")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(None, ge=0, le=65535,
@@ -118,6 +131,14 @@ class GatewaySettings(BaseSettings):
                              "subnets; Triton runs one model per subnet (use the local, "
                              "processes or ray backend)")
         return self
+
+    @field_validator("version_policy")
+    @classmethod
+    def known_policy(cls, v: str) -> str:
+        try:
+            return str(VersionPolicy.parse(v))
+        except SensaiError as e:
+            raise ValueError(str(e)) from None
 
     def image_pixels(self, input_shape) -> int:
         """The image size limit: as set, or the largest picture worth decoding for a model of

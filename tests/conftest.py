@@ -71,3 +71,15 @@ def tiny_artifact(tmp_path_factory, trained_model_dir):
     decompose(trained_model_dir, out, groups=5, config=DecomposeConfig(**TINY_DECOMPOSE),
               device="cpu", use_ray=False, eval_limit=500)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_g2(tmp_path_factory, trained_model_dir):
+    """A second decomposition of the same model (G=2): another version of it, for the model
+    repository's swaps."""
+    from sensai.pruning.decompose import DecomposeConfig, decompose
+
+    out = tmp_path_factory.mktemp("artifact") / "fmnist_g2"
+    decompose(trained_model_dir, out, groups=2, config=DecomposeConfig(**TINY_DECOMPOSE),
+              device="cpu", use_ray=False, eval_limit=200)
+    return out

@@ -325,7 +325,7 @@ def test_failing_subnet_gives_503_naming_it(faulty_gateway, good_tensor):
             body = assert_error(r, 503, "subnet_02", "worker_02")
             assert body["subnet"] == "subnet_02" and body["missing_classes"]
         text = c.get("/metrics").text
-        assert 'sensai_subnet_errors_total{kind="failed",subnet="subnet_02"} 2.0' in text
+        assert 'sensai_subnet_errors_total{kind="failed",model="sensai",subnet="subnet_02",version="1"} 2.0' in text
 
 
 def test_slow_subnet_gives_504_naming_it_and_no_hang(tiny_artifact, good_tensor):

@@ -247,7 +247,7 @@ def test_grpc_requests_are_in_the_gateway_metrics(client, gateway, batch):
     route = "/inference.GRPCInferenceService/ModelInfer"
     assert f'sensai_requests_total{{method="GRPC",route="{route}",status="200"}}' in text
     assert f'route="{route}",status="400"' in text  # the bad requests above
-    assert 'sensai_subnet_seconds_count{subnet="subnet_00"}' in text
+    assert 'sensai_subnet_seconds_count{model="sensai",subnet="subnet_00",version="1"}' in text
 
 
 def test_dead_worker_is_unavailable_naming_its_classes(tiny_artifact, batch, fmnist_spec):

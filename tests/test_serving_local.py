@@ -163,7 +163,7 @@ def test_metrics_and_model_info(client):
     assert info["predictor"]["workers"][0]["transport"] == "threads"
     text = client.get("/metrics").text
     assert 'sensai_request_seconds_bucket{le="0.005",route="/v1/predict"}' in text
-    assert 'sensai_subnet_seconds_count{subnet="subnet_00"}' in text
+    assert 'sensai_subnet_seconds_count{model="sensai",subnet="subnet_00",version="1"}' in text
     assert 'sensai_request_errors_total{reason="InputError",route="/v1/predict",status="415"}' in text
     assert "sensai_inflight_requests" in text
 

@@ -96,7 +96,9 @@ def register(sub) -> None:
                                    "gateway setting of the same meaning; unset options keep "
                                    "the SENSAI_* environment variable, else the default "
                                    "(deploy/README.md, 'Settings').")
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+    p.add_argument("artifact", metavar="ARTIFACT_OR_REPOSITORY",
+                   help="artifact directory written by 'sensai decompose', or a model repository "
+                        "(REPO/<model>/<version>/ each an artifact, see 'sensai export')")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -124,6 +126,22 @@ def register(sub) -> None:
     g.add_argument("--batch-delay-us", dest="batch_delay_us", type=float, default=None,
                    metavar="US", help="how long a request may wait for company (default: 0, "
                                       "only what is queued already is batched)")
+    g = p.add_argument_group(
+        "model repository", "Serving a repository: every model's versions as its version "
+                            "policy says; the control API loads, swaps and unloads them "
+                            "without a restart (deploy/README.md, 'Model repository').")
+    g.add_argument("--model-control", choices=("none", "explicit", "poll"), default=None,
+                   help="none: the repository as it was at start (default); explicit: the "
+                        "/v2/repository API loads and unloads; poll: the files are watched")
+    g.add_argument("--version-policy", default=None, metavar="POLICY",
+                   help="latest[:N] (default latest:1), all, or specific:V[,V...]; a model's "
+                        "sensai-model.json overrides it")
+    g.add_argument("--repository-poll", dest="repository_poll_s", type=float, default=None,
+                   metavar="SECONDS", help="--model-control poll: seconds between looks "
+                                           "(default 15)")
+    g.add_argument("--repository-token-file", default=None, metavar="FILE",
+                   help="the repository API then asks for this bearer token (the file's first "
+                        "line); without one it answers loopback clients only")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="the HTTP server's log level (default: info)")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
@@ -140,6 +158,14 @@ def register(sub) -> None:
     add_runtime_args(p)
     add_host_args(p)
     p.set_defaults(func=cmd_predict, flags=setting_flags(p))
+
+    p = sub.add_parser("export", help="add an artifact to a model repository as a new version")
+    p.add_argument("artifact", help="artifact directory")
+    p.add_argument("--repository", required=True, help="model repository (created if missing)")
+    p.add_argument("--model", required=True, help="the model's name in the repository")
+    p.add_argument("--version", type=int, default=None,
+                   help="version number (default: one above the model's highest)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("export-triton", help="write a Triton model repository for an artifact")
     p.add_argument("artifact", help="artifact directory")
@@ -167,11 +193,24 @@ def settings_from(args) -> GatewaySettings:
     """SENSAI_* environment variables, overridden by the flags given."""
     flags = getattr(args, "flags", {})
     given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    if getattr(args, "repository_token_file", None):
+        given["repository_token"] = read_token(args.repository_token_file)
     if getattr(args, "processes", False):
         if given.get("backend", "processes") != "processes":
             raise SensaiError(f"--processes means --backend processes, not {given['backend']}")
         given["backend"] = "processes"
     return load_settings(given, {**flags, "backend": "--backend"})
+
+
+def read_token(path: str) -> str:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SensaiError(f"--repository-token-file {path}: cannot read it ({e})") from None
+    if not lines or len(lines[0].strip()) < 16:
+        raise SensaiError(f"--repository-token-file {path}: its first line must hold a token "
+                          "of at least 16 characters")
+    return lines[0].strip()
 
 
 def injected_delays(items: list[str], workers: int) -> dict[int, str]:
@@ -194,19 +233,21 @@ def cmd_serve(args) -> int:
     from sensai.serving.app import create_app
     from sensai.serving.build import launch_triton
     from sensai.serving.placement import check_redundancy
-    from sensai.serving.server import run_uvicorn
+    from sensai.serving.repository import is_repository
 
     settings = settings_from(args)
+    if is_repository(args.artifact):
+        return serve_repository(args, settings)
+    if settings.model_control != "none":
+        raise SensaiError(f"--model-control {settings.model_control} needs a model repository "
+                          "(REPO/<model>/<version>/, see 'sensai export'), not one artifact")
     artifact = load_artifact(args.artifact)  # fails fast with one line
     workers = check_redundancy(len(artifact.subnets), settings.workers, settings.redundancy,
                                settings.vote)
     if settings.backend == "ray-serve":
         return serve_on_ray_serve(args, settings)
     delays = injected_delays(args.inject_delay, workers)
-    if settings.grpc_port:
-        check_port_free(settings.host, settings.grpc_port, "--grpc-port")
-    if settings.keep_cores_awake == "on":
-        keep_cores_awake("on").release()  # refused now, not after the subnets have loaded
+    check_gateway_host(settings)
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -220,22 +261,78 @@ def cmd_serve(args) -> int:
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
               f"{len(predictor.workers)} {predictor.transport.name} workers, redundancy "
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "
-              f"on http://{settings.host}:{settings.port}"
-              + (f" and gRPC port {settings.grpc_port}" if settings.grpc_port is not None
-                 else "") + f"\nplacement:\n{predictor.placement_table()}", file=sys.stderr)
-        app = create_app(predictor, settings)
-        try:
-            run_uvicorn(app, host=settings.host, port=settings.port,
-                        log_level=settings.log_level)
-        except SystemExit:  # uvicorn's exit when the app's startup (the gRPC server) failed
-            failed = getattr(app.state, "startup_error", None)
-            if failed is None:
-                raise
-            raise SensaiError(f"the gateway did not start: {failed}") from None
+              f"on {endpoints(settings)}\nplacement:\n{predictor.placement_table()}",
+              file=sys.stderr)
+        run_gateway(create_app(predictor, settings), settings)
     finally:
         if server is not None:
             server.stop()
     return 0
+
+
+def serve_repository(args, settings: GatewaySettings) -> int:
+    """``sensai serve REPO``: every model of a repository, each version with workers of its
+    own, loaded before the port opens; with model control, loaded and unloaded while serving."""
+    from sensai.serving.app import create_app
+    from sensai.serving.models import ServedModels
+    from sensai.serving.repository import VersionPolicy, model_names
+
+    if settings.backend in ("triton", "ray-serve"):
+        raise SensaiError(f"--backend {settings.backend} does not serve a model repository (use "
+                          "local, processes or ray; Triton has its own repository, Ray Serve "
+                          "updates an application in place)")
+    if args.inject_delay:
+        raise SensaiError("--inject-delay applies to one artifact, not a repository")
+    repo = Path(args.artifact)
+    if not model_names(repo) and settings.model_control == "none":
+        raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"
+                          "<version>/ holding an artifact; see 'sensai export')")
+    check_gateway_host(settings)
+    own_ray = False
+    if settings.backend == "ray":  # one Ray for every model's workers, not one per version
+        from sensai.raycluster import connect
+
+        own_ray = connect(settings.ray_address)
+    try:
+        models = ServedModels(
+            settings, repository=repo, policy=VersionPolicy.parse(settings.version_policy),
+            loader=lambda name, path: predictor_for(
+                path, settings.model_copy(update={"model_name": name})))
+        print(f"serving model repository {repo} ({settings.version_policy}, model control "
+              f"{settings.model_control}) on {endpoints(settings)}", file=sys.stderr)
+        run_gateway(create_app(models, settings), settings)
+    finally:
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+    return 0
+
+
+def check_gateway_host(settings: GatewaySettings) -> None:
+    """What can be refused before any worker starts, in one line."""
+    if settings.grpc_port:
+        check_port_free(settings.host, settings.grpc_port, "--grpc-port")
+    if settings.keep_cores_awake == "on":
+        keep_cores_awake("on").release()
+
+
+def endpoints(settings: GatewaySettings) -> str:
+    return f"http://{settings.host}:{settings.port}" + (
+        f" and gRPC port {settings.grpc_port}" if settings.grpc_port is not None else "")
+
+
+def run_gateway(app, settings: GatewaySettings) -> None:
+    """``app`` under uvicorn until SIGINT/SIGTERM; a failed startup is one line."""
+    from sensai.serving.server import run_uvicorn
+
+    try:
+        run_uvicorn(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    except SystemExit:  # uvicorn's exit when the app's startup failed
+        failed = getattr(app.state, "startup_error", None)
+        if failed is None:
+            raise
+        raise SensaiError(f"the gateway did not start: {failed}") from None
 
 
 def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
@@ -379,6 +476,15 @@ def print_latency(times_ms: list[float], what: str) -> None:
     print(f"{what}: {len(t)} requests, p50 {np.percentile(t, 50):.2f} ms, "
           f"p90 {np.percentile(t, 90):.2f} ms, p99 {np.percentile(t, 99):.2f} ms, "
           f"mean {t.mean():.2f} ms", file=sys.stderr)
+
+
+def cmd_export(args) -> int:
+    from sensai.serving.repository import add_version
+
+    version = add_version(args.repository, args.model, args.artifact, args.version)
+    print(f"wrote {Path(args.repository) / args.model / str(version)} (model {args.model!r} "
+          f"version {version})")
+    return 0
 
 
 def cmd_export_triton(args) -> int:
