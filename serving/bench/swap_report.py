@@ -293,8 +293,9 @@ def plot(result: dict, path: Path) -> None:
     if len(ms):
         ax.set_yscale("log")
     ax.set_ylabel("latency (ms, log)")
-    ax.set_title("each request's latency, by when it was answered and the version that "
-                 "answered (grey: swap windows; dotted: load request, dashed: its return)")
+    ax.set_title("each request's latency by when it was answered, one colour per version "
+                 "that answered\n(grey: swap windows; dotted: load request; dashed: its return)",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="upper left", markerscale=3)
     ax.grid(alpha=0.3)
 
