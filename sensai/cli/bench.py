@@ -78,6 +78,7 @@ def register(sub) -> None:
     _images_args(p, "real test images timed one at a time")
     register_robust(sub)
     register_load(sub)
+    register_swap(sub)
 
 
 def _parser(sub, name: str, func, *, help: str, description: str):
@@ -371,4 +372,79 @@ def cmd_bench_load_sweep(args) -> int:
     out = Path(args.out)
     print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} (server "
           f"output: {out}/gateway-*.log)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# sensai bench-swap: new versions swapped in under load
+
+
+def register_swap(sub) -> None:
+    from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
+
+    p = sub.add_parser(
+        "bench-swap", help="swap versions of a model in and out under a steady load",
+        description="Write ARTIFACT_A as version 1 of a model repository in --out, start "
+                    "'sensai serve REPO --model-control explicit' as a process of its own on "
+                    "127.0.0.1, and drive it with a closed loop of PNG uploads to /v1/predict "
+                    "from a client process for the whole run.  After a warm-up and a steady "
+                    "period, each swap writes the next version (ARTIFACT_B, ARTIFACT_A, ... in "
+                    "turn) into the repository and calls POST /v2/repository/models/NAME/load, "
+                    "then waits.  Reports per swap: errors, answers by version, latency p99 "
+                    "during the swap against the steady state, the time from the load request "
+                    "to the first answer by the new version, and the gateway's RSS before and "
+                    "after.  Writes swap.json, swap.md, swap.png and gateway.log to --out; "
+                    "stops the gateway in every case.")
+    p.add_argument("artifact", metavar="ARTIFACT_A",
+                   help="artifact directory written by 'sensai decompose': version 1, and every "
+                        "even swap")
+    p.add_argument("artifact_b", metavar="ARTIFACT_B",
+                   help="another artifact of the same model and dataset (e.g. another number "
+                        "of groups): every odd swap")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_bench_swap, parser=p)
+    p.add_argument("--model", default=None,
+                   help="the model's name in the repository (default: ARTIFACT_A's model)")
+    p.add_argument("--swaps", type=int, default=5, help="versions swapped in (default: "
+                                                         "%(default)s)")
+    p.add_argument("--concurrency", "-c", type=int, default=8,
+                   help="requests always in flight (default: %(default)s)")
+    p.add_argument("--warmup-seconds", type=float, default=5.0,
+                   help="load before the steady state, not counted (default: %(default)s)")
+    p.add_argument("--steady-seconds", type=float, default=10.0,
+                   help="steady state before the first swap: the latency to compare with "
+                        "(default: %(default)s)")
+    p.add_argument("--after-seconds", type=float, default=10.0,
+                   help="wait after each swap's load call returned (default: %(default)s)")
+    p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
+                   help="the gateway's backend, as for 'sensai serve' (default: local, or "
+                        "$SENSAI_BACKEND)")
+    p.add_argument("--sample-seconds", type=float, default=0.5,
+                   help="RSS sampling period (default: %(default)s)")
+    p.add_argument("--load-timeout", type=float, default=600.0,
+                   help="seconds a load call may take (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="seconds the gateway may take to become ready (default: %(default)s)")
+    p.add_argument("--keep-repo", action="store_true",
+                   help="keep the model repository written in --out (default: removed at the "
+                        "end)")
+    _images_args(p, "real test images, sent in turn")
+
+
+def cmd_bench_swap(args) -> int:
+    from sensai.serving.bench.swap import run_swap_bench
+    from sensai.serving.bench.swap_report import render_table
+
+    result = run_swap_bench(
+        args.artifact, args.artifact_b, args.out, model=args.model, swaps=args.swaps,
+        concurrency=args.concurrency, warmup_s=args.warmup_seconds,
+        steady_s=args.steady_seconds, after_s=args.after_seconds, backend=args.backend,
+        sample_s=args.sample_seconds, load_timeout_s=args.load_timeout, images=args.images,
+        data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
+        keep_repo=args.keep_repo, command=command_line(args),
+        progress=not args.no_progress)
+    print(render_table(result))
+    out = Path(args.out)
+    print(f"\nwrote {out / 'swap.json'}, {out / 'swap.md'}, {out / 'swap.png'} "
+          f"(gateway output: {out / 'gateway.log'})")
     return 0

@@ -326,18 +326,23 @@ def live_request(url: str) -> bytes:
     return f"GET {LIVE} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n\r\n".encode()
 
 
-def _answer(headers: dict[bytes, bytes], body: bytes) -> int:
-    """The class of a 200 answer: a JSON ``index``, or a KServe v2 binary answer's."""
+def _answer(headers: dict[bytes, bytes], body: bytes) -> tuple[int, str | None]:
+    """The class of a 200 answer and the model version that answered (None when it names
+    none): a JSON ``index`` and ``model_version``, or a KServe v2 binary answer's."""
     if V2_HEADER.encode() in headers or b"octet-stream" in headers.get(b"content-type", b""):
-        return _v2_answer(body, headers.get(V2_HEADER.encode()))[0]
-    return json.loads(body)["index"]
+        length = headers.get(V2_HEADER.encode())
+        head = json.loads(body[:int(length or len(body))])
+        return _v2_answer(body, length)[0], head.get("model_version")
+    answer = json.loads(body)
+    return answer["index"], answer.get("model_version")
 
 
 async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.inf,
                      count: int | None = None, concurrency: int = 0, rate: float = 0.0,
                      connections: int = 0, preopen: int = 0, expected: list[int] | None = None,
                      timeout_s: float = TIMEOUT_S, first: int = 0,
-                     strict: bool = False) -> dict[str, Any]:
+                     strict: bool = False, answers: bool = False,
+                     stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """The load generator: ``requests`` (whole HTTP requests, sent in turn) for ``seconds`` or
     ``count`` requests, closed loop (``concurrency`` requests always in flight) or, given
     ``rate``, open loop (a request every 1/rate s whatever the answers; ``preopen`` connections
@@ -347,12 +352,17 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     counted in ``failures``); ``wrong``: 200 answers whose top-1 is not ``expected[image]``;
     open loop: ``lag_ms``, how late each request got a connection and left, and
     ``sent_in_time``, how many left before the end.  ``strict``: an answer other than 200, or a
-    503 with Retry-After (the server's admission), raises instead of being counted."""
+    503 with Retry-After (the server's admission), raises instead of being counted.
+    ``answers``: also per request the ``image`` sent, and of a 200 answer its top-1 ``index``
+    and the ``version`` that answered (None otherwise).  ``stop()`` true ends a closed loop
+    early: each caller sends no more requests once its last is answered."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     live = live_request(url)
     out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
                            "wrong": 0, "failures": {}}
+    if answers:
+        out |= {"image": [], "index": [], "version": []}
     images = itertools.count(first)
     budget = itertools.count() if count is None else iter(range(count))
     conns = [_Connection(host, port) for _ in range(concurrency or preopen or connections)]
@@ -360,15 +370,17 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
 
     async def one(conn: _Connection, due: float) -> int:
         j = next(images) % len(requests)
-        status = 0
+        status, index, version = 0, None, None
         try:
             async with asyncio.timeout(timeout_s):
                 status, headers, body = await conn.request(requests[j])
             if strict and status != 200 and not (status == 503 and b"retry-after" in headers):
                 raise RuntimeError(f"server at {url} answered {status}: "
                                    f"{body[:200].decode(errors='replace')}")
-            if status == 200 and expected is not None and _answer(headers, body) != expected[j]:
-                out["wrong"] += 1
+            if status == 200 and (expected is not None or answers):
+                index, version = _answer(headers, body)
+                if expected is not None and index != expected[j]:
+                    out["wrong"] += 1
         except (OSError, EOFError, TimeoutError) as e:
             if strict:
                 raise
@@ -381,10 +393,15 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
         out["t"].append(due)
         out["ms"].append((time.monotonic() - due) * 1e3)
         out["status"].append(status)
+        if answers:
+            out["image"].append(j)
+            out["index"].append(index)
+            out["version"].append(version)
         return status
 
     async def closed(conn: _Connection) -> None:
-        while (now := time.monotonic()) < end and next(budget, None) is not None:
+        while ((now := time.monotonic()) < end and not stop()
+               and next(budget, None) is not None):
             if not await one(conn, now):
                 await asyncio.sleep(0.05)  # no answer (server gone?): do not spin
 
@@ -432,9 +449,10 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     return out
 
 
-def _serve(conn, pngs: list[bytes], tensors: list[bytes] | None = None,
+def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,
            shape: list[int] | None = None) -> None:
-    """Body of the client process: answer the benchmark's requests until told to close."""
+    """Body of the client process: answer the benchmark's requests until told to close;
+    ``stop`` (an event) set ends a closed-loop phase early."""
     client = _Client(pngs, tensors, shape)
     try:
         while True:
@@ -450,7 +468,8 @@ def _serve(conn, pngs: list[bytes], tensors: list[bytes] | None = None,
                     plan = dict(msg[2])
                     requests = client.requests(msg[1], plan.pop("transport", "http"),
                                                plan.pop("model", "sensai"))
-                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], **plan))))
+                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], stop=stop.is_set,
+                                                            **plan))))
                 else:
                     conn.send(("error", f"unknown request {msg[0]!r}"))
             except Exception as e:  # reported to the benchmark, which raises it there
@@ -471,7 +490,9 @@ class HttpClientProcess:
                  shape: list[int] | None = None):
         ctx = mp.get_context("spawn")  # never fork a process holding Ray, torch or uvicorn threads
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, list(pngs), tensors, shape),
+        self._stop = ctx.Event()
+        self.process = ctx.Process(target=_serve,
+                                   args=(child, self._stop, list(pngs), tensors, shape),
                                    daemon=True, name="sensai-bench-client")
         self.process.start()
         child.close()
@@ -500,8 +521,15 @@ class HttpClientProcess:
 
     def load(self, url: str, **plan) -> dict[str, Any]:
         """One phase of ``sensai bench-load``: :func:`load_phase`'s keywords and answer, and
-        ``transport`` and ``model`` (:meth:`_Client.requests`; default: PNG uploads)."""
+        ``transport`` and ``model`` (:meth:`_Client.requests`; default: PNG uploads).  A closed
+        loop runs until ``seconds`` have passed or :meth:`stop_load` is called."""
+        self._stop.clear()
         return self._ask("load", url, plan, timeout_s=float(plan["seconds"]) + 600.0)
+
+    def stop_load(self) -> None:
+        """Ends the closed loop :meth:`load` runs (from another thread): every caller finishes
+        its request in flight, then the phase answers."""
+        self._stop.set()
 
     def close(self) -> None:
         try:

@@ -1,5 +1,5 @@
-"""``sensai serve ART`` in a process (and session) of its own on 127.0.0.1, for the load
-benchmark: its resident set is its own, its output goes to a log, and it is always stopped
+"""``sensai serve ART`` (or a model repository) in a process (and session) of its own on
+127.0.0.1, for the load and swap benchmarks: its resident set is its own, its output goes to a log, and it is always stopped
 (SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM should the benchmark die), as
 :mod:`sensai.serving.child` starts and stops a server."""
 
@@ -13,7 +13,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import httpx
 
@@ -22,10 +22,13 @@ from .. import child
 
 class GatewayProcess:
     """``sensai serve ART`` on 127.0.0.1 in a process (and session) of its own; its output goes
-    to ``log_path``.  :meth:`start` waits until it is ready; :meth:`stop` always ends it."""
+    to ``log_path``.  ``artifact``: an artifact or a model repository; ``args``: more of
+    ``sensai serve``'s options (``--model-control explicit``).  :meth:`start` waits until it
+    is ready; :meth:`stop` always ends it."""
 
     def __init__(self, artifact: Path, *, port: int, backend: str | None,
-                 deadline_s: float | None, env: dict[str, str], log_path: Path):
+                 deadline_s: float | None, env: dict[str, str], log_path: Path,
+                 args: Sequence[str] = ()):
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [sys.executable, "-m", "sensai", "serve", str(artifact), "--host",
                      "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -33,6 +36,7 @@ class GatewayProcess:
             self.argv += ["--backend", backend]
         if deadline_s is not None:
             self.argv += ["--deadline", f"{deadline_s:g}"]
+        self.argv += list(args)
         self.backend = backend
         self.env = dict(env)
         self.log_path = log_path
