@@ -333,6 +333,8 @@ class ServedModels:
                     await self.load(name)
             except SensaiError as e:
                 log.warning("model %s: %s", name, e)
+            except OSError as e:  # files moved under the scan: the next look sees them settled
+                log.warning("model %s: %s", name, e)
 
     def changed(self, name: str) -> bool:
         """Whether model ``name``'s folder asks for other versions or files than it serves (a
@@ -350,7 +352,10 @@ class ServedModels:
     async def poll_forever(self, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # a repository that vanished for a moment must not end polling
+                log.exception("polling the model repository %s failed", self.repository)
 
     async def close(self) -> None:
         """Close every version's predictor (the server is stopping: nothing drains)."""
