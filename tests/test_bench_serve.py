@@ -14,12 +14,14 @@ import pytest
 @pytest.mark.slow
 def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     """Every answer agrees with offline evaluation; the memory sampled is the Serve ingress
-    replica's, not the CLI's; the gateway stops with exit status 0."""
+    replica's, not the CLI's; the gateway stops with exit status 0.  (No overload phase: the
+    Serve path's overload, 200s and 503s only, is tests/test_serving_ray.py's; here it would
+    wait out the client's timeout on requests Serve's proxy holds.)"""
     from sensai.serving.bench.load_sweep import run_load_sweep
 
     out = tmp_path / "sweep"
     run_load_sweep(tiny_artifact, out, configs=["class-parallel"], backend="ray-serve",
-                   levels=[1, 4], level_s=1.0, warmup_s=0.5, overload_s=1.0, images=12,
+                   levels=[1, 4], level_s=1.0, warmup_s=0.5, overload_s=0.0, images=12,
                    deadline_s=20.0, max_requests=32, progress=False, command="test")
     result = json.loads((out / "load.json").read_text())
     assert result["settings"]["backend"] == "ray-serve"
@@ -27,7 +29,7 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     assert [r["concurrency"] for r in c["levels"]] == [1, 4]
     for r in [*c["levels"], c["noop"]]:
         assert r["ok"] == r["requests"] > 0 and r["wrong"] == 0 and r["errors"] == 0
-    assert c["overload"]["wrong"] == 0 and c["overload"]["requests"] > 0
+    assert "skipped" in c["overload"]
     server = c["server"]
     assert "--backend ray-serve" in server["command"] and server["exit_code"] == 0
     sampled = server["sampled"]
