@@ -97,6 +97,12 @@ class ThreadWorker(WorkerHandle):
             inc.core.serve(inc.runs, emit, alive=lambda: not inc.abandoned)
         except BaseException as e:  # a bug in the loop: the worker is dead, say why
             detail = f"its thread failed: {type(e).__name__}: {e}"
+        finally:
+            # The runners (ONNX Runtime sessions, CUDA graphs) go with the thread that built
+            # them, now: the worker's objects hold each other in cycles, which only the cyclic
+            # GC would free, whenever it next runs a full collection.
+            inc.core = None
+            del runners
         if not (inc.stopped or inc.abandoned):
             self.sink.exited(self.index, inc.number, detail)
 
@@ -109,11 +115,11 @@ class ThreadWorker(WorkerHandle):
             return
         if type(msg) is Run:
             inc.runs.put(msg)
-        elif inc.core is not None:
+        elif (core := inc.core) is not None:
             if type(msg) is Skip:
-                inc.core.skip(msg)
+                core.skip(msg)
             elif type(msg) is Fault:
-                inc.core.fault(msg)
+                core.fault(msg)
 
     def probe(self, timeout: float) -> bool:
         inc = self._inc
@@ -129,8 +135,8 @@ class ThreadWorker(WorkerHandle):
             return None
         inc.abandoned = True
         inc.runs.put(Stop())  # an idle loop ends now; a busy one when its run returns
-        if inc.core is not None:
-            inc.core.skip_all()
+        if (core := inc.core) is not None:
+            core.skip_all()
         self.sink.exited(self.index, inc.number, "abandoned (killed)")
         return None
 
@@ -141,8 +147,8 @@ class ThreadWorker(WorkerHandle):
         inc.stopped = True
         inc.abandoned = True
         inc.runs.put(Stop())
-        if inc.core is not None:
-            inc.core.skip_all()
+        if (core := inc.core) is not None:
+            core.skip_all()
         if inc.thread is not None and inc.thread is not threading.current_thread():
             inc.thread.join(timeout)  # a thread stuck in a runner is a daemon: left behind
 
