@@ -21,7 +21,7 @@ from pathlib import Path
 from sensai.models import DEMO_MODEL
 
 DEMO_SAMPLES_PER_SUBNET = 100_000
-DEMO_EPOCHS = 2
+DEMO_EPOCHS = 3
 
 log = logging.getLogger(__name__)
 
