@@ -110,12 +110,13 @@ def alive_nodes() -> list[dict]:
     return sorted(out, key=lambda n: (not n["head"], n["address"] or "", n["id"]))
 
 
-def cluster_resources() -> tuple[float, float]:
-    """(CPUs, GPUs) of the connected cluster."""
+def cluster_resources(*, free_cpus: bool = False) -> tuple[float, float]:
+    """(CPUs, GPUs) of the connected cluster; ``free_cpus``: the CPUs no actor holds now."""
     import ray
 
     res = ray.cluster_resources()
-    return float(res.get("CPU", 0)), float(res.get("GPU", 0))
+    cpus = ray.available_resources().get("CPU", 0) if free_cpus else res.get("CPU", 0)
+    return float(cpus), float(res.get("GPU", 0))
 
 
 def share(total: float, parts: int) -> float:

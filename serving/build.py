@@ -106,7 +106,9 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     import ray  # heavy, only the ray backend needs it; imported after connect() set Ray up
 
     try:
-        cpus, gpus = cluster_resources()
+        # Sized by the CPUs free now: a model repository runs a new version's actors beside
+        # the old one's until the swap is done, and actors that cannot fit would wait, not fail.
+        cpus, gpus = cluster_resources(free_cpus=True)
         opts, ort_threads = actor_resources(n, cpus, gpus, device=device, cpus=ray_cpus)
         if "num_gpus" in opts and runtime != "onnx":
             for s in artifact.subnets:

@@ -108,7 +108,7 @@ class ServedModels:
         self.models: dict[str, dict[str, ModelVersion]] = {}
         self.failures: dict[tuple[str, str], Failure] = {}
         self.locks: dict[str, asyncio.Lock] = {}
-        self.retiring: set[asyncio.Task] = set()
+        self.loading: set[tuple[str, str]] = set()  # (name, version) being built or warmed
 
     @classmethod
     def of(cls, predictor: Predictor, settings: GatewaySettings) -> "ServedModels":
@@ -194,11 +194,14 @@ class ServedModels:
             for v in sorted(versions, key=int):
                 rows.append({"name": name, "version": v, "state": versions[v].state,
                              "reason": ""})
-            for (n, v), f in sorted(self.failures.items()):
+            for n, v in sorted(self.loading):
                 if n == name and v not in versions:
+                    rows.append({"name": name, "version": v, "state": LOADING, "reason": ""})
+            for (n, v), f in sorted(self.failures.items()):
+                if n == name and v not in versions and (n, v) not in self.loading:
                     rows.append({"name": name, "version": v, "state": UNAVAILABLE,
                                  "reason": f.reason})
-            if not versions and not any(n == name for n, _ in self.failures):
+            if not versions and not any(n == name for n, _ in [*self.failures, *self.loading]):
                 rows.append({"name": name, "version": "", "state": UNAVAILABLE,
                              "reason": "unloaded"})
         return [r for r in rows if r["state"] == READY] if ready_only else rows
@@ -261,16 +264,20 @@ class ServedModels:
         key = (name, version)
         t0 = time.perf_counter()
         log.info("loading model %s version %s from %s", name, version, path)
+        self.loading.add(key)
         try:
-            predictor = await asyncio.to_thread(self.loader, name, path)
-        except Exception as e:
-            return self.fail(key, stamp, e)
-        mv = self.version_of(name, version, predictor, path, stamp)
-        try:
-            await self.warm(mv)
-        except Exception as e:
-            await predictor.close()
-            return self.fail(key, stamp, e)
+            try:
+                predictor = await asyncio.to_thread(self.loader, name, path)
+            except Exception as e:
+                return self.fail(key, stamp, e)
+            mv = self.version_of(name, version, predictor, path, stamp)
+            try:
+                await self.warm(mv)
+            except Exception as e:
+                await predictor.close()
+                return self.fail(key, stamp, e)
+        finally:
+            self.loading.discard(key)
         self.failures.pop(key, None)
         old = self.models.get(name, {}).get(version)
         self.add(mv)  # routable from here on

@@ -174,8 +174,13 @@ def test_unloading_a_model_drains_the_requests_it_holds(tmp_path, tiny_artifact,
         after = httpx.post(f"{url}/v1/predict", content=png(images[0]))
         assert after.status_code == 404 and "no model" in after.json()["error"]
         assert httpx.get(f"{url}/v2/health/ready").status_code == 503
-        r = httpx.post(f"{url}/v2/repository/models/{MODEL}/load", timeout=60)
-        assert r.status_code == 200
+        with ThreadPoolExecutor(1) as pool:  # warming the slow version takes a while
+            load = pool.submit(httpx.post, f"{url}/v2/repository/models/{MODEL}/load",
+                               timeout=60)
+            wait_until(lambda: httpx.post(f"{url}/v2/repository/index").json()[0]["state"]
+                       == "LOADING", 30, "the index to say LOADING")
+            assert load.result().status_code == 200
+        assert httpx.post(f"{url}/v2/repository/index").json()[0]["state"] == "READY"
         assert httpx.post(f"{url}/v1/predict", content=png(images[0])).status_code == 200
 
 
@@ -335,4 +340,55 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
         r = httpx.post(f"{url}/v2/repository/models/{MODEL}/unload",
                        headers={"Authorization": "Bearer a-token-of-enough-length"})
         assert r.status_code == 200
+        assert stop_server(proc) == 0
+
+
+def test_a_repository_on_ray_actors_swaps_under_load(tmp_path, tiny_artifact, tiny_artifact_g2,
+                                                     images, expected):
+    """``sensai serve REPO --backend ray``: one Ray for every version's actors (the CLI's, so
+    unloading a version does not take Ray down with it); a swap under load loses nothing.  The
+    new version's actors start beside the old one's: ``--ray-cpus`` leaves room for both."""
+    repo = tmp_path / "repo"
+    add_version(repo, MODEL, tiny_artifact)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "sensai", "serve", str(repo), "--port", str(port),
+            "--backend", "ray", "--ray-cpus", "0.25", "--model-control", "explicit",
+            "--log-level", "warning"]
+    pngs = [png(x) for x in images]
+    with server_process(argv) as proc:
+        wait_for_server(proc, url, timeout_s=120)
+        stop, seen, errors = threading.Event(), [], []
+
+        def client() -> None:
+            with httpx.Client(base_url=url, timeout=30) as c:
+                i = 0
+                while not stop.is_set():
+                    r = c.post("/v1/predict", params={"top_k": 10}, content=pngs[i % len(pngs)])
+                    if r.status_code == 200:
+                        seen.append((r.json()["model_version"], i % len(pngs), r.json()))
+                    else:
+                        errors.append((r.status_code, r.text))
+                    i += 1
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        add_version(repo, MODEL, tiny_artifact_g2)
+        r = httpx.post(f"{url}/v2/repository/models/{MODEL}/load", timeout=120)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"{url}/v1/models").json()
+        assert errors == []
+        assert {v for v, _, _ in seen} == {"1", "2"}
+        source = {"1": tiny_artifact, "2": tiny_artifact_g2}
+        for version, i, body in seen:
+            np.testing.assert_allclose(scores_of(body), expected[source[version]][i], atol=1e-4)
+        assert [m["version"] for m in info["models"]] == ["2"]
+        assert info["predictor"]["backend"] == "ray" and len(info["predictor"]["workers"]) == 2
+        assert httpx.post(f"{url}/v1/predict", content=pngs[0]).json()["model_version"] == "2"
         assert stop_server(proc) == 0

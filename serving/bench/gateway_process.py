@@ -20,6 +20,16 @@ import httpx
 from .. import child
 
 
+def served(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """What a gateway says it serves (``GET /v1/models``): its process, every version's
+    workers; empty when it does not answer with a JSON object."""
+    try:
+        body = httpx.get(f"{url}/v1/models", timeout=timeout_s).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 class GatewayProcess:
     """``sensai serve ART`` on 127.0.0.1 in a process (and session) of its own; its output goes
     to ``log_path``.  ``artifact``: an artifact or a model repository; ``args``: more of
@@ -73,11 +83,8 @@ class GatewayProcess:
     def reported_pid(self) -> int | None:
         """The process that serves the gateway's routes, as the gateway reports it
         (``GET /v1/models``): ``sensai serve``'s own, or on Ray Serve the ingress replica's."""
-        try:
-            pid = httpx.get(f"{self.url}/v1/models", timeout=10.0).json().get("pid")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            pid = None
-        return pid if isinstance(pid, int) and not isinstance(pid, bool) else self.pid
+        pid = served(self.url).get("pid")
+        return pid if isinstance(pid, int) else self.pid
 
     def sampled(self) -> dict[str, Any]:
         """Which processes the benchmark samples: the one serving the routes, and the tree

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import httpx
 import numpy as np
 
 from sensai.artifact import load_artifact
@@ -26,7 +25,7 @@ from sensai.errors import CheckpointError, SensaiError
 
 from ..build import free_ports
 from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, sigterm_as_exit
+from .gateway_process import GatewayProcess, served, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load import LoadRun, gateway_settings, overload_cap
 from .load_single import original_as_artifact
@@ -115,12 +114,7 @@ def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
 def batching_counters(url: str) -> list[dict] | None:
     """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
     workers do not batch, as the Ray Serve application's replicas may not)."""
-    try:
-        body = httpx.get(f"{url}/v1/models", timeout=10.0).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    workers = ((body.get("predictor") or {}).get("workers") or []) if isinstance(body, dict) \
-        else []
+    workers = (served(url).get("predictor") or {}).get("workers") or []
     return [{"name": w.get("name"), **w["batching"]} for w in workers
             if isinstance(w, dict) and w.get("batching")] or None
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import httpx
 import torch
 
 from sensai.artifact import Artifact
@@ -33,7 +32,7 @@ from ..predictor import worker_devices
 from ..runners import RunnerSpec, resolve_runtime, runner_specs
 from ..settings import GatewaySettings
 from .baselines import BASELINES, ModuleSpec, WorkerSet
-from .gateway_process import GatewayProcess
+from .gateway_process import GatewayProcess, served
 from .harness import TestImages
 from .machine import MemoryProbe
 from .names import UNTIMED_TRANSPORTS, label
@@ -200,10 +199,10 @@ def start_serve_pool(artifact: Artifact, *, device: str, runtime: str, threads: 
 
 def served_workers(url: str) -> list[dict[str, Any]]:
     """The workers a gateway describes (``GET /v1/models``), as a predictor's ``describe()``."""
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=30.0).json()["predictor"]["workers"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise SensaiError(f"the gateway at {url} did not describe its workers: {e}") from None
+    workers = (served(url, timeout_s=30.0).get("predictor") or {}).get("workers")
+    if not isinstance(workers, list):
+        raise SensaiError(f"the gateway at {url} did not describe its workers (GET /v1/models)")
+    return workers
 
 
 def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,

@@ -199,8 +199,9 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
         log.warning("Ray cluster has %g CPUs for %d workers%s: %.2f CPU each", cluster_cpus,
                     workers, f" and {others} other replica(s)" if others else "", per)
     if workers * per + others * min(1.0, per) > cluster_cpus + 1e-9:
-        raise SensaiError(f"{workers} workers with {per:g} CPUs each do not fit the Ray "
-                          f"cluster's {cluster_cpus:g} CPUs; lower --ray-cpus (ray_cpus)")
+        raise SensaiError(f"{workers} workers with {per:g} CPUs each do not fit the "
+                          f"{cluster_cpus:g} CPUs free on the Ray cluster; lower --ray-cpus "
+                          "(ray_cpus; a model repository's swap runs two versions at once)")
     opts: dict[str, Any] = {"num_cpus": per}
     if use_gpu:
         whole = int(cluster_gpus)  # Ray's GPUs are whole devices
