@@ -110,13 +110,12 @@ def alive_nodes() -> list[dict]:
     return sorted(out, key=lambda n: (not n["head"], n["address"] or "", n["id"]))
 
 
-def cluster_resources(*, free_cpus: bool = False) -> tuple[float, float]:
-    """(CPUs, GPUs) of the connected cluster; ``free_cpus``: the CPUs no actor holds now."""
+def cluster_resources() -> tuple[float, float]:
+    """(CPUs, GPUs) of the connected cluster."""
     import ray
 
     res = ray.cluster_resources()
-    cpus = ray.available_resources().get("CPU", 0) if free_cpus else res.get("CPU", 0)
-    return float(cpus), float(res.get("GPU", 0))
+    return float(res.get("CPU", 0)), float(res.get("GPU", 0))
 
 
 def share(total: float, parts: int) -> float:

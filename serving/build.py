@@ -52,8 +52,8 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
                     seed: int = 0, ray_address: str | None = None, ray_cpus: float | None = None,
                     triton_url: str | None = None, trust_code: bool = False,
                     keep_awake: str = "off", spread_cores: bool = False,
-                    batch_max_rows: int = 8, batch_delay_us: float = 0.0
-                    ) -> ClassParallelPredictor:
+                    batch_max_rows: int = 8, batch_delay_us: float = 0.0,
+                    ray_share: float = 1.0) -> ClassParallelPredictor:
     """``workers`` (default G) workers on ``backend``, with ``redundancy`` extra copies of every
     group (``2r`` in vote mode); see :class:`ClassParallelPredictor` for the rest.  The keywords
     are :class:`GatewaySettings` fields and are validated as such (same bounds, same
@@ -62,7 +62,9 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     machine is the gateway's to hold); ``spread_cores``, whether the local backend's worker
     threads are moved apart (:mod:`.transports.spread`).  ``batch_max_rows`` /
     ``batch_delay_us``: how every worker batches the requests it finds waiting
-    (:class:`~sensai.serving.messages.Batching`; Triton's workers are batched by the server)."""
+    (:class:`~sensai.serving.messages.Batching`; Triton's workers are batched by the server).
+    ``ray_share``: the part of the Ray cluster's CPUs these workers may take (a model
+    repository gives each version half, so a swap's two versions fit at once)."""
     load_settings(dict(backend=backend, workers=workers, redundancy=redundancy, vote=vote,
                        hedge_ms=hedge_ms, restart_delay_s=restart_delay_s, ray_cpus=ray_cpus,
                        deadline_s=deadline_s, hang_timeout_s=hang_timeout_s, runtime=runtime,
@@ -106,9 +108,8 @@ def build_predictor(artifact_dir: str | Path, *, backend: str = "local", redunda
     import ray  # heavy, only the ray backend needs it; imported after connect() set Ray up
 
     try:
-        # Sized by the CPUs free now: a model repository runs a new version's actors beside
-        # the old one's until the swap is done, and actors that cannot fit would wait, not fail.
-        cpus, gpus = cluster_resources(free_cpus=True)
+        cpus, gpus = cluster_resources()
+        cpus *= ray_share
         opts, ort_threads = actor_resources(n, cpus, gpus, device=device, cpus=ray_cpus)
         if "num_gpus" in opts and runtime != "onnx":
             for s in artifact.subnets:

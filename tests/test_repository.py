@@ -347,14 +347,13 @@ def test_a_repository_on_ray_actors_swaps_under_load(tmp_path, tiny_artifact, ti
                                                      images, expected):
     """``sensai serve REPO --backend ray``: one Ray for every version's actors (the CLI's, so
     unloading a version does not take Ray down with it); a swap under load loses nothing.  The
-    new version's actors start beside the old one's: ``--ray-cpus`` leaves room for both."""
+    new version's actors start beside the old one's: each version is sized to half the CPUs."""
     repo = tmp_path / "repo"
     add_version(repo, MODEL, tiny_artifact)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "sensai", "serve", str(repo), "--port", str(port),
-            "--backend", "ray", "--ray-cpus", "0.25", "--model-control", "explicit",
-            "--log-level", "warning"]
+            "--backend", "ray", "--model-control", "explicit", "--log-level", "warning"]
     pngs = [png(x) for x in images]
     with server_process(argv) as proc:
         wait_for_server(proc, url, timeout_s=120)

@@ -24,6 +24,10 @@ from sensai.serving.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
 
+# On Ray, each version of a repository's model may take this part of the cluster's CPUs: a swap
+# runs the new version's actors beside the old one's, and actors that do not fit would wait.
+REPOSITORY_RAY_SHARE = 0.5
+
 
 # Every flag that sets a GatewaySettings field has that field as its ``dest`` and no default of
 # its own (None: not given), so the settings model keeps the one default and SENSAI_* variables
@@ -297,7 +301,8 @@ def serve_repository(args, settings: GatewaySettings) -> int:
         models = ServedModels(
             settings, repository=repo, policy=VersionPolicy.parse(settings.version_policy),
             loader=lambda name, path: predictor_for(
-                path, settings.model_copy(update={"model_name": name})))
+                path, settings.model_copy(update={"model_name": name}),
+                ray_share=REPOSITORY_RAY_SHARE))
         print(f"serving model repository {repo} ({settings.version_policy}, model control "
               f"{settings.model_control}) on {endpoints(settings)}", file=sys.stderr)
         run_gateway(create_app(models, settings), settings)

@@ -200,8 +200,8 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
                     workers, f" and {others} other replica(s)" if others else "", per)
     if workers * per + others * min(1.0, per) > cluster_cpus + 1e-9:
         raise SensaiError(f"{workers} workers with {per:g} CPUs each do not fit the "
-                          f"{cluster_cpus:g} CPUs free on the Ray cluster; lower --ray-cpus "
-                          "(ray_cpus; a model repository's swap runs two versions at once)")
+                          f"{cluster_cpus:g} CPUs they may take of the Ray cluster (a model "
+                          "repository's version: half); lower --ray-cpus (ray_cpus)")
     opts: dict[str, Any] = {"num_cpus": per}
     if use_gpu:
         whole = int(cluster_gpus)  # Ray's GPUs are whole devices
