@@ -480,15 +480,7 @@ def run_load_bench(
         with ThreadPoolExecutor(len(procs) + 1, thread_name_prefix="bench-load-stop") as pool:
             for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
                 stopping.result()
-    result["gateway"] = {"command": gateway.command(), "argv": gateway.argv,
-                         "env": gateway.env, "pid": gateway.pid,
-                         "serving_pid": gateway.serving_pid, "url": gateway.url,
-                         "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
-                         "log": str(gateway.log_path)}
-    result["rss"] = {"unit": "MB (10^6 bytes)",
-                     "source": f"/proc/{gateway.serving_pid}/status VmRSS",
-                     "sampled": gateway.sampled(),
-                     "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
+    result |= gateway.report(run.sampler.samples)
     result["phases"] = phases
     result["targets"] = evaluate_load_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)

@@ -260,14 +260,7 @@ def run_swap_bench(
                                      steady_start_s=steady_start,
                                      rss_samples=sampler.samples, expected=expected,
                                      failures=outs[0]["failures"])
-    result["gateway"] = {"command": gateway.command(), "argv": gateway.argv, "pid": gateway.pid,
-                         "serving_pid": gateway.serving_pid, "url": gateway.url,
-                         "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
-                         "log": str(gateway.log_path)}
-    result["rss"] = {"unit": "MB (10^6 bytes)",
-                     "source": f"/proc/{gateway.serving_pid}/status VmRSS",
-                     "sampled": gateway.sampled(),
-                     "t": "seconds since the gateway was ready", "samples": sampler.samples}
+    result |= gateway.report(sampler.samples)
     result["requests"] = {"t": [round(float(x), 4) for x in req["t"]],
                           "ms": [round(float(x), 3) for x in req["ms"]],
                           "status": [int(x) for x in req["status"]],
