@@ -23,15 +23,16 @@ TARGETS = ["soak_errors", "soak_rss_growth", "lean_gateway_rss", "overload_only_
 
 @pytest.fixture(scope="module")
 def load_run(tiny_artifact, tmp_path_factory):
-    from sensai.serving.bench.load import run_load_bench
+    from sensai.serving.bench.load import LoadOptions, run_load_bench
 
     out = tmp_path_factory.mktemp("load_out")
     # A small gateway (16 requests in flight, 2 in the predictor), so the overload meets its
     # limits with few connections.
-    result = run_load_bench(tiny_artifact, out, concurrency=2, clients=2, warmup_s=0.5,
-                            soak_s=3.0, overload_s=2.0, sample_s=0.5, images=12,
-                            deadline_s=2.0, max_requests=16, max_predictions=2,
-                            burst_s=2.0, burst_concurrency=6, progress=False, command="test")
+    options = LoadOptions(deadline_s=2.0, max_requests=16, max_predictions=2, clients=2,
+                          images=12, progress=False, command="test")
+    result = run_load_bench(tiny_artifact, out, options, concurrency=2, warmup_s=0.5,
+                            soak_s=3.0, overload_s=2.0, sample_s=0.5, burst_s=2.0,
+                            burst_concurrency=6)
     return out, result
 
 

@@ -22,14 +22,15 @@ SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50
 
 @pytest.fixture(scope="module")
 def sweep_run(tiny_artifact, tmp_path_factory):
+    from sensai.serving.bench.load import LoadOptions
     from sensai.serving.bench.load_sweep import run_load_sweep
 
     out = tmp_path_factory.mktemp("sweep_out")
-    result = run_load_sweep(tiny_artifact, out, configs=["class-parallel",
-                                                         "class-parallel-unbatched"],
-                            levels=[1, 16], level_s=1.0, warmup_s=0.5, overload_s=1.0,
-                            images=12, deadline_s=2.0, max_requests=32, progress=False,
-                            command="test")
+    options = LoadOptions(deadline_s=2.0, max_requests=32, images=12, progress=False,
+                          command="test")
+    result = run_load_sweep(tiny_artifact, out, options,
+                            configs=["class-parallel", "class-parallel-unbatched"],
+                            levels=[1, 16], level_s=1.0, warmup_s=0.5, overload_s=1.0)
     return out, result
 
 

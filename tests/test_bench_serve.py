@@ -17,12 +17,14 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     replica's, not the CLI's; the gateway stops with exit status 0.  (No overload phase: the
     Serve path's overload, 200s and 503s only, is tests/test_serving_ray.py's; here it would
     wait out the client's timeout on requests Serve's proxy holds.)"""
+    from sensai.serving.bench.load import LoadOptions
     from sensai.serving.bench.load_sweep import run_load_sweep
 
     out = tmp_path / "sweep"
-    run_load_sweep(tiny_artifact, out, configs=["class-parallel"], backend="ray-serve",
-                   levels=[1, 4], level_s=1.0, warmup_s=0.5, overload_s=0.0, images=12,
-                   deadline_s=20.0, max_requests=32, progress=False, command="test")
+    options = LoadOptions(backend="ray-serve", deadline_s=20.0, max_requests=32, images=12,
+                          progress=False, command="test")
+    run_load_sweep(tiny_artifact, out, options, configs=["class-parallel"], levels=[1, 4],
+                   level_s=1.0, warmup_s=0.5, overload_s=0.0)
     result = json.loads((out / "load.json").read_text())
     assert result["settings"]["backend"] == "ray-serve"
     c = result["configs"]["class-parallel"]

@@ -327,51 +327,41 @@ def register_load(sub) -> None:
 
 
 def cmd_bench_load(args) -> int:
-    from sensai.serving.bench.load import parse_env, run_load_bench
-    from sensai.serving.bench.load_report import render_table
+    from sensai.serving.bench.load import LoadOptions, parse_env
 
-    if args.sweep:
-        return cmd_bench_load_sweep(args)
-    result = run_load_bench(
-        args.artifact, args.out, backend=args.backend, concurrency=args.concurrency,
-        clients=args.clients,
-        warmup_s=30.0 if args.warmup_seconds is None else args.warmup_seconds,
-        soak_s=args.soak_seconds,
-        overload_s=60.0 if args.overload_seconds is None else args.overload_seconds,
-        overload_factor=args.overload_factor,
-        overload_rate=args.overload_rate, overload_connections=args.overload_connections,
-        burst_s=args.burst_seconds, burst_concurrency=args.burst_concurrency,
-        sample_s=args.sample_seconds, deadline_s=args.deadline, max_requests=args.max_requests,
-        max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
-        data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
-        command=command_line(args),
-        progress=not args.no_progress)
-    print(render_table(result))
-    out = Path(args.out)
-    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} "
-          f"(gateway output: {out / 'gateway.log'})")
-    return 0
-
-
-def cmd_bench_load_sweep(args) -> int:
-    from sensai.serving.bench.load import parse_env
-    from sensai.serving.bench.load_sweep import run_load_sweep
-    from sensai.serving.bench.load_sweep_report import render_table
-
-    result = run_load_sweep(
-        args.artifact, args.out, configs=args.configs, levels=args.levels,
-        level_s=args.level_seconds,
-        warmup_s=SWEEP_WARMUP_S if args.warmup_seconds is None else args.warmup_seconds,
-        overload_s=SWEEP_OVERLOAD_S if args.overload_seconds is None else args.overload_seconds,
-        overload_factor=args.overload_factor, clients=args.clients, transport=args.transport,
+    options = LoadOptions(
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
-        max_predictions=args.max_predictions, env=parse_env(args.env), images=args.images,
-        data_dir=args.data_dir, seed=args.seed, startup_timeout_s=args.startup_timeout,
-        command=command_line(args), progress=not args.no_progress)
-    print(render_table(result))
+        max_predictions=args.max_predictions, env=parse_env(args.env),
+        startup_timeout_s=args.startup_timeout, clients=args.clients,
+        overload_factor=args.overload_factor, images=args.images, data_dir=args.data_dir,
+        seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)
-    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} (server "
-          f"output: {out}/gateway-*.log)")
+    if args.sweep:
+        from sensai.serving.bench.load_sweep import run_load_sweep
+        from sensai.serving.bench.load_sweep_report import render_table
+
+        result = run_load_sweep(
+            args.artifact, out, options, configs=args.configs, levels=args.levels,
+            level_s=args.level_seconds,
+            warmup_s=SWEEP_WARMUP_S if args.warmup_seconds is None else args.warmup_seconds,
+            overload_s=(SWEEP_OVERLOAD_S if args.overload_seconds is None
+                        else args.overload_seconds), transport=args.transport)
+        logs = f"server output: {out}/gateway-*.log"
+    else:
+        from sensai.serving.bench.load import run_load_bench
+        from sensai.serving.bench.load_report import render_table
+
+        result = run_load_bench(
+            args.artifact, out, options, concurrency=args.concurrency,
+            warmup_s=30.0 if args.warmup_seconds is None else args.warmup_seconds,
+            soak_s=args.soak_seconds,
+            overload_s=60.0 if args.overload_seconds is None else args.overload_seconds,
+            overload_rate=args.overload_rate, overload_connections=args.overload_connections,
+            burst_s=args.burst_seconds, burst_concurrency=args.burst_concurrency,
+            sample_s=args.sample_seconds)
+        logs = f"gateway output: {out / 'gateway.log'}"
+    print(render_table(result))
+    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} ({logs})")
     return 0
 
 

@@ -1,7 +1,7 @@
 """``sensai serve ART`` (or a model repository) in a process (and session) of its own on
-127.0.0.1, for the load and swap benchmarks: its resident set is its own, its output goes to a log, and it is always stopped
-(SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM should the benchmark die), as
-:mod:`sensai.serving.child` starts and stops a server."""
+127.0.0.1, for the load and swap benchmarks: its resident set is its own, its output goes to a
+log, and it is always stopped (SIGTERM, then SIGKILL; with ``setpriv`` it also gets SIGTERM
+should the benchmark die), as :mod:`sensai.serving.child` starts and stops a server."""
 
 from __future__ import annotations
 
@@ -95,6 +95,18 @@ class GatewayProcess:
                 "the process serving the gateway's routes, as GET /v1/models reports it (with "
                 f"--backend {self.backend}: the Serve ingress replica), not the sensai serve "
                 "process"}
+
+    def report(self, rss_samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a result records of the gateway process (``gateway``) and of its memory as
+        sampled (``rss``)."""
+        return {"gateway": {"command": self.command(), "argv": self.argv, "env": self.env,
+                            "pid": self.pid, "serving_pid": self.serving_pid, "url": self.url,
+                            "startup_s": self.startup_s, "exit_code": self.exit_code,
+                            "log": str(self.log_path)},
+                "rss": {"unit": "MB (10^6 bytes)",
+                        "source": f"/proc/{self.serving_pid}/status VmRSS",
+                        "sampled": self.sampled(), "t": "seconds since the gateway was ready",
+                        "samples": rss_samples}}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

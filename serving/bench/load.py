@@ -20,6 +20,7 @@ import math
 import resource
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,8 +34,8 @@ from sensai.errors import SensaiError
 from ..imaging import decode_image
 from ..serve_run import check_serve_settings
 from ..settings import BACKENDS, GatewaySettings
-from .client import HttpClientProcess
 from ..build import free_ports
+from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
@@ -68,61 +69,112 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def gateway_settings(*, backend: str | None, deadline_s: float | None,
-                     max_requests: int | None, max_predictions: int | None,
-                     env: dict[str, str]) -> tuple[GatewaySettings, dict[str, str]]:
-    """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
-    overridden by ``env`` and the options), and the variables to add to its environment."""
-    extra = {}
-    for key, value in env.items():
-        name = key[len("SENSAI_"):].lower()
-        if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
-            raise SensaiError(f"--env {key}: not a gateway setting (e.g. SENSAI_MAX_PREDICTIONS, "
-                              "SENSAI_REDUNDANCY; see deploy/README.md)")
-        if key in OWN_SETTINGS:
-            raise SensaiError(f"--env {key}: set by the benchmark itself (use --backend and "
-                              "--deadline; the gateway listens on 127.0.0.1)")
-        extra[key] = str(value)
-    for key, value in (("SENSAI_MAX_REQUESTS", max_requests),
-                       ("SENSAI_MAX_PREDICTIONS", max_predictions)):
-        if value is not None:
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``sensai bench-load``'s soak and its sweep share: the gateway's settings
+    (``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``,
+    ``SENSAI_*``; unset ones from this environment as for ``sensai serve``) and how long it may
+    take to start; the ``clients`` processes sharing the load, the overload's multiple of the
+    measured throughput, the test images; the run's ``command`` and progress bar."""
+
+    backend: str | None = None
+    deadline_s: float | None = None
+    max_requests: int | None = None
+    max_predictions: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 180.0
+    clients: int = 2
+    overload_factor: float = 4.0
+    images: int = 200
+    data_dir: str | None = None
+    seed: int = 0
+    command: str | None = None
+    progress: bool = True
+
+    def check(self, *, ints: Sequence[tuple[str, Any, int]] = (),
+              numbers: Sequence[tuple[str, Any, bool]] = (),
+              choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+        """These options and a command's own (as :func:`~.harness.check_settings` takes them),
+        before anything is loaded."""
+        check_settings(
+            ints=(("--clients", self.clients, 1), ("--images", self.images, 1), *ints),
+            numbers=(*numbers, ("--overload-factor", self.overload_factor, False),
+                     ("--startup-timeout", self.startup_timeout_s, False)),
+            choices=choices)
+        if not Path("/proc/self/status").is_file():
+            raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
+                              "/proc: Linux only")
+
+    def gateway_settings(self) -> tuple[GatewaySettings, dict[str, str]]:
+        """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
+        overridden by ``env`` and the options), and the variables to add to its environment."""
+        extra = {}
+        for key, value in self.env.items():
+            name = key[len("SENSAI_"):].lower()
+            if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
+                raise SensaiError(f"--env {key}: not a gateway setting (e.g. "
+                                  "SENSAI_MAX_PREDICTIONS, SENSAI_REDUNDANCY; see "
+                                  "deploy/README.md)")
+            if key in OWN_SETTINGS:
+                raise SensaiError(f"--env {key}: set by the benchmark itself (use --backend and "
+                                  "--deadline; the gateway listens on 127.0.0.1)")
             extra[key] = str(value)
-    if backend is not None and backend not in BACKENDS:
-        raise SensaiError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
-    overrides |= {k: v for k, v in (("backend", backend), ("deadline_s", deadline_s))
-                  if v is not None}
-    try:
-        settings = GatewaySettings(**overrides)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
-    if settings.backend == "ray-serve":
-        check_serve_settings(settings)  # now, not when the gateway exits with it
-    return settings, extra
+        for key, value in (("SENSAI_MAX_REQUESTS", self.max_requests),
+                           ("SENSAI_MAX_PREDICTIONS", self.max_predictions)):
+            if value is not None:
+                extra[key] = str(value)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise SensaiError(f"unknown backend {self.backend!r}; choose one of "
+                              f"{', '.join(BACKENDS)}")
+        overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
+        overrides |= {k: v for k, v in (("backend", self.backend),
+                                        ("deadline_s", self.deadline_s)) if v is not None}
+        try:
+            settings = GatewaySettings(**overrides)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
+        if settings.backend == "ray-serve":
+            check_serve_settings(settings)  # now, not when the gateway exits with it
+        return settings, extra
+
+    def progress_bar(self, desc: str):
+        """A bar of the seconds of each phase."""
+        bar = progress_bar(self.progress, desc)
+        bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
+                          "[{elapsed}{postfix}]")
+        return bar
+
+    def gateway(self, root: Path, env: dict[str, str], log_path: Path,
+                args: Sequence[str] = ()) -> GatewayProcess:
+        """``sensai serve ROOT`` with these options, on a free port (not yet started)."""
+        return GatewayProcess(root, port=free_ports(1)[0], backend=self.backend,
+                              deadline_s=self.deadline_s, env=env, log_path=log_path, args=args)
 
 
-def check_load_settings(*, concurrency: int, clients: int, warmup_s: float, soak_s: float,
-                        overload_s: float, overload_factor: float, overload_rate: float | None,
-                        overload_connections: int | None, sample_s: float, images: int,
-                        startup_timeout_s: float, burst_s: float = 0.0,
+def request_timeout(gs: GatewaySettings) -> float:
+    """How long a client waits for an answer: past the gateway's own deadline and body
+    timeout, so the gateway's answer (a 503) is what the client sees, not its own timeout."""
+    return gs.deadline_s + gs.body_timeout_s + 10.0
+
+
+def check_load_settings(options: LoadOptions, *, concurrency: int, warmup_s: float,
+                        soak_s: float, overload_s: float, overload_rate: float | None,
+                        overload_connections: int | None, sample_s: float, burst_s: float = 0.0,
                         burst_concurrency: int = 1) -> None:
-    check_settings(
-        ints=(("--concurrency", concurrency, 1), ("--clients", clients, 1),
-              ("--images", images, 1), ("--overload-connections", overload_connections, clients),
+    clients = options.clients
+    options.check(
+        ints=(("--concurrency", concurrency, 1),
+              ("--overload-connections", overload_connections, clients),
               ("--burst-concurrency", burst_concurrency, 1)),
         numbers=(("--warmup-seconds", warmup_s, True), ("--burst-seconds", burst_s, True),
                  ("--soak-seconds", soak_s, False), ("--overload-seconds", overload_s, False),
-                 ("--overload-factor", overload_factor, False),
                  ("--sample-seconds", sample_s, False),
-                 ("--startup-timeout", startup_timeout_s, False),
                  ("--overload-rate", overload_rate, False)))
     if clients > concurrency:
         raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
                           "every client process keeps at least one request in flight")
-    if not Path("/proc/self/status").is_file():
-        raise SensaiError("bench-load reads the gateway's memory from /proc: Linux only")
 
 
 def split(n: int, parts: int) -> list[int]:
@@ -334,62 +386,46 @@ class LoadRun:
 def run_load_bench(
     artifact_dir: str | Path,
     out_dir: str | Path,
+    options: LoadOptions = LoadOptions(),
     *,
-    backend: str | None = None,
     concurrency: int = 16,
-    clients: int = 2,
     warmup_s: float = 30.0,
     soak_s: float = 600.0,
     overload_s: float = 60.0,
-    overload_factor: float = 4.0,
     overload_rate: float | None = None,
     overload_connections: int | None = None,
     burst_s: float = 20.0,
     burst_concurrency: int = 32,
     sample_s: float = 5.0,
-    deadline_s: float | None = None,
-    max_requests: int | None = None,
-    max_predictions: int | None = None,
-    env: dict[str, str] | None = None,
-    images: int = 200,
-    data_dir: str | None = None,
-    seed: int = 0,
-    startup_timeout_s: float = 180.0,
-    command: str | None = None,
-    progress: bool = True,
 ) -> dict[str, Any]:
     """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
     load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
-    The arguments are ``sensai bench-load``'s options: ``backend``, ``deadline_s``,
-    ``max_requests``, ``max_predictions`` and ``env`` (``SENSAI_*``) are the gateway's settings,
-    unset ones from this environment as for ``sensai serve``; ``clients`` processes share the
-    load; ``overload_connections`` (default: ``max_requests`` plus the arrivals of one
-    deadline, within the open-file limit) caps the overload's connections."""
-    check_load_settings(concurrency=concurrency, clients=clients, warmup_s=warmup_s, soak_s=soak_s,
-                        overload_s=overload_s, overload_factor=overload_factor,
-                        overload_rate=overload_rate,
+    The arguments are ``sensai bench-load``'s options, those the sweep shares in ``options``;
+    ``overload_connections`` (default: ``max_requests`` plus the arrivals of one deadline,
+    within the open-file limit) caps the overload's connections."""
+    check_load_settings(options, concurrency=concurrency, warmup_s=warmup_s, soak_s=soak_s,
+                        overload_s=overload_s, overload_rate=overload_rate,
                         overload_connections=overload_connections, sample_s=sample_s,
-                        images=images, startup_timeout_s=startup_timeout_s, burst_s=burst_s,
-                        burst_concurrency=burst_concurrency)
-    gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
-                                       max_requests=max_requests,
-                                       max_predictions=max_predictions, env=dict(env or {}))
+                        burst_s=burst_s, burst_concurrency=burst_concurrency)
+    gs, gateway_env = options.gateway_settings()
     if overload_connections is not None:
         check_open_files(overload_connections)
     artifact = load_artifact(artifact_dir)
-    spec, out = inputs(artifact, data_dir, out_dir)
+    spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
 
-    imgs = load_test_images(spec, images, seed, png=True)
+    clients, overload_factor = options.clients, options.overload_factor
+    imgs = load_test_images(spec, options.images, options.seed, png=True)
     expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
-    timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
+    timeout_s = request_timeout(gs)
     settings = {
         "backend": gs.backend, "concurrency": concurrency, "clients": clients,
         "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
         "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
         "overload_connections": overload_connections, "burst_s": burst_s,
         "burst_concurrency": burst_concurrency, "sample_s": sample_s,
-        "images": len(imgs), "seed": seed, "request_timeout_s": timeout_s, "transport": "http",
+        "images": len(imgs), "seed": options.seed, "request_timeout_s": timeout_s,
+        "transport": "http",
         "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
                     "max_predictions": gs.max_predictions, "body_timeout_s": gs.body_timeout_s,
@@ -398,25 +434,23 @@ def run_load_bench(
                     "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
         "gateway_env": gateway_env,
     }
-    result = envelope("sensai-bench-load", command=command, artifact=artifact, spec=spec,
+    result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
                       settings=settings)
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend=backend,
-                             deadline_s=deadline_s, env=gateway_env,
-                             log_path=out / "gateway.log")
+    gateway = options.gateway(artifact.root, gateway_env, out / "gateway.log")
     procs: list[HttpClientProcess] = []
     phases: dict[str, Any] = {}
-    bar = progress_bar(progress, "bench-load")
-    bar.bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]"
+    bar = options.progress_bar("bench-load")
     run = None
     try:
         with sigterm_as_exit():
             bar.set_description("starting the gateway")
             gateway.launch()
             procs = [HttpClientProcess(imgs.pngs) for _ in range(clients)]
-            gateway.wait_ready(startup_timeout_s)
+            gateway.wait_ready(options.startup_timeout_s)
             run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
-                          timeout_s=timeout_s, sample_s=sample_s, bar=bar, progress=progress)
+                          timeout_s=timeout_s, sample_s=sample_s, bar=bar,
+                          progress=options.progress)
             run.sampler.sample("startup")
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
                     f"{gateway.startup_s} s; its output: {gateway.log_path}")
@@ -446,15 +480,7 @@ def run_load_bench(
         with ThreadPoolExecutor(len(procs) + 1, thread_name_prefix="bench-load-stop") as pool:
             for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
                 stopping.result()
-    result["gateway"] = {"command": gateway.command(), "argv": gateway.argv,
-                         "env": gateway.env, "pid": gateway.pid,
-                         "serving_pid": gateway.serving_pid, "url": gateway.url,
-                         "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
-                         "log": str(gateway.log_path)}
-    result["rss"] = {"unit": "MB (10^6 bytes)",
-                     "source": f"/proc/{gateway.serving_pid}/status VmRSS",
-                     "sampled": gateway.sampled(),
-                     "t": "seconds since the gateway was ready", "samples": run.sampler.samples}
+    result |= gateway.report(run.sampler.samples)
     result["phases"] = phases
     result["targets"] = evaluate_load_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)

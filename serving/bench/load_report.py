@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 
-from .render import fmt, md_table, pyplot, save_figure, text_table
+from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure,
+                     status_codes, text_table)
 
 PHASES = (("warmup", "warm-up"), ("soak", "soak"), ("overload", "overload"))
 PHASE_HEADER = ["phase", "load", "seconds", "requests", "200/s", "status codes", "wrong",
@@ -19,10 +20,6 @@ SERVER_HEADER = ["phase", "status codes (sensai_requests_total)",
 STATUS_COLORS = {"200": "#55A868", "503": "#DD8452", "0": "#8C8C8C"}
 PHASE_COLORS = {"warm-up": "#DDDDDD", "soak": "#DCEBF5", "overload": "#F8E0D0",
                 "burst of large images": "#E8DDF2"}
-
-
-def _codes(counts: dict[str, int]) -> str:
-    return ", ".join(f"{'no answer' if k == '0' else k}: {v}" for k, v in counts.items()) or "-"
 
 
 def _load(key: str, rep: dict, st: dict) -> str:
@@ -45,7 +42,7 @@ def phase_rows(result: dict) -> list[list[str]]:
         ok, rej = rep["latency_ok_ms"], rep["latency_rejected_ms"]
         rows.append([label, _load(key, rep, result["settings"]), fmt(rep["seconds"], 1),
                      str(rep["requests"]), fmt(rep["throughput_rps"], 1),
-                     _codes(rep["status_counts"]), str(rep["wrong"]), fmt(ok["p50"]),
+                     status_codes(rep["status_counts"]), str(rep["wrong"]), fmt(ok["p50"]),
                      fmt(ok["p99"]), fmt(rej["p50"]), fmt(rej["p99"])])
     return rows
 
@@ -57,7 +54,7 @@ def server_rows(result: dict) -> list[list[str]]:
         if server:
             q = server["predict_latency_ms_at_most"]
             rejected = ", ".join(f"{k}: {v}" for k, v in server["rejected"].items()) or "-"
-            rows.append([label, _codes(server["status_counts"]), rejected, fmt(q["p50"]),
+            rows.append([label, status_codes(server["status_counts"]), rejected, fmt(q["p50"]),
                          fmt(q["p99"])])
     return rows
 
@@ -152,7 +149,7 @@ def burst_text(b: dict | None) -> str:
 
 
 def render_markdown(result: dict) -> str:
-    st, m, gw = result["settings"], result["machine"], result["gateway"]
+    st, gw = result["settings"], result["gateway"]
     g = st["gateway"]
     over = result["phases"].get("overload") or {}
     lines = [
@@ -178,9 +175,7 @@ def render_markdown(result: dict) -> str:
         "each was due.  The gateway's RSS (`VmRSS`) is sampled every "
         f"{st['sample_s']:g} s.",
         "",
-        f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
-        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
-        f"{result.get('seconds')} s in all.  The clients share the machine with the gateway.",
+        machine_line(result) + "  The clients share the machine with the gateway.",
         "",
         "## Targets",
         "",
@@ -222,8 +217,7 @@ def render_markdown(result: dict) -> str:
         lines += ["No samples.", ""]
     lines += ["## Health after the overload", "", _health_text(result.get("health_after")), "",
               "## A burst of large legal images", "", burst_text(result.get("burst")), "",
-              "The cores may have been shared with other work while this ran; compare figures "
-              "from one run, not across runs.", ""]
+              SHARED_CORES, ""]
     return "\n".join(lines)
 
 

@@ -23,11 +23,10 @@ import numpy as np
 from sensai.artifact import load_artifact
 from sensai.errors import CheckpointError, SensaiError
 
-from ..build import free_ports
 from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, served, sigterm_as_exit
-from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
-from .load import LoadRun, gateway_settings, overload_cap
+from .gateway_process import served, sigterm_as_exit
+from .harness import envelope, finish, inputs, load_test_images
+from .load import LoadOptions, LoadRun, overload_cap, request_timeout
 from .load_single import original_as_artifact
 from .load_sweep_report import plot, render_markdown
 from .names import (SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS,
@@ -63,25 +62,19 @@ class PeerServer:
         return None
 
 
-def check_sweep_settings(*, configs: Sequence[str], levels: Sequence[int], level_s: float,
-                         warmup_s: float, overload_s: float, overload_factor: float,
-                         clients: int, images: int, transport: str | None,
-                         startup_timeout_s: float) -> None:
-    check_settings(
-        ints=(("--clients", clients, 1), ("--images", images, 1),
-              *(("--levels", c, 1) for c in levels)),
+def check_sweep_settings(options: LoadOptions, *, configs: Sequence[str],
+                         levels: Sequence[int], level_s: float, warmup_s: float,
+                         overload_s: float, transport: str | None) -> None:
+    options.check(
+        ints=tuple(("--levels", c, 1) for c in levels),
         numbers=(("--level-seconds", level_s, False), ("--warmup-seconds", warmup_s, True),
-                 ("--overload-seconds", overload_s, True),
-                 ("--overload-factor", overload_factor, False),
-                 ("--startup-timeout", startup_timeout_s, False)),
+                 ("--overload-seconds", overload_s, True)),
         choices=(("configuration", configs, CONFIGS),))
     if not levels:
         raise SensaiError("--levels needs at least one concurrency")
     if transport is not None and transport not in SWEEP_TRANSPORTS:
         raise SensaiError(f"unknown transport {transport!r}; choose one of "
                           f"{', '.join(SWEEP_TRANSPORTS)}")
-    if not Path("/proc/self/status").is_file():
-        raise SensaiError("bench-load reads the machine's CPU from /proc: Linux only")
 
 
 def sweep_transport(configs: Sequence[str], transport: str | None, triton_runs: bool) -> str:
@@ -122,15 +115,14 @@ def batching_counters(url: str) -> list[dict] | None:
 class Sweep:
     """One configuration after another on the same client processes."""
 
-    def __init__(self, *, out: Path, procs: list[HttpClientProcess], levels: Sequence[int],
-                 level_s: float, warmup_s: float, overload_s: float, overload_factor: float,
-                 gs, timeout_s: float, transport: str, usable_cores: int | None, bar,
-                 progress: bool):
-        self.out, self.procs, self.levels, self.level_s = out, procs, list(levels), level_s
-        self.warmup_s, self.overload_s, self.overload_factor = warmup_s, overload_s, \
-            overload_factor
-        self.gs, self.timeout_s, self.transport = gs, timeout_s, transport
-        self.usable_cores, self.bar, self.progress = usable_cores, bar, progress
+    def __init__(self, options: LoadOptions, *, out: Path, procs: list[HttpClientProcess],
+                 levels: Sequence[int], level_s: float, warmup_s: float, overload_s: float,
+                 gs, transport: str, usable_cores: int | None, bar):
+        self.options, self.out, self.procs, self.levels = options, out, procs, list(levels)
+        self.level_s, self.warmup_s, self.overload_s = level_s, warmup_s, overload_s
+        self.overload_factor, self.progress = options.overload_factor, options.progress
+        self.gs, self.timeout_s, self.transport = gs, request_timeout(gs), transport
+        self.usable_cores, self.bar = usable_cores, bar
 
     def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
                 transport: str) -> dict[str, Any]:
@@ -163,16 +155,13 @@ class Sweep:
             rep["batching"] = batching_counters(server.url)
         return rep
 
-    def gateway(self, key: str, root: Path, env: dict[str, str], expected: list[int], *,
-                backend: str | None, deadline_s: float | None,
-                startup_timeout_s: float) -> dict[str, Any]:
-        gateway = GatewayProcess(root, port=free_ports(1)[0], backend=backend,
-                                 deadline_s=deadline_s, env=env,
-                                 log_path=self.out / f"gateway-{key}.log")
+    def gateway(self, key: str, root: Path, env: dict[str, str],
+                expected: list[int]) -> dict[str, Any]:
+        gateway = self.options.gateway(root, env, self.out / f"gateway-{key}.log")
         try:
             self.bar.set_description(f"{key}: starting the gateway")
             gateway.launch()
-            gateway.wait_ready(startup_timeout_s)
+            gateway.wait_ready(self.options.startup_timeout_s)
             rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
                                transport=self.transport)
         finally:
@@ -202,46 +191,30 @@ class Sweep:
 def run_load_sweep(
     artifact_dir: str | Path,
     out_dir: str | Path,
+    options: LoadOptions = LoadOptions(),
     *,
     configs: Sequence[str] = CONFIGS,
     levels: Sequence[int] = LEVELS,
     level_s: float = 5.0,
     warmup_s: float = SWEEP_WARMUP_S,
     overload_s: float = SWEEP_OVERLOAD_S,
-    overload_factor: float = 4.0,
-    clients: int = 2,
     transport: str | None = None,
-    backend: str | None = None,
-    deadline_s: float | None = None,
-    max_requests: int | None = None,
-    max_predictions: int | None = None,
-    env: dict[str, str] | None = None,
-    images: int = 200,
-    data_dir: str | None = None,
-    seed: int = 0,
-    startup_timeout_s: float = 180.0,
-    command: str | None = None,
-    progress: bool = True,
 ) -> dict[str, Any]:
     """The sweep of ``configs`` (of :data:`CONFIGS`) at ``levels`` in flight, ``level_s``
     seconds each; writes load.json, load.md, load.png (and a log per server) to ``out_dir``
     and returns what load.json holds.  ``transport``: ``http`` (PNG uploads) or ``http-v2``
     (KServe v2 binary tensors) for every configuration (default: :func:`sweep_transport`).
-    The gateway settings are bench-load's (:func:`~.load.gateway_settings`); a configuration
-    that cannot run here is recorded with its reason."""
+    ``options``: what the sweep shares with bench-load's soak, the gateway's settings among
+    them; a configuration that cannot run here is recorded with its reason."""
     configs = list(dict.fromkeys(configs))
     levels = sorted(set(levels))
-    check_sweep_settings(configs=configs, levels=levels, level_s=level_s, warmup_s=warmup_s,
-                         overload_s=overload_s, overload_factor=overload_factor, clients=clients,
-                         images=images, transport=transport,
-                         startup_timeout_s=startup_timeout_s)
-    gs, gateway_env = gateway_settings(backend=backend, deadline_s=deadline_s,
-                                       max_requests=max_requests,
-                                       max_predictions=max_predictions, env=dict(env or {}))
+    check_sweep_settings(options, configs=configs, levels=levels, level_s=level_s,
+                         warmup_s=warmup_s, overload_s=overload_s, transport=transport)
+    gs, gateway_env = options.gateway_settings()
     artifact = load_artifact(artifact_dir)
-    spec, out = inputs(artifact, data_dir, out_dir)
+    spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
-    imgs = load_test_images(spec, images, seed, png=True)
+    imgs = load_test_images(spec, options.images, options.seed, png=True)
     results: dict[str, Any] = {}
 
     original = full_onnx = None
@@ -263,13 +236,12 @@ def run_load_sweep(
     expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
     expected_original = ([int(i) for i in offline_reference(original, imgs.xs).argmax(1)]
                          if original is not None else None)
-    timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
     settings = {
         "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
         "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
-        "overload_factor": overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
-        "clients": clients, "images": len(imgs), "seed": seed, "transport": transport,
-        "request_timeout_s": timeout_s,
+        "overload_factor": options.overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
+        "clients": options.clients, "images": len(imgs), "seed": options.seed,
+        "transport": transport, "request_timeout_s": request_timeout(gs),
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
                     "max_predictions": gs.max_predictions, "batch_max_rows": gs.batch_max_rows,
                     "batch_delay_us": gs.batch_delay_us,
@@ -277,23 +249,19 @@ def run_load_sweep(
                     "device": gs.device},
         "gateway_env": gateway_env, "config_env": CONFIG_ENV,
     }
-    result = envelope("sensai-bench-load-sweep", command=command, artifact=artifact, spec=spec,
-                      settings=settings)
+    result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
+                      spec=spec, settings=settings)
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
     tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
-    bar = progress_bar(progress, "bench-load --sweep")
-    bar.bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]"
+    bar = options.progress_bar("bench-load --sweep")
     procs: list[HttpClientProcess] = []
     try:
         with sigterm_as_exit():
             procs = [HttpClientProcess(imgs.pngs, tensors, [1, *spec.input_shape])
-                     for _ in range(clients)]
-            sweep = Sweep(out=out, procs=procs, levels=levels, level_s=level_s,
-                          warmup_s=warmup_s, overload_s=overload_s,
-                          overload_factor=overload_factor, gs=gs, timeout_s=timeout_s,
-                          transport=transport,
-                          usable_cores=result["machine"].get("usable_cores"), bar=bar,
-                          progress=progress)
+                     for _ in range(options.clients)]
+            sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
+                          warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,
+                          usable_cores=result["machine"].get("usable_cores"), bar=bar)
             for key in configs:
                 if key in results:
                     continue
@@ -305,8 +273,7 @@ def run_load_sweep(
                 results[key] = sweep.gateway(
                     key, original.root if single else artifact.root,
                     gateway_env | CONFIG_ENV.get(key, {}),
-                    expected_original if single else expected, backend=backend,
-                    deadline_s=deadline_s, startup_timeout_s=startup_timeout_s)
+                    expected_original if single else expected)
     finally:
         bar.close()
         for p in procs:

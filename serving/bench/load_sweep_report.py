@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .load_report import TARGET_HEADER, target_rows
-from .render import fmt, md_table, pyplot, save_figure, text_table
+from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure,
+                     status_codes, text_table)
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
@@ -21,15 +22,11 @@ COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
           "single": "#55A868", "triton": "#C44E52"}
 
 
-def _codes(counts: dict[str, int]) -> str:
-    return ", ".join(f"{'no answer' if k == '0' else k}: {v}" for k, v in counts.items()) or "-"
-
-
 def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
     lat = r["latency_ok_ms"]
     share = r.get("client_cpu_share")
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
-            fmt(lat["p99"]), str(r["errors"]), _codes(r["status_counts"]), str(r["wrong"]),
+            fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
             fmt(r.get("machine_busy_cores"))]
 
@@ -89,7 +86,7 @@ def render_table(result: dict) -> str:
 
 
 def render_markdown(result: dict) -> str:
-    st, m = result["settings"], result["machine"]
+    st = result["settings"]
     g = st["gateway"]
     lines = [
         f"# sensai bench-load --sweep: {result['model']} on {result['dataset']}",
@@ -117,9 +114,7 @@ def render_markdown(result: dict) -> str:
         "closed-loop throughput (requests sent when due whatever the answers, latency from when "
         "each was due).",
         "",
-        f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
-        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
-        f"{result.get('seconds')} s in all.  Client CPU: the client processes' own CPU time "
+        machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
         "cores: the whole machine's (server, client and anything else).  The configurations "
         "run one after another, so what else ran on the machine may differ between them (that "
@@ -146,8 +141,7 @@ def render_markdown(result: dict) -> str:
     if skipped_rows(result):
         lines += ["## Not run", "", md_table(SKIPPED_HEADER, skipped_rows(result)), ""]
     lines += ["![p99 latency against throughput](load.png)", "",
-              "The cores may have been shared with other work while this ran; compare figures "
-              "from one run, not across runs.", ""]
+              SHARED_CORES, ""]
     return "\n".join(lines)
 
 

@@ -18,6 +18,23 @@ def fmt(v, nd: int = 2) -> str:
     return str(v)
 
 
+def status_codes(counts: dict[str, int]) -> str:
+    """``{"200": 9, "0": 1}`` -> ``200: 9, no answer: 1`` (0: the request got no answer)."""
+    return ", ".join(f"{'no answer' if k == '0' else k}: {v}" for k, v in counts.items()) or "-"
+
+
+def machine_line(result: dict) -> str:
+    """The machine a load run measured on, its load before and after, and the run's length."""
+    m = result["machine"]
+    return (f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
+            f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
+            f"{result.get('seconds')} s in all.")
+
+
+SHARED_CORES = ("The cores may have been shared with other work while this ran; compare figures "
+                "from one run, not across runs.")
+
+
 def human(n: int | None) -> str:
     """12345678 -> 12.35M."""
     if n is None:

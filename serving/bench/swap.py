@@ -30,12 +30,11 @@ import httpx
 from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
 
-from ..build import free_ports
 from ..repository import add_version, check_model_name
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images
-from .load import gateway_settings
+from .load import LoadOptions, request_timeout
 from .load_measures import RssSampler
 from .robust import offline_reference
 from .swap_report import columns, plot, render_markdown, swap_figures
@@ -182,8 +181,8 @@ def run_swap_bench(
                         steady_s=steady_s, after_s=after_s, sample_s=sample_s,
                         load_timeout_s=load_timeout_s, images=images,
                         startup_timeout_s=startup_timeout_s)
-    gs, gateway_env = gateway_settings(backend=backend, deadline_s=None, max_requests=None,
-                                       max_predictions=None, env={})
+    options = LoadOptions(backend=backend)
+    gs, gateway_env = options.gateway_settings()
     a, b = load_artifact(artifact_a), load_artifact(artifact_b)
     check_same_task(a, b)
     name = check_model_name(model or a.manifest.model)
@@ -194,7 +193,7 @@ def run_swap_bench(
     imgs = load_test_images(spec, images, seed, png=True)
     reference = {a.root: [int(i) for i in offline_reference(a, imgs.xs).argmax(1)],
                  b.root: [int(i) for i in offline_reference(b, imgs.xs).argmax(1)]}
-    timeout_s = gs.deadline_s + gs.body_timeout_s + 10.0
+    timeout_s = request_timeout(gs)
     settings = {"model": name, "artifacts": [str(a.root), str(b.root)],
                 "groups": [len(a.groups), len(b.groups)], "backend": gs.backend,
                 "swaps": swaps, "concurrency": concurrency, "warmup_s": warmup_s,
@@ -204,9 +203,8 @@ def run_swap_bench(
                 "upload": "PNG as the raw body of POST /v1/predict", "repository": str(repo)}
     result = envelope("sensai-bench-swap", command=command, artifact=a, spec=spec,
                       settings=settings)
-    gateway = GatewayProcess(repo, port=free_ports(1)[0], backend=backend, deadline_s=None,
-                             env=gateway_env, log_path=out / "gateway.log",
-                             args=["--model-control", "explicit"])
+    gateway = options.gateway(repo, gateway_env, out / "gateway.log",
+                              args=["--model-control", "explicit"])
     client: HttpClientProcess | None = None
     load: Future | None = None
     pool = ThreadPoolExecutor(2, thread_name_prefix="bench-swap")
@@ -262,14 +260,7 @@ def run_swap_bench(
                                      steady_start_s=steady_start,
                                      rss_samples=sampler.samples, expected=expected,
                                      failures=outs[0]["failures"])
-    result["gateway"] = {"command": gateway.command(), "argv": gateway.argv, "pid": gateway.pid,
-                         "serving_pid": gateway.serving_pid, "url": gateway.url,
-                         "startup_s": gateway.startup_s, "exit_code": gateway.exit_code,
-                         "log": str(gateway.log_path)}
-    result["rss"] = {"unit": "MB (10^6 bytes)",
-                     "source": f"/proc/{gateway.serving_pid}/status VmRSS",
-                     "sampled": gateway.sampled(),
-                     "t": "seconds since the gateway was ready", "samples": sampler.samples}
+    result |= gateway.report(sampler.samples)
     result["requests"] = {"t": [round(float(x), 4) for x in req["t"]],
                           "ms": [round(float(x), 3) for x in req["ms"]],
                           "status": [int(x) for x in req["status"]],

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .render import fmt, md_table, pyplot, save_figure, text_table
+from .render import SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, text_table
 from .stats import summarize
 
 WINDOW_TAIL_S = 1.0  # a swap's window ends this long after its load call returned
@@ -208,7 +208,7 @@ def render_table(result: dict) -> str:
 
 
 def render_markdown(result: dict) -> str:
-    st, m, gw = result["settings"], result["machine"], result["gateway"]
+    st, gw = result["settings"], result["gateway"]
     run = result["figures"]["run"]
     steady = run["steady"]
     rss = [s for s in result["figures"]["swaps"] if s["rss_before_mb"] is not None]
@@ -234,9 +234,7 @@ def render_markdown(result: dict) -> str:
         f"(`VmRSS`) is sampled every {st['sample_s']:g} s, just before each swap and at the "
         "end of each swap's wait.",
         "",
-        f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
-        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
-        f"{result.get('seconds')} s in all.  The client shares the machine with the gateway.",
+        machine_line(result) + "  The client shares the machine with the gateway.",
         "",
         "## Swaps",
         "",
@@ -261,8 +259,7 @@ def render_markdown(result: dict) -> str:
         first, last = rss[0], rss[-1]
         lines += [f"Gateway RSS before the first swap {fmt(first['rss_before_mb'], 1)} MB, "
                   f"after the last {fmt(last['rss_after_mb'], 1)} MB.", ""]
-    lines += ["The cores may have been shared with other work while this ran; compare figures "
-              "from one run, not across runs.", ""]
+    lines += [SHARED_CORES, ""]
     return "\n".join(lines)
 
 
