@@ -30,7 +30,7 @@ from torch import nn
 from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec, normalize
 from sensai.errors import SensaiError
-from sensai.learning import augment
+from sensai.learning import augment, fast_layout
 from sensai.models import classifier_layer, count_params, select_device
 
 from .iterative import group_images, prune_further
@@ -264,29 +264,30 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
     targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64))
     t0 = time.perf_counter()
     running, seen, recent = 0.0, 0, []
-    for step, s in enumerate(range(0, n, settings.batch_size)):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        x = images[positions_t[s:s + settings.batch_size]]
-        if settings.flip:
-            x = augment(x, gen)
-        x = normalize(x.to(device), spec)
-        y = targets_t[s:s + settings.batch_size].to(device)
-        q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
-             else None)
-        loss = loss_of(model(x), y, q)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
-                              "lower --lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        running += value * len(y)
-        seen += len(y)
-        recent.append(value)
-        if progress is not None:
-            progress(seen)
+    with fast_layout(model, device) as layout:
+        for step, s in enumerate(range(0, n, settings.batch_size)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            x = images[positions_t[s:s + settings.batch_size]]
+            if settings.flip:
+                x = augment(x, gen)
+            x = layout(normalize(x.to(device), spec))
+            y = targets_t[s:s + settings.batch_size].to(device)
+            q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
+                 else None)
+            loss = loss_of(model(x), y, q)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
+                                  "lower --lr")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            running += value * len(y)
+            seen += len(y)
+            recent.append(value)
+            if progress is not None:
+                progress(seen)
     calibrated = recalibrate_batchnorm(model, images, positions_t, spec, device,
                                        batch_size=settings.batch_size)
     model.eval()

@@ -19,7 +19,7 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import atomic_path, write_json_atomic
 from sensai.manifest import (MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, load_model_record,
                              save_model_record)
-from sensai.learning import augment, predict_logits, top1
+from sensai.learning import augment, fast_layout, predict_logits, top1
 from sensai.models import count_params, create_model
 
 log = logging.getLogger(__name__)
@@ -115,33 +115,34 @@ def train(
 
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(seed)
-    for epoch in range(start_epoch, epochs):
-        gen.manual_seed(seed * 1000 + epoch)
-        model.train()
-        t0 = time.perf_counter()
-        running, seen = 0.0, 0
-        bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
-                   unit="img", leave=False)
-        for i, (x, y) in enumerate(iterate_batches(train_set, batch_size, indices=indices,
-                                                    shuffle=True, seed=seed * 1000 + epoch)):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(epoch * steps_per_epoch + i)
-            x = normalize(augment(x, gen).to(device), spec)
-            loss = loss_fn(model(x), y.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            running += loss.item() * len(y)
-            seen += len(y)
-            bar.update(len(y))
-            bar.set_postfix(loss=f"{running / seen:.3f}")
-        bar.close()
-        seconds += time.perf_counter() - t0
-        acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
-        history.append({"epoch": epoch + 1, "loss": running / max(1, seen), "test_top1": acc})
-        log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, running / max(1, seen), acc)
-        _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
-                                          seconds=seconds))
+    with fast_layout(model, device) as layout:
+        for epoch in range(start_epoch, epochs):
+            gen.manual_seed(seed * 1000 + epoch)
+            model.train()
+            t0 = time.perf_counter()
+            running, seen = 0.0, 0
+            bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
+                       unit="img", leave=False)
+            for i, (x, y) in enumerate(iterate_batches(train_set, batch_size, indices=indices,
+                                                        shuffle=True, seed=seed * 1000 + epoch)):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(epoch * steps_per_epoch + i)
+                x = layout(normalize(augment(x, gen).to(device), spec))
+                loss = loss_fn(model(x), y.to(device))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                running += loss.item() * len(y)
+                seen += len(y)
+                bar.update(len(y))
+                bar.set_postfix(loss=f"{running / seen:.3f}")
+            bar.close()
+            seconds += time.perf_counter() - t0
+            acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
+            history.append({"epoch": epoch + 1, "loss": running / max(1, seen), "test_top1": acc})
+            log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, running / max(1, seen), acc)
+            _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
+                                              seconds=seconds))
 
     final_acc = history[-1]["test_top1"] if history else None
     sha = save_weights(out / MODEL_WEIGHTS, model)
