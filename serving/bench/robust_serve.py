@@ -127,17 +127,21 @@ def work(predictor: dict) -> dict[str, Any]:
     """The workers' counters as the ingress reports them (no compute time)."""
     ws = predictor.get("workers") or []
     return {"runs": sum(w["runs"] for w in ws), "skipped": sum(w["skipped"] for w in ws),
-            "compute_ms": None, "degraded": predictor.get("degraded_answers", 0)}
+            "compute_ms": None}
+
+
+def counted(cfg: ServeConfig, out: dict, before: dict, after: dict) -> Records:
+    """A phase's records with the work and degraded answers between two ingress readings."""
+    run = cfg.records(out)
+    run.add_work(work(before), work(after))
+    run.degraded = after.get("degraded_answers", 0) - before.get("degraded_answers", 0)
+    return run
 
 
 def measured_phase(cfg: ServeConfig, **plan) -> Records:
     before = cfg.predictor()
     out = cfg.phase(**plan)
-    after = cfg.predictor()
-    run = cfg.records(out)
-    run.add_work(work(before), work(after))
-    run.degraded = work(after)["degraded"] - work(before)["degraded"]
-    return run
+    return counted(cfg, out, before, cfg.predictor())
 
 
 def local_victim(worker: dict) -> int:
@@ -167,15 +171,15 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
     ev: dict[str, float] = {}
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(cfg.phase, seconds=span + rejoin_timeout_s + 60.0)
-        # The kill is timed from the loop's first answers, which the workers' runs show.
-        while work(cfg.predictor())["runs"] <= work(before)["runs"] and not load.done():
-            time.sleep(POLL_S)
-        t_start = time.monotonic()
-        time.sleep(lead)
-        ev["kill"] = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
         w, runs_up = w0, 0
         try:
+            # The kill is timed from the loop's first answers, which the workers' runs show.
+            while work(cfg.predictor())["runs"] <= work(before)["runs"] and not load.done():
+                time.sleep(POLL_S)
+            t_start = time.monotonic()
+            time.sleep(lead)
+            ev["kill"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
             while not load.done() and time.monotonic() - ev["kill"] < rejoin_timeout_s:
                 time.sleep(POLL_S)
                 now, ws = time.monotonic(), cfg.workers()
@@ -196,9 +200,7 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
         out = load.result()
     after = cfg.predictor()
     end = ev.get("up", float("inf"))
-    run = cfg.records(out)
-    run.add_work(work(before), work(after))
-    run.degraded = work(after)["degraded"] - work(before)["degraded"]
+    run = counted(cfg, out, before, after)
     in_outage = cfg.records(out, lambda t0, t1: t1 >= ev["kill"] and t0 < end)
     rejoin = cfg.records(out, lambda t0, t1: t0 >= end)
     w_after = (after.get("workers") or [w])[victim]
