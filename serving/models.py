@@ -69,7 +69,6 @@ class ModelVersion:
     predictor: Predictor
     max_pixels: int
     max_decoded_bytes: int
-    path: Path | None = None
     stamp: str = ""
     state: str = READY
     inflight: int = 0
@@ -109,6 +108,7 @@ class ServedModels:
         self.failures: dict[tuple[str, str], Failure] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.loading: set[tuple[str, str]] = set()  # (name, version) being built or warmed
+        self.latest: dict[str, ModelVersion] = {}  # each model's highest ready version
 
     @classmethod
     def of(cls, predictor: Predictor, settings: GatewaySettings) -> "ServedModels":
@@ -118,14 +118,24 @@ class ServedModels:
         return served
 
     def version_of(self, name: str, version: str, predictor: Predictor,
-                   path: Path | None = None, stamp: str = "") -> ModelVersion:
+                   stamp: str = "") -> ModelVersion:
         shape = predictor.spec.input_shape
         return ModelVersion(name, version, predictor, self.settings.image_pixels(shape),
-                            self.settings.decoded_bytes(shape), path, stamp)
+                            self.settings.decoded_bytes(shape), stamp)
 
     def add(self, mv: ModelVersion) -> None:
         self.models.setdefault(mv.name, {})[mv.version] = mv
         self.metrics.model_ready(mv.name, mv.version, mv.state == READY)
+        self.pick_latest(mv.name)
+
+    def pick_latest(self, name: str) -> None:
+        """Keep ``latest[name]``, where an unversioned request goes, in step with the table:
+        every change of a version's presence or state ends here, so routing never sorts."""
+        ready = self.ready_versions(name)
+        if ready:
+            self.latest[name] = self.models[name][ready[-1]]
+        else:
+            self.latest.pop(name, None)
 
     # ---- routing ------------------------------------------------------------------------------
 
@@ -158,15 +168,16 @@ class ServedModels:
         if not versions:
             raise ModelNotFound(f"unknown model {name!r}; this server serves "
                                 f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
-        ready = self.ready_versions(name)
         if version is None:
-            if not ready:
+            latest = self.latest.get(name)
+            if latest is None:
                 raise ModelUnavailable(f"model {name!r} has no ready version", retry_after=1.0)
-            return versions[ready[-1]]
-        if version not in ready:
+            return latest
+        mv = versions.get(version)
+        if mv is None or mv.state != READY:
             raise ModelNotFound(f"model {name!r} has no version {version!r} ready (ready: "
-                                f"{', '.join(ready) or 'none'})")
-        return versions[version]
+                                f"{', '.join(self.ready_versions(name)) or 'none'})")
+        return mv
 
     @asynccontextmanager
     async def hold(self, name: str | None, version: str | None = None
@@ -270,7 +281,7 @@ class ServedModels:
                 predictor = await asyncio.to_thread(self.loader, name, path)
             except Exception as e:
                 return self.fail(key, stamp, e)
-            mv = self.version_of(name, version, predictor, path, stamp)
+            mv = self.version_of(name, version, predictor, stamp)
             try:
                 await self.warm(mv)
             except Exception as e:
@@ -310,6 +321,7 @@ class ServedModels:
         mv.state = UNLOADING
         if self.current(mv):
             self.metrics.model_ready(mv.name, mv.version, False)
+            self.pick_latest(mv.name)
         try:
             await asyncio.wait_for(mv.idle.wait(), self.settings.deadline_s + DRAIN_GRACE_S)
         except TimeoutError:
@@ -370,6 +382,7 @@ class ServedModels:
             for mv in list(versions.values()):
                 await mv.predictor.close()
         self.models.clear()
+        self.latest.clear()
 
 
 def give_back_memory() -> None:

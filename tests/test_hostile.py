@@ -454,3 +454,53 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
         assert served == [True] and adm.waiting == 0 and not adm.full()
 
     asyncio.run(go())
+
+
+def test_a_standing_queue_keeps_the_wait_short_and_is_sized_by_the_service_rate():
+    """A queue that forms now and then lets a request wait up to the interval; one that has not
+    emptied for a whole interval (overload) lets it wait only the target, then 503
+    (``queue_delay``), and while it stands the gateway admits no more requests than the
+    predictor finishes within the target at its measured rate."""
+    adm = Admission(max_requests=100, max_predictions=1, body_timeout_s=1, deadline_s=30,
+                    queue_target_s=0.05, queue_interval_s=1.0)
+    adm.max_queued = 50  # the hard bound out of the way: the delay rule alone acts
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+
+        async def one(hold: float = 0.0):
+            async with adm.slot(adm.predicting, deadline, "prediction"):
+                await asyncio.sleep(hold)
+
+        # A short burst: the queue forms and empties, nothing is refused.
+        await asyncio.gather(*(one(0.01) for _ in range(5)))
+        assert adm.queued == 0 and not adm.full()
+
+        # The predictor held for 3 s while requests keep arriving: the queue stands.
+        holder = asyncio.ensure_future(one(3.0))
+        await asyncio.sleep(0.01)
+        first = asyncio.ensure_future(one())  # waits up to the interval: refused at ~1 s
+        await asyncio.sleep(0.5)
+        second = asyncio.ensure_future(one())  # the queue not yet standing: up to 1 s too
+        await asyncio.sleep(0.7)
+        assert first.done() and not second.done() and adm.queued == 1
+        assert adm.standing(time.monotonic())  # not empty since `first` came, over 1 s ago
+        # Nothing finished for the last interval: the measured rate allows one waiting
+        # request, and one waits: new requests are refused on arrival.
+        assert adm.full() and not adm.admit() and adm.refusal()[0] == "queue_delay"
+        # One that got in anyway (its body read) may wait the target only.
+        t0 = loop.time()
+        with pytest.raises(Overloaded) as e:
+            await one()
+        waited = loop.time() - t0
+        assert e.value.reason == "queue_delay" and 0.04 < waited < 0.9, waited
+        assert "within 50 ms" in str(e.value)
+        for refused in (first, second):
+            with pytest.raises(Overloaded) as e:
+                await refused
+            assert "within 1000 ms" in str(e.value)
+        await holder
+        assert adm.queued == 0 and not adm.full()
+
+    asyncio.run(go())

@@ -99,6 +99,7 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
     ingress, (workers, artifact, settings) = bound(app)
     assert ingress.name == "ServeIngress"
     assert ingress.max_ongoing_requests == 2 * 32 + 8 and ingress.max_queued_requests == 16
+    assert not ingress.logging_config["enable_access_log"]  # the gateway's metrics count
     assert settings["redundancy"] == 1 and settings["deadline_s"] == 7
     hosted = []
     for w, worker in enumerate(workers):
