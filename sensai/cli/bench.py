@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import (BACKENDS, BENCH_BACKENDS, DEFAULT_SCENARIOS,
-                                        PEER_TRANSPORT, PEERS, SCENARIOS, STRATEGIES,
+from sensai.serving.bench.names import (BENCH_BACKENDS, DEFAULT_SCENARIOS, PEER_TRANSPORT,
+                                        PEERS, ROBUST_BACKENDS, SCENARIOS, STRATEGIES,
                                         SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
                                         SWEEP_TRANSPORTS, SWEEP_WARMUP_S, TRANSPORTS, WARMUP)
 from sensai.serving.settings import RUNTIMES
@@ -185,15 +185,18 @@ def register_robust(sub) -> None:
                    help="redundancies to compare (default: 0 1)")
     p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
                    help="for r >= 1, also one configuration per hedge delay (default: 0)")
-    p.add_argument("--backend", choices=BACKENDS, default="local",
+    p.add_argument("--backend", choices=ROBUST_BACKENDS, default="local",
                    help="where the workers run: local (threads, the default serving path), "
-                        "processes or ray (default: %(default)s)")
-    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
+                        "processes, ray, or ray-serve (each configuration the Ray Serve "
+                        "application the run starts in turn, called over HTTP with "
+                        "requests always in flight; scenarios none and failure) "
+                        "(default: %(default)s)")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=None,
                    metavar="SCENARIO",
-                   help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}; "
-                        "node-loss kills the victim's node (its raylet and the processes it "
-                        "started): --backend ray on a cluster of this machine's nodes, one "
-                        "configuration)")
+                   help=f"of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)}, "
+                        "those the backend takes; node-loss kills the victim's node (its raylet "
+                        "and the processes it started): --backend ray on a cluster of this "
+                        "machine's nodes, one configuration)")
     p.add_argument("--warmup", type=int, default=WARMUP,
                    help="untimed requests per configuration (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5,

@@ -19,6 +19,8 @@ BACKENDS = ("local", "processes", "ray")
 # run), and on several backends in one run: the first backend's strategy is "class-parallel",
 # each other one's "class-parallel@<backend>".
 BENCH_BACKENDS = (*BACKENDS, "triton", "ray-serve")
+# ``sensai bench-robust`` may also run each configuration as the Ray Serve application.
+ROBUST_BACKENDS = (*BACKENDS, "ray-serve")
 # The transports a backend's class parallel cannot be timed over, and why (bench.json says so).
 UNTIMED_TRANSPORTS = {"ray-serve": {
     "inprocess": "the predictor lives in the Serve ingress replica, not in the benchmark's "

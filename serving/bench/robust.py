@@ -10,7 +10,9 @@ errors come back); ``node-loss`` (the victim's Ray node's raylet and everything 
 killed, as losing the machine would; one configuration, the node does not come back).  ``none``
 and ``straggler`` interleave the configurations in rounds; an outage is a wall-clock event, one
 configuration at a time.  Every answer is compared with the offline one (``wrong``); ``errors``
-counts 503/504 answers.  Outputs: ``robust.json``, ``robust.md``, ``robust.png``.
+counts 503/504 answers.  With ``--backend ray-serve`` every configuration is instead the Ray
+Serve application, started in turn and called over HTTP (:mod:`.robust_serve`; scenarios
+``none`` and ``failure``).  Outputs: ``robust.json``, ``robust.md``, ``robust.png``.
 """
 
 from __future__ import annotations
@@ -37,16 +39,22 @@ from ..placement import check_redundancy
 from ..predictor import ClassParallelPredictor
 from ..runners import RUNTIMES, runner_specs
 from ..server import run_like_the_gateway
+from ..settings import load_settings
 from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
                       progress_bar, quiet_gc)
 from .machine import descendant_pids
-from .names import BACKENDS, DEFAULT_SCENARIOS, OUTAGES, SCENARIOS, WARMUP
+from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS, WARMUP
+from .robust_records import AFTER_REJOIN, Records
 from .robust_report import plot, render_markdown
+from .robust_serve import (IN_FLIGHT, REFUSED_SCENARIOS, TRANSPORT, check_serve_bench,
+                           measure_on_serve)
 from .stats import summarize
 
 log = logging.getLogger(__name__)
 
-AFTER_REJOIN = 20  # requests sent after the victim rejoined, to check it serves again
+# The flags of the settings the Serve application is given, for its one-line refusals.
+FLAGS = {"deadline_s": "--deadline", "restart_delay_s": "--restart-delay",
+         "hedge_ms": "--hedge-ms", "threads_per_worker": "--threads"}
 
 
 def config_key(r: int, hedge_ms: float) -> str:
@@ -64,7 +72,7 @@ def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay
         ints=(("--images", images, 2), ("--warmup", warmup, 0), ("--rounds", rounds, 1)),
         numbers=(*(("--hedge-ms", h, True) for h in hedges),
                  ("--interval-ms", interval_ms, True)),
-        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], BACKENDS),
+        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], ROBUST_BACKENDS),
                  ("runtime", [runtime], RUNTIMES)))
     parse_delay(delay)
     for name, v in (("--straggler", straggler), ("--victim", victim)):
@@ -72,8 +80,8 @@ def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay
             raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
     if not 0.0 <= kill_at < 1.0:
         raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
-    if ray_address and backend != "ray":
-        raise SensaiError("--ray-address is for --backend ray")
+    if ray_address and backend not in ("ray", "ray-serve"):
+        raise SensaiError("--ray-address is for --backend ray and ray-serve")
     if "node-loss" in scenarios and backend != "ray":
         raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
 
@@ -86,39 +94,6 @@ def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "aut
     x = np.concatenate(xs)
     outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
     return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
-
-
-class Records:
-    """Per-request records of one configuration in one scenario."""
-
-    def __init__(self) -> None:
-        self.latency: list[float] = []
-        self.errors: list[str] = []
-        self.wrong = 0
-        self.degraded = 0
-        self.answered_by: list[dict[str, str]] = []
-        self.runs = 0
-        self.compute_ms = 0.0
-        self.skipped = 0
-        self.requests = 0
-
-    def add_work(self, before: dict, after: dict) -> None:
-        self.runs += after["runs"] - before["runs"]
-        self.compute_ms += after["compute_ms"] - before["compute_ms"]
-        self.skipped += after["skipped"] - before["skipped"]
-
-    def report(self, extra: dict | None = None) -> dict[str, Any]:
-        per = max(1, self.requests)
-        out = {"requests": self.requests, "answered": len(self.latency),
-               "errors": len(self.errors), "wrong": self.wrong, "degraded": self.degraded,
-               "latency_ms": summarize(self.latency),
-               "subnet_runs_per_request": round(self.runs / per, 3),
-               "compute_ms_per_request": round(self.compute_ms / per, 4),
-               "copies_skipped_per_request": round(self.skipped / per, 3),
-               "error_examples": sorted(set(self.errors))[:3],
-               "latencies_ms": [round(v, 4) for v in self.latency]}
-        out.update(extra or {})
-        return out
 
 
 async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,
@@ -343,13 +318,39 @@ def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) 
                                                / none["latency_ms"]["p99"], 3)
 
 
+def _in_process(artifact, configs, scenarios, xs, refs, *, bar, backend: str,
+                ray_address: str | None, vote: bool, device: str, runtime: str, threads: int,
+                deadline_s: float, restart_delay_s: float, seed: int, **measure
+                ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every configuration's predictor built in this process, then measured (:func:`_measure`);
+    returns the scenarios' reports and each predictor's ``describe()``."""
+    preds: dict[str, ClassParallelPredictor] = {}
+    try:
+        for r, h in configs:
+            key = config_key(r, h)
+            bar.set_description(f"start {key}")
+            preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
+                                         vote=vote, device=device, runtime=runtime,
+                                         threads=threads, deadline_s=deadline_s, hedge_ms=h,
+                                         restart_delay_s=restart_delay_s, seed=seed,
+                                         ray_address=ray_address)
+        described = {k: p.describe() for k, p in preds.items()}
+        with quiet_gc():
+            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, bar=bar,
+                                                     **measure))
+    finally:
+        for p in preds.values():
+            p.shutdown()
+    return measured, described
+
+
 def run_robust_bench(
     artifact_dir: str | Path,
     out_dir: str | Path,
     *,
     redundancies: Sequence[int] = (0, 1),
     hedges_ms: Sequence[float] = (0.0,),
-    scenarios: Sequence[str] = DEFAULT_SCENARIOS,
+    scenarios: Sequence[str] | None = None,
     backend: str = "local",
     ray_address: str | None = None,
     images: int = 200,
@@ -376,26 +377,37 @@ def run_robust_bench(
     robust.md and robust.png to ``out_dir``; return what robust.json holds.  The arguments are
     ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
     the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
-    worker indices; the victim is ended at request ``kill_at`` x ``images``."""
+    worker indices; the victim is ended at request ``kill_at`` x ``images``; ``scenarios``
+    (None: :data:`.names.DEFAULT_SCENARIOS`, those the backend takes)."""
     artifact = load_artifact(artifact_dir)
     g = len(artifact.groups)
+    if scenarios is None:  # the backend's defaults
+        scenarios = [s for s in DEFAULT_SCENARIOS
+                     if backend != "ray-serve" or s not in REFUSED_SCENARIOS]
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
     redundancies = sorted({int(r) for r in redundancies})
     hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
     check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
                           victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
                           ray_address)
+    configs = [(r, 0.0) for r in redundancies if r == 0] + [
+        (r, h) for r in redundancies if r > 0 for h in hedges]
+    if "node-loss" in scenarios and len(configs) > 1:
+        raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
+                          "(one --redundancy, one --hedge-ms) at a time")
+    serve_settings = [load_settings(
+        {"backend": backend, "redundancy": r, "hedge_ms": h, "vote": vote,
+         "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
+         "runtime": runtime, "threads_per_worker": threads, "ray_address": ray_address},
+        FLAGS) for r, h in configs] if backend == "ray-serve" else []
+    if serve_settings:
+        check_serve_bench(scenarios, serve_settings[0])
     spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, images, seed, png=False)
     xs = imgs.xs
     refs = offline_reference(artifact, xs, runtime=runtime, threads=threads)
-    configs = [(r, 0.0) for r in redundancies if r == 0] + [
-        (r, h) for r in redundancies if r > 0 for h in hedges]
-    if "node-loss" in scenarios and len(configs) > 1:
-        raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
-                          "(one --redundancy, one --hedge-ms) at a time")
     settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
                 "backend": backend, "ray_address": ray_address, "images": len(xs),
                 "warmup": warmup, "rounds": rounds,
@@ -407,37 +419,38 @@ def run_robust_bench(
     result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
                       settings=settings)
     result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
-    preds: dict[str, ClassParallelPredictor] = {}
     bar = progress_bar(progress, "bench-robust")
     try:
         bar.total = len(configs) * (warmup + len(xs) * len(scenarios))
         bar.refresh()
-        for r, h in configs:
-            key = config_key(r, h)
-            bar.set_description(f"start {key}")
-            preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
-                                         vote=vote, device=device, runtime=runtime,
-                                         threads=threads, deadline_s=deadline_s, hedge_ms=h,
-                                         restart_delay_s=restart_delay_s, seed=seed,
-                                         ray_address=ray_address)
-        result["placement"] = {k: [list(w) for w in p.placement.workers]
-                               for k, p in preds.items()}
-        result["worker_transport"] = {k: p.transport.describe() for k, p in preds.items()}
-        result["worker_nodes"] = {k: [w.get("node") for w in p.describe()["workers"]]
-                                  for k, p in preds.items()}
-        with quiet_gc():
-            measured = run_like_the_gateway(_measure(
-                preds, scenarios, xs, refs, warmup=warmup, rounds=rounds, straggler=straggler,
-                delay=delay, victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
-                interval_s=interval_ms / 1e3, bar=bar))
+        if backend == "ray-serve":
+            result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
+                                      failure_interval_ms=None, rounds=None)
+            measured, described = measure_on_serve(
+                artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve_settings)},
+                scenarios, xs, refs, warmup=warmup, victim=victim, kill_at=kill_at,
+                rejoin_timeout_s=rejoin_timeout_s, ray_address=ray_address, bar=bar)
+        else:
+            measured, described = _in_process(
+                artifact, configs, scenarios, xs, refs, bar=bar, backend=backend,
+                ray_address=ray_address, vote=vote, device=device, runtime=runtime,
+                threads=threads, deadline_s=deadline_s, restart_delay_s=restart_delay_s,
+                seed=seed, warmup=warmup, rounds=rounds, straggler=straggler, delay=delay,
+                victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
+                interval_s=interval_ms / 1e3)
     finally:
         bar.close()
-        for p in preds.values():
-            p.shutdown()
+    result["placement"] = {k: d["placement"] for k, d in described.items()}
+    result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
+    result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
+                              for k, d in described.items()}
+    if backend == "ray-serve":
+        result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"]}
+                           for k, d in described.items()}
     _relative_costs(measured, config_key(0, 0.0) if 0 in redundancies else None)
     result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
                              "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
                              "scenarios": measured[k]}
-                         for (r, h), k in zip(configs, preds)}
+                         for (r, h), k in zip(configs, described)}
     finish(out, "robust", result, t_start, render_markdown, plot)
     return result

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from .names import SCENARIOS
+from .robust_records import AFTER_REJOIN
 from .render import fmt, horizontal_boxplot, md_table, pyplot, save_figure, text_table
 
 HEADER = ["config", "scenario", "answered", "errors", "wrong", "p50 ms", "p99 ms", "mean ms",
@@ -17,6 +18,7 @@ WORKERS = {"local": "worker threads of this process", "processes": "worker proce
 ENDED = {"local": "abandoned (a thread cannot be killed: it is declared dead at once and a new "
                   "thread takes its place)",
          "processes": "SIGKILLed", "ray": "killed (Ray restarts the actor)"}
+SERVED = "ray-serve"  # the backend whose configurations are Serve applications called over HTTP
 
 
 def _note(scen: str, rep: dict) -> str:
@@ -27,6 +29,9 @@ def _note(scen: str, rep: dict) -> str:
         after, during = rep["after_rejoin"], rep.get("latency_during_outage_ms") or {}
         lost = (f"node {rep['node'][:8]} ({', '.join(rep['workers_on_node'])}) lost; "
                 if scen == "node-loss" else "")
+        if "in_flight_at_kill" in rep:  # an application called over HTTP
+            lost += (f"{rep['in_flight_at_kill']} in flight at the kill; serving again after "
+                     f"{fmt(rep.get('serving_again_s'))} s; ")
         return (f"{lost}outage {fmt(rep.get('outage_s'))} s, {rep['errors_during_outage']} "
                 f"errors in it, p50/p99 in it {fmt(during.get('p50'))}/{fmt(during.get('p99'))} "
                 f"ms; after rejoin {after['requests'] - after['errors']}/{after['requests']} ok, "
@@ -73,6 +78,32 @@ def render_markdown(result: dict) -> str:
         "",
         f"Command: `{result.get('command') or 'run_robust_bench(...)'}`",
         "",
+        _setup_serve(result) if backend == SERVED else _setup(result),
+        "",
+        f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
+        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end.  "
+        f"Offline top-1 on these images: {result['offline_top1']}.",
+        "",
+        *_nodes(result),
+        md_table(HEADER, table_rows(result)),
+        "",
+        _legend_serve() if backend == SERVED else _legend(),
+        "",
+    ]
+    cores = m.get("usable_cores")
+    if cores and st["workers"] > cores:
+        lines += [f"Note: {st['workers']} workers per configuration shared {cores} cores, so "
+                  "extra copies compete with the primaries for CPU time; on machines with a core "
+                  "(or GPU) per worker that competition disappears.", ""]
+    lines += ["The cores may have been shared with other work while this ran; compare figures "
+              "from one run, not across runs.", ""]
+    return "\n".join(lines)
+
+
+def _setup(result: dict) -> str:
+    st = result["settings"]
+    backend = st.get("backend", "local")
+    return (
         f"{len(result['groups'])} subnets on W = {st['workers']} "
         f"{WORKERS.get(backend, backend)} (backend {backend}: the predictor `sensai serve "
         f"--backend {backend} --redundancy r` builds; r = 0 is the default serving path that "
@@ -90,32 +121,55 @@ def render_markdown(result: dict) -> str:
            "it started are SIGKILLed at the same point, as losing the machine would, so every "
            "worker on that node is lost at once; Ray restarts them where there is room once it "
            "has declared the node dead, and the node does not come back."
-           if "node-loss" in st.get("scenarios", ()) else ""),
-        "",
-        f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
-        f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end.  "
-        f"Offline top-1 on these images: {result['offline_top1']}.",
-        "",
-        *_nodes(result),
-        md_table(HEADER, table_rows(result)),
-        "",
-        "answered/errors: requests answered / answered with an error (503 no live copy, 504 "
-        "deadline); latency is over answered requests.  wrong: answers whose top-1 or scores "
-        "differ from offline evaluation's.  subnet runs/req: subnets actually computed per "
-        "request over all workers (G without redundancy; fewer when requests fail fast or "
-        "copies are skipped); compute overhead: runs and summed compute time per request "
-        "relative to r = 0 without faults.  Each worker hosts r+1 subnets (weights memory "
-        "(r+1) x).",
-        "",
-    ]
-    cores = m.get("usable_cores")
-    if cores and st["workers"] > cores:
-        lines += [f"Note: {st['workers']} workers per configuration shared {cores} cores, so "
-                  "extra copies compete with the primaries for CPU time; on machines with a core "
-                  "(or GPU) per worker that competition disappears.", ""]
-    lines += ["The cores may have been shared with other work while this ran; compare figures "
-              "from one run, not across runs.", ""]
-    return "\n".join(lines)
+           if "node-loss" in st.get("scenarios", ()) else ""))
+
+
+def _legend() -> str:
+    return ("answered/errors: requests answered / answered with an error (503 no live copy, 504 "
+            "deadline); latency is over answered requests.  wrong: answers whose top-1 or scores "
+            "differ from offline evaluation's.  subnet runs/req: subnets actually computed per "
+            "request over all workers (G without redundancy; fewer when requests fail fast or "
+            "copies are skipped); compute overhead: runs and summed compute time per request "
+            "relative to r = 0 without faults.  Each worker hosts r+1 subnets (weights memory "
+            "(r+1) x).")
+
+
+def _setup_serve(result: dict) -> str:
+    st = result["settings"]
+    starts = ", ".join(f"{k} {fmt(v.get('startup_s'))} s" for k, v in
+                       result.get("serve", {}).items())
+    return (
+        f"{len(result['groups'])} subnets on W = {st['workers']} worker deployments of the Ray "
+        "Serve application (`sensai serve --backend ray-serve --redundancy r`: one replica "
+        "per worker, the gateway as the ingress), cyclic placement"
+        f"{', vote mode' if st['vote'] else ''}; each configuration started in turn on one "
+        f"Ray instance (Serve's proxy on 127.0.0.1; start to all workers up: {starts}) and "
+        "stopped before the next.  Requests: KServe v2 binary tensors of "
+        f"{st['images']} real test images at batch 1 through Serve's proxy, from the "
+        f"benchmark's client process, {st['concurrency']} always in flight (a closed loop), "
+        f"after {st['warmup']} warm-up requests; runtime {st['runtime']} on {st['device']}, "
+        f"{st['threads_per_worker']} thread(s) per worker; deadline {st['deadline_s']} s.  "
+        f"Failure: the replica process of worker {st['victim_worker']} is SIGKILLed, with "
+        f"requests in flight, after the time {int(st['kill_at'] * st['images'])} requests take "
+        "at the no-fault run's rate; Serve starts a new replica and the ingress reconnects to "
+        "it; the loop goes on until the new replica has served at least "
+        f"{AFTER_REJOIN} requests, so the answers after it rejoined are checked under the same "
+        "load.  Requests keep coming while the worker is down (closed loop, not "
+        "paced): a kill under load is what is measured, and where the outage costs requests "
+        "(r = 0) a fast 503 pulls the next one in sooner, so that error count grows with how "
+        "fast errors come back; compare the outage's length.")
+
+
+def _legend_serve() -> str:
+    return ("answered/errors: requests answered 200 / answered otherwise or not at all; latency "
+            "is over answered requests, from the client.  wrong: answers whose top-1 differs "
+            "from offline evaluation's.  subnet runs/req: subnets computed per request over all "
+            "workers, as the ingress counts them (GET /v1/models; it does not report compute "
+            "time).  Failure note: requests in flight at the kill; when the victim served again "
+            "(its runs grew on the new replica) and the outage (kill until the ingress reports "
+            "it up on a new replica), from the kill; errors and latency of the requests that "
+            "overlapped the outage; the answers of the requests sent after the rejoin.  Each "
+            "worker hosts r+1 subnets (weights memory (r+1) x).")
 
 
 def plot(result: dict, path: Path) -> None:
