@@ -127,19 +127,24 @@ def launch(build: Callable[[], tuple[str, Any]], *, host: str, port: int, ready_
                                        startup_timeout_s=startup_timeout_s)
 
 
+def app_builder(artifact: str | Path, settings: GatewaySettings
+                ) -> Callable[[], tuple[str, Any]]:
+    """What :func:`launch` runs: the artifact's Serve application with ``settings``."""
+    def build():
+        from .ray_app import APP_NAME, build_app  # Ray: imported once connected
+
+        return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
+                                    "settings": settings.model_dump()})
+    return build
+
+
 def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
                    startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     """``sensai serve ART --backend ray-serve``: the Serve application of the artifact with
     ``settings``, Serve's proxy on ``settings.host:port``, until SIGTERM or SIGINT; then the
     application, Serve (and Ray, when this process started it) are stopped."""
     check_serve_settings(settings)
-
-    def build():
-        from .ray_app import APP_NAME, build_app  # Ray: imported once connected
-
-        return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
-                                    "settings": settings.model_dump()})
-
+    build = app_builder(artifact, settings)
     run = ServeRun(settings.ray_address)
     # Installed after Ray's own handlers, which would exit this process halfway through.
     with StopSignals() as signals:

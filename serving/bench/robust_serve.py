@@ -40,7 +40,7 @@ from sensai.errors import SensaiError
 from sensai.raycluster import connect, local_raylet_pid
 
 from ..build import free_ports
-from ..serve_run import READY, check_serve_settings, launch
+from ..serve_run import READY, app_builder, check_serve_settings, launch
 from ..settings import GatewaySettings
 from .client import HttpClientProcess
 from .gateway_process import served
@@ -63,17 +63,6 @@ def check_serve_bench(scenarios: Sequence[str], settings: GatewaySettings) -> No
             raise SensaiError(f"the {s} scenario does not apply to --backend ray-serve "
                               f"({REFUSED_SCENARIOS[s]})")
     check_serve_settings(settings, {"restart_delay_s": "--restart-delay"})
-
-
-def app_builder(artifact: Path, settings: GatewaySettings) -> Callable[[], tuple[str, Any]]:
-    """What :func:`..serve_run.launch` runs: the artifact's Serve application with
-    ``settings``, as ``sensai serve --backend ray-serve`` builds it."""
-    def build():
-        from ..ray_app import APP_NAME, build_app  # Ray: imported once connected
-
-        return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
-                                    "settings": settings.model_dump()})
-    return build
 
 
 class ServeConfig:
