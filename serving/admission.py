@@ -11,15 +11,9 @@ can exhaust it or stall the others.
 * at most ``max_predictions`` requests are in the predictor and as many more wait for a place,
   no longer than their request's deadline, which starts when the request arrives (503 when it
   runs out while waiting, 504 when the subnets are late); a request that finds the queue full
-  gets a 503 at once;
-* the wait for the predictor is kept short by a queue-delay rule (CoDel's, as Facebook's servers
-  apply it to request queues): while the queue has not been empty for ``queue_interval_s``
-  (a standing queue, which only overload makes), a request waits at most ``queue_target_s``
-  for its place, else ``queue_interval_s``; and while a queue stands, no more requests are
-  queued than the predictor finishes within the target at its measured rate (the others are
-  refused on arrival).  So under overload an admitted request waits a few milliseconds, not a
-  queue's worth of service times, and the surplus is refused before its body is read and its
-  image decoded (work on the event loop that a refusal would waste);
+  gets a 503 at once, so an admitted request waits about one service time, not its deadline;
+  while that queue is full, new requests are refused at admission, before their body is read
+  and their image decoded (work on the event loop that a refusal would waste);
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
   counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
@@ -31,7 +25,6 @@ Everything here runs on the event loop, so plain counters need no lock.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from sensai.cores import usable_cores
 
@@ -41,8 +34,7 @@ from .errors import Overloaded, RequestTimeout
 class Admission:
     def __init__(self, *, max_requests: int, max_predictions: int, body_timeout_s: float,
                  deadline_s: float, max_lag_s: float | None = None,
-                 decode_slots: int | None = None, queue_target_s: float = 0.005,
-                 queue_interval_s: float = 0.1):
+                 decode_slots: int | None = None):
         self.max_requests = max_requests
         self.max_receiving = max(1, max_requests // 2)
         self.body_timeout_s = body_timeout_s
@@ -50,14 +42,10 @@ class Admission:
         self.requests = 0
         self.receiving = 0
         self.predicting = asyncio.Semaphore(max_predictions)
-        self.max_queued = max_predictions  # the queue's hard bound; the delay rule acts first
+        # A short queue: at most as many requests wait for the predictor as it holds, so an
+        # admitted request waits about one service time at most; the rest get a 503 at once.
+        self.max_queued = max_predictions
         self.queued = 0  # requests waiting for the predictor
-        self.queue_target_s = queue_target_s
-        self.queue_interval_s = queue_interval_s
-        self.empty_at = time.monotonic()  # when no request last waited for the predictor
-        self.served = 0  # predictions finished since rate_at
-        self.rate_at = self.empty_at
-        self.service_rate = 0.0  # predictions finished per second, smoothed
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.waiting = 0  # requests waiting for any slot
         self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
@@ -67,40 +55,12 @@ class Admission:
     def full(self) -> bool:
         """Whether :meth:`admit` would say no now (nothing taken)."""
         return (self.requests >= self.max_requests or self.lag > self.max_lag_s
-                or self.predict_queue_full() or self.queue_would_delay())
+                or self.predict_queue_full())
 
     def predict_queue_full(self) -> bool:
         """As many requests wait for the predictor as may: a new one would be refused there
         anyway, after its body was read and its image decoded; refused at admission instead."""
         return self.queued >= self.max_queued
-
-    def queue_would_delay(self) -> bool:
-        """A queue stands and holds as many requests as the predictor finishes within the
-        target: a new one would wait past it and be refused then, after its body and image."""
-        if not self.queued:
-            return False
-        now = time.monotonic()
-        return self.standing(now) and self.queued >= self.allowance(now)
-
-    def standing(self, now: float) -> bool:
-        """Requests have waited for the predictor without a break for a whole interval."""
-        return self.queued > 0 and now - self.empty_at > self.queue_interval_s
-
-    def allowance(self, now: float) -> int:
-        """How many requests the predictor finishes within the queue's target, at its rate
-        measured over the last intervals (under a standing queue, that rate is its capacity)."""
-        elapsed = now - self.rate_at
-        if elapsed >= self.queue_interval_s:
-            rate = self.served / elapsed
-            # Smoothed over a few intervals; after an idle spell the old rate is stale.
-            self.service_rate = rate if elapsed > 4 * self.queue_interval_s else \
-                0.5 * self.service_rate + 0.5 * rate
-            self.served, self.rate_at = 0, now
-        return max(1, int(self.service_rate * self.queue_target_s))
-
-    def queue_wait_limit(self, now: float) -> float:
-        """How long a request that must wait for the predictor now may wait (then a 503)."""
-        return self.queue_target_s if self.standing(now) else self.queue_interval_s
 
     def admit(self) -> bool:
         if self.full():
@@ -114,14 +74,10 @@ class Admission:
             return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
                                     "requests in flight; retry shortly")
         if self.predict_queue_full():
-            return "queue_full", self.queue_full_message()
-        if self.queue_would_delay():
-            return "queue_delay", (f"requests have waited for a prediction slot without a "
-                                   f"break for over {self.queue_interval_s * 1e3:g} ms; the "
-                                   "gateway is overloaded, retry shortly")
+            return "queue_full", self._queue_full_message()
         return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
 
-    def queue_full_message(self) -> str:
+    def _queue_full_message(self) -> str:
         return (f"{self.queued} requests are waiting for a prediction slot already; the gateway "
                 "is overloaded, retry shortly")
 
@@ -200,11 +156,10 @@ class _Body:
 
 
 class _Slot:
-    __slots__ = ("adm", "sem", "deadline", "what", "predictor")
+    __slots__ = ("adm", "sem", "deadline", "what")
 
     def __init__(self, adm: Admission, sem: asyncio.Semaphore, deadline: float, what: str):
         self.adm, self.sem, self.deadline, self.what = adm, sem, deadline, what
-        self.predictor = sem is adm.predicting
 
     async def __aenter__(self) -> None:
         sem = self.sem
@@ -212,37 +167,23 @@ class _Slot:
             await sem.acquire()
             return
         adm = self.adm
-        until = self.deadline
-        if self.predictor:
+        predictor = sem is adm.predicting
+        if predictor:
             if adm.predict_queue_full():
-                raise Overloaded(adm.queue_full_message(), reason="queue_full")
-            now = time.monotonic()
-            if adm.queued == 0:
-                adm.empty_at = now
-            limit = adm.queue_wait_limit(now)
-            loop = asyncio.get_running_loop()
-            until = min(until, loop.time() + limit)
+                raise Overloaded(adm._queue_full_message(), reason="queue_full")
             adm.queued += 1
         adm.waiting += 1
         try:
-            async with asyncio.timeout_at(until):
+            async with asyncio.timeout_at(self.deadline):
                 await sem.acquire()
         except TimeoutError:
-            if until < self.deadline:
-                raise Overloaded(f"no prediction slot became free within {limit * 1e3:g} ms, "
-                                 "the queue's limit; the gateway is overloaded, retry shortly",
-                                 reason="queue_delay") from None
             raise Overloaded(f"no {self.what} slot became free before the request's deadline; "
                              "the gateway is overloaded, retry shortly",
                              reason="no_slot_before_deadline") from None
         finally:
             adm.waiting -= 1
-            if self.predictor:
+            if predictor:
                 adm.queued -= 1
-                if adm.queued == 0:
-                    adm.empty_at = time.monotonic()
 
     async def __aexit__(self, et, exc, tb) -> None:
         self.sem.release()
-        if self.predictor:
-            self.adm.served += 1

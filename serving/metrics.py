@@ -40,7 +40,7 @@ class GatewayMetrics:
                            ["model", "version"], registry=r)
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
                                 "reason (max_requests, loop_lag, max_receiving, queue_full, "
-                                "queue_delay, no_slot_before_deadline, slow_body)", ["reason"], registry=r)
+                                "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
         self.rejected_connections = Counter(
             "sensai_rejected_connections", "connections refused before any request, by reason "
             "(max_connections, header_too_large, head_timeout)", ["reason"], registry=r)

@@ -65,13 +65,6 @@ class GatewaySettings(BaseSettings):
     max_loop_lag_s: float | None = Field(
         None, gt=0, description="while the event loop runs this late, new requests get 503 at "
                                 "once (default: a quarter of the deadline, at most 0.25 s)")
-    queue_target_s: float = Field(0.005, gt=0, description="under overload (a queue for the "
-                                  "predictor standing for queue_interval_s), a request waits at "
-                                  "most this long for its place, and no more are queued than the "
-                                  "predictor finishes in this time; the rest: 503")
-    queue_interval_s: float = Field(0.1, gt=0, description="a queue for the predictor that has "
-                                    "not emptied for this long is standing (overload); otherwise "
-                                    "a request may wait this long for its place")
     max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
     batch_max_rows: int = Field(8, ge=1, description="most image rows a worker runs as one batch "
                                 "of the requests it finds waiting (1: one request at a time; "
