@@ -168,7 +168,8 @@ def _legend_serve() -> str:
             "time).  Failure note: requests in flight at the kill; when the victim served again "
             "(its runs grew on the new replica) and the outage (kill until the ingress reports "
             "it up on a new replica), from the kill; errors and latency of the requests that "
-            "overlapped the outage; the answers of the requests sent after the rejoin.  Each "
+            "overlapped the outage or were sent before the victim served again; the answers of "
+            "the requests sent after it served again.  Each "
             "worker hosts r+1 subnets (weights memory (r+1) x).")
 
 

@@ -16,7 +16,9 @@ v2 answer's ``class_index``).  Subnet runs and skipped copies come from the ingr
 ``GET /v1/models`` is polled: the outage ends when the ingress reports the victim up on a new
 replica, which serves again once its runs grow; the loop goes on until the new replica has run
 :data:`~.robust_records.AFTER_REJOIN` requests, so the answers after the rejoin are checked
-under the same load.  A closed loop rather than paced single requests because what is measured
+under the same load.  The requests sent before the victim served again count as the outage's
+(with r = 0, one sent just after the ingress reported the victim up may still fail while the
+new replica's first run is on its way); those sent after it are the rejoin's.  A closed loop rather than paced single requests because what is measured
 is whether a kill *under load* costs a request: the kill lands with requests in flight on the
 victim (``in_flight_at_kill`` says how many), and requests keep coming through the replacement
 and the reconnection.  The price: where the outage does cost requests (r = 0), a fast 503 pulls
@@ -188,7 +190,7 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
             cfg.client.stop_load()
         out = load.result()
     after = cfg.predictor()
-    end = ev.get("up", float("inf"))
+    end = ev.get("served", ev.get("up", float("inf")))
     run = counted(cfg, out, before, after)
     in_outage = cfg.records(out, lambda t0, t1: t1 >= ev["kill"] and t0 < end)
     rejoin = cfg.records(out, lambda t0, t1: t0 >= end)
