@@ -154,15 +154,17 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
     w0 = cfg.wait_all_up(rejoin_timeout_s)[victim]
     pid = local_victim(w0)
     lead, span = kill_at * n / rate, n / rate
-    # A request runs at most one subnet per group on the victim, and at most IN_FLIGHT of
-    # those it serves first started before it was seen up: this many runs on the new replica
-    # are at least AFTER_REJOIN requests sent after the rejoin.
+    # A request runs at most one subnet per group on the victim, and of the runs counted after
+    # the reading that first showed the new replica serving, at most IN_FLIGHT requests' were
+    # sent before it: this many such runs are at least AFTER_REJOIN requests of the rejoin's.
+    # (Counting from the replica's first run instead undercounts: the runs between it and the
+    # poll that sees it belong to requests sent before, and how many depends on the poll's lag.)
     after_runs = (AFTER_REJOIN + IN_FLIGHT) * len(w0["groups"])
     before = cfg.predictor()
     ev: dict[str, float] = {}
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(cfg.phase, seconds=span + rejoin_timeout_s + 60.0)
-        w, runs_up = w0, 0
+        w, runs_up, runs_served = w0, 0, 0
         try:
             # The kill is timed from the loop's first answers, which the workers' runs show.
             while work(cfg.predictor())["runs"] <= work(before)["runs"] and not load.done():
@@ -182,8 +184,8 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
                 if "up" not in ev and w["state"] == "up" and w.get("pid") not in (None, pid):
                     ev["up"], runs_up = now, w["runs"]
                 if "up" in ev and "served" not in ev and w["runs"] > runs_up:
-                    ev["served"] = now
-                if ("served" in ev and w["runs"] - runs_up >= after_runs
+                    ev["served"], runs_served = now, w["runs"]
+                if ("served" in ev and w["runs"] - runs_served >= after_runs
                         and now - t_start >= span):
                     break
         finally:
