@@ -53,12 +53,13 @@ from .imaging import decode_image, image_to_input, open_image
 from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, predict, server_ready,
                         v2_infer, v2_model_metadata, v2_server_metadata, version_ready)
 from .metrics import GatewayMetrics
-from .middleware import GatewayMiddleware, json_bytes
+from .middleware import GatewayMiddleware
 from .models import ModelVersion, ServedModels
 from .repository_api import repository_routes
 from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse, VersionInfo
 from .settings import GatewaySettings
 from .wakeup import keep_cores_awake
+from .wire import json_bytes
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .middleware import json_bytes
+from .wire import error_body
 
 try:  # uvicorn[standard] brings httptools; the h11 fallback below covers its absence
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -55,8 +55,7 @@ class ConnectionLimits:
 
 def error_response(status: int, message: str, extra: bytes = b"", *, close: bool = True) -> bytes:
     """A whole HTTP/1.1 response carrying the gateway's JSON error."""
-    body = json_bytes({"error": message, "status": status, "request_id": os.urandom(16).hex(),
-                       "subnet": None, "missing_classes": None})
+    body = error_body(status, message, os.urandom(16).hex())
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"%s%s\r\n" % (status, REASONS[status], len(body),
                              b"connection: close\r\n" if close else b"", extra)) + body

@@ -16,7 +16,6 @@ request on the hot path), in pieces that each do one job:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import time
@@ -24,24 +23,10 @@ import time
 from .admission import Admission
 from .errors import PayloadTooLarge
 from .inference import Gateway
+from .wire import reply, ungated
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# Answered whatever the load: never queued, never turned away.
-UNGATED = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
-# The repository API too: an operator swapping a model must get through an overload.
-UNGATED_PREFIX = "/v2/repository/"
 LIMIT_HINT = "(set SENSAI_MAX_BODY_BYTES)"
-
-# One encoder (json.dumps with any non-default argument builds a new one per call).
-JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def json_bytes(obj) -> bytes:
-    return JSON.encode(obj).encode()
-
-
-def ungated(path: str) -> bool:
-    return path in UNGATED or path.startswith(UNGATED_PREFIX)
 
 
 def request_id(headers: dict[bytes, bytes]) -> str:
@@ -63,17 +48,6 @@ class TaggedSend:
             self.status = message["status"]
             message = {**message, "headers": [*message.get("headers", ()), self.header]}
         await self.send(message)
-
-
-async def reply(send, status: int, message: str, rid: str, extra=()) -> None:
-    """A JSON error in :class:`~sensai.serving.schemas.ErrorResponse`'s shape, sent before (or
-    instead of) the app."""
-    body = json_bytes({"error": message, "status": status, "request_id": rid,
-                       "subnet": None, "missing_classes": None})
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *extra]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimit:
