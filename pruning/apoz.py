@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
+from sensai.learning import fast_layout
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +129,11 @@ def collect_activation_stats(
             handles.append(m.register_forward_hook(make_hook(n)))
         model.eval().to(device)
         n_batches = 0
-        with tqdm(total=len(indices), desc=progress, disable=progress is None, unit="img",
-                  leave=False) as bar:
+        with fast_layout(model, device) as layout, \
+                tqdm(total=len(indices), desc=progress, disable=progress is None, unit="img",
+                     leave=False) as bar:
             for x, _ in iterate_batches(dataset, batch_size, indices=indices):
-                model(normalize(x.to(device), spec))
+                model(layout(normalize(x.to(device), spec)))
                 n_batches += 1
                 bar.update(len(x))
     finally:

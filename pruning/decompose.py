@@ -26,6 +26,7 @@ import copy
 import logging
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,7 +45,7 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.export import export_onnx
 from sensai.flops import count_flops
 from sensai.fsutil import atomic_path, sha256_file, write_json_atomic
-from sensai.learning import predict_logits
+from sensai.learning import fast_layout, predict_logits
 from sensai.manifest import (DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
                              SubnetRecord, load_manifest, save_manifest)
 from sensai.merge import merge_outputs
@@ -357,12 +358,16 @@ def evaluate_models(original: nn.Module | None, subnets: list[nn.Module], groups
     idx = np.arange(len(dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
     labels = np.asarray(dataset.labels)[idx]
     models = ([original] if original is not None else []) + list(subnets)
-    for m in models:
-        m.eval().to(device)
     orig_pred, outs = [], [[] for _ in subnets]
-    with tqdm(total=len(idx), desc=progress, disable=progress is None, unit="img", leave=False) as bar:
+    with ExitStack() as stack:
+        layout: Callable = lambda x: x
+        for m in models:  # every model in the device's fast layout; one for the batch
+            m.eval().to(device)
+            layout = stack.enter_context(fast_layout(m, device))
+        bar = stack.enter_context(tqdm(total=len(idx), desc=progress,
+                                       disable=progress is None, unit="img", leave=False))
         for x, _ in iterate_batches(dataset, batch_size, indices=idx):
-            x = normalize(x.to(device), spec)
+            x = layout(normalize(x.to(device), spec))
             if original is not None:
                 orig_pred.append(original(x).argmax(1).cpu().numpy())
             for j, s in enumerate(subnets):

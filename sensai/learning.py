@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
@@ -29,16 +30,25 @@ def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 @contextmanager
 def fast_layout(model: nn.Module, device: torch.device
                 ) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """Train ``model`` in the memory layout its convolutions run fastest in on ``device``:
+    """Run ``model`` in the memory layout its convolutions run fastest in on ``device``:
     channels-last on CPUs (oneDNN's own layout: no reorder of every activation on the way into
     and out of each convolution), the default elsewhere.  Yields what puts a batch in that
-    layout; the model is back in the default layout afterwards, for saving, pruning and export."""
-    if device.type != "cpu":
+    layout; the model is back in the default layout afterwards, for saving, pruning and export.
+    Nested (an evaluation inside training), the outer block keeps the layout."""
+    params = list(model.parameters())
+    if device.type != "cpu" or any(is_lazy(p) for p in params):  # lazy: no shape to lay out yet
         yield lambda x: x
+        return
+
+    def to_layout(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
+    if any(p.dim() == 4 and not p.is_contiguous() for p in params):
+        yield to_layout  # in the layout already: an outer block restores it
         return
     model.to(memory_format=torch.channels_last)
     try:
-        yield lambda x: x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+        yield to_layout
     finally:
         model.to(memory_format=torch.contiguous_format)
 
@@ -51,9 +61,10 @@ def predict_logits(model: nn.Module, dataset: ImageDataset, spec: DatasetSpec, d
     model.eval().to(device)
     out = []
     n = len(dataset) if indices is None else len(indices)
-    with tqdm(total=n, desc=progress, disable=progress is None, leave=False) as bar:
+    with fast_layout(model, device) as layout, \
+            tqdm(total=n, desc=progress, disable=progress is None, leave=False) as bar:
         for x, _ in iterate_batches(dataset, batch_size, indices=indices):
-            out.append(model(normalize(x.to(device), spec)).float().cpu())
+            out.append(model(layout(normalize(x.to(device), spec))).float().cpu())
             bar.update(len(x))
     return torch.cat(out) if out else torch.empty(0)
 
