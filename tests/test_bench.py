@@ -657,6 +657,41 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     assert not client.process.is_alive()
 
 
+def test_the_load_client_reads_answers_without_a_length_on_a_kept_connection():
+    """Ray Serve's proxy sends its own errors (a backpressure 503) with no Content-Length, so
+    uvicorn frames them in chunks: the load generator reads them as answers and keeps the
+    connection, instead of waiting for the connection to close until its timeout."""
+    import asyncio
+
+    from sensai.serving.bench.client import load_phase, raw_requests
+    from sensai.serving.server import BackgroundServer
+
+    seen = []  # the connection (client address) of each POST
+
+    async def app(scope, receive, send):  # POSTs: 503 without a length, then 200 with one
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "POST":
+            seen.append(scope["client"])
+        status, body = (503, b"Request dropped due to backpressure") if len(seen) % 2 else \
+            (200, b'{"index": 1}')
+        headers = [(b"retry-after", b"1")] if status == 503 else \
+            [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body[:10], "more_body": True})
+        await send({"type": "http.response.body", "body": body[10:]})
+
+    server = BackgroundServer(app).start()
+    try:
+        requests = raw_requests(server.url, [("/v1/predict", {}, b"x" * 100)])
+        out = asyncio.run(load_phase(requests, server.url, count=6, concurrency=1, timeout_s=5))
+    finally:
+        server.stop()
+    assert out["failures"] == {} and out["status"] == [503, 200] * 3
+    assert max(out["ms"]) < 2000  # none waited for its connection to close
+    assert len(seen) == 6 and len(set(seen)) == 1  # one connection, kept for all six
+
+
 def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artifact,
                                                                           fmnist_test):
     """A gateway that admits one request at a time, under 4 concurrent clients: the throughput

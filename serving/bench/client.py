@@ -263,7 +263,9 @@ class _Connection:
     """One keep-alive HTTP/1.1 connection of :func:`load_phase`, on asyncio streams: a small
     fraction of an HTTP library's work per request (whose pool's bookkeeping also grows with the
     requests waiting for a connection, so under overload the client, not the server, would be
-    the bottleneck).  Enough for the gateway and the peers, whose answers carry Content-Length."""
+    the bottleneck).  An answer's body is framed by Content-Length, by chunks (Ray Serve's
+    proxy sends its own errors, a backpressure 503 among them, without a length), or else by
+    the server closing the connection."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
@@ -295,14 +297,30 @@ class _Connection:
                 name, _, value = line.partition(b":")
                 headers[name.strip().lower()] = value.strip()
             length = headers.get(b"content-length")
-            body = await (self.reader.read() if length is None
-                          else self.reader.readexactly(int(length)))
+            chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+            if length is not None:
+                body = await self.reader.readexactly(int(length))
+            elif chunked:
+                body = await self._chunks()
+            else:
+                body = await self.reader.read()
         except BaseException:  # a timeout or an error leaves the stream in an unknown state
             self.close()
             raise
-        if length is None or headers.get(b"connection", b"").lower() == b"close":
+        if ((length is None and not chunked)
+                or headers.get(b"connection", b"").lower() == b"close"):
             self.close()
         return status, headers, body
+
+    async def _chunks(self) -> bytes:
+        """A chunked body (RFC 9112 7.1), its trailers skipped."""
+        parts = []
+        while size := int((await self.reader.readline()).split(b";")[0].strip() or b"0", 16):
+            parts.append(await self.reader.readexactly(size))
+            await self.reader.readexactly(2)  # the chunk's CRLF
+        while (await self.reader.readline()) not in (b"\r\n", b""):
+            pass
+        return b"".join(parts)
 
     def close(self) -> None:
         if self.writer is not None:
