@@ -18,12 +18,13 @@ replica, which serves again once its runs grow; the loop goes on until the new r
 :data:`~.robust_records.AFTER_REJOIN` requests, so the answers after the rejoin are checked
 under the same load.  The requests sent before the victim served again count as the outage's
 (with r = 0, one sent just after the ingress reported the victim up may still fail while the
-new replica's first run is on its way); those sent after it are the rejoin's.  A closed loop rather than paced single requests because what is measured
-is whether a kill *under load* costs a request: the kill lands with requests in flight on the
-victim (``in_flight_at_kill`` says how many), and requests keep coming through the replacement
-and the reconnection.  The price: where the outage does cost requests (r = 0), a fast 503 pulls
-the next request in sooner, so that error count grows with how fast errors come back; the
-outage's length is the figure to compare.
+new replica's first run is on its way); those sent after it are the rejoin's.  A closed loop
+rather than paced single requests because what is measured is whether a kill *under load*
+costs a request: the kill lands with requests in flight on the victim (``in_flight_at_kill``
+says how many), and requests keep coming through the replacement and the reconnection.  The
+price: where the outage does cost requests (r = 0), a fast 503 pulls the next request in sooner,
+so that error count grows with how fast errors come back; the outage's length is the figure to
+compare.
 """
 
 from __future__ import annotations
