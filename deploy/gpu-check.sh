@@ -14,16 +14,21 @@
 # Where the running Python already imports all of it (this repository's .venv), nothing is
 # installed.
 #
-# Steps (each timed in OUT/gpu-check.log; none starts after $SENSAI_GPU_CHECK_DEADLINE_S seconds,
-# default 480, so that the table comes within 9 minutes):
+# Steps, most wanted first (each timed in OUT/gpu-check.log; none starts after
+# $SENSAI_GPU_CHECK_DEADLINE_S seconds, default 480, so that the table comes within 9 minutes):
 #   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU;
 #   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray);
-#   3. bench single device, model parallel and class parallel on CUDA graphs and on eager
-#      torch, in process and through the real gateway over HTTP (PNG upload, KServe v2 tensor);
-#   4. the same latency comparison on a latency-only VGG-16-bn artifact at 224x224
-#      (1 training epoch on a few hundred images, --policy keep, no retraining);
+#   3. under load: `sensai bench-load --sweep` of the decomposed artifact with and without the
+#      workers' batching and of the original behind the same gateway (closed loops at 1-64 in
+#      flight, then an overload), KServe v2 tensors from client processes of its own;
+#   4. bench single device, model parallel and class parallel on CUDA graphs, in process and
+#      through the real gateway over HTTP (PNG upload, KServe v2 tensor);
 #   5. the GPU tests (tests/test_graphs.py);
-#   6. one table: OUT/gpu-check.md (bench.json / bench.md of every run under OUT/<run>/).
+#   6. the same latency comparison on a latency-only VGG-16-bn artifact at 224x224
+#      (1 training epoch on a few hundred images, --policy keep, no retraining);
+#   7. steps 4 and 6 on eager torch;
+#   8. one table: OUT/gpu-check.md (bench.json / bench.md of every run under OUT/<run>/, and the
+#      sweep's OUT/load/load.md).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -113,22 +118,51 @@ if (( TINY )); then
     TRAIN=(--epochs 1 --train-limit 600)
     DECOMPOSE=(--retrain-epochs 1 --samples-per-subnet 256 --features-per-class 10 --stats-per-class 20 --eval-limit 200)
     BENCH=(--images 8 --warmup 2 --rounds 1 --concurrency 2 --requests 8)
+    LOAD=(--configs class-parallel single --levels 1 2 --level-seconds 1 --warmup-seconds 1
+          --overload-seconds 1 --images 8)
     PER_CLASS=6
 else
     DEVICE=cuda RUNTIMES="cuda-graph torch" MODEL=vgg16_bn SIZE=224
     TRAIN=(--epochs 3)
     DECOMPOSE=()
     BENCH=(--images 200)
+    LOAD=(--configs class-parallel class-parallel-unbatched single --levels 1 2 4 8 16 32 64
+          --level-seconds 2 --overload-seconds 5)
     PER_CLASS=30
 fi
 STRATS=(--strategies single model-parallel class-parallel)
 
-# --- 1-2, 4: the artifacts: the flagship trained and decomposed on the device, and the
-# latency-only one at 224x224 (compute rather than launches).
+# --- 1-2: the flagship, trained and decomposed on the device.
 step train "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" "${TRAIN[@]}" \
     --device "$DEVICE" --out "$OUT/models/$MODEL"
 step decompose "${SENSAI[@]}" decompose --model-dir "$OUT/models/$MODEL" --groups 2 \
     --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g2"
+
+# --- 3: under load (the gateway picks the device itself: --device auto).
+step load-sweep "${SENSAI[@]}" bench-load "$OUT/models/${MODEL}_g2" --out "$OUT/load" --sweep \
+    --transport http-v2 "${LOAD[@]}" --no-progress
+
+# bench_flagship RUNTIME, bench_224 RUNTIME: the latency comparison, in process and through the
+# real gateway.
+bench_flagship() {
+    step "bench-fmnist-$1" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_g2" --device "$DEVICE" \
+        --runtime "$1" "${STRATS[@]}" --transports inprocess http http-v2 "${BENCH[@]}" \
+        --no-progress --out "$OUT/fmnist_$1"
+}
+bench_224() {
+    step "bench-${SIZE}-$1" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_${SIZE}_g2" \
+        --device "$DEVICE" --runtime "$1" "${STRATS[@]}" --transports inprocess http-v2 \
+        "${BENCH[@]}" --no-progress --out "$OUT/${SIZE}_$1"
+}
+FIRST=${RUNTIMES%% *} REST=${RUNTIMES#"$FIRST"}
+
+# --- 4-5: the default runtime (graphs on a GPU), then the tests that need a GPU (they skip on
+# a CPU).
+bench_flagship "$FIRST"
+(( TINY )) || step gpu-tests env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q \
+    -p no:cacheprovider "$REPO/tests/test_graphs.py"
+
+# --- 6: the latency-only artifact at 224x224 (compute rather than launches).
 step imagefolder "$PY" "$REPO/deploy/gpu_check.py" imagefolder "$FMNIST" "$OUT/data/fmnist_folder" \
     --per-class "$PER_CLASS"
 step train-224 "${SENSAI[@]}" train --model "$MODEL" --dataset imagefolder \
@@ -137,23 +171,16 @@ step train-224 "${SENSAI[@]}" train --model "$MODEL" --dataset imagefolder \
 step decompose-224 "${SENSAI[@]}" decompose --model-dir "$OUT/models/${MODEL}_${SIZE}" --groups 2 \
     --policy keep --retrain-epochs 0 --features-per-class 10 --stats-per-class 10 \
     --device "$DEVICE" --no-ray --out "$OUT/models/${MODEL}_${SIZE}_g2"
+bench_224 "$FIRST"
 
-# --- 3-4: the benches, the default runtime first (graphs on a GPU), in process and through the
-# real gateway.  Past the deadline the remaining ones are skipped, so the table still comes.
-for rt in $RUNTIMES; do
-    step "bench-fmnist-$rt" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_g2" --device "$DEVICE" \
-        --runtime "$rt" "${STRATS[@]}" --transports inprocess http http-v2 "${BENCH[@]}" \
-        --no-progress --out "$OUT/fmnist_${rt}"
-    step "bench-${SIZE}-$rt" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_${SIZE}_g2" \
-        --device "$DEVICE" --runtime "$rt" "${STRATS[@]}" --transports inprocess http-v2 \
-        "${BENCH[@]}" --no-progress --out "$OUT/${SIZE}_${rt}"
+# --- 7: the other runtimes.  Past the deadline the remaining steps are skipped, so the table
+# still comes.
+for rt in $REST; do
+    bench_flagship "$rt"
+    bench_224 "$rt"
 done
 
-# --- 5: the tests that need a GPU (they skip on a CPU).
-(( TINY )) || step gpu-tests env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q \
-    -p no:cacheprovider "$REPO/tests/test_graphs.py"
-
-# --- 6: one table.
+# --- 8: one table.
 step report "$PY" "$REPO/deploy/gpu_check.py" report "$OUT"
 cat "$OUT/gpu-check.md" 2>/dev/null
 say "total $(( $(date +%s) - T0 )) s; failed steps: ${FAILED[*]:-none}"

@@ -5,7 +5,8 @@
 
 ``report`` reads every ``bench.json`` under CHECK_DIR (one per artifact and runtime), prints one
 table (p50/p99 per strategy and transport, each subnet's CUDA-graph replay, the accuracy and the
-targets) and writes it to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json.
+targets), appends the load sweep's own report (CHECK_DIR/load/load.md) and writes it all to
+CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def rows_of(path: Path, run: dict) -> list[list[str]]:
 
 def report(check: Path) -> int:
     runs = sorted(check.glob("*/bench.json"))
-    if not runs:
-        print(f"no bench.json under {check}", file=sys.stderr)
+    sweep = check / "load" / "load.md"
+    if not runs and not sweep.is_file():
+        print(f"no bench.json or load/load.md under {check}", file=sys.stderr)
         return 1
     rows, notes, summary = [], [], []
     for path in runs:
@@ -76,8 +78,14 @@ def report(check: Path) -> int:
                       "p99 ms", "graph replay ms (slowest worker)", "top-1 (bench images)"],
                      rows)
     text = "# gpu-check\n\n" + table + "\n\n" + "\n".join(notes) + "\n"
+    if sweep.is_file():
+        # One level down, so the sweep's sections sit under the check's own title.
+        text += "\n" + "".join("#" + line if line.startswith("#") else line
+                               for line in sweep.read_text().splitlines(keepends=True))
     write_text_atomic(check / "gpu-check.md", text)
-    write_json_atomic(check / "gpu-check.json", {"runs": summary})
+    write_json_atomic(check / "gpu-check.json",
+                      {"runs": summary, "load_json": str(sweep.with_suffix(".json"))
+                       if sweep.is_file() else None})
     print(text)
     return 0
 

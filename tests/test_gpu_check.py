@@ -38,8 +38,17 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert json.loads((out / "gpu-check.json").read_text())["runs"]
     # Each step is timed in the log; the GPU tests are not run on a CPU.
     log = (out / "gpu-check.log").read_text()
-    for step in ("train:", "decompose:", "train-224:", "decompose-224:", "report:"):
+    for step in ("train:", "decompose:", "load-sweep:", "train-224:", "decompose-224:",
+                 "report:"):
         assert f"{step} done in" in log
+    # The load sweep: both configurations at every level, answered right, in the table.
+    sweep = json.loads((out / "load" / "load.json").read_text())
+    assert set(sweep["configs"]) == {"class-parallel", "single"}
+    for config in sweep["configs"].values():
+        levels = config["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        assert all(lv["ok"] > 0 and lv["wrong"] == 0 for lv in levels)
+    assert "### Closed loops" in table
     assert "gpu-tests" not in log
 
 
