@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sensai.errors import SensaiError
 from sensai.merge import ranking
 
-from . import oip
+from . import heap, oip
 from .admission import Admission
 from .contract import Predictor
 from .errors import InputError, ServingError
@@ -270,6 +270,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
             try:
                 gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
                 await models.start()
+                heap.settle()  # the models are built and nothing serves yet
                 if settings.model_control == "poll":
                     poller = asyncio.create_task(models.poll_forever(settings.repository_poll_s))
             except SensaiError as e:

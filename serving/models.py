@@ -30,6 +30,7 @@ import numpy as np
 
 from sensai.errors import SensaiError
 
+from . import heap
 from . import repository as repo_layout
 from .contract import Predictor
 from .errors import InputError, ModelNotFound, ServingError
@@ -44,6 +45,9 @@ SINGLE_VERSION = "1"
 # Predictions a new version makes before it is routed to: the first calls of a runner pay for
 # its lazy set-up, which should not land on a client.
 WARMUP_PREDICTIONS = 3
+# How long after an unload its memory is freed: long enough for the calls that retired it to
+# return (their frames hold it), short next to how often models change.
+LET_GO_AFTER_S = 0.1
 # How long past its deadline a request may still hold a version being unloaded.
 DRAIN_GRACE_S = 1.0
 
@@ -109,6 +113,7 @@ class ServedModels:
         self.locks: dict[str, asyncio.Lock] = {}
         self.loading: set[tuple[str, str]] = set()  # (name, version) being built or warmed
         self.latest: dict[str, ModelVersion] = {}  # each model's highest ready version
+        self.letting_go: asyncio.Task | None = None  # see let_go_soon
 
     @classmethod
     def of(cls, predictor: Predictor, settings: GatewaySettings) -> "ServedModels":
@@ -294,6 +299,7 @@ class ServedModels:
         self.add(mv)  # routable from here on
         if old is not None:  # the same version number with new files: the old one drains
             await self.retire(old)
+        heap.settle()
         log.info("model %s version %s ready in %.1f s", name, version, time.perf_counter() - t0)
 
     def fail(self, key: tuple[str, str], stamp: str, e: Exception) -> None:
@@ -332,6 +338,19 @@ class ServedModels:
             self.metrics.forget_model(mv.name, mv.version)
         await mv.predictor.close()
         log.info("model %s version %s unloaded", mv.name, mv.version)
+        self.let_go_soon()
+
+    def let_go_soon(self) -> None:
+        """Free what retired versions held, shortly: once the calls that let them go have
+        returned and dropped them, the heap is settled (:func:`heap.settle`: it collects a version
+        whose objects hold each other, which a frozen heap would keep for good) and the memory
+        given back to the system.  One pending at a time: a swap retires several at once."""
+        if self.letting_go is None or self.letting_go.done():
+            self.letting_go = asyncio.create_task(self.let_go())
+
+    async def let_go(self) -> None:
+        await asyncio.sleep(LET_GO_AFTER_S)
+        heap.settle()
         await asyncio.to_thread(give_back_memory)
 
     def current(self, mv: ModelVersion) -> bool:
@@ -378,6 +397,8 @@ class ServedModels:
 
     async def close(self) -> None:
         """Close every version's predictor (the server is stopping: nothing drains)."""
+        if self.letting_go is not None:
+            self.letting_go.cancel()
         for versions in list(self.models.values()):
             for mv in list(versions.values()):
                 await mv.predictor.close()

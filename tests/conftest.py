@@ -5,6 +5,7 @@ Owned by the whole suite; feature-specific fixtures live in their own test modul
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -17,6 +18,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 FMNIST_DIR = Path(os.environ.get("SENSAI_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """A gateway freezes the heap of the process it runs in (sensai.serving.heap); the tests
+    run many gateways in one process, so each test gives what it froze back to the collector."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,13 @@ version it names."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -182,6 +184,33 @@ def test_unloading_a_model_drains_the_requests_it_holds(tmp_path, tiny_artifact,
             assert load.result().status_code == 200
         assert httpx.post(f"{url}/v2/repository/index").json()[0]["state"] == "READY"
         assert httpx.post(f"{url}/v1/predict", content=png(images[0])).status_code == 200
+
+
+def test_a_version_let_go_is_collected_though_the_heap_was_frozen(tmp_path, tiny_artifact,
+                                                                  images):
+    """The gateway freezes its heap once a version is loaded, so collections skip it; an unload
+    gives it back to the collector first, so a version whose objects hold each other (a cycle
+    only the collector frees) is freed, not kept for good."""
+    repo = tmp_path / "repo"
+    add_version(repo, MODEL, tiny_artifact)
+    held = []
+    s = GatewaySettings(model_control="explicit", deadline_s=10)
+
+    def loader(name, path):
+        predictor = build_predictor(path, backend="local", device="cpu", name=name,
+                                    deadline_s=s.deadline_s)
+        predictor.itself = predictor
+        held.append(weakref.ref(predictor))
+        return predictor
+
+    models = ServedModels(s, loader=loader, repository=repo)
+    with BackgroundServer(create_app(models, s)) as server:
+        assert gc.get_freeze_count() > 0
+        assert httpx.post(f"{server.url}/v1/predict", content=png(images[0])).status_code == 200
+        r = httpx.post(f"{server.url}/v2/repository/models/{MODEL}/unload", timeout=30)
+        assert r.status_code == 200
+        assert len(held) == 1
+        wait_until(lambda: held[0]() is None, 10, "the unloaded version to be freed")
 
 
 def test_the_api_is_refused_when_model_control_is_off_or_the_caller_is_not_allowed(
