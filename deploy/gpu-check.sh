@@ -159,7 +159,7 @@ FIRST=${RUNTIMES%% *} REST=${RUNTIMES#"$FIRST"}
 # --- 4-5: the default runtime (graphs on a GPU), then the tests that need a GPU (they skip on
 # a CPU).
 bench_flagship "$FIRST"
-(( TINY )) || step gpu-tests env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q \
+(( TINY )) || step gpu-tests env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q --import-mode=importlib \
     -p no:cacheprovider "$REPO/tests/test_graphs.py"
 
 # --- 6: the latency-only artifact at 224x224 (compute rather than launches).
