@@ -67,6 +67,7 @@ class TrainInfo(_Frozen):
     epochs: int
     completed_epochs: int
     lr: float
+    warmup: float = 0.03  # the fraction of the steps the learning rate ramps up over
     batch_size: int
     seed: int
     train_limit: int | None = None

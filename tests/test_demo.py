@@ -9,6 +9,7 @@ import re
 import pytest
 
 from sensai.cli import main
+from sensai.cli.demo import DEMO_EPOCHS
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,11 @@ def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
         assert step in text
     # The original's whole default schedule, with its accuracy after every epoch.
     history = json.loads((out / "fmnist_cnn" / "model.json").read_text())["train"]["history"]
-    assert len(history) == 3
-    assert ("3 epochs, one cosine schedule; test top-1 by epoch: "
+    assert len(history) == DEMO_EPOCHS == 2
+    assert ("2 epochs, warm-up 15% then one cosine decay; test top-1 by epoch: "
             + " -> ".join(f"{h['test_top1']:.4f}" for h in history)) in text
     assert re.search(r"last epoch [+-]\d+\.\d\d points: (not converged|levelling off)", text)
-    assert re.search(r"original 0\.\d{4} \(3 epochs\), decomposed", text)
+    assert re.search(r"original 0\.\d{4} \(2 epochs\), decomposed", text)
     assert len(re.findall(r"test image +\d+: predicted", text)) == 4 and "/4 right" in text
     manifest = json.loads((out / "fmnist_cnn_g2" / "manifest.json").read_text())
     assert len(manifest["subnets"]) == 2
@@ -64,6 +65,8 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert "--groups must be between 1 and 10" in err and "Traceback" not in err
     assert main(["demo", "--out", str(tmp_path / "d"), "--train-limit", "3"]) == 2
     assert "--train-limit must be at least 10" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--warmup", "1.5"]) == 2
+    assert "--warmup is a fraction of the steps" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
     assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

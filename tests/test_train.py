@@ -84,8 +84,9 @@ def test_resume_continues_from_last_epoch(tmp_path, fmnist_spec, fmnist_train, f
 
 def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1", "--train-limit", "300",
-               "--device", "cpu", "--out", str(tmp_path / "t")])
+               "--warmup", "0.25", "--device", "cpu", "--out", str(tmp_path / "t")])
     assert rc == 0 and "test top-1" in capsys.readouterr().out
+    assert load_model_record(tmp_path / "t").train.warmup == 0.25  # the schedule is recorded
     # A user's own weights as a plain .pt state dict, loaded with weights_only=True.
     model, _ = load_trained_model(trained_model_dir)
     torch.save(model.state_dict(), tmp_path / "mine.pt")
@@ -100,6 +101,7 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--model", "vgg17", "--out", "{tmp}/x"], "unknown model 'vgg17'; known models:"),
     (["train", "--data-dir", "{tmp}/nothing", "--out", "{tmp}/x"], "dataset-fashion-mnist"),
     (["train", "--epochs", "0", "--out", "{tmp}/x"], "--epochs must be at least 1"),
+    (["train", "--warmup", "1", "--out", "{tmp}/x"], "--warmup is a fraction of the steps"),
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
     (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),

@@ -61,6 +61,7 @@ def train(
     out_dir: str | Path,
     epochs: int,
     lr: float = 0.05,
+    warmup: float = 0.03,
     batch_size: int = 128,
     weight_decay: float = 5e-4,
     seed: int = 0,
@@ -77,6 +78,8 @@ def train(
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
     if batch_size < 1 or lr <= 0:
         raise SensaiError("--batch-size and --lr must be positive")
+    if not 0 <= warmup < 1:
+        raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -87,8 +90,8 @@ def train(
     indices = stratified_subset(train_set.labels, train_limit, seed)
     steps_per_epoch = math.ceil(len(indices) / batch_size)
     total_steps = epochs * steps_per_epoch
-    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=lr, batch_size=batch_size,
-                    seed=seed, train_limit=train_limit, n_train=len(indices))
+    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=lr, warmup=warmup,
+                    batch_size=batch_size, seed=seed, train_limit=train_limit, n_train=len(indices))
 
     start_epoch, history, seconds = 0, [], 0.0
     if resume and (out / STATE_JSON).is_file() and (out / STATE_WEIGHTS).is_file():
@@ -107,8 +110,8 @@ def train(
         log.info("resuming %s at epoch %d/%d", out, start_epoch + 1, epochs)
 
     def lr_at(step: int) -> float:
-        # Linear warm-up for the first 3% of steps, then cosine to zero.
-        warm = max(1, int(0.03 * total_steps))
+        # Linear warm-up over the first ``warmup`` of the steps, then cosine to zero.
+        warm = max(1, int(warmup * total_steps))
         if step < warm:
             return lr * (step + 1) / warm
         return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
@@ -150,7 +153,8 @@ def train(
         model=model_name, num_classes=spec.num_classes, in_channels=spec.in_channels,
         dataset=DatasetInfo.from_spec(spec), weights_sha256=sha, params=count_params(model),
         test_top1=final_acc,
-        train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, batch_size=batch_size,
+        train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, warmup=warmup,
+                        batch_size=batch_size,
                         seed=seed, train_limit=train_limit, device=str(device), seconds=round(seconds, 2),
                         history=history),
     )

@@ -34,7 +34,10 @@ def register(sub) -> None:
                    "(default: fmnist_cnn)")
     add_data_args(p)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default: 0.05)")
+    p.add_argument("--warmup", type=float, default=0.03,
+                   help="fraction of all steps over which the learning rate ramps up to --lr, "
+                        "before one cosine decay to zero (default: 0.03)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=None,
@@ -80,7 +83,7 @@ def cmd_train(args) -> int:
     device = select_device(args.device)
     record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
-                   lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                   lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
                    train_limit=args.train_limit, device=device, resume=not args.no_resume)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
