@@ -266,6 +266,8 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     async def lifespan(app: FastAPI):
         grpc = poller = None
         admission.start()
+        collector = heap.CollectorWatch(gw.metrics.gc_full)
+        collector.start()
         try:
             try:
                 gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
@@ -290,6 +292,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
             if poller is not None:
                 poller.cancel()
             await admission.stop()
+            collector.stop()
             if gw.cores_awake is not None:
                 gw.cores_awake.release()
             if grpc is not None:

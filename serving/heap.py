@@ -7,14 +7,19 @@ the whole heap holding the GIL: the event loop and every worker thread stop for 
 as a spike in tail latency, and it finds nothing there to free.
 
 :func:`settle` collects once and then freezes what is alive (``gc.freeze``, as preforking
-servers do before they fork): later collections skip it and walk only what was allocated
-since.  It runs on the event loop once the models are warm and again after every load or
-unload, unfreezing first so that the cycles of a model let go are collected, not kept for good.
+servers do before they fork, and Ray Serve for each replica it starts): later collections skip
+it and walk only what was allocated since.  It runs on the event loop once the models are built
+and again after every load or unload, unfreezing first so that the cycles of a model let go
+are collected, not kept for good.  :class:`CollectorWatch` times every full collection into
+the gateway's metrics, so an operator sees what the process lost to them.
 """
 
 from __future__ import annotations
 
 import gc
+import time
+
+OLDEST = 2  # CPython's generations are 0, 1 and 2: a collection of 2 walks the whole heap
 
 
 def settle() -> None:
@@ -22,3 +27,28 @@ def settle() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+class CollectorWatch:
+    """Times the collector's full collections of this process into ``histogram`` (seconds
+    each), from ``gc.callbacks``; a collection never starts inside another, so one start time
+    is enough."""
+
+    def __init__(self, histogram) -> None:
+        self.histogram = histogram
+        self.t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != OLDEST:
+            return
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.histogram.observe(time.perf_counter() - self.t0)
+
+    def start(self) -> None:
+        gc.callbacks.append(self)
+
+    def stop(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)

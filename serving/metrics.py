@@ -9,6 +9,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 # its deadline at the other.
 BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
            0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# A full collection of a frozen heap against one of the whole heap of a process holding torch.
+GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -46,6 +48,10 @@ class GatewayMetrics:
             "(max_connections, header_too_large, head_timeout)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
+        self.gc_full = Histogram("sensai_gc_full_collection_seconds",
+                                 "the collector's full collections in the gateway's process "
+                                 "(every request in flight waits for them)",
+                                 buckets=GC_BUCKETS, registry=r)
         # Labelled children by (metric, labels): ``labels()`` checks its arguments and takes a
         # lock on every call, a few times what the observation itself costs.
         self._children: dict = {}

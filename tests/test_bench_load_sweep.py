@@ -54,6 +54,11 @@ def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
             lat = r["latency_ok_ms"]
             assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
         assert c["noop"]["concurrency"] == 16
+        # The gateway's own count of its full collections per level (none run un-asked for
+        # in a second on a frozen heap, but the count is there).
+        for r in c["levels"]:
+            g = r["server"]["gc_full"]
+            assert g["collections"] >= 0 and g["paused_ms"] >= 0
         o = c["overload"]
         assert o["goodput_rps"] == o["throughput_rps"] > 0 and o["wrong"] == 0
         assert o["rejected_503"] == o["status_counts"].get("503", 0)
@@ -66,7 +71,8 @@ def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
     md = (out / "load.md").read_text()
     for text in ("## Targets", "## Closed loops", "## Overload", "## Batching in the workers",
                  "| class-parallel | http | 16 |",
-                 "| class-parallel-unbatched | GET /v2/health/live | 16 |", "load.png"):
+                 "| class-parallel-unbatched | GET /v2/health/live | 16 |", "load.png",
+                 "full GCs (ms paused)"):
         assert text in md, text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 import sys
 import threading
@@ -203,14 +204,22 @@ def test_a_version_let_go_is_collected_though_the_heap_was_frozen(tmp_path, tiny
         held.append(weakref.ref(predictor))
         return predictor
 
+    def full_collections() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r"^sensai_gc_full_collection_seconds_count (\S+)$", text,
+                               re.M).group(1))
+
     models = ServedModels(s, loader=loader, repository=repo)
     with BackgroundServer(create_app(models, s)) as server:
         assert gc.get_freeze_count() > 0
+        collected = full_collections()
+        assert collected >= 1  # the one before freezing, timed into the gateway's metrics
         assert httpx.post(f"{server.url}/v1/predict", content=png(images[0])).status_code == 200
         r = httpx.post(f"{server.url}/v2/repository/models/{MODEL}/unload", timeout=30)
         assert r.status_code == 200
         assert len(held) == 1
         wait_until(lambda: held[0]() is None, 10, "the unloaded version to be freed")
+        assert full_collections() > collected
 
 
 def test_the_api_is_refused_when_model_control_is_off_or_the_caller_is_not_allowed(

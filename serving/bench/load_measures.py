@@ -151,24 +151,29 @@ def scrape_metrics(url: str) -> dict[str, Any] | None:
     statuses: Counter = Counter()
     rejected: Counter = Counter()
     buckets: dict[float, float] = {}
+    gc_full = {"collections": 0.0, "seconds": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "sensai_requests_total" and s.labels.get("method") == "POST":
+            if s.name == "sensai_gc_full_collection_seconds_count":
+                gc_full["collections"] = s.value
+            elif s.name == "sensai_gc_full_collection_seconds_sum":
+                gc_full["seconds"] = s.value
+            elif s.name == "sensai_requests_total" and s.labels.get("method") == "POST":
                 statuses[s.labels["status"]] += int(s.value)
             elif s.name == "sensai_rejected_total":
                 rejected[s.labels.get("reason", "")] += int(s.value)
             elif (s.name == "sensai_request_seconds_bucket"
                   and s.labels.get("route") == PREDICT_ROUTE):
                 buckets[float(s.labels["le"])] = s.value
-    return {"status": statuses, "rejected": rejected, "buckets": buckets}
+    return {"status": statuses, "rejected": rejected, "buckets": buckets, "gc_full": gc_full}
 
 
 def server_view(before: dict | None, after: dict | None) -> dict[str, Any] | None:
     """The gateway's own count of a phase's requests by status (``sensai_requests_total``,
     which leaves out the requests turned away on arrival at ``max_requests``), of the requests
     it turned away (``sensai_rejected_total`` by reason: on arrival or after waiting for the
-    predictor), and the histogram bucket its p50/p99 of ``/v1/predict`` fall in (``<=`` that
-    many ms)."""
+    predictor), the histogram bucket its p50/p99 of ``/v1/predict`` fall in (``<=`` that
+    many ms), and the collector's full collections in the gateway's process meanwhile."""
     if before is None or after is None:
         return None
     codes = after["status"] - before["status"]
@@ -186,7 +191,11 @@ def server_view(before: dict | None, after: dict | None) -> dict[str, Any] | Non
     return {"status_counts": {k: v for k, v in sorted(codes.items())},
             "rejected": dict(sorted(rejected.items())),
             "predict_requests": int(total),
-            "predict_latency_ms_at_most": {"p50": at_most(0.5), "p99": at_most(0.99)}}
+            "predict_latency_ms_at_most": {"p50": at_most(0.5), "p99": at_most(0.99)},
+            "gc_full": {"collections": int(after["gc_full"]["collections"]
+                                           - before["gc_full"]["collections"]),
+                        "paused_ms": round(1e3 * (after["gc_full"]["seconds"]
+                                                  - before["gc_full"]["seconds"]), 1)}}
 
 
 def rss_growth(samples: Sequence[dict], phase: str, key: str,

@@ -11,7 +11,7 @@ from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_fig
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
-                "machine busy cores"]
+                "machine busy cores", "full GCs (ms paused)"]
 OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best closed loop",
                    "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
                    "other"]
@@ -28,7 +28,13 @@ def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
-            fmt(r.get("machine_busy_cores"))]
+            fmt(r.get("machine_busy_cores")), full_gcs(r)]
+
+
+def full_gcs(r: dict) -> str:
+    """The gateway's full collections during a level, as its /metrics counted them."""
+    g = (r.get("server") or {}).get("gc_full")
+    return "-" if g is None else f"{g['collections']} ({g['paused_ms']:.0f})"
 
 
 def level_rows(result: dict) -> list[list[str]]:
@@ -118,7 +124,8 @@ def render_markdown(result: dict) -> str:
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
         "cores: the whole machine's (server, client and anything else).  The configurations "
         "run one after another, so what else ran on the machine may differ between them (that "
-        "column shows it).",
+        "column shows it).  Full GCs: the collector's full collections in the gateway's process "
+        "during the level and the time they stopped it (its `/metrics`).",
         "",
         "## Targets",
         "",
