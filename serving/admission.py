@@ -28,6 +28,7 @@ import asyncio
 
 from sensai.cores import usable_cores
 
+from . import heap
 from .errors import Overloaded, RequestTimeout
 
 
@@ -98,9 +99,11 @@ class Admission:
     async def _measure_lag(self, period: float = 0.02) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t0 = loop.time()
+            t0, settled = loop.time(), heap.settled_s
             await asyncio.sleep(period)
-            late = max(0.0, loop.time() - t0 - period)
+            # The gateway's own collection after a model is built or let go stalls the loop
+            # once; turning the next requests away would not shorten it.
+            late = max(0.0, loop.time() - t0 - period - (heap.settled_s - settled))
             # Smoothed: one hiccup (a busy machine's scheduler) is not an overload, a lag that
             # lasts a few periods is.
             self.lag = 0.5 * self.lag + 0.5 * late

@@ -21,12 +21,19 @@ import time
 
 OLDEST = 2  # CPython's generations are 0, 1 and 2: a collection of 2 walks the whole heap
 
+# Seconds this process has spent in settle(): the admission's measure of the event loop's lag
+# leaves them out (a collection run on purpose once is not an overload).
+settled_s = 0.0
+
 
 def settle() -> None:
     """Collect what is garbage now, then freeze everything alive (one full collection)."""
+    global settled_s
+    t0 = time.perf_counter()
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    settled_s += time.perf_counter() - t0
 
 
 class CollectorWatch:
