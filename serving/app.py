@@ -272,7 +272,6 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
             try:
                 gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
                 await models.start()
-                heap.settle()  # the models are built and nothing serves yet
                 if settings.model_control == "poll":
                     poller = asyncio.create_task(models.poll_forever(settings.repository_poll_s))
             except SensaiError as e:

@@ -228,8 +228,11 @@ class ServedModels:
         return self.locks.setdefault(name, asyncio.Lock())
 
     async def start(self) -> None:
-        """Load every model of the repository; a model that fails stops the start (one line)."""
+        """Load every model of the repository; a model that fails stops the start (one line).
+        Each load settles the heap (:func:`heap.settle`); one artifact served as it is, built
+        before, is settled here."""
         if self.repository is None:
+            heap.settle()
             return
         for name in repo_layout.model_names(self.repository):
             try:
