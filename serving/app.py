@@ -57,6 +57,7 @@ from .middleware import GatewayMiddleware
 from .models import ModelVersion, ServedModels
 from .repository_api import repository_routes
 from .schemas import ERROR_RESPONSES, ErrorResponse, ModelInfo, PredictResponse, VersionInfo
+from .server import EmbeddedServer
 from .settings import GatewaySettings
 from .wakeup import keep_cores_awake
 from .wire import json_bytes
@@ -247,9 +248,11 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
 
 
 def create_app(served: Predictor | ServedModels, settings: GatewaySettings | None = None, *,
-               close_predictor: bool = True) -> FastAPI:
+               close_predictor: bool = True, own_port: bool = False) -> FastAPI:
     """The gateway for one predictor (served as version 1 of its name) or for a table of
-    models; ``close_predictor``: close what it serves when the app shuts down."""
+    models; ``close_predictor``: close what it serves when the app shuts down; ``own_port``:
+    its lifespan also serves it on ``settings.host:port`` (:class:`~.server.EmbeddedServer`,
+    for a host such as Serve's ingress replica, which runs the app behind a proxy)."""
     settings = settings or GatewaySettings()
     models = served if isinstance(served, ServedModels) else ServedModels.of(served, settings)
     try:
@@ -264,7 +267,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        grpc = poller = None
+        grpc = poller = http = None
         admission.start()
         collector = heap.CollectorWatch(gw.metrics.gc_full)
         collector.start()
@@ -286,8 +289,13 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
                 except BaseException as e:
                     app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
                     raise
+            if own_port:
+                http = app.state.http = await EmbeddedServer(app, settings.host,
+                                                             settings.port).start()
             yield
         finally:
+            if http is not None:  # first: no new request while the rest stops
+                await http.stop()
             if poller is not None:
                 poller.cancel()
             await admission.stop()

@@ -13,7 +13,11 @@ keep_cores_awake...), honoured here as ``sensai serve`` honours them:
 * ``ServeIngress`` receives the workers' handles (Serve injects them), builds the one
   :class:`~sensai.serving.predictor.ClassParallelPredictor` over the
   :mod:`~sensai.serving.transports.ray_serve` transport, and serves
-  :func:`sensai.serving.app.create_app`'s routes.
+  :func:`sensai.serving.app.create_app`'s routes: through Serve's proxy, and with ``own_port``
+  also on ``settings.host:port`` itself (sensai's own HTTP server on the replica's event loop,
+  with the gateway's connection limits), which spares each request the proxy's handle call to
+  the ingress and the ingress's call back for the body.  ``sensai serve --backend ray-serve``
+  runs Serve without a proxy and serves on that port alone.
 
 Only the small raw subnet outputs travel back; the merge runs in the gateway.
 On a cluster of several nodes the worker deployments are spread over the nodes, the copies of a
@@ -44,6 +48,7 @@ from .messages import Batching, Ready
 from .placement import Placement
 from .predictor import ClassParallelPredictor
 from .runners import RunnerSpec, runner_specs
+from .serve_run import check_serve_settings
 from .settings import GatewaySettings, explain
 from .transports.ray_actors import RayWorkerBody, actor_resources, spread_plan
 from .transports.ray_serve import ServeHandles
@@ -66,6 +71,9 @@ class RayAppArgs(BaseModel):
     gateway_cpus: float | None = Field(None, ge=0, description="CPUs per ingress replica "
                                        "(default: 1, or a worker's share when that is less)")
     gateway_replicas: int = Field(1, ge=1, description="ingress replicas")
+    own_port: bool = Field(False, description="each ingress replica also serves the gateway on "
+                           "settings.host:port of its node, past Serve's proxy (the port shared "
+                           "by the replicas there, SO_REUSEPORT)")
     settings: GatewaySettings = Field(default_factory=GatewaySettings,
                                       description="the gateway's settings (deploy/README.md)")
 
@@ -106,8 +114,10 @@ class ServeIngress:
     as :func:`build_app` placed the workers (the same settings), and
     :func:`~sensai.serving.app.create_app`'s routes."""
 
-    async def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict):
+    async def __init__(self, workers: list[DeploymentHandle], artifact: str, settings: dict,
+                       own_port: bool = False):
         self.settings = s = GatewaySettings(**settings)
+        self.own_port, self.gateway_app = own_port, None
         art = load_artifact(artifact)
         specs, placement = worker_plan(art, s)
         # The predictor connects to every worker before it returns, through handle calls that
@@ -121,7 +131,16 @@ class ServeIngress:
 
     def __serve_build_asgi_app__(self):
         # The replicas belong to Serve: nothing to stop when the app stops.
-        return create_app(self.predictor, self.settings, close_predictor=False)
+        self.gateway_app = create_app(self.predictor, self.settings, close_predictor=False,
+                                      own_port=self.own_port)
+        return self.gateway_app
+
+    def check_health(self) -> None:
+        """Serve's periodic check: a replica whose own port stopped serving is replaced."""
+        app = self.gateway_app
+        http = getattr(app.state, "http", None) if app is not None else None
+        if http is not None and http.failed:
+            raise RuntimeError(http.failed)
 
 
 def worker_plan(art: Artifact, s: GatewaySettings) -> tuple[list[RunnerSpec], Placement]:
@@ -156,6 +175,7 @@ def build_app(args: dict) -> serve.Application:
     except ValidationError as e:
         raise SensaiError(f"invalid Ray Serve app args ({explain(e)})") from None
     s = a.settings
+    check_serve_settings(s, own_port=a.own_port)
     artifact = str(Path(a.artifact).resolve())
     art = load_artifact(artifact)
     specs, placement = worker_plan(art, s)
@@ -192,4 +212,4 @@ def build_app(args: dict) -> serve.Application:
         # Serve's access log line per request costs the ingress's one event loop as much as a
         # small part of a prediction; the gateway counts every request in its own metrics.
         logging_config={"enable_access_log": False}).bind(
-        bound, artifact, s.model_dump())
+        bound, artifact, s.model_dump(), a.own_port)

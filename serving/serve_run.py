@@ -5,8 +5,10 @@ the benchmark's plain Ray Serve peer.
 :func:`launch` joins the Ray cluster named (``--ray-address`` / ``RAY_ADDRESS``), else starts a
 local instance on 127.0.0.1 (:func:`sensai.raycluster.connect`, as the ``ray`` backend does);
 refuses a cluster where Serve already runs (its proxy's address is not ours to choose, its
-applications not ours to stop); starts Serve with its HTTP proxy on the host and port asked;
-runs the application at route ``/``; and returns once a route answers 200 through the proxy.
+applications not ours to stop); starts Serve, with its HTTP proxy on the host and port asked or
+with none (``sensai serve``'s application serves on that address itself: Serve's proxy would
+cost every request two more hops); runs the application at route ``/``; and returns once a
+route answers 200 there.
 :meth:`ServeRun.stop` deletes the application, shuts Serve down, and Ray when :func:`launch`
 started or joined it.  Ray is imported only after :func:`~sensai.raycluster.connect` (which must
 set Ray's loopback switch before the import).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -38,18 +40,23 @@ NOT_ON_SERVE = {
     "restart_delay_s": "Serve restarts replicas itself",
     "hang_timeout_s": "Serve watches and restarts replicas itself",
     "triton_url": "it is the triton backend's",
+}
+# And those it honours only on the ingress's own port (``own_port``), not behind Serve's proxy.
+PROXY_HELD = {
     "max_connections": "connections are held by Serve's HTTP proxy",
     "max_header_bytes": "request heads are read by Serve's HTTP proxy",
     "head_timeout_s": "request heads are read by Serve's HTTP proxy",
 }
 
 
-def check_serve_settings(settings: GatewaySettings,
-                         names: Mapping[str, str] | None = None) -> None:
+def check_serve_settings(settings: GatewaySettings, names: Mapping[str, str] | None = None, *,
+                         own_port: bool) -> None:
     """One line for the first setting the Serve application cannot honour that is set
-    (``names``: field -> the flag it was given by; else its environment variable)."""
+    (``names``: field -> the flag it was given by; else its environment variable);
+    ``own_port``: whether the ingress serves on its own port (as ``sensai serve`` runs it)."""
     defaults = GatewaySettings.model_fields
-    for field, why in NOT_ON_SERVE.items():
+    refused = NOT_ON_SERVE if own_port else NOT_ON_SERVE | PROXY_HELD
+    for field, why in refused.items():
         if getattr(settings, field) != defaults[field].default:
             name = (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
             raise SensaiError(f"{name} does not apply to --backend ray-serve ({why})")
@@ -57,8 +64,8 @@ def check_serve_settings(settings: GatewaySettings,
 
 class ServeRun:
     """An application this process runs on Ray Serve: created connected to Ray (a new local
-    instance, or the cluster named), :meth:`start` runs the application; its ``url`` (through
-    Serve's proxy) and :meth:`stop`."""
+    instance, or the cluster named), :meth:`start` runs the application; its ``url`` and
+    :meth:`stop`."""
 
     def __init__(self, ray_address: str | None = None):
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -66,25 +73,32 @@ class ServeRun:
         self.name, self.url, self.own_serve = "", "", False
 
     def start(self, build: Callable[[], tuple[str, Any]], *, host: str, port: int,
-              ready_path: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServeRun":
-        """Run the application that ``build()`` returns with its name at route ``/``, Serve's
-        proxy on ``host:port``; returns once ``ready_path`` answers 200 through the proxy.
-        What it started is stopped when it fails."""
+              ready_path: str, proxy: bool = True,
+              startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServeRun":
+        """Run the application that ``build()`` returns with its name at route ``/``, served on
+        ``host:port`` by Serve's proxy (``proxy``), or else by the application itself (no
+        proxy); returns once ``ready_path`` answers 200 there.  What it started is stopped
+        when it fails."""
         from ray import serve
 
         self.url = f"http://{client_host(host)}:{port}"
         try:
-            if serve.status().proxies:
+            status = serve.status()
+            if status.proxies or status.applications:
                 raise SensaiError("Ray Serve already runs on this Ray cluster (stop it with "
                                   "'serve shutdown', or use another cluster)")
             self.own_serve = True
-            serve.start(http_options={"host": host, "port": port})
+            if proxy:
+                serve.start(http_options={"host": host, "port": port})
+            else:
+                serve.start(proxy_location="Disabled")
             # serve.start sets Serve's logging up anew; serve.run's notices (it "connects to
             # the existing Serve app", whose HTTP options it "will not apply") mislead here.
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
             self.name, app = build()
             serve.run(app, name=self.name, route_prefix="/")
-            wait_ready(self.url + ready_path, startup_timeout_s, what="Ray Serve's proxy")
+            wait_ready(self.url + ready_path, startup_timeout_s,
+                       what="Ray Serve's proxy" if proxy else "the Serve application")
             return self
         except SensaiError:
             self.stop()
@@ -120,37 +134,40 @@ def client_host(host: str) -> str:
 
 
 def launch(build: Callable[[], tuple[str, Any]], *, host: str, port: int, ready_path: str,
-           ray_address: str | None = None,
+           ray_address: str | None = None, proxy: bool = True,
            startup_timeout_s: float = STARTUP_TIMEOUT_S) -> ServeRun:
     """:class:`ServeRun` of the application ``build()`` returns (see :meth:`ServeRun.start`)."""
     return ServeRun(ray_address).start(build, host=host, port=port, ready_path=ready_path,
-                                       startup_timeout_s=startup_timeout_s)
+                                       proxy=proxy, startup_timeout_s=startup_timeout_s)
 
 
 def app_builder(artifact: str | Path, settings: GatewaySettings
                 ) -> Callable[[], tuple[str, Any]]:
-    """What :func:`launch` runs: the artifact's Serve application with ``settings``."""
+    """What :func:`launch` runs for ``sensai serve ART --backend ray-serve``: the artifact's
+    Serve application with ``settings``, its ingress serving on ``settings.host:port`` itself
+    (launched with ``proxy=False``)."""
     def build():
         from .ray_app import APP_NAME, build_app  # Ray: imported once connected
 
         return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
-                                    "settings": settings.model_dump()})
+                                    "settings": settings.model_dump(), "own_port": True})
     return build
 
 
 def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
                    startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     """``sensai serve ART --backend ray-serve``: the Serve application of the artifact with
-    ``settings``, Serve's proxy on ``settings.host:port``, until SIGTERM or SIGINT; then the
-    application, Serve (and Ray, when this process started it) are stopped."""
-    check_serve_settings(settings)
+    ``settings``, its ingress on ``settings.host:port`` (no Serve proxy), until SIGTERM or
+    SIGINT; then the application, Serve (and Ray, when this process started it) are
+    stopped."""
+    check_serve_settings(settings, own_port=True)
     build = app_builder(artifact, settings)
     run = ServeRun(settings.ray_address)
     # Installed after Ray's own handlers, which would exit this process halfway through.
     with StopSignals() as signals:
         try:
             run.start(build, host=settings.host, port=settings.port, ready_path=READY,
-                      startup_timeout_s=startup_timeout_s)
+                      proxy=False, startup_timeout_s=startup_timeout_s)
             print(f"serving {artifact} as the Ray Serve application '{run.name}' on "
                   f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
             signals.wait()
@@ -166,13 +183,16 @@ class StopSignals:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
-        self.waiting, self.stop = False, threading.Event()
+        # Plain flags, no lock: a handler runs on the main thread between any two bytecodes,
+        # so a lock it shares with that thread (an Event's) can be held already - by an
+        # earlier signal's handler, when SIGTERM comes twice - and it would wait forever.
+        self.waiting = self.stopped = False
         self.old: dict = {}
 
     def handler(self, signum, frame) -> None:
         if not self.waiting:
             raise KeyboardInterrupt
-        self.stop.set()
+        self.stopped = True
 
     def __enter__(self) -> "StopSignals":
         self.old = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
@@ -184,5 +204,5 @@ class StopSignals:
 
     def wait(self) -> None:
         self.waiting = True
-        while not self.stop.wait(1.0):
-            pass
+        while not self.stopped:
+            time.sleep(0.2)

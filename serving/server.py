@@ -1,9 +1,11 @@
-"""The gateway under uvicorn: in the foreground (``sensai serve``) or in a background thread
-(the benchmark, the demo, tests, notebooks)."""
+"""The gateway under uvicorn: in the foreground (``sensai serve``), in a background thread (the
+benchmark, the demo, tests, notebooks), or on the event loop that already runs the app (the Ray
+Serve ingress replica's own port)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -33,14 +35,14 @@ def run_like_the_gateway(main: Awaitable[T]) -> T:
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                   graceful_s: float = 10.0) -> uvicorn.Config:
+                   graceful_s: float = 10.0, lifespan: str = "on") -> uvicorn.Config:
     """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
     settings before any request is admitted (:mod:`~sensai.serving.connections`)."""
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
     gate = early_gate(gateway) if gateway is not None else None
     count = gateway.metrics.rejected_connection if gateway is not None else None
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
                           access_log=False, timeout_graceful_shutdown=graceful_s,
                           http=http_protocol(limits, gate, count),
                           h11_max_incomplete_event_size=limits.max_header_bytes)
@@ -112,3 +114,57 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedServer:
+    """``app`` under uvicorn on the event loop that already runs it, whose lifespan someone else
+    runs (the Ray Serve ingress replica: Serve runs the app and its lifespan, this serves it on
+    the replica's own port too, past Serve's proxy).  The socket has SO_REUSEPORT, so several
+    replicas on one node, or an old and a new one during a rolling update, share the port and
+    the kernel spreads the connections over them."""
+
+    def __init__(self, app, host: str, port: int):
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn_config(app, host=host, port=port, graceful_s=5.0,
+                                                    lifespan="off"))
+        # Signals belong to the process that embeds the server (uvicorn would take them when
+        # the loop runs on the main thread).
+        self.server.capture_signals = contextlib.nullcontext
+        self.task: asyncio.Task | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """Why the server stopped serving on its own (None while it serves)."""
+        if self.task is None or not self.task.done() or self.server.should_exit:
+            return None
+        e = None if self.task.cancelled() else self.task.exception()
+        return f"the gateway's server on {self.host}:{self.port} stopped" + (f": {e}" if e else "")
+
+    async def start(self, timeout_s: float = 30.0) -> "EmbeddedServer":
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise SensaiError(f"cannot listen on {self.host}:{self.port}: "
+                              f"{e.strerror or e}") from None
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self.task.done() or time.monotonic() > deadline:
+                await self.stop()
+                sock.close()
+                raise SensaiError(f"the gateway's server on {self.host}:{self.port} did not "
+                                  "start")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        """Stop accepting, let the requests in flight finish (a few seconds at most)."""
+        self.server.should_exit = True
+        if self.task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self.task

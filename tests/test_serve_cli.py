@@ -1,8 +1,9 @@
 """``sensai serve ART --backend ray-serve``: the real CLI running the Ray Serve application on a
-real local Ray instance, Serve's proxy on 127.0.0.1, called over HTTP with real images - answers
-equal offline evaluation at concurrency 1 and 16, the gateway's settings reach the application,
-a second start on the same cluster is refused, and SIGTERM stops it all with exit status 0.
-Flags the Serve application cannot honour are refused in one line before anything starts."""
+real local Ray instance, its ingress replica serving on 127.0.0.1 itself (no Serve proxy), called
+over HTTP with real images - answers equal offline evaluation at concurrency 1 and 16, the
+gateway's settings reach the application (its connection limits too), a second start on the same
+cluster is refused, and SIGTERM stops it all with exit status 0.  Flags the Serve application
+cannot honour are refused in one line before anything starts."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def serve_cli(tiny_artifact):
              "ray-serve", "--ray-address", gcs, "--port", str(port), "--log-level", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=os.environ | {"SENSAI_MODEL_NAME": MODEL, "SENSAI_DEFAULT_TOP_K": "3",
-                            "SENSAI_DEADLINE_S": "30"})
+                            "SENSAI_DEADLINE_S": "30", "SENSAI_MAX_HEADER_BYTES": "4096"})
         try:
             url = f"http://127.0.0.1:{port}"
             wait_for_server(proc, url, timeout_s=300)
@@ -71,10 +72,14 @@ def test_answers_equal_offline_evaluation_one_at_a_time_and_16_at_once(
 
 def test_the_environment_settings_reach_the_application_and_its_ingress_serves(serve_cli,
                                                                              fmnist_test):
-    """SENSAI_MODEL_NAME and SENSAI_DEFAULT_TOP_K, read by the CLI, are the Serve
-    application's; the routes are served by the Serve ingress replica, a process of the Ray
-    instance, not by the CLI."""
+    """SENSAI_MODEL_NAME, SENSAI_DEFAULT_TOP_K and SENSAI_MAX_HEADER_BYTES, read by the CLI,
+    are the Serve application's; the routes are served by the Serve ingress replica, a process
+    of the Ray instance, not by the CLI, on its own port: Serve runs no HTTP proxy, and a head
+    over the gateway's limit gets the gateway's 431."""
     proc, url, _ = serve_cli
+    assert "SERVE_PROXY_ACTOR" not in " ".join(serve_actors())
+    r = httpx.get(f"{url}/v2/health/live", headers={"x-big": "a" * 8192}, timeout=30)
+    assert r.status_code == 431
     info = httpx.get(f"{url}/v1/models", timeout=30).json()
     assert info["name"] == MODEL and info["predictor"]["backend"] == "ray-serve"
     assert httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=30).status_code == 200
@@ -128,7 +133,7 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
     (["--spread-cores"], {}, "--spread-cores does not apply to --backend ray-serve"),
     (["--restart-delay", "1"], {}, "--restart-delay does not apply to --backend ray-serve"),
     (["--inject-delay", "0=fixed:5ms"], {}, "--inject-delay does not apply"),
-    ([], {"SENSAI_MAX_CONNECTIONS": "10"}, "SENSAI_MAX_CONNECTIONS does not apply"),
+    (["--port", "0"], {}, "--backend ray-serve needs a fixed --port"),
     (["--triton-url", "127.0.0.1:1"], {}, "--triton-url does not apply"),
 ])
 def test_what_the_serve_application_cannot_honour_is_refused_in_one_line(

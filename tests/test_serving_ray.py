@@ -79,6 +79,14 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
         build_app({"artifact": str(tiny_artifact), "settings": {"deadline_s": -1}})
     with pytest.raises(SensaiError, match="r\\+1 = 6"):
         build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 5}})
+    # The gateway's connection limits hold on the ingress's own port, not behind Serve's proxy.
+    with pytest.raises(SensaiError, match="SENSAI_MAX_CONNECTIONS does not apply .* proxy"):
+        build_app({"artifact": str(tiny_artifact), "settings": {"max_connections": 10}})
+    build_app({"artifact": str(tiny_artifact), "own_port": True,
+               "settings": {"max_connections": 10}})
+    with pytest.raises(SensaiError, match="grpc_port|GRPC_PORT"):
+        build_app({"artifact": str(tiny_artifact), "own_port": True,
+                   "settings": {"grpc_port": 9001}})
 
 
 def bound(app):
@@ -96,7 +104,8 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
     app = build_app({"artifact": str(tiny_artifact),
                      "settings": {"redundancy": 1, "deadline_s": 7, "ray_cpus": 0.5,
                                   "keep_cores_awake": "auto"}})
-    ingress, (workers, artifact, settings) = bound(app)
+    ingress, (workers, artifact, settings, own_port) = bound(app)
+    assert own_port is False  # only through Serve's proxy unless asked
     assert ingress.name == "ServeIngress"
     assert ingress.max_ongoing_requests == 2 * 32 + 8 and ingress.max_queued_requests == 16
     assert not ingress.logging_config["enable_access_log"]  # the gateway's metrics count
@@ -115,16 +124,18 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
 
 
 @pytest.fixture(scope="module")
-def ray_gateway(tiny_artifact, tmp_path_factory):
-    """Ray on 2 CPUs; the YAML (artifact and port filled in, redundancy 1) deployed with
-    `serve run`."""
+def ray_app_urls(tiny_artifact, tmp_path_factory):
+    """Ray on 2 CPUs; the YAML (artifact and ports filled in, redundancy 1) deployed with
+    `serve run`: the application's URL through Serve's proxy, and on the ingress's own port."""
     from ray import serve
 
-    port = free_port()
+    port, own = free_port(), free_port()
     cfg = yaml.safe_load(RAY_SERVE_YAML.read_text())
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
-    cfg["applications"][0]["args"]["artifact"] = str(tiny_artifact)
-    cfg["applications"][0]["args"]["settings"]["redundancy"] = 1  # a worker may die, below
+    args = cfg["applications"][0]["args"]
+    assert args["own_port"] is True
+    args["artifact"] = str(tiny_artifact)
+    args["settings"] |= {"redundancy": 1, "host": "127.0.0.1", "port": own}  # a worker may die
     config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
 
@@ -144,15 +155,25 @@ def ray_gateway(tiny_artifact, tmp_path_factory):
                     pass
                 assert time.monotonic() < deadline, f"Serve app not ready: {serve.status()}"
                 time.sleep(1)
-            yield url
+            yield {"proxy": url, "own port": f"http://127.0.0.1:{own}"}
         finally:
             serve.shutdown()
 
 
-def test_ray_http_predictions_equal_offline(ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
+@pytest.fixture(scope="module")
+def ray_gateway(ray_app_urls):
+    return ray_app_urls["proxy"]
+
+
+ROUTES = ["proxy", "own port"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_ray_http_predictions_equal_offline(ray_app_urls, route, tiny_artifact, fmnist_test,
+                                            fmnist_spec):
     _, images, _ = sample_images(fmnist_test, 10)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
-    with httpx.Client(base_url=ray_gateway, timeout=60) as c:
+    with httpx.Client(base_url=ray_app_urls[route], timeout=60) as c:
         for i in range(len(images)):
             r = c.post("/v1/predict", params={"top_k": 10},
                        files={"image": ("x.png", png(images[i]), "image/png")})
@@ -201,15 +222,18 @@ def assert_offline(got, expected) -> None:
         np.testing.assert_allclose([scores[k] for k in range(10)], expected[i], atol=2e-5)
 
 
-def test_ray_serve_answers_16_concurrent_requests_as_offline(ray_gateway, tiny_artifact,
+@pytest.mark.parametrize("route", ROUTES)
+def test_ray_serve_answers_16_concurrent_requests_as_offline(ray_app_urls, route, tiny_artifact,
                                                              fmnist_test, fmnist_spec):
-    """16 requests in flight at once through Serve's proxy, the ingress and the workers'
-    sockets: every answer is offline evaluation's, and the workers batched some of them."""
+    """16 requests in flight at once through Serve's proxy or the ingress's own port, the
+    ingress and the workers' sockets: every answer is offline evaluation's, and the workers
+    batched some of them."""
+    url = ray_app_urls[route]
     _, images, _ = sample_images(fmnist_test, 32)
-    got = post_images(ray_gateway, images, 16)
+    got = post_images(url, images, 16)
     assert len(got) == len(images) >= 16
     assert_offline(got, offline_scores(tiny_artifact, images, fmnist_spec))
-    workers = httpx.get(f"{ray_gateway}/v1/models", timeout=30).json()["predictor"]["workers"]
+    workers = httpx.get(f"{url}/v1/models", timeout=30).json()["predictor"]["workers"]
     assert all(w["transport"] == "ray-serve" and w["channel"] for w in workers)
     assert sum(w["batching"]["batches"] for w in workers) > 0
 
@@ -218,13 +242,16 @@ def workers_of(url: str) -> list[dict]:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["predictor"]["workers"]
 
 
+@pytest.mark.parametrize("route", ROUTES)
 def test_ray_serve_worker_replica_killed_under_load_costs_no_request(
-        ray_gateway, tiny_artifact, fmnist_test, fmnist_spec):
-    """Redundancy 1: a worker replica SIGKILLed while 4 requests are always in flight costs
-    none of them (each group has a copy elsewhere); Serve starts a new replica and the ingress
-    reconnects to it over a new socket."""
+        ray_app_urls, route, tiny_artifact, fmnist_test, fmnist_spec):
+    """Redundancy 1: a worker replica SIGKILLed while 4 requests are always in flight (through
+    either route) costs none of them (each group has a copy elsewhere); Serve starts a new
+    replica and the ingress reconnects to it over a new socket."""
     import signal
     import threading
+
+    ray_gateway = ray_app_urls[route]
 
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
@@ -250,10 +277,13 @@ def test_ray_serve_worker_replica_killed_under_load_costs_no_request(
     assert_offline(post_images(ray_gateway, images, 1), expected)
 
 
-def test_ray_serve_overload_is_answered_200_or_503(ray_gateway, fmnist_test):
+@pytest.mark.parametrize("route", ROUTES)
+def test_ray_serve_overload_is_answered_200_or_503(ray_app_urls, route, fmnist_test):
     """Far more requests at once than the gateway admits: each is answered, 200 or a 503 with
     Retry-After and a JSON reason; none waits in an unbounded queue, none fails otherwise."""
     import asyncio
+
+    ray_gateway = ray_app_urls[route]
 
     _, images, _ = sample_images(fmnist_test, 1)
     body = png(images[0])

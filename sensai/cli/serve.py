@@ -39,7 +39,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="where the workers run: local (threads of this process, the default), "
                         "processes (one per worker), ray (actors on a Ray cluster), triton (a "
                         "Triton server), ray-serve ('sensai serve' only: the Ray Serve "
-                        "application, its gateway a Serve replica behind Serve's HTTP proxy)")
+                        "application, its gateway a Serve replica serving on --host/--port)")
     p.add_argument("--processes", action="store_true", help="same as --backend processes")
     p.add_argument("--device", default=None,
                    help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
@@ -348,8 +348,11 @@ def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
     if args.inject_delay:
         raise SensaiError("--inject-delay does not apply to --backend ray-serve (its workers "
                           "are Serve replicas)")
-    check_serve_settings(settings, args.flags)
+    check_serve_settings(settings, args.flags, own_port=True)
     check_backend_installed(settings.backend)
+    if settings.port == 0:
+        raise SensaiError("--backend ray-serve needs a fixed --port (its ingress replicas share "
+                          "it)")
     check_port_free(settings.host, settings.port, "--port")
     serve_artifact(args.artifact, settings)
     return 0

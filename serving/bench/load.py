@@ -136,7 +136,7 @@ class LoadOptions:
             loc = ".".join(str(x) for x in first.get("loc", ()))
             raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
         if settings.backend == "ray-serve":
-            check_serve_settings(settings)  # now, not when the gateway exits with it
+            check_serve_settings(settings, own_port=True)  # now, not when the gateway exits
         return settings, extra
 
     def progress_bar(self, desc: str):

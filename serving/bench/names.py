@@ -25,8 +25,7 @@ ROBUST_BACKENDS = (*BACKENDS, "ray-serve")
 UNTIMED_TRANSPORTS = {"ray-serve": {
     "inprocess": "the predictor lives in the Serve ingress replica, not in the benchmark's "
                  "process",
-    "grpc": "the Serve application is reached through Serve's HTTP proxy only; its ingress "
-            "has no gRPC server"}}
+    "grpc": "the Serve application's ingress serves HTTP only; it has no gRPC server"}}
 # The systems a user would pick instead, serving the original model, each started by the run
 # and measured over PEER_TRANSPORT (the one request all of them take) beside the strategies.
 PEERS = ("triton", "ray-serve")

@@ -2,8 +2,8 @@
 called over HTTP.
 
 A configuration (redundancy ``r``, hedge) is the application ``sensai serve ART --backend
-ray-serve --redundancy r`` runs (:mod:`..ray_app`), started by :func:`..serve_run.launch` with
-Serve's proxy on 127.0.0.1, on the one Ray instance of the run (a new local one unless
+ray-serve --redundancy r`` runs (:mod:`..ray_app`), started by :func:`..serve_run.launch`, its
+ingress serving on 127.0.0.1 itself, on the one Ray instance of the run (a new local one unless
 ``ray_address``), and stopped before the next starts: Serve runs one application per Ray
 instance here.  The requests are KServe v2 binary tensors of the same normalized images the
 offline answers are computed from, sent by the benchmark's client process
@@ -65,7 +65,7 @@ def check_serve_bench(scenarios: Sequence[str], settings: GatewaySettings) -> No
         if s in REFUSED_SCENARIOS:
             raise SensaiError(f"the {s} scenario does not apply to --backend ray-serve "
                               f"({REFUSED_SCENARIOS[s]})")
-    check_serve_settings(settings, {"restart_delay_s": "--restart-delay"})
+    check_serve_settings(settings, {"restart_delay_s": "--restart-delay"}, own_port=True)
 
 
 class ServeConfig:
@@ -235,8 +235,9 @@ def measure_on_serve(artifact: Artifact, configs: dict[str, GatewaySettings],
         for key, settings in configs.items():
             bar.set_description(f"start {key}")
             t0 = time.monotonic()
-            run = launch(app_builder(artifact.root, settings), host="127.0.0.1",
-                         port=free_ports(1)[0], ready_path=READY, ray_address=ray_address)
+            own = settings.model_copy(update={"host": "127.0.0.1", "port": free_ports(1)[0]})
+            run = launch(app_builder(artifact.root, own), host=own.host, port=own.port,
+                         ready_path=READY, ray_address=ray_address, proxy=False)
             try:
                 cfg = ServeConfig(run.url, settings.model_name, client, refs.argmax(1))
                 cfg.wait_all_up(rejoin_timeout_s)

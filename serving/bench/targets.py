@@ -274,6 +274,11 @@ TARGET_SETS: tuple[TargetSet, ...] = (
               origin="the Ray pool's cost", transport="http-v2", requires=("class-parallel@ray",),
               targets=(Target("ray_vs_local_pool", Ratio("class-parallel@ray", "class-parallel"),
                               2.0),)),
+    TargetSet("the Ray Serve application against the local pool", models=EVERY_MODEL,
+              origin="the Serve application's cost", transport="http-v2",
+              requires=("class-parallel@ray-serve",),
+              targets=(Target("ray_serve_vs_local_pool",
+                              Ratio("class-parallel@ray-serve", "class-parallel"), 2.0),)),
     TargetSet("sensai against Triton serving the original", models=("vgg16_bn",),
               origin="what a user would pick instead", transport="http-v2",
               requires=("triton",), targets=(
