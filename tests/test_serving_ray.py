@@ -125,8 +125,9 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def ray_app_urls(tiny_artifact, tmp_path_factory):
-    """Ray on 2 CPUs; the YAML (artifact and ports filled in, redundancy 1) deployed with
-    `serve run`: the application's URL through Serve's proxy, and on the ingress's own port."""
+    """Ray on 2 CPUs; the YAML (artifact and ports filled in, redundancy 1, two ingress
+    replicas) deployed with `serve run`: the application's URL through Serve's proxy, and on
+    the ingress replicas' own port."""
     from ray import serve
 
     port, own = free_port(), free_port()
@@ -135,6 +136,7 @@ def ray_app_urls(tiny_artifact, tmp_path_factory):
     args = cfg["applications"][0]["args"]
     assert args["own_port"] is True
     args["artifact"] = str(tiny_artifact)
+    args["gateway_replicas"] = 2  # two gateway processes on one port
     args["settings"] |= {"redundancy": 1, "host": "127.0.0.1", "port": own}  # a worker may die
     config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -166,6 +168,18 @@ def ray_gateway(ray_app_urls):
 
 
 ROUTES = ["proxy", "own port"]
+
+
+def test_the_ingress_replicas_share_their_own_port(ray_app_urls):
+    """Two ingress replicas, two processes, listen on the same port (SO_REUSEPORT): new
+    connections reach both, each with its own predictor over the same worker replicas."""
+    pids, predictors = set(), set()
+    for _ in range(24):  # a new connection each time: the kernel picks the replica
+        info = httpx.get(f"{ray_app_urls['own port']}/v1/models", timeout=30).json()
+        pids.add(info["pid"])
+        predictors.add(tuple(str(w["channel"]) for w in info["predictor"]["workers"]))
+        assert all(w["state"] == "up" for w in info["predictor"]["workers"])
+    assert len(pids) == 2 and len(predictors) == 2, (pids, predictors)
 
 
 @pytest.mark.parametrize("route", ROUTES)
