@@ -63,14 +63,12 @@ PROXY_QUEUE = 16  # requests Serve's proxy holds for a busy ingress before it re
 
 class RayAppArgs(BaseModel):
     """``args`` of the Serve application (YAML config, ``serve run ... artifact=DIR``): where the
-    artifact is, the ingress's shape, and the gateway's settings, embedded whole."""
+    artifact is, whether the ingress serves on its own port, and the gateway's settings,
+    embedded whole (the ingress replicas' number and CPUs among them)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     artifact: str = Field(description="decomposition artifact directory (same path on all nodes)")
-    gateway_cpus: float | None = Field(None, ge=0, description="CPUs per ingress replica "
-                                       "(default: 1, or a worker's share when that is less)")
-    gateway_replicas: int = Field(1, ge=1, description="ingress replicas")
     own_port: bool = Field(False, description="each ingress replica also serves the gateway on "
                            "settings.host:port of its node, past Serve's proxy (the port shared "
                            "by the replicas there, SO_REUSEPORT)")
@@ -184,10 +182,10 @@ def build_app(args: dict) -> serve.Application:
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
     else:  # validated before any cluster exists (serve build, tests): assume enough
-        cpus = (s.ray_cpus or 1.0) * (n + a.gateway_replicas)
+        cpus = (s.ray_cpus or 1.0) * (n + s.gateway_replicas)
         gpus = float(n) if s.device.startswith("cuda") else 0.0
     base, threads = actor_resources(n, cpus, gpus, device=s.device, cpus=s.ray_cpus,
-                                    others=a.gateway_replicas)
+                                    others=s.gateway_replicas)
     per_worker = [base] * n
     nodes = alive_nodes() if ray.is_initialized() else []
     if len(nodes) > 1:
@@ -198,7 +196,10 @@ def build_app(args: dict) -> serve.Application:
         bound.append(SubnetWorker.options(name=f"worker_{w:02d}", num_replicas=1,
                                           ray_actor_options=per_worker[w]).bind(
             f"worker_{w:02d}", spec_dicts, w, s.keep_cores_awake))
-    gateway_cpus = a.gateway_cpus if a.gateway_cpus is not None else min(1.0, base["num_cpus"])
+    gateway_cpus = s.gateway_cpus if s.gateway_cpus is not None else min(1.0, base["num_cpus"])
+    # The workers are shared: each gateway process admits its part of what they may hold, or
+    # N processes would queue N times as much on them.
+    s = s.model_copy(update={"max_predictions": -(-s.max_predictions // s.gateway_replicas)})
     # Serve's proxy must shed what the ingress would refuse anyway, and before it costs the
     # hop to the ingress: under overload that hop, not the subnets, is what saturates first.
     # So the ingress takes what the gateway's admission can hold - the predictor's requests
@@ -206,7 +207,7 @@ def build_app(args: dict) -> serve.Application:
     # short queue in front of it, refusing the rest at once with a 503.
     most = min(s.max_requests, 2 * s.max_predictions + HEALTH_HEADROOM)
     return ServeIngress.options(
-        num_replicas=a.gateway_replicas, ray_actor_options={"num_cpus": gateway_cpus},
+        num_replicas=s.gateway_replicas, ray_actor_options={"num_cpus": gateway_cpus},
         max_ongoing_requests=most, max_queued_requests=PROXY_QUEUE,
         backpressure_config={"status_code": 503, "retry_after_s": 1},
         # Serve's access log line per request costs the ingress's one event loop as much as a

@@ -53,7 +53,8 @@ class GatewaySettings(BaseSettings):
     max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
                               "metrics excepted); beyond it: 503 with Retry-After")
     max_predictions: int = Field(32, ge=1, description="requests in the predictor at once; as "
-                                 "many more may wait, up to their deadline; beyond: 503")
+                                 "many more may wait, up to their deadline; beyond: 503 "
+                                 "(ray-serve: shared by its gateway processes)")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
                                   "this long (408)")
     max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "
@@ -87,6 +88,12 @@ class GatewaySettings(BaseSettings):
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
     ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
                                    "an even share when the cluster has fewer)")
+    gateway_replicas: int = Field(1, ge=1, description="ray-serve: gateway processes, the "
+                                  "Serve application's ingress replicas, sharing the port on a "
+                                  "node")
+    gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
+                                       "replica (default: 1, or a worker's share when that is "
+                                       "less)")
     triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
     keep_cores_awake: str = Field(
         "off", pattern=f"^({'|'.join(MODES)})$",

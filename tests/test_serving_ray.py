@@ -103,11 +103,15 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
     ingress takes as many requests as the gateway admits (it refuses the rest itself)."""
     app = build_app({"artifact": str(tiny_artifact),
                      "settings": {"redundancy": 1, "deadline_s": 7, "ray_cpus": 0.5,
-                                  "keep_cores_awake": "auto"}})
+                                  "keep_cores_awake": "auto", "gateway_replicas": 3,
+                                  "gateway_cpus": 0.25}})
     ingress, (workers, artifact, settings, own_port) = bound(app)
+    assert ingress.num_replicas == 3 and ingress.ray_actor_options["num_cpus"] == 0.25
     assert own_port is False  # only through Serve's proxy unless asked
     assert ingress.name == "ServeIngress"
-    assert ingress.max_ongoing_requests == 2 * 32 + 8 and ingress.max_queued_requests == 16
+    # Three gateway processes share the workers: each admits a third of max_predictions.
+    assert settings["max_predictions"] == 11
+    assert ingress.max_ongoing_requests == 2 * 11 + 8 and ingress.max_queued_requests == 16
     assert not ingress.logging_config["enable_access_log"]  # the gateway's metrics count
     assert settings["redundancy"] == 1 and settings["deadline_s"] == 7
     hosted = []
@@ -136,8 +140,9 @@ def ray_app_urls(tiny_artifact, tmp_path_factory):
     args = cfg["applications"][0]["args"]
     assert args["own_port"] is True
     args["artifact"] = str(tiny_artifact)
-    args["gateway_replicas"] = 2  # two gateway processes on one port
-    args["settings"] |= {"redundancy": 1, "host": "127.0.0.1", "port": own}  # a worker may die
+    # A worker may die (redundancy 1); two gateway processes share the own port.
+    args["settings"] |= {"redundancy": 1, "host": "127.0.0.1", "port": own,
+                         "gateway_replicas": 2}
     config = tmp_path_factory.mktemp("ray") / "ray-serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
 

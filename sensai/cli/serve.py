@@ -118,6 +118,12 @@ def register(sub) -> None:
     p.add_argument("--ray-cpus", type=float, default=None,
                    help="ray backend: CPUs per worker actor (default: 1, or an even share that "
                         "fits the cluster)")
+    p.add_argument("--gateway-replicas", type=int, default=None, metavar="N",
+                   help="ray-serve backend: gateway processes (the application's ingress "
+                        "replicas, sharing --port) (default: 1)")
+    p.add_argument("--gateway-cpus", type=float, default=None,
+                   help="ray-serve backend: CPUs per gateway process (default: 1, or a "
+                        "worker's share when that is less)")
     p.add_argument("--triton-url", default=None,
                    help="triton backend: host:port of a running Triton HTTP endpoint serving "
                         "'sensai export-triton' models; default: launch tritonserver if found")
@@ -240,6 +246,12 @@ def cmd_serve(args) -> int:
     from sensai.serving.repository import is_repository
 
     settings = settings_from(args)
+    if settings.backend != "ray-serve":
+        for field in ("gateway_replicas", "gateway_cpus"):
+            if getattr(settings, field) != GatewaySettings.model_fields[field].default:
+                name = args.flags.get(field) or f"SENSAI_{field.upper()}"
+                raise SensaiError(f"{name} applies to --backend ray-serve only (the other "
+                                  "backends serve from this process)")
     if is_repository(args.artifact):
         return serve_repository(args, settings)
     if settings.model_control != "none":
