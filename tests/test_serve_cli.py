@@ -128,6 +128,22 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
     assert f"on {url}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, env", [(["--gateway-replicas", "2"], {}),
+                                       ([], {"SENSAI_GATEWAY_CPUS": "0.5"})])
+def test_the_gateway_processes_are_the_serve_applications_setting(tiny_artifact, capsys,
+                                                                  monkeypatch, argv, env):
+    """Several gateway processes are the Serve application's ingress replicas: the backends that
+    serve from ``sensai serve``'s own process refuse the setting in one line."""
+    from sensai.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", str(tiny_artifact), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "applies to --backend ray-serve only" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, env, fragment", [
     (["--grpc-port", "9001"], {}, "--grpc-port does not apply to --backend ray-serve"),
     (["--spread-cores"], {}, "--spread-cores does not apply to --backend ray-serve"),
