@@ -29,6 +29,9 @@ SHA256 = r"^[0-9a-f]{64}$"
 MODEL_RECORD = "model.json"
 MODEL_WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
+# The fraction of the training steps the learning rate ramps up over (and what a record written
+# before the fraction was recorded used).
+DEFAULT_WARMUP = 0.03
 
 
 def utc_now() -> str:
@@ -67,7 +70,7 @@ class TrainInfo(_Frozen):
     epochs: int
     completed_epochs: int
     lr: float
-    warmup: float = 0.03  # the fraction of the steps the learning rate ramps up over
+    warmup: float = DEFAULT_WARMUP  # the fraction of the steps the learning rate ramps up over
     batch_size: int
     seed: int
     train_limit: int | None = None

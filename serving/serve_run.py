@@ -5,10 +5,10 @@ the benchmark's plain Ray Serve peer.
 :func:`launch` joins the Ray cluster named (``--ray-address`` / ``RAY_ADDRESS``), else starts a
 local instance on 127.0.0.1 (:func:`sensai.raycluster.connect`, as the ``ray`` backend does);
 refuses a cluster where Serve already runs (its proxy's address is not ours to choose, its
-applications not ours to stop); starts Serve, with its HTTP proxy on the host and port asked or
-with none (``sensai serve``'s application serves on that address itself: Serve's proxy would
-cost every request two more hops); runs the application at route ``/``; and returns once a
-route answers 200 there.
+applications not ours to stop); starts Serve, with its HTTP proxy on the host and port asked or,
+for ``sensai serve``'s application (:meth:`ServeRun.serve`, which serves on that address
+itself: Serve's proxy would cost every request two more hops), with none; runs the application
+at route ``/``; and returns once a route answers 200 there.
 :meth:`ServeRun.stop` deletes the application, shuts Serve down, and Ray when :func:`launch`
 started or joined it.  Ray is imported only after :func:`~sensai.raycluster.connect` (which must
 set Ray's loopback switch before the import).
@@ -27,7 +27,7 @@ from sensai.errors import SensaiError
 from sensai.raycluster import connect, error_text
 
 from .child import wait_ready
-from .settings import ENV_PREFIX, GatewaySettings
+from .settings import GatewaySettings, setting_name
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,11 @@ def check_serve_settings(settings: GatewaySettings, names: Mapping[str, str] | N
     """One line for the first setting the Serve application cannot honour that is set
     (``names``: field -> the flag it was given by; else its environment variable);
     ``own_port``: whether the ingress serves on its own port (as ``sensai serve`` runs it)."""
-    defaults = GatewaySettings.model_fields
     refused = NOT_ON_SERVE if own_port else NOT_ON_SERVE | PROXY_HELD
-    for field, why in refused.items():
-        if getattr(settings, field) != defaults[field].default:
-            name = (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
-            raise SensaiError(f"{name} does not apply to --backend ray-serve ({why})")
+    field = settings.first_set(refused)
+    if field is not None:
+        raise SensaiError(f"{setting_name(field, names)} does not apply to --backend ray-serve "
+                          f"({refused[field]})")
 
 
 class ServeRun:
@@ -110,6 +109,20 @@ class ServeRun:
             self.stop()
             raise
 
+    def serve(self, artifact: str | Path, settings: GatewaySettings, *,
+              startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServeRun":
+        """Run the application ``sensai serve ART --backend ray-serve`` runs: the artifact's
+        with ``settings``, its ingress serving on ``settings.host:port`` itself (Serve without
+        a proxy)."""
+        def build():
+            from .ray_app import APP_NAME, build_app  # Ray: imported once connected
+
+            return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
+                                        "settings": settings.model_dump(), "own_port": True})
+
+        return self.start(build, host=settings.host, port=settings.port, ready_path=READY,
+                          proxy=False, startup_timeout_s=startup_timeout_s)
+
     def stop(self) -> None:
         import ray
         from ray import serve
@@ -134,24 +147,12 @@ def client_host(host: str) -> str:
 
 
 def launch(build: Callable[[], tuple[str, Any]], *, host: str, port: int, ready_path: str,
-           ray_address: str | None = None, proxy: bool = True,
+           ray_address: str | None = None,
            startup_timeout_s: float = STARTUP_TIMEOUT_S) -> ServeRun:
-    """:class:`ServeRun` of the application ``build()`` returns (see :meth:`ServeRun.start`)."""
+    """:class:`ServeRun` of the application ``build()`` returns, behind Serve's proxy (see
+    :meth:`ServeRun.start`)."""
     return ServeRun(ray_address).start(build, host=host, port=port, ready_path=ready_path,
-                                       proxy=proxy, startup_timeout_s=startup_timeout_s)
-
-
-def app_builder(artifact: str | Path, settings: GatewaySettings
-                ) -> Callable[[], tuple[str, Any]]:
-    """What :func:`launch` runs for ``sensai serve ART --backend ray-serve``: the artifact's
-    Serve application with ``settings``, its ingress serving on ``settings.host:port`` itself
-    (launched with ``proxy=False``)."""
-    def build():
-        from .ray_app import APP_NAME, build_app  # Ray: imported once connected
-
-        return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
-                                    "settings": settings.model_dump(), "own_port": True})
-    return build
+                                       startup_timeout_s=startup_timeout_s)
 
 
 def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
@@ -161,13 +162,11 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
     SIGINT; then the application, Serve (and Ray, when this process started it) are
     stopped."""
     check_serve_settings(settings, own_port=True)
-    build = app_builder(artifact, settings)
     run = ServeRun(settings.ray_address)
     # Installed after Ray's own handlers, which would exit this process halfway through.
     with StopSignals() as signals:
         try:
-            run.start(build, host=settings.host, port=settings.port, ready_path=READY,
-                      proxy=False, startup_timeout_s=startup_timeout_s)
+            run.serve(artifact, settings, startup_timeout_s=startup_timeout_s)
             print(f"serving {artifact} as the Ray Serve application '{run.name}' on "
                   f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
             signals.wait()

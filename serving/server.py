@@ -68,6 +68,21 @@ def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
         log.info("stopped by %s", signal.Signals(stopped[0]).name)
 
 
+def listening_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn (which listens on it), ``shared`` with other
+    processes that bind it the same way (SO_REUSEPORT); OSError when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class BackgroundServer:
     """``app`` under uvicorn on 127.0.0.1 in a daemon thread; the port is the kernel's choice
     (bound before uvicorn starts, so no other process can take it meanwhile)."""
@@ -75,9 +90,7 @@ class BackgroundServer:
     def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning", startup_timeout_s: float = 60.0):
         self.host = host
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listening_socket(host, port)
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn_config(app, host=host, port=self.port,
                                                     log_level=log_level, graceful_s=5.0))
@@ -141,14 +154,9 @@ class EmbeddedServer:
         return f"the gateway's server on {self.host}:{self.port} stopped" + (f": {e}" if e else "")
 
     async def start(self, timeout_s: float = 30.0) -> "EmbeddedServer":
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((self.host, self.port))
+            sock = listening_socket(self.host, self.port, shared=True)
         except OSError as e:
-            sock.close()
             raise SensaiError(f"cannot listen on {self.host}:{self.port}: "
                               f"{e.strerror or e}") from None
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))

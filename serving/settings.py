@@ -163,6 +163,11 @@ class GatewaySettings(BaseSettings):
             return self.max_decoded_bytes
         return 4 * self.image_pixels(input_shape)
 
+    def first_set(self, fields) -> str | None:
+        """The first of ``fields`` set to something other than its default (None: none is)."""
+        defaults = type(self).model_fields
+        return next((f for f in fields if getattr(self, f) != defaults[f].default), None)
+
     def hang_timeout(self) -> float:
         return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)
 
@@ -189,6 +194,12 @@ def explain(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
                f"{number(first.get('input'))}"
     msg = str(first.get("msg", "")).removeprefix("Value error, ")
     return f"invalid setting {name}: {msg}" if name else msg
+
+
+def setting_name(field: str, names: Mapping[str, str] | None = None) -> str:
+    """A setting as its user gave it: the flag (``names``: field -> flag), else its environment
+    variable."""
+    return (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
 
 
 def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:

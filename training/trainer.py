@@ -17,8 +17,8 @@ from sensai.checkpoint import load_state_strict, load_weights, save_weights
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize, stratified_subset
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import atomic_path, write_json_atomic
-from sensai.manifest import (MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, load_model_record,
-                             save_model_record)
+from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo,
+                             load_model_record, save_model_record)
 from sensai.learning import augment, fast_layout, predict_logits, top1
 from sensai.models import count_params, create_model
 
@@ -52,6 +52,11 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
     return meta
 
 
+def check_warmup(warmup: float) -> None:
+    if not 0 <= warmup < 1:
+        raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
+
+
 def train(
     *,
     model_name: str,
@@ -61,7 +66,7 @@ def train(
     out_dir: str | Path,
     epochs: int,
     lr: float = 0.05,
-    warmup: float = 0.03,
+    warmup: float = DEFAULT_WARMUP,
     batch_size: int = 128,
     weight_decay: float = 5e-4,
     seed: int = 0,
@@ -78,8 +83,7 @@ def train(
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
     if batch_size < 1 or lr <= 0:
         raise SensaiError("--batch-size and --lr must be positive")
-    if not 0 <= warmup < 1:
-        raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
+    check_warmup(warmup)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

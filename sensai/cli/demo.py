@@ -99,7 +99,7 @@ def cmd_demo(args) -> int:
     from sensai.serving.bench.latency_report import render_table
     from sensai.serving.build import build_predictor
     from sensai.serving.server import BackgroundServer
-    from sensai.training.trainer import train
+    from sensai.training.trainer import check_warmup, train
 
     from sensai.data import encode_png, load_split, resolve_dataset
     from sensai.errors import CheckpointError, SensaiError
@@ -117,8 +117,7 @@ def cmd_demo(args) -> int:
         raise SensaiError(f"--groups must be between 1 and {spec.num_classes}, got {args.groups}")
     if args.images < 1 or args.epochs < 1:
         raise SensaiError("--images and --epochs must be at least 1")
-    if not 0 <= args.warmup < 1:
-        raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {args.warmup}")
+    check_warmup(args.warmup)
     if args.train_limit is not None and args.train_limit < spec.num_classes:
         raise SensaiError(f"--train-limit must be at least {spec.num_classes} (one image a class)")
     config = DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()

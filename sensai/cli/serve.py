@@ -19,7 +19,7 @@ from pathlib import Path
 from sensai.errors import SensaiError
 from sensai.serving.bench.names import WARMUP
 from sensai.serving.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
-                                     load_settings)
+                                     load_settings, setting_name)
 from sensai.serving.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # On Ray, each version of a repository's model may take this part of the cluster's CPUs: a swap
 # runs the new version's actors beside the old one's, and actors that do not fit would wait.
 REPOSITORY_RAY_SHARE = 0.5
+# The settings of the Serve application's gateway processes (its ingress replicas).
+SERVE_ONLY = ("gateway_replicas", "gateway_cpus")
 
 
 # Every flag that sets a GatewaySettings field has that field as its ``dest`` and no default of
@@ -246,12 +248,10 @@ def cmd_serve(args) -> int:
     from sensai.serving.repository import is_repository
 
     settings = settings_from(args)
-    if settings.backend != "ray-serve":
-        for field in ("gateway_replicas", "gateway_cpus"):
-            if getattr(settings, field) != GatewaySettings.model_fields[field].default:
-                name = args.flags.get(field) or f"SENSAI_{field.upper()}"
-                raise SensaiError(f"{name} applies to --backend ray-serve only (the other "
-                                  "backends serve from this process)")
+    field = settings.first_set(SERVE_ONLY) if settings.backend != "ray-serve" else None
+    if field is not None:
+        raise SensaiError(f"{setting_name(field, args.flags)} applies to --backend ray-serve "
+                          "only (the other backends serve from this process)")
     if is_repository(args.artifact):
         return serve_repository(args, settings)
     if settings.model_control != "none":

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from sensai.manifest import DEFAULT_WARMUP
 from sensai.spec import DATASET_NAMES
 
 
@@ -35,9 +36,9 @@ def register(sub) -> None:
     add_data_args(p)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default: 0.05)")
-    p.add_argument("--warmup", type=float, default=0.03,
+    p.add_argument("--warmup", type=float, default=DEFAULT_WARMUP,
                    help="fraction of all steps over which the learning rate ramps up to --lr, "
-                        "before one cosine decay to zero (default: 0.03)")
+                        "before one cosine decay to zero (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=None,

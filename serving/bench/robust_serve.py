@@ -2,8 +2,8 @@
 called over HTTP.
 
 A configuration (redundancy ``r``, hedge) is the application ``sensai serve ART --backend
-ray-serve --redundancy r`` runs (:mod:`..ray_app`), started by :func:`..serve_run.launch`, its
-ingress serving on 127.0.0.1 itself, on the one Ray instance of the run (a new local one unless
+ray-serve --redundancy r`` runs (:mod:`..ray_app`), started by
+:meth:`..serve_run.ServeRun.serve`, its ingress serving on 127.0.0.1 itself, on the one Ray instance of the run (a new local one unless
 ``ray_address``), and stopped before the next starts: Serve runs one application per Ray
 instance here.  The requests are KServe v2 binary tensors of the same normalized images the
 offline answers are computed from, sent by the benchmark's client process
@@ -43,7 +43,7 @@ from sensai.errors import SensaiError
 from sensai.raycluster import connect, local_raylet_pid
 
 from ..build import free_ports
-from ..serve_run import READY, app_builder, check_serve_settings, launch
+from ..serve_run import ServeRun, check_serve_settings
 from ..settings import GatewaySettings
 from .client import HttpClientProcess
 from .gateway_process import served
@@ -236,8 +236,7 @@ def measure_on_serve(artifact: Artifact, configs: dict[str, GatewaySettings],
             bar.set_description(f"start {key}")
             t0 = time.monotonic()
             own = settings.model_copy(update={"host": "127.0.0.1", "port": free_ports(1)[0]})
-            run = launch(app_builder(artifact.root, own), host=own.host, port=own.port,
-                         ready_path=READY, ray_address=ray_address, proxy=False)
+            run = ServeRun(ray_address).serve(artifact.root, own)
             try:
                 cfg = ServeConfig(run.url, settings.model_name, client, refs.argmax(1))
                 cfg.wait_all_up(rejoin_timeout_s)
