@@ -134,12 +134,6 @@ def _get_attr(gm: nn.Module, target: str):
     return obj
 
 
-def count_macs(model: nn.Module, example: torch.Tensor) -> int:
-    """Multiply-accumulates of ``model`` per image shaped like ``example[0]`` (see node_macs)."""
-    gm = trace(model, example)
-    return sum(node_macs(gm, n) for n in gm.graph.nodes)
-
-
 def peak_activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
     """Largest total size of the activations alive at once during one forward pass, per image.
 

@@ -52,7 +52,6 @@ from .errors import InputError, ServingError
 from .imaging import decode_image, image_to_input, open_image
 from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, predict, server_ready,
                         v2_infer, v2_model_metadata, v2_server_metadata, version_ready)
-from .metrics import GatewayMetrics
 from .middleware import GatewayMiddleware
 from .models import ModelVersion, ServedModels
 from .repository_api import repository_routes

@@ -62,6 +62,9 @@ def test_outputs_are_written_and_well_formed(load_run):
         assert phase["timeline"] and all(b["seconds"] > 0 for b in phase["timeline"])
         assert sum(b["answered"] for b in phase["timeline"]) == phase["requests"]
         assert sum(b["sent"] for b in phase["timeline"]) == phase["requests"]
+        g = phase["gateway_cpu"]  # the gateway's threads, its busiest at most one core
+        assert 0 < g["busiest_thread_cores"] <= g["process_cores"] and \
+            g["busiest_thread_cores"] <= 1.05, (name, g)
     over = on_disk["phases"]["overload"]
     assert {"target_rate_rps", "offered_rate_rps", "send_lag_ms", "connections_allowed",
             "connections_opened"} <= set(over)
@@ -168,3 +171,41 @@ def test_a_missing_artifact_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("sensai bench-load: error:") and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_process_cores_and_its_busiest_thread_are_measured():
+    """Two threads of this process spin for 0.4 and 0.2 s of their own CPU time, the second
+    ending before the phase does: the busiest thread's CPU is the first's (to the kernel's
+    tick), and the process's counts both."""
+    import os
+    import threading
+    import time
+
+    from sensai.serving.bench.load_measures import process_cores, thread_cpu_seconds
+
+    spun, stop = threading.Event(), threading.Event()
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def spin_then_stay(seconds: float) -> None:
+        spin(seconds)
+        spun.set()
+        stop.wait()
+
+    before, t0 = thread_cpu_seconds(os.getpid()), time.monotonic()
+    first = threading.Thread(target=spin_then_stay, args=(0.4,))
+    second = threading.Thread(target=spin, args=(0.2,))
+    first.start(), second.start()
+    second.join()
+    assert spun.wait(30)
+    elapsed = time.monotonic() - t0
+    cores = process_cores(before, thread_cpu_seconds(os.getpid()), elapsed)
+    stop.set()
+    first.join()
+    assert 0.38 <= cores["busiest_thread_cores"] * elapsed <= 0.45, cores
+    assert cores["process_cores"] * elapsed >= 0.58, cores  # the ended thread's 0.2 s too
+    assert cores["busiest_thread_cores"] <= 1.05
+    assert thread_cpu_seconds(None) is None and process_cores(None, before, 1.0) is None

@@ -59,6 +59,11 @@ def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
         for r in c["levels"]:
             g = r["server"]["gc_full"]
             assert g["collections"] >= 0 and g["paused_ms"] >= 0
+        # The gateway's own threads, and its busiest (one thread: at most one core).
+        for r in [*c["levels"], c["noop"], c["overload"]]:
+            g = r["gateway_cpu"]
+            assert 0 < g["busiest_thread_cores"] <= g["process_cores"], g
+            assert g["busiest_thread_cores"] <= 1.05, g
         o = c["overload"]
         assert o["goodput_rps"] == o["throughput_rps"] > 0 and o["wrong"] == 0
         assert o["rejected_503"] == o["status_counts"].get("503", 0)
@@ -72,7 +77,7 @@ def test_the_sweep_writes_every_configuration_level_and_phase(sweep_run):
     for text in ("## Targets", "## Closed loops", "## Overload", "## Batching in the workers",
                  "| class-parallel | http | 16 |",
                  "| class-parallel-unbatched | GET /v2/health/live | 16 |", "load.png",
-                 "full GCs (ms paused)"):
+                 "full GCs (ms paused)", "server cores (busiest thread)"):
         assert text in md, text
 
 

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize, s
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import atomic_path, write_json_atomic
 from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo,
-                             load_model_record, save_model_record)
+                             save_model_record)
 from sensai.learning import augment, fast_layout, predict_logits, top1
 from sensai.models import count_params, create_model
 
@@ -166,11 +166,3 @@ def train(
     (out / STATE_JSON).unlink(missing_ok=True)
     (out / STATE_WEIGHTS).unlink(missing_ok=True)
     return record
-
-
-def is_trained(out_dir: str | Path) -> bool:
-    try:
-        load_model_record(out_dir)
-        return True
-    except CheckpointError:
-        return False

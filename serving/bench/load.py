@@ -39,7 +39,8 @@ from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
-                            phase_report, rss_growth, scrape_metrics, server_view)
+                            phase_report, process_cores, rss_growth, scrape_metrics,
+                            server_view, thread_cpu_seconds)
 from .load_report import plot, render_markdown
 from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
@@ -294,11 +295,14 @@ class LoadRun:
                         timeout_s=self.timeout_s, first=first, **self.request)
         scrape = scrape_metrics if self.metrics else lambda url: None
         before = scrape(self.gateway.url)
-        cpu, t_cpu = machine_cpu_seconds(), time.monotonic()
+        pid = self.gateway.serving_pid
+        cpu, threads, t_cpu = machine_cpu_seconds(), thread_cpu_seconds(pid), time.monotonic()
         outs = self.drive(name, plans, seconds)
-        busy = busy_cores(cpu, time.monotonic() - t_cpu)
+        elapsed = time.monotonic() - t_cpu
+        busy = busy_cores(cpu, elapsed)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
         rep["machine_busy_cores"] = busy
+        rep["gateway_cpu"] = process_cores(threads, thread_cpu_seconds(pid), elapsed)
         rep["duration_s"] = seconds
         rep["server"] = server_view(before, scrape(self.gateway.url))
         ok = rep["latency_ok_ms"]

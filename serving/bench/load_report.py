@@ -6,11 +6,12 @@ from pathlib import Path
 import numpy as np
 
 from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure,
-                     status_codes, text_table)
+                     server_cores, status_codes, text_table)
 
 PHASES = (("warmup", "warm-up"), ("soak", "soak"), ("overload", "overload"))
 PHASE_HEADER = ["phase", "load", "seconds", "requests", "200/s", "status codes", "wrong",
-                "p50 ms (200)", "p99 ms (200)", "p50 ms (503)", "p99 ms (503)"]
+                "p50 ms (200)", "p99 ms (200)", "p50 ms (503)", "p99 ms (503)",
+                "server cores (busiest thread)"]
 RSS_HEADER = ["process", "samples", "after warm-up MB", "last-window mean MB", "growth MB",
               "growth %", "max MB", "slope MB/min"]
 TARGET_HEADER = ["target", "value", "limit", "status"]
@@ -43,7 +44,7 @@ def phase_rows(result: dict) -> list[list[str]]:
         rows.append([label, _load(key, rep, result["settings"]), fmt(rep["seconds"], 1),
                      str(rep["requests"]), fmt(rep["throughput_rps"], 1),
                      status_codes(rep["status_counts"]), str(rep["wrong"]), fmt(ok["p50"]),
-                     fmt(ok["p99"]), fmt(rej["p50"]), fmt(rej["p99"])])
+                     fmt(ok["p99"]), fmt(rej["p50"]), fmt(rej["p99"]), server_cores(rep)])
     return rows
 
 
@@ -188,7 +189,9 @@ def render_markdown(result: dict) -> str:
         "200/s: answers 200 per second of the phase.  Status codes: as the client saw them "
         "(no answer: the connection failed or timed out).  503 are the gateway turning work "
         "away: at once when `max_requests` are in flight, or after waiting for a place in the "
-        "predictor until the deadline.",
+        "predictor until the deadline.  Server cores: the serving process's own threads, and in "
+        "brackets its busiest thread's (the event loop under load: near 1.00, one core is its "
+        "ceiling).",
         "",
     ]
     if over.get("send_lag_ms"):

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from .load_report import TARGET_HEADER, target_rows
 from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure,
-                     status_codes, text_table)
+                     server_cores, status_codes, text_table)
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
-                "machine busy cores", "full GCs (ms paused)"]
+                "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)"]
 OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best closed loop",
                    "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
-                   "other"]
+                   "other", "machine busy cores", "server cores (busiest thread)"]
 SKIPPED_HEADER = ["configuration", "not run, because"]
 BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
                    "rows per batch", "largest", "held back"]
@@ -28,7 +28,7 @@ def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
-            fmt(r.get("machine_busy_cores")), full_gcs(r)]
+            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r)]
 
 
 def full_gcs(r: dict) -> str:
@@ -61,7 +61,8 @@ def overload_rows(result: dict) -> list[list[str]]:
         rows.append([key, fmt(o["offered_rate_rps"], 1), fmt(o["goodput_rps"], 1),
                      "-" if share is None else f"{share * 100:.0f} %", fmt(ok["p50"]),
                      fmt(ok["p99"]), str(o["rejected_503"]), fmt(rej["p50"]), fmt(rej["p99"]),
-                     str(o["not_200_or_503"])])
+                     str(o["not_200_or_503"]), fmt(o.get("machine_busy_cores")),
+                     server_cores(o)])
     return rows
 
 
@@ -122,7 +123,9 @@ def render_markdown(result: dict) -> str:
         "",
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
-        "cores: the whole machine's (server, client and anything else).  The configurations "
+        "cores: the whole machine's (server, client and anything else); server cores: the "
+        "serving process's own threads, and in brackets its busiest thread's (the event loop "
+        "under load: near 1.00, one core is its ceiling).  The configurations "
         "run one after another, so what else ran on the machine may differ between them (that "
         "column shows it).  Full GCs: the collector's full collections in the gateway's process "
         "during the level and the time they stopped it (its `/metrics`).",

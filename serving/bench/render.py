@@ -23,6 +23,13 @@ def status_codes(counts: dict[str, int]) -> str:
     return ", ".join(f"{'no answer' if k == '0' else k}: {v}" for k, v in counts.items()) or "-"
 
 
+def server_cores(phase: dict) -> str:
+    """The server process's cores during a load phase, and its busiest thread's (the event
+    loop's, under load)."""
+    g = phase.get("gateway_cpu")
+    return "-" if g is None else f"{g['process_cores']:.2f} ({g['busiest_thread_cores']:.2f})"
+
+
 def machine_line(result: dict) -> str:
     """The machine a load run measured on, its load before and after, and the run's length."""
     m = result["machine"]

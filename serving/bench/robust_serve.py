@@ -33,7 +33,6 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
