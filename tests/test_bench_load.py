@@ -209,3 +209,6 @@ def test_a_process_cores_and_its_busiest_thread_are_measured():
     assert cores["process_cores"] * elapsed >= 0.58, cores  # the ended thread's 0.2 s too
     assert cores["busiest_thread_cores"] <= 1.05
     assert thread_cpu_seconds(None) is None and process_cores(None, before, 1.0) is None
+    # The process's figure read a clock tick before its threads': never below the busiest.
+    skewed = process_cores((0.0, {7: 0.0}), (0.98, {7: 0.99}), 1.0)
+    assert skewed == {"process_cores": 0.99, "busiest_thread_cores": 0.99}

@@ -115,9 +115,12 @@ def process_cores(before: tuple[float, dict[int, float]] | None,
     can use at most one core: a busiest thread near 1.0 is a ceiling more cores cannot lift."""
     if before is None or after is None or seconds <= 0:
         return None
-    busiest = max((cpu - before[1].get(tid, 0.0) for tid, cpu in after[1].items()), default=0.0)
-    return {"process_cores": round((after[0] - before[0]) / seconds, 3),
-            "busiest_thread_cores": round(busiest / seconds, 3)}
+    used = [cpu - before[1].get(tid, 0.0) for tid, cpu in after[1].items()]
+    # The process's figure and its threads' are read one after the other, a clock tick may
+    # fall between: never less than its live threads' sum (which holds the busiest).
+    process = max(after[0] - before[0], sum(used))
+    return {"process_cores": round(process / seconds, 3),
+            "busiest_thread_cores": round(max(used, default=0.0) / seconds, 3)}
 
 
 def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
