@@ -181,7 +181,8 @@ def test_a_process_cores_and_its_busiest_thread_are_measured():
     import threading
     import time
 
-    from sensai.serving.bench.load_measures import process_cores, thread_cpu_seconds
+    from sensai.serving.bench.load_measures import process_cores
+    from sensai.serving.bench.machine import process_cpu_seconds
 
     spun, stop = threading.Event(), threading.Event()
 
@@ -195,20 +196,20 @@ def test_a_process_cores_and_its_busiest_thread_are_measured():
         spun.set()
         stop.wait()
 
-    before, t0 = thread_cpu_seconds(os.getpid()), time.monotonic()
+    before, t0 = process_cpu_seconds(os.getpid()), time.monotonic()
     first = threading.Thread(target=spin_then_stay, args=(0.4,))
     second = threading.Thread(target=spin, args=(0.2,))
     first.start(), second.start()
     second.join()
     assert spun.wait(30)
     elapsed = time.monotonic() - t0
-    cores = process_cores(before, thread_cpu_seconds(os.getpid()), elapsed)
+    cores = process_cores(before, process_cpu_seconds(os.getpid()), elapsed)
     stop.set()
     first.join()
     assert 0.38 <= cores["busiest_thread_cores"] * elapsed <= 0.45, cores
     assert cores["process_cores"] * elapsed >= 0.58, cores  # the ended thread's 0.2 s too
     assert cores["busiest_thread_cores"] <= 1.05
-    assert thread_cpu_seconds(None) is None and process_cores(None, before, 1.0) is None
+    assert process_cpu_seconds(None) is None and process_cores(None, before, 1.0) is None
     # The process's figure read a clock tick before its threads': never below the busiest.
     skewed = process_cores((0.0, {7: 0.0}), (0.98, {7: 0.99}), 1.0)
     assert skewed == {"process_cores": 0.99, "busiest_thread_cores": 0.99}

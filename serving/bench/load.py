@@ -40,9 +40,9 @@ from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
                             phase_report, process_cores, rss_growth, scrape_metrics,
-                            server_view, thread_cpu_seconds)
+                            server_view)
 from .load_report import plot, render_markdown
-from .machine import peak_rss_bytes, process_rss_bytes, reset_peak_rss
+from .machine import peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
 from .stats import summarize
 from .targets import evaluate_load_targets
@@ -296,13 +296,13 @@ class LoadRun:
         scrape = scrape_metrics if self.metrics else lambda url: None
         before = scrape(self.gateway.url)
         pid = self.gateway.serving_pid
-        cpu, threads, t_cpu = machine_cpu_seconds(), thread_cpu_seconds(pid), time.monotonic()
+        cpu, threads, t_cpu = machine_cpu_seconds(), process_cpu_seconds(pid), time.monotonic()
         outs = self.drive(name, plans, seconds)
         elapsed = time.monotonic() - t_cpu
         busy = busy_cores(cpu, elapsed)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
         rep["machine_busy_cores"] = busy
-        rep["gateway_cpu"] = process_cores(threads, thread_cpu_seconds(pid), elapsed)
+        rep["gateway_cpu"] = process_cores(threads, process_cpu_seconds(pid), elapsed)
         rep["duration_s"] = seconds
         rep["server"] = server_view(before, scrape(self.gateway.url))
         ok = rep["latency_ok_ms"]

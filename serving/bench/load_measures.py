@@ -80,37 +80,11 @@ def busy_cores(before: float | None, seconds: float) -> float | None:
     return round((after - before) / seconds, 3)
 
 
-def _cpu_seconds(stat_path: str) -> float:
-    with open(stat_path) as f:
-        # After the name, which may hold spaces and parentheses: utime and stime are the 12th
-        # and 13th fields.
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_seconds(pid: int | None) -> tuple[float, dict[int, float]] | None:
-    """CPU seconds (user and system) of process ``pid`` so far, threads that ended included,
-    and of each of its live threads by thread id, from ``/proc``; None where it cannot be
-    read."""
-    if pid is None:
-        return None
-    try:
-        total, tids = _cpu_seconds(f"/proc/{pid}/stat"), os.listdir(f"/proc/{pid}/task")
-    except (OSError, ValueError, IndexError):
-        return None
-    threads = {}
-    for tid in tids:
-        try:
-            threads[int(tid)] = _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total, threads
-
-
 def process_cores(before: tuple[float, dict[int, float]] | None,
                   after: tuple[float, dict[int, float]] | None,
                   seconds: float) -> dict[str, float] | None:
-    """A process's cores over a phase (two :func:`thread_cpu_seconds`): all its threads', and
+    """A process's cores over a phase (two :func:`~.machine.process_cpu_seconds`): all its
+    threads', and
     its busiest thread's.  The busiest is the gateway's event loop under load, and one thread
     can use at most one core: a busiest thread near 1.0 is a ceiling more cores cannot lift."""
     if before is None or after is None or seconds <= 0:

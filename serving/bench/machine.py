@@ -135,6 +135,29 @@ def process_rss_bytes(pid: int) -> int | None:
     return _status_bytes(pid, "VmRSS")
 
 
+def _stat_cpu_seconds(path: str) -> float | None:
+    """User plus system CPU seconds from a ``stat`` file of ``/proc``, None when it is gone."""
+    stat = _read(path)
+    if not stat:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after comm, which may hold spaces and ")"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int | None) -> tuple[float, dict[int, float]] | None:
+    """CPU seconds of process ``pid`` so far (threads that ended included), and of each of its
+    live threads by thread id (Linux); None when it is gone."""
+    total = None if pid is None else _stat_cpu_seconds(f"/proc/{pid}/stat")
+    if total is None:
+        return None
+    threads = {}
+    for entry in Path(f"/proc/{pid}/task").glob("*"):
+        cpu = _stat_cpu_seconds(f"{entry}/stat")
+        if cpu is not None:  # else the thread ended meanwhile
+            threads[int(entry.name)] = cpu
+    return total, threads
+
+
 def descendant_pids(pid: int) -> list[int]:
     """The processes below ``pid`` - children, their children, ... - from ``/proc`` (Linux)."""
     children: dict[int, list[int]] = {}
