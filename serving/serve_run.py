@@ -170,6 +170,11 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
             print(f"serving {artifact} as the Ray Serve application '{run.name}' on "
                   f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
             signals.wait()
+        except KeyboardInterrupt:
+            # The port answers before start-up returns: a SIGTERM then (a supervisor that saw
+            # it ready) asks for the same clean stop as one after it; Ctrl-C stays an interrupt.
+            if signals.received != signal.SIGTERM:
+                raise
         finally:
             run.stop()
 
@@ -177,7 +182,8 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
 class StopSignals:
     """SIGTERM and SIGINT (this process's main thread), while in the ``with``: before
     :meth:`wait`, a ``KeyboardInterrupt`` (start-up is abandoned and cleaned up, as after
-    Ctrl-C); from then on, what :meth:`wait` returns on, later ones ignored while stopping."""
+    Ctrl-C; ``received`` says which); from then on, what :meth:`wait` returns on; later ones
+    ignored while stopping."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -186,12 +192,17 @@ class StopSignals:
         # so a lock it shares with that thread (an Event's) can be held already - by an
         # earlier signal's handler, when SIGTERM comes twice - and it would wait forever.
         self.waiting = self.stopped = False
+        self.received: int | None = None  # the first signal
         self.old: dict = {}
 
     def handler(self, signum, frame) -> None:
-        if not self.waiting:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if self.waiting:
+            self.stopped = True
+        elif first:  # a later one would break off the clean-up the first one started
             raise KeyboardInterrupt
-        self.stopped = True
 
     def __enter__(self) -> "StopSignals":
         self.old = {s: signal.signal(s, self.handler) for s in self.SIGNALS}

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -175,3 +176,42 @@ def test_predict_refuses_the_ray_serve_backend_in_one_line(tiny_artifact, fmnist
     err = capsys.readouterr().err
     assert "sensai serve ART --backend ray-serve" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("signum, ends", [(signal.SIGTERM, "returns"), (signal.SIGINT, "interrupted")])
+def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
+    """The ingress's port answers before start-up returns, so a supervisor may send SIGTERM
+    then: the same clean stop as after start-up (exit 0), while Ctrl-C stays an interrupt; a
+    second signal during the clean-up does not break it off."""
+    from sensai.serving import serve_run
+    from sensai.serving.settings import GatewaySettings
+
+    stopped = []
+
+    class StartingRun:
+        name = "sensai"
+
+        def __init__(self, address):
+            pass
+
+        def serve(self, artifact, settings, *, startup_timeout_s):
+            os.kill(os.getpid(), signum)
+            time.sleep(30)  # the signal's handler breaks this off
+            raise AssertionError("start-up went on after the signal")
+
+        def stop(self):
+            os.kill(os.getpid(), signum)  # ignored: the clean-up runs to its end
+            time.sleep(0.2)
+            stopped.append(True)
+
+    monkeypatch.setattr(serve_run, "ServeRun", StartingRun)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    t0 = time.monotonic()
+    if ends == "returns":
+        serve_run.serve_artifact("ART", GatewaySettings(backend="ray-serve"))
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            serve_run.serve_artifact("ART", GatewaySettings(backend="ray-serve"))
+    assert stopped == [True] and time.monotonic() - t0 < 10
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
