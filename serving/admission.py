@@ -8,12 +8,14 @@ can exhaust it or stall the others.
   (408), so clients trickling bodies cannot hold every slot;
 * image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
   time;
-* at most ``max_predictions`` requests are in the predictor and as many more wait for a place,
-  no longer than their request's deadline, which starts when the request arrives (503 when it
+* at most a limit of requests are in the predictor and as many more wait for a place, no
+  longer than their request's deadline, which starts when the request arrives (503 when it
   runs out while waiting, 504 when the subnets are late); a request that finds the queue full
-  gets a 503 at once, so an admitted request waits about one service time, not its deadline;
-  while that queue is full, new requests are refused at admission, before their body is read
-  and their image decoded (work on the event loop that a refusal would waste);
+  gets a 503 at once, so an admitted request waits about one service time, not its deadline.
+  The limit adapts, up to ``max_predictions``, to keep waiting plus predicting within
+  ``latency_target_s`` (:class:`~.limit.AdaptiveLimit`); while the queue is full, new requests
+  are refused at admission, before their body is read and their image decoded (work on the
+  event loop that a refusal would waste);
 * a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
   counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
   against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
@@ -30,25 +32,23 @@ from sensai.cores import usable_cores
 
 from . import heap
 from .errors import Overloaded, RequestTimeout
+from .limit import AdaptiveLimit, Full
 
 
 class Admission:
     def __init__(self, *, max_requests: int, max_predictions: int, body_timeout_s: float,
                  deadline_s: float, max_lag_s: float | None = None,
-                 decode_slots: int | None = None):
+                 latency_target_s: float | None = None, decode_slots: int | None = None):
         self.max_requests = max_requests
         self.max_receiving = max(1, max_requests // 2)
         self.body_timeout_s = body_timeout_s
         self.deadline_s = deadline_s
         self.requests = 0
         self.receiving = 0
-        self.predicting = asyncio.Semaphore(max_predictions)
-        # A short queue: at most as many requests wait for the predictor as it holds, so an
-        # admitted request waits about one service time at most; the rest get a 503 at once.
-        self.max_queued = max_predictions
-        self.queued = 0  # requests waiting for the predictor
+        self.predictor = AdaptiveLimit(
+            max_predictions, latency_target_s if latency_target_s is not None else deadline_s / 4)
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
-        self.waiting = 0  # requests waiting for any slot
+        self.decode_waiting = 0
         self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
@@ -58,10 +58,15 @@ class Admission:
         return (self.requests >= self.max_requests or self.lag > self.max_lag_s
                 or self.predict_queue_full())
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place in the predictor or a decoding (parsing) thread."""
+        return self.predictor.waiting + self.decode_waiting
+
     def predict_queue_full(self) -> bool:
         """As many requests wait for the predictor as may: a new one would be refused there
         anyway, after its body was read and its image decoded; refused at admission instead."""
-        return self.queued >= self.max_queued
+        return self.predictor.queue_full()
 
     def admit(self) -> bool:
         if self.full():
@@ -79,8 +84,8 @@ class Admission:
         return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
 
     def _queue_full_message(self) -> str:
-        return (f"{self.queued} requests are waiting for a prediction slot already; the gateway "
-                "is overloaded, retry shortly")
+        return (f"{self.predictor.waiting} requests are waiting for a prediction slot already; "
+                "the gateway is overloaded, retry shortly")
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call on the loop that serves requests)."""
@@ -132,6 +137,11 @@ class Admission:
         until ``deadline`` at most."""
         return _Slot(self, sem, deadline, what)
 
+    def prediction(self, deadline: float) -> "_Prediction":
+        """``async with admission.prediction(deadline)``: a place in the predictor, waited for
+        until ``deadline`` at most."""
+        return _Prediction(self, deadline)
+
 
 # Context managers as plain classes: every request enters two, and @asynccontextmanager's
 # generator costs more than the work they guard.
@@ -158,6 +168,11 @@ class _Body:
             raise RequestTimeout(f"the request body did not arrive in time ({limit})") from None
 
 
+def _no_slot(what: str) -> Overloaded:
+    return Overloaded(f"no {what} slot became free before the request's deadline; the gateway "
+                      "is overloaded, retry shortly", reason="no_slot_before_deadline")
+
+
 class _Slot:
     __slots__ = ("adm", "sem", "deadline", "what")
 
@@ -170,23 +185,34 @@ class _Slot:
             await sem.acquire()
             return
         adm = self.adm
-        predictor = sem is adm.predicting
-        if predictor:
-            if adm.predict_queue_full():
-                raise Overloaded(adm._queue_full_message(), reason="queue_full")
-            adm.queued += 1
-        adm.waiting += 1
+        adm.decode_waiting += 1
         try:
             async with asyncio.timeout_at(self.deadline):
                 await sem.acquire()
         except TimeoutError:
-            raise Overloaded(f"no {self.what} slot became free before the request's deadline; "
-                             "the gateway is overloaded, retry shortly",
-                             reason="no_slot_before_deadline") from None
+            raise _no_slot(self.what) from None
         finally:
-            adm.waiting -= 1
-            if predictor:
-                adm.queued -= 1
+            adm.decode_waiting -= 1
 
     async def __aexit__(self, et, exc, tb) -> None:
         self.sem.release()
+
+
+class _Prediction:
+    __slots__ = ("adm", "deadline", "t0")
+
+    def __init__(self, adm: Admission, deadline: float):
+        self.adm, self.deadline = adm, deadline
+
+    async def __aenter__(self) -> None:
+        try:
+            self.t0 = await self.adm.predictor.acquire(self.deadline)
+        except Full:
+            raise Overloaded(self.adm._queue_full_message(), reason="queue_full") from None
+        except TimeoutError:
+            raise _no_slot("prediction") from None
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        # Only an answer is a sample: a request failed by a hung or lost subnet says nothing
+        # about how many requests the workers finish in time, and fewer would not help it.
+        self.adm.predictor.release(self.t0 if et is None else None)

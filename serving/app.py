@@ -261,7 +261,8 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     admission = Admission(max_requests=settings.max_requests,
                           max_predictions=settings.max_predictions,
                           body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s,
-                          max_lag_s=settings.max_loop_lag_s)
+                          max_lag_s=settings.max_loop_lag_s,
+                          latency_target_s=settings.latency_target_s)
     gw = Gateway(models, settings, models.metrics, admission, version)
 
     @asynccontextmanager

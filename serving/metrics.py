@@ -48,6 +48,8 @@ class GatewayMetrics:
             "(max_connections, header_too_large, head_timeout)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
+        self.predictor_limit = Gauge("sensai_predictor_limit", "requests the predictor takes at "
+                                     "once now (adaptive, at most max_predictions)", registry=r)
         self.gc_full = Histogram("sensai_gc_full_collection_seconds",
                                  "the collector's full collections in the gateway's process "
                                  "(every request in flight waits for them)",

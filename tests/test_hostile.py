@@ -326,6 +326,73 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
         server.stop()
 
 
+def test_the_predictor_limit_adapts_to_the_latency_target(tiny_artifact, good):
+    """A latency target of 0.1 s and a subnet taking 0.3 s: under a closed loop of 8 the
+    predictor's limit falls from 8 (its ceiling) and the surplus gets fast 503s, never a 504;
+    every 200 is the answer the idle gateway gave.  Once the subnet is fast again the limit climbs
+    back to its ceiling under the same load.  The limit is read off /metrics."""
+    pred = build_predictor(tiny_artifact, device="cpu")
+    server = start_gateway(pred, max_predictions=8, latency_target_s=0.1, deadline_s=20.0)
+    url = server.url
+
+    def limit(metrics: str) -> float:
+        return float(re.search(r"^sensai_predictor_limit ([0-9.]+)$", metrics, re.M).group(1))
+
+    async def closed_loop(stop: asyncio.Event, statuses: list, indices: list):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def one():
+                while not stop.is_set():
+                    r = await c.post("/v1/predict", content=good["png"])
+                    statuses.append(r.status_code)
+                    if r.status_code == 200:
+                        indices.append(r.json()["index"])
+                    elif r.status_code == 503:
+                        assert r.headers["retry-after"] == "1"
+                        await asyncio.sleep(0.02)
+            await asyncio.gather(*(one() for _ in range(8)))
+
+    def under_load(until) -> tuple[list, list, bool]:
+        statuses, indices = [], []
+
+        async def go():
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(closed_loop(stop, statuses, indices))
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                for _ in range(300):
+                    await asyncio.sleep(0.1)
+                    if until(limit((await c.get("/metrics")).text)):
+                        break
+                else:
+                    stop.set()
+                    await load
+                    return False
+            stop.set()
+            await load
+            return True
+
+        return statuses, indices, asyncio.run(go())
+
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            assert c.post("/v1/predict", content=good["png"]).status_code == 200
+            assert limit(c.get("/metrics").text) == 8
+            expected = c.post("/v1/predict", content=good["png"]).json()["index"]
+            pred.inject(0, delay="fixed:300ms")
+            statuses, indices, fell = under_load(lambda lim: lim <= 2)
+            assert fell, "the limit did not fall"
+            assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+            assert indices and set(indices) == {expected}
+            pred.inject(0, delay=None)
+            statuses, _, rose = under_load(lambda lim: lim == 8)
+            assert rose, "the limit did not climb back"
+            assert set(statuses) <= {200, 503}, statuses
+            text = c.get("/metrics").text
+            assert 'sensai_rejected_total{reason="queue_full"}' in text
+    finally:
+        pred.inject(0, delay=None)
+        server.stop()
+
+
 def test_the_deadline_covers_waiting_for_a_prediction_slot(tiny_artifact, good):
     """One prediction at a time, a subnet taking 1.5 s, deadline 1 s: the second request waits
     for the slot the first holds until its own deadline, and is then given only what is left
@@ -467,16 +534,16 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
         served = []
 
         async def queued():
-            async with adm.slot(adm.predicting, deadline, "prediction"):
+            async with adm.prediction(deadline):
                 served.append(True)
 
-        async with adm.slot(adm.predicting, deadline, "prediction"):
+        async with adm.prediction(deadline):
             waiter = asyncio.ensure_future(queued())
             await asyncio.sleep(0.01)
             assert adm.waiting == 1 and not served
             t0 = loop.time()
             with pytest.raises(Overloaded) as e:
-                async with adm.slot(adm.predicting, deadline, "prediction"):
+                async with adm.prediction(deadline):
                     pass
             assert e.value.reason == "queue_full" and loop.time() - t0 < 0.05
             assert "1 requests are waiting for a prediction slot" in str(e.value)

@@ -23,6 +23,12 @@ PHASE_COLORS = {"warm-up": "#DDDDDD", "soak": "#DCEBF5", "overload": "#F8E0D0",
                 "burst of large images": "#E8DDF2"}
 
 
+def latency_target(gateway: dict) -> str:
+    """The gateway's latency target as its settings record it (absent in older runs)."""
+    t = gateway.get("latency_target_s")
+    return f"{t:g} s" if t is not None else "a quarter of the deadline"
+
+
 def _load(key: str, rep: dict, st: dict) -> str:
     if key != "overload":
         return f"closed loop, {st['concurrency']} in flight"
@@ -163,7 +169,7 @@ def render_markdown(result: dict) -> str:
         f"{gw['startup_s']} s; exit status {gw['exit_code']} after SIGTERM at the end; log "
         f"`{Path(gw['log']).name}`).  Backend {st['backend']}, {len(result['groups'])} subnets, "
         f"deadline {g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
-        f"{g['max_predictions']}, body timeout {g['body_timeout_s']:g} s.",
+        f"{g['max_predictions']}, latency target {latency_target(g)}, body timeout {g['body_timeout_s']:g} s.",
         "",
         f"Traffic: {st['images']} real test images as PNG uploads to `/v1/predict`, from "
         f"{st['clients']} client process(es); every 200 answer is compared with offline "
