@@ -119,3 +119,25 @@ def test_slow_requests_shrink_the_limit_and_fast_pressed_ones_restore_it():
         assert lim.limit == 8 and lim.increases >= 7
 
     asyncio.run(go())
+
+
+def test_a_request_admitted_before_a_decrease_does_not_judge_the_new_limit():
+    """Slow answers that began before the limit was cut would cut it again for the same
+    overload: the next window holds two of them and one fast answer begun after the cut, and
+    the limit stays."""
+    lim = AdaptiveLimit(8, 0.1)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        far = loop.time() + 60
+        began = await lim.acquire(far)
+        lim.release(began - 1.0)  # an answer that took a second: over the target
+        assert lim.limit == 7 and lim.decreases == 1
+        for _ in range(2):  # as slow, but begun before the cut
+            await lim.acquire(far)
+            lim.release(began - 1.0)
+        await asyncio.sleep(0.15)  # the window is over ...
+        lim.release(await lim.acquire(far))  # ... and a fast answer closes it
+        assert lim.limit == 7 and lim.decreases == 1
+
+    asyncio.run(go())
