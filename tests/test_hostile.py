@@ -327,12 +327,12 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
 
 
 def test_the_predictor_limit_adapts_to_the_latency_target(tiny_artifact, good):
-    """A latency target of 0.1 s and a subnet taking 0.3 s: under a closed loop of 8 the
-    predictor's limit falls from 8 (its ceiling) and the surplus gets fast 503s, never a 504;
+    """A latency target of 30 ms and a subnet taking 100 ms: under a closed loop of 8 the
+    predictor's limit falls from 4 (its ceiling) to 1 and the surplus gets 503s, never a 504;
     every 200 is the answer the idle gateway gave.  Once the subnet is fast again the limit climbs
     back to its ceiling under the same load.  The limit is read off /metrics."""
     pred = build_predictor(tiny_artifact, device="cpu")
-    server = start_gateway(pred, max_predictions=8, latency_target_s=0.1, deadline_s=20.0)
+    server = start_gateway(pred, max_predictions=4, latency_target_s=0.03, deadline_s=20.0)
     url = server.url
 
     def limit(metrics: str) -> float:
@@ -375,15 +375,15 @@ def test_the_predictor_limit_adapts_to_the_latency_target(tiny_artifact, good):
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.post("/v1/predict", content=good["png"]).status_code == 200
-            assert limit(c.get("/metrics").text) == 8
+            assert limit(c.get("/metrics").text) == 4
             expected = c.post("/v1/predict", content=good["png"]).json()["index"]
-            pred.inject(0, delay="fixed:300ms")
-            statuses, indices, fell = under_load(lambda lim: lim <= 2)
+            pred.inject(0, delay="fixed:100ms")
+            statuses, indices, fell = under_load(lambda lim: lim == 1)
             assert fell, "the limit did not fall"
             assert set(statuses) <= {200, 503} and 503 in statuses, statuses
             assert indices and set(indices) == {expected}
             pred.inject(0, delay=None)
-            statuses, _, rose = under_load(lambda lim: lim == 8)
+            statuses, _, rose = under_load(lambda lim: lim == 4)
             assert rose, "the limit did not climb back"
             assert set(statuses) <= {200, 503}, statuses
             text = c.get("/metrics").text
