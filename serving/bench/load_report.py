@@ -169,7 +169,8 @@ def render_markdown(result: dict) -> str:
         f"{gw['startup_s']} s; exit status {gw['exit_code']} after SIGTERM at the end; log "
         f"`{Path(gw['log']).name}`).  Backend {st['backend']}, {len(result['groups'])} subnets, "
         f"deadline {g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
-        f"{g['max_predictions']}, latency target {latency_target(g)}, body timeout {g['body_timeout_s']:g} s.",
+        f"{g['max_predictions']}, latency target {latency_target(g)}, body timeout "
+        f"{g['body_timeout_s']:g} s.",
         "",
         f"Traffic: {st['images']} real test images as PNG uploads to `/v1/predict`, from "
         f"{st['clients']} client process(es); every 200 answer is compared with offline "

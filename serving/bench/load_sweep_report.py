@@ -103,8 +103,9 @@ def render_markdown(result: dict) -> str:
         f"Configurations: {', '.join(st['configs'])}.  Each gateway configuration is `sensai "
         f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, deadline "
         f"{g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
-        f"{g['max_predictions']}, latency target {latency_target(g)}, batch_max_rows {g['batch_max_rows']}, batch_delay_us "
-        f"{g['batch_delay_us']:g}; class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
+        f"{g['max_predictions']}, latency target {latency_target(g)}, batch_max_rows "
+        f"{g['batch_max_rows']}, batch_delay_us {g['batch_delay_us']:g}; "
+        "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
         "serves the original model as one group on one worker, with the same settings); triton "
         "is Triton Inference Server serving the original's ONNX with its dynamic batcher.",
         "",
