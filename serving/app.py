@@ -264,6 +264,8 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
                           max_lag_s=settings.max_loop_lag_s,
                           latency_target_s=settings.latency_target_s)
     gw = Gateway(models, settings, models.metrics, admission, version)
+    # Read when scraped: the limit changes once a window at most, not with every request.
+    models.metrics.predictor_limit.set_function(lambda: admission.predictor.limit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -50,7 +50,6 @@ async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: b
     by the caller), for every route."""
     adm = gw.admission
     gw.metrics.waiting.set(adm.waiting)
-    gw.metrics.predictor_limit.set(adm.predictor.limit)
     async with adm.prediction(deadline):
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:

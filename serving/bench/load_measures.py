@@ -84,8 +84,7 @@ def process_cores(before: tuple[float, dict[int, float]] | None,
                   after: tuple[float, dict[int, float]] | None,
                   seconds: float) -> dict[str, float] | None:
     """A process's cores over a phase (two :func:`~.machine.process_cpu_seconds`): all its
-    threads', and
-    its busiest thread's.  The busiest is the gateway's event loop under load, and one thread
+    threads', and its busiest thread's.  The busiest is the gateway's event loop under load, and one thread
     can use at most one core: a busiest thread near 1.0 is a ceiling more cores cannot lift."""
     if before is None or after is None or seconds <= 0:
         return None
