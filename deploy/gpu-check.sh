@@ -88,7 +88,7 @@ step() {
 # --- Python: this one if it has everything, else the bundle's wheels beside it.
 PY=${PYTHON:-python3}
 [[ -x $REPO/.venv/bin/python ]] && PY=$REPO/.venv/bin/python
-NEEDED="import fastapi, uvicorn, pydantic_settings, multipart, torch_pruning, pytest, sensai.serving.app"
+NEEDED="import fastapi, uvicorn, pydantic_settings, multipart, torch_pruning, pytest, sensai.serving.gateway.app"
 if ! "$PY" -c "$NEEDED" 2>/dev/null; then
     [[ -d $BUNDLE/wheels ]] || { say "no $BUNDLE/wheels: run 'deploy/gpu-check.sh --fetch' on a machine with network"; exit 2; }
     # Into a folder on PYTHONPATH rather than a venv: the machine's torch may live where a

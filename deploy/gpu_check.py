@@ -16,11 +16,11 @@ import json
 import sys
 from pathlib import Path
 
+from sensai.bench.names import label
+from sensai.bench.render import fmt, md_table
+from sensai.bench.targets import all_checks
 from sensai.data import encode_png, load_split, resolve_dataset, stratified_subset
 from sensai.fsutil import write_json_atomic, write_text_atomic
-from sensai.serving.bench.names import label
-from sensai.serving.bench.render import fmt, md_table
-from sensai.serving.bench.targets import all_checks
 
 
 def imagefolder(fmnist_dir: str, out: Path, per_class: int) -> None:

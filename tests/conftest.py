@@ -22,7 +22,7 @@ FMNIST_DIR = Path(os.environ.get("SENSAI_FMNIST_DIR", "/usr/share/datasets/fashi
 
 @pytest.fixture(autouse=True)
 def unfrozen_heap():
-    """A gateway freezes the heap of the process it runs in (sensai.serving.heap); the tests
+    """A gateway freezes the heap of the process it runs in (sensai.serving.gateway.heap); the tests
     run many gateways in one process, so each test gives what it froze back to the collector."""
     yield
     gc.unfreeze()

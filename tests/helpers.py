@@ -17,9 +17,9 @@ from sensai.artifact import load_artifact
 from sensai.data import encode_png, normalize, stratified_subset
 from sensai.merge import merge_outputs
 from sensai.raycluster import connect
-from sensai.serving.app import create_app
-from sensai.serving.server import BackgroundServer
-from sensai.serving.settings import GatewaySettings
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.server import BackgroundServer
 
 N_IMAGES = 24
 

@@ -16,7 +16,7 @@ from sensai.export import export_onnx
 from sensai.fsutil import sha256_file, write_json_atomic
 from sensai.manifest import MANIFEST
 from sensai.models import create_model
-from sensai.serving.build import build_predictor
+from sensai.serving.launch.build import build_predictor
 
 PROBE = "sensai_untrusted_probe"
 

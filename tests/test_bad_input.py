@@ -23,10 +23,10 @@ from sensai.data import normalize
 from sensai.export import export_onnx
 from sensai.fsutil import sha256_file
 from sensai.models import create_model
-from sensai.serving.build import build_predictor
-from sensai.serving.predictor import ClassParallelPredictor
-from sensai.serving.runners import runner_specs
+from sensai.serving.engine.predictor import ClassParallelPredictor
+from sensai.serving.launch.build import build_predictor
 from sensai.serving.transports.threads import Threads
+from sensai.serving.workers.runners import runner_specs
 from tests.helpers import png, sample_images, start_gateway
 
 MAX_BODY = 256 * 1024

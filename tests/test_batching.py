@@ -20,12 +20,12 @@ import pytest
 from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.build import build_predictor
-from sensai.serving.errors import SubnetFailed, SubnetTimeout
-from sensai.serving.messages import Batching, Done, Failure, Output, Run, Skip
-from sensai.serving.runners import runner_specs
-from sensai.serving.triton_repo import export_triton_repo
-from sensai.serving.worker_core import Stop, WorkerCore
+from sensai.serving.core.errors import SubnetFailed, SubnetTimeout
+from sensai.serving.core.messages import Batching, Done, Failure, Output, Run, Skip
+from sensai.serving.launch.build import build_predictor
+from sensai.serving.launch.triton_repo import export_triton_repo
+from sensai.serving.workers.loop import Stop, WorkerCore
+from sensai.serving.workers.runners import runner_specs
 from tests.helpers import (local_ray, offline_scores, predict_all, sample_images, start_gateway,
                            wait_until)
 

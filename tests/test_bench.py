@@ -31,7 +31,7 @@ def artifact(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def short_run(artifact, tmp_path_factory):
-    from sensai.serving.bench.latency import run_bench
+    from sensai.bench.latency import run_bench
 
     out = tmp_path_factory.mktemp("bench_out")
     result = run_bench(artifact, out, workers=3, replicas=2, images=20, warmup=2, concurrency=2,
@@ -68,7 +68,7 @@ def test_outputs_are_written_and_well_formed(short_run):
     assert m["load_average"] and m["load_average_end"]
     for pkg in ("torch", "onnxruntime", "numpy", "ray", "fastapi"):
         assert m["versions"][pkg]
-    from sensai.serving.bench.machine import cpu_idle
+    from sensai.bench.machine import cpu_idle
 
     assert m["cpu_idle"] == cpu_idle()  # this machine's, as sysfs says
     if m["cpu_idle"]:
@@ -130,8 +130,8 @@ def test_latency_figures_are_complete_and_consistent(short_run):
 
 
 def test_side_by_side_tells_parallel_from_one_after_the_other():
-    from sensai.serving.bench.latency_report import side_by_side_lines
-    from sensai.serving.bench.stats import Samples, side_by_side
+    from sensai.bench.latency_report import side_by_side_lines
+    from sensai.bench.stats import Samples, side_by_side
 
     # Arrivals (ms from the request's start) and compute: 0.1-0.6 and 0.15-0.65 overlap...
     parallel = {"subnet_00": 0.6, "compute.subnet_00": 0.5, "subnet_01": 0.65,
@@ -154,8 +154,8 @@ def test_side_by_side_tells_parallel_from_one_after_the_other():
 
 @pytest.mark.parametrize("poll, noted", [("0\n", True), ("200000\n", False), (None, False)])
 def test_idle_cores_that_halt_at_once_are_noted(tmp_path, poll, noted):
-    from sensai.serving.bench.latency_report import idle_lines, idle_text
-    from sensai.serving.bench.machine import cpu_idle
+    from sensai.bench.latency_report import idle_lines, idle_text
+    from sensai.bench.machine import cpu_idle
 
     assert cpu_idle(str(tmp_path)) is None  # no cpuidle in this sysfs: nothing to say
     base = tmp_path / "devices/system/cpu/cpuidle"
@@ -184,7 +184,7 @@ def test_idle_cores_that_halt_at_once_are_noted(tmp_path, poll, noted):
 def test_remote_transports_are_timed_against_their_floor(short_run):
     """http, http-v2 and grpc: each request paired with the same client's bare request to the
     same server just before it; p50(latency - bare - compute) per strategy and transport."""
-    from sensai.serving.bench.latency_report import render_table
+    from sensai.bench.latency_report import render_table
 
     out, result = short_run
     n = result["settings"]["images"]
@@ -215,8 +215,8 @@ def test_accuracy_matches_an_independent_evaluation(short_run, artifact, fmnist_
     from sensai.artifact import load_artifact
     from sensai.checkpoint import load_trained_model
     from sensai.data import stratified_subset
-    from sensai.pruning.decompose import evaluate_models
     from sensai.learning import predict_logits, top1
+    from sensai.pruning.decompose import evaluate_models
 
     _, result = short_run
     idx = stratified_subset(fmnist_test.labels, 20, 0)
@@ -340,9 +340,9 @@ def test_targets_are_stated(short_run):
 
 
 def test_targets_of_another_model_are_not_reported(short_run):
-    from sensai.serving.bench.latency_report import render_markdown, render_table
-    from sensai.serving.bench.targets import (EVERY_MODEL, TARGET_SETS, FanoutOverhead, Ratio,
-                                              Target, TargetSet, evaluate_targets)
+    from sensai.bench.latency_report import render_markdown, render_table
+    from sensai.bench.targets import (EVERY_MODEL, TARGET_SETS, FanoutOverhead, Ratio, Target,
+                                      TargetSet, evaluate_targets)
 
     out, result = short_run
     md, table = (out / "bench.md").read_text(), render_table(result)
@@ -425,15 +425,14 @@ def test_model_parallel_predictor_answers_like_the_single_device(artifact, fmnis
     """The pipeline's scores through ONNX stages on thread workers == the whole model on one."""
     import asyncio
 
+    from sensai.bench.baselines import ModelParallel, SingleDevice, WorkerSet, softmax_scores
+    from sensai.bench.stages import export_stage_onnx, split_model
     from sensai.checkpoint import load_trained_model
     from sensai.data import iterate_batches, normalize
     from sensai.export import export_onnx
     from sensai.fsutil import sha256_file
     from sensai.manifest import load_manifest
-    from sensai.serving.bench.baselines import (ModelParallel, SingleDevice, WorkerSet,
-                                                softmax_scores)
-    from sensai.serving.runners import RunnerSpec
-    from sensai.stages import export_stage_onnx, split_model
+    from sensai.serving.workers.runners import RunnerSpec
 
     def onnx_spec(name, shape, path):
         return RunnerSpec(name=name, input_shape=tuple(shape), onnx_path=str(path),
@@ -497,8 +496,8 @@ def test_baselines_keep_the_deadline_like_the_predictor(fmnist_spec):
     predictor's own), and the next request is answered normally."""
     import asyncio
 
-    from sensai.serving.bench.baselines import ModuleSpec, SingleDevice, WorkerSet
-    from sensai.serving.errors import SubnetTimeout
+    from sensai.bench.baselines import ModuleSpec, SingleDevice, WorkerSet
+    from sensai.serving.core.errors import SubnetTimeout
 
     shape = (1, 2, 2)
     slow = SingleDevice(WorkerSet(["slow"], [ModuleSpec("slow", _Slow(0.3), shape)]),
@@ -580,7 +579,7 @@ def test_cli_transports_flag(artifact, tmp_path):
     ({"backend": "kubernetes"}, "backend"),
 ])
 def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
-    from sensai.serving.bench.latency import run_bench
+    from sensai.bench.latency import run_bench
 
     with pytest.raises(SensaiError, match=match):
         run_bench(artifact, tmp_path / "out", progress=False, **kwargs)
@@ -590,8 +589,8 @@ def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
 def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
     import shutil
 
+    from sensai.bench.latency import run_bench
     from sensai.manifest import load_manifest, save_manifest
-    from sensai.serving.bench.latency import run_bench
 
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
@@ -617,7 +616,7 @@ def test_in_process_runs_on_the_event_loop_the_gateway_gets():
 
     import uvicorn
 
-    from sensai.serving.server import run_like_the_gateway
+    from sensai.serving.gateway.server import run_like_the_gateway
 
     async def loop_type():
         return type(asyncio.get_running_loop())
@@ -634,8 +633,8 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
     """The client lives in its own process; a failure there comes back as an error, not a hang."""
     import socket
 
+    from sensai.bench.client import HttpClientProcess
     from sensai.data import encode_png
-    from sensai.serving.bench.client import HttpClientProcess
 
     with socket.socket() as s:  # a port nobody listens on once this closes
         s.bind(("127.0.0.1", 0))
@@ -663,8 +662,8 @@ def test_the_load_client_reads_answers_without_a_length_on_a_kept_connection():
     connection, instead of waiting for the connection to close until its timeout."""
     import asyncio
 
-    from sensai.serving.bench.client import load_phase, raw_requests
-    from sensai.serving.server import BackgroundServer
+    from sensai.bench.client import load_phase, raw_requests
+    from sensai.serving.gateway.server import BackgroundServer
 
     seen = []  # the connection (client address) of each POST
 
@@ -696,13 +695,13 @@ def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artif
                                                                           fmnist_test):
     """A gateway that admits one request at a time, under 4 concurrent clients: the throughput
     run finishes, counts the 503s (gRPC UNAVAILABLE) apart from the answers, and says so."""
+    from sensai.bench.client import HttpClientProcess
+    from sensai.bench.latency_report import shed_lines
     from sensai.data import encode_png
-    from sensai.serving.bench.client import HttpClientProcess
-    from sensai.serving.bench.latency_report import shed_lines
-    from sensai.serving.app import create_app
-    from sensai.serving.build import build_predictor
-    from sensai.serving.server import BackgroundServer
-    from sensai.serving.settings import GatewaySettings
+    from sensai.serving.core.settings import GatewaySettings
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.server import BackgroundServer
+    from sensai.serving.launch.build import build_predictor
 
     pred = build_predictor(tiny_artifact, device="cpu", delays={0: "fixed:30ms"})
     app = create_app(pred, GatewaySettings(max_requests=1, grpc_port=0))
@@ -731,12 +730,12 @@ def test_throughput_stops_on_a_503_that_is_not_the_admission(tiny_artifact, fmni
     """A 503 without Retry-After (gRPC UNAVAILABLE without the trailer) is the server failing -
     here every copy of a subnet is down - not load being shed: the run stops with its reason
     instead of counting it as turned away."""
+    from sensai.bench.client import HttpClientProcess
     from sensai.data import encode_png
-    from sensai.serving.app import create_app
-    from sensai.serving.bench.client import HttpClientProcess
-    from sensai.serving.build import build_predictor
-    from sensai.serving.server import BackgroundServer
-    from sensai.serving.settings import GatewaySettings
+    from sensai.serving.core.settings import GatewaySettings
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.server import BackgroundServer
+    from sensai.serving.launch.build import build_predictor
 
     pred = build_predictor(tiny_artifact, device="cpu", restart_delay_s=300)
     app = create_app(pred, GatewaySettings(grpc_port=0))
@@ -776,7 +775,7 @@ def test_bench_robust_rejects_bad_arguments(artifact, tmp_path, capsys):
 def test_bench_robust_reports_straggler_and_failure(artifact, tmp_path):
     """r = 0 is the default serving path (worker threads): a killed worker's classes fail
     during the outage; r = 1 answers everything, the straggler's group by its copy."""
-    from sensai.serving.bench.robust import run_robust_bench
+    from sensai.bench.robust import run_robust_bench
 
     out = tmp_path / "robust"
     res = run_robust_bench(artifact, out, redundancies=(0, 1), images=20, warmup=2,

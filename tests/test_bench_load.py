@@ -23,7 +23,7 @@ TARGETS = ["soak_errors", "soak_rss_growth", "lean_gateway_rss", "overload_only_
 
 @pytest.fixture(scope="module")
 def load_run(tiny_artifact, tmp_path_factory):
-    from sensai.serving.bench.load import LoadOptions, run_load_bench
+    from sensai.bench.load import LoadOptions, run_load_bench
 
     out = tmp_path_factory.mktemp("load_out")
     # A small gateway (16 requests in flight, 2 in the predictor), so the overload meets its
@@ -181,8 +181,8 @@ def test_a_process_cores_and_its_busiest_thread_are_measured():
     import threading
     import time
 
-    from sensai.serving.bench.load_measures import process_cores
-    from sensai.serving.bench.machine import process_cpu_seconds
+    from sensai.bench.load_measures import process_cores
+    from sensai.bench.machine import process_cpu_seconds
 
     spun, stop = threading.Event(), threading.Event()
 

@@ -22,8 +22,8 @@ SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50
 
 @pytest.fixture(scope="module")
 def sweep_run(tiny_artifact, tmp_path_factory):
-    from sensai.serving.bench.load import LoadOptions
-    from sensai.serving.bench.load_sweep import run_load_sweep
+    from sensai.bench.load import LoadOptions
+    from sensai.bench.load_sweep import run_load_sweep
 
     out = tmp_path_factory.mktemp("sweep_out")
     options = LoadOptions(deadline_s=2.0, max_requests=32, images=12, progress=False,
@@ -116,10 +116,10 @@ def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifa
     import torch
 
     from sensai.artifact import load_artifact
-    from sensai.serving.bench.harness import load_test_images
-    from sensai.serving.bench.load_single import original_as_artifact
-    from sensai.serving.bench.robust import offline_reference
-    from sensai.serving.bench.strategies import load_original
+    from sensai.bench.harness import load_test_images
+    from sensai.bench.load_single import original_as_artifact
+    from sensai.bench.robust import offline_reference
+    from sensai.bench.strategies import load_original
 
     artifact = load_artifact(tiny_artifact)
     view, full = original_as_artifact(artifact, tmp_path / "original")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sensai.errors import SensaiError
-from sensai.serving.tritonserver import TRITON_HINT, WORKDIR_PREFIX, find_tritonserver
+from sensai.serving.launch.tritonserver import TRITON_HINT, WORKDIR_PREFIX, find_tritonserver
 from tests.helpers import offline_scores
 
 TITLE = "## sensai vs Triton vs Ray Serve"
@@ -54,8 +54,8 @@ def _my_triton_dirs() -> list[Path]:
 
 def test_without_tritonserver_the_triton_peer_is_skipped_with_its_reason(artifact, tmp_path,
                                                                          monkeypatch, capsys):
+    from sensai.bench import peers
     from sensai.cli import main
-    from sensai.serving.bench import peers
 
     monkeypatch.setattr(peers, "find_tritonserver", lambda: None)
     out = tmp_path / "out"
@@ -78,8 +78,8 @@ def test_without_tritonserver_the_triton_peer_is_skipped_with_its_reason(artifac
 
 
 def test_peer_and_backend_arguments_are_checked(artifact, tmp_path, capsys):
+    from sensai.bench.latency import run_bench
     from sensai.cli import main
-    from sensai.serving.bench.latency import run_bench
 
     out = tmp_path / "out"
     # The peers speak the KServe v2 binary tensor only: one line, no traceback, nothing written.
@@ -108,7 +108,7 @@ def all_systems(artifact, tmp_path_factory):
         pytest.skip(TRITON_HINT)
     import ray
 
-    from sensai.serving.bench.latency import run_bench
+    from sensai.bench.latency import run_bench
 
     out = tmp_path_factory.mktemp("peers_out")
     result = run_bench(artifact, out, strategies=["single", "class-parallel"],
@@ -216,7 +216,7 @@ def test_the_ray_pool_target_is_checked_on_the_run(all_systems):
 
 
 def test_the_flagship_targets_against_triton():
-    from sensai.serving.bench.targets import TARGET_SETS, evaluate_targets
+    from sensai.bench.targets import TARGET_SETS, evaluate_targets
 
     sets = [s for s in TARGET_SETS if s.name == "sensai against Triton serving the original"]
 

@@ -16,8 +16,8 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     """Every answer agrees with offline evaluation; the overload is answered, each request with
     a 200 or a 503 (the ingress's own admission); the memory sampled is the Serve ingress
     replica's, not the CLI's; the gateway stops with exit status 0."""
-    from sensai.serving.bench.load import LoadOptions
-    from sensai.serving.bench.load_sweep import run_load_sweep
+    from sensai.bench.load import LoadOptions
+    from sensai.bench.load_sweep import run_load_sweep
 
     out = tmp_path / "sweep"
     options = LoadOptions(backend="ray-serve", deadline_s=20.0, max_requests=32, images=12,
@@ -46,7 +46,7 @@ def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_
     """class-parallel@ray-serve: timed over http-v2 against its ingress's bare route, its
     answers those of the local pool on the same images, its p50 judged against the local
     pool's (the target); in process it is not timed, and bench.json and bench.md say why."""
-    from sensai.serving.bench.latency import run_bench
+    from sensai.bench.latency import run_bench
 
     out = tmp_path / "bench"
     run_bench(tiny_artifact, out, strategies=["class-parallel"],

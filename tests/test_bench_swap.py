@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sensai.serving.bench.swap_report import (lifetimes, misattributed, plot, render_markdown,
-                                              render_table, swap_figures)
+from sensai.bench.swap_report import (lifetimes, misattributed, plot, render_markdown, render_table,
+                                      swap_figures)
 
 
 def records(rows):
@@ -152,7 +152,7 @@ def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, 
 def swap_run(tiny_artifact, tiny_artifact_g2, tmp_path_factory):
     """Two decompositions of one model swapped in under load: G=5 as version 1, G=2 as
     version 2, G=5 again as version 3."""
-    from sensai.serving.bench.swap import run_swap_bench
+    from sensai.bench.swap import run_swap_bench
 
     out = tmp_path_factory.mktemp("swap") / "out"
     result = run_swap_bench(tiny_artifact, tiny_artifact_g2, out, model="fmnist", swaps=2,

@@ -17,10 +17,10 @@ import pytest
 from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.messages import Output, Ping, Pong, Ready, Run, Shutdown
-from sensai.serving.runners import runner_specs
+from sensai.serving.core.messages import Output, Ping, Pong, Ready, Run, Shutdown
 from sensai.serving.transports.connection import accept, connect, serve_connection
-from sensai.serving.worker_core import WorkerCore
+from sensai.serving.workers.loop import WorkerCore
+from sensai.serving.workers.runners import runner_specs
 from tests.helpers import sample_images
 
 KEY = os.urandom(32)

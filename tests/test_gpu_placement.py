@@ -22,9 +22,9 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import device_for_worker, select_device
 from sensai.raycluster import LOOPBACK, cluster_resources
-from sensai.serving.predictor import worker_devices
-from sensai.serving.runners import runner_specs
+from sensai.serving.engine.predictor import worker_devices
 from sensai.serving.transports.ray_actors import actor_class, actor_resources
+from sensai.serving.workers.runners import runner_specs
 
 FAKE_GPUS = 4
 

@@ -11,9 +11,9 @@ import torch
 
 from sensai.artifact import load_artifact
 from sensai.errors import CheckpointError, SensaiError
-from sensai.serving.graphs import (GraphCaptureError, GraphRunner, bucket_for, buckets_up_to,
-                                   check_buckets)
-from sensai.serving.runners import TorchRunner, resolve_runtime, runner_specs, torch_runner
+from sensai.serving.workers.graphs import (GraphCaptureError, GraphRunner, bucket_for,
+                                           buckets_up_to, check_buckets)
+from sensai.serving.workers.runners import TorchRunner, resolve_runtime, runner_specs, torch_runner
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -139,7 +139,7 @@ def test_the_local_pool_on_the_gpu_answers_batches_like_offline(tiny_artifact, f
 
     from sensai.data import normalize
     from sensai.merge import merge_outputs
-    from sensai.serving.build import build_predictor
+    from sensai.serving.launch.build import build_predictor
 
     art = load_artifact(tiny_artifact)
     x = normalize(fmnist_test.images[:16], fmnist_spec)

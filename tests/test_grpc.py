@@ -28,12 +28,12 @@ from tritonclient.utils import InferenceServerException
 from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.app import create_app
-from sensai.serving.build import build_predictor
-from sensai.serving.server import BackgroundServer
-from sensai.serving.settings import GatewaySettings
-from tests.helpers import (free_port, offline_scores, sample_images, server_process,
-                           stop_server, wait_for_server, wait_until)
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.server import BackgroundServer
+from sensai.serving.launch.build import build_predictor
+from tests.helpers import (free_port, offline_scores, sample_images, server_process, stop_server,
+                           wait_for_server, wait_until)
 
 MAX_BODY = 256 * 1024  # a batch of 16 images is 50 KB; 100 are over the limit
 

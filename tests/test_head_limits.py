@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sensai.serving.build import build_predictor
+from sensai.serving.launch.build import build_predictor
 from tests.helpers import png, sample_images, start_gateway
 
 pytestmark = pytest.mark.slow

@@ -27,10 +27,10 @@ from PIL import Image
 
 from sensai.cores import usable_cores
 from sensai.data import normalize
-from sensai.serving import heap
-from sensai.serving.admission import Admission
-from sensai.serving.build import build_predictor
-from sensai.serving.errors import Overloaded
+from sensai.serving.core.errors import Overloaded
+from sensai.serving.gateway import heap
+from sensai.serving.gateway.admission import Admission
+from sensai.serving.launch.build import build_predictor
 from tests.helpers import png, sample_images, start_gateway
 
 pytestmark = pytest.mark.slow
@@ -182,7 +182,7 @@ def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
 def test_the_decoded_bytes_default_follows_the_models_input_size():
     """Unset, the budget is an 8-bit RGBA picture of the pixel limit, which itself follows the
     model's input size; either can be set."""
-    from sensai.serving.settings import GatewaySettings
+    from sensai.serving.core.settings import GatewaySettings
 
     s = GatewaySettings()
     assert s.image_pixels((1, 28, 28)) == 4_000_000
@@ -264,7 +264,7 @@ def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
 def test_a_compressed_tensor_is_parsed_off_the_event_loop(client, good, monkeypatch):
     """A few KB of gzip can expand to megabytes of JSON: the parse goes to a thread whatever the
     compressed size, while a small plain body is still parsed inline."""
-    from sensai.serving import oip
+    from sensai.serving.gateway import oip
 
     where = []
     real = oip.decode_request
@@ -495,7 +495,7 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
 
 def test_the_gateways_own_collection_is_not_taken_for_an_overload():
     """After a model is built or let go the gateway collects its heap once, on the event loop
-    (sensai.serving.heap.settle); the loop is late by that much, but it is no overload: the
+    (sensai.serving.gateway.heap.settle); the loop is late by that much, but it is no overload: the
     requests right after it are admitted."""
     adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=1,
                     max_lag_s=0.05)

@@ -44,6 +44,8 @@ MODULES = modules()
 def layer(name: str) -> str:
     if name.startswith("sensai.cli") or name == "sensai.__main__":
         return "cli"
+    if name.startswith("sensai.bench"):
+        return "bench"
     for stage in ("serving", "pruning", "training"):
         if name.startswith(f"sensai.{stage}"):
             return stage
@@ -115,7 +117,8 @@ def top_level_heavy() -> set[str]:
 
 
 ALLOWED = {"core": {"core"}, "training": {"core", "training"}, "pruning": {"core", "pruning"},
-           "serving": {"core", "serving"}, "cli": {"core", "training", "pruning", "serving", "cli"}}
+           "serving": {"core", "serving"}, "bench": {"core", "serving", "bench"},
+           "cli": {"core", "training", "pruning", "serving", "bench", "cli"}}
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -163,9 +166,9 @@ def test_imports_are_at_the_top():
 def test_onnx_only_paths_load_nothing_heavy():
     heavy = top_level_heavy()
     light = ("sensai.artifact", "sensai.manifest", "sensai.models", "sensai.spec",
-             "sensai.serving.runners", "sensai.serving.worker_core",
+             "sensai.serving.workers.runners", "sensai.serving.workers.loop",
              "sensai.serving.transports.processes", "sensai.serving.transports.threads",
-             "sensai.serving.app", "sensai.serving.predictor", "sensai.serving.imaging",
+             "sensai.serving.gateway.app", "sensai.serving.engine.predictor", "sensai.serving.gateway.imaging",
              *(name for name in MODULES if layer(name) == "cli"))
     assert sorted(name for name in light if name in heavy) == []
 

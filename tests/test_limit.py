@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from sensai.serving.limit import AdaptiveLimit, Full
+from sensai.serving.gateway.limit import AdaptiveLimit, Full
 
 
 def test_a_slow_window_shrinks_the_limit_by_a_tenth_and_at_least_one():

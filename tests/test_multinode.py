@@ -28,10 +28,9 @@ import numpy as np
 import pytest
 
 from sensai.data import normalize
-from sensai.serving.build import build_predictor
-from sensai.serving.errors import SubnetFailed
-from tests.helpers import (free_port, offline_scores, png, sample_images, start_gateway,
-                           wait_until)
+from sensai.serving.core.errors import SubnetFailed
+from sensai.serving.launch.build import build_predictor
+from tests.helpers import free_port, offline_scores, png, sample_images, start_gateway, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -301,7 +300,7 @@ def test_serve_app_spreads_worker_deployments_with_copies_apart(cluster, tiny_ar
     evaluation, and /v1/models says which node hosts which worker."""
     from ray import serve
 
-    from sensai.serving.ray_app import build_app
+    from sensai.serving.launch.serve_app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -330,8 +329,8 @@ def test_serve_app_spreads_worker_deployments_with_copies_apart(cluster, tiny_ar
 def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path):
     """`bench-robust --scenarios node-loss` kills the raylet of a worker node while paced
     requests flow: with r = 1 none fails, and the lost workers come back on the other nodes."""
-    from sensai.serving.bench.robust import run_robust_bench
-    from sensai.serving.placement import Placement, spread
+    from sensai.bench.robust import run_robust_bench
+    from sensai.serving.core.placement import Placement, spread
 
     node_of, _ = spread(Placement.cyclic(5, None, 1), 3)  # node 0 is the head
     victim = next(w for w, n in enumerate(node_of) if n != 0)
@@ -351,8 +350,8 @@ def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path
 
 
 def test_bench_robust_refuses_node_loss_where_it_cannot_kill_a_node(tiny_artifact, tmp_path):
+    from sensai.bench.robust import run_robust_bench
     from sensai.errors import SensaiError
-    from sensai.serving.bench.robust import run_robust_bench
 
     with pytest.raises(SensaiError, match="--backend ray"):
         run_robust_bench(tiny_artifact, tmp_path / "a", scenarios=["node-loss"], progress=False)

@@ -25,10 +25,9 @@ import pytest
 
 from sensai.artifact import load_artifact
 from sensai.data import normalize
-from sensai.serving.build import build_predictor
-from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
-                           server_process, start_gateway, stop_server, wait_for_server,
-                           wait_until)
+from sensai.serving.launch.build import build_predictor
+from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images, server_process,
+                           start_gateway, stop_server, wait_for_server, wait_until)
 
 pytestmark = pytest.mark.slow  # workers are started, killed and restarted for real
 

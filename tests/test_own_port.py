@@ -1,5 +1,5 @@
 """The gateway serving on its own port from inside a host that already runs it (the Ray Serve
-ingress replica's own port, :class:`~sensai.serving.server.EmbeddedServer`), with real sockets
+ingress replica's own port, :class:`~sensai.serving.gateway.server.EmbeddedServer`), with real sockets
 on 127.0.0.1: two servers share a port and both answer; a port something else listens on is
 refused in one line; the gateway's app serves predictions there, with the gateway's own limits,
 and stops listening when its lifespan ends."""
@@ -15,10 +15,10 @@ import pytest
 from fastapi import FastAPI
 
 from sensai.errors import SensaiError
-from sensai.serving.build import build_predictor
-from sensai.serving.server import BackgroundServer, EmbeddedServer
-from sensai.serving.settings import GatewaySettings
-from sensai.serving.app import create_app
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.server import BackgroundServer, EmbeddedServer
+from sensai.serving.launch.build import build_predictor
 from tests.helpers import free_port, offline_scores, png, sample_images
 
 

@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 from sensai.errors import SensaiError
-from sensai.serving.app import create_app
-from sensai.serving.build import build_predictor
-from sensai.serving.models import ServedModels
-from sensai.serving.repository import VersionPolicy, add_version, versions
-from sensai.serving.repository_api import check_access
-from sensai.serving.server import BackgroundServer
-from sensai.serving.settings import GatewaySettings
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.repository import VersionPolicy, add_version, versions
+from sensai.serving.gateway.repository_api import check_access
+from sensai.serving.gateway.served import ServedModels
+from sensai.serving.gateway.server import BackgroundServer
+from sensai.serving.launch.build import build_predictor
 
-from .helpers import (free_port, offline_scores, png, sample_images, server_process,
-                      stop_server, wait_for_server, wait_until)
+from .helpers import (free_port, offline_scores, png, sample_images, server_process, stop_server,
+                      wait_for_server, wait_until)
 
 MODEL = "fmnist"
 

@@ -19,10 +19,10 @@ import pytest
 
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.build import build_predictor
-from sensai.serving.decoder import CoverageDecoder
-from sensai.serving.faults import parse_delay
-from sensai.serving.placement import check_redundancy, cyclic_placement, group_hosts
+from sensai.serving.core.faults import parse_delay
+from sensai.serving.core.placement import check_redundancy, cyclic_placement, group_hosts
+from sensai.serving.engine.decoder import CoverageDecoder
+from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, local_ray, offline_scores, png, predict_all, sample_images,
                            server_process, stop_server, wait_for_server, wait_until)
 

@@ -183,8 +183,8 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
     """The ingress's port answers before start-up returns, so a supervisor may send SIGTERM
     then: the same clean stop as after start-up (exit 0), while Ctrl-C stays an interrupt; a
     second signal during the clean-up does not break it off."""
-    from sensai.serving import serve_run
-    from sensai.serving.settings import GatewaySettings
+    from sensai.serving.core.settings import GatewaySettings
+    from sensai.serving.launch import serve_run
 
     stopped = []
 

@@ -21,7 +21,7 @@ import torch
 from sensai.artifact import load_artifact
 from sensai.data import normalize, pil_to_uint8
 from sensai.pruning.decompose import evaluate_models
-from sensai.serving.build import build_predictor
+from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
                            start_gateway, stop_server, wait_for_server)
 
@@ -250,7 +250,7 @@ def test_by_default_the_gateway_leaves_the_host_alone(tiny_artifact, fmnist_test
     """No host tuning unless asked: the local pool and its gateway, with every default, answer
     requests without opening /dev/cpu_dma_latency or changing any thread's affinity, and
     /v1/models says both tunings are off."""
-    from sensai.serving.wakeup import DEVICE, current_limit_us
+    from sensai.serving.core.wakeup import DEVICE, current_limit_us
 
     for name in ("SENSAI_KEEP_CORES_AWAKE", "SENSAI_SPREAD_CORES"):
         monkeypatch.delenv(name, raising=False)
@@ -283,7 +283,7 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
     """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM; asked to
     (--keep-cores-awake auto --spread-cores), it keeps idle cores awake while it serves when it
     may and withdraws that when it stops, and spreads its worker threads."""
-    from sensai.serving.wakeup import DEVICE, current_limit_us
+    from sensai.serving.core.wakeup import DEVICE, current_limit_us
 
     may_hold = os.access(DEVICE, os.R_OK | os.W_OK)
     limit_before = current_limit_us()

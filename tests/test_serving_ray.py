@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
+from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.artifact import load_artifact
-from sensai.serving.ray_app import RayAppArgs, build_app, worker_plan
-from sensai.serving.settings import GatewaySettings
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.launch.serve_app import RayAppArgs, build_app, worker_plan
 from tests.helpers import free_port, local_ray, offline_scores, png, sample_images, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_deploy_configs_follow_ray_serve_schema():
     k8s = ServeDeploySchema.model_validate(yaml.safe_load(kuberay["spec"]["serveConfigV2"]))
     for cfg in (local, k8s):
         (app,) = cfg.applications
-        assert app.import_path == "sensai.serving.ray_app:build_app"
+        assert app.import_path == "sensai.serving.launch.serve_app:build_app"
         RayAppArgs(**app.args)  # the args the builder will receive are valid
 
 
@@ -399,8 +399,8 @@ def test_a_serve_worker_that_cannot_read_the_artifact_names_its_node(tiny_artifa
     from dataclasses import asdict
 
     from sensai.artifact import load_artifact
-    from sensai.serving.ray_app import SubnetWorker
-    from sensai.serving.runners import runner_specs
+    from sensai.serving.launch.serve_app import SubnetWorker
+    from sensai.serving.workers.runners import runner_specs
 
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)

@@ -25,10 +25,11 @@ from sensai.cli import main
 from sensai.data import normalize
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import write_json_atomic
-from sensai.serving.build import build_predictor, launch_triton
-from sensai.serving.runners import OrtRunner
-from sensai.serving.triton_repo import export_triton_repo
-from sensai.serving.tritonserver import WORKDIR_PREFIX, find_tritonserver, sweep_stale_workdirs
+from sensai.serving.launch.build import build_predictor, launch_triton
+from sensai.serving.launch.triton_repo import export_triton_repo
+from sensai.serving.launch.tritonserver import (WORKDIR_PREFIX, find_tritonserver,
+                                                sweep_stale_workdirs)
+from sensai.serving.workers.runners import OrtRunner
 from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
                            start_gateway, wait_for_server, wait_until)
 
@@ -206,7 +207,7 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
 def test_an_interrupted_or_failed_start_leaves_nothing(tiny_artifact, monkeypatch):
     if find_tritonserver() is None:
         pytest.fail("no tritonserver: deploy/setup.sh unpacks one into .venv/triton")
-    from sensai.serving import child, tritonserver
+    from sensai.serving.launch import child, tritonserver
 
     started = []
     real_popen = subprocess.Popen

@@ -11,7 +11,7 @@ import pytest
 
 from sensai.cli.serve import register, settings_from
 from sensai.errors import SensaiError
-from sensai.serving.settings import ENV_PREFIX, GatewaySettings, load_settings
+from sensai.serving.core.settings import ENV_PREFIX, GatewaySettings, load_settings
 
 README = Path(__file__).resolve().parents[1] / "deploy" / "README.md"
 
@@ -113,7 +113,7 @@ def test_build_predictor_defaults_are_the_settings_defaults():
     defaults to that setting's default."""
     import inspect
 
-    from sensai.serving.build import build_predictor
+    from sensai.serving.launch.build import build_predictor
 
     renamed = {"threads": "threads_per_worker", "name": "model_name",
                "trust_code": "trust_model_code", "keep_awake": "keep_cores_awake"}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sensai.cores import usable_cores
-from sensai.serving.build import build_predictor
+from sensai.serving.launch.build import build_predictor
 from sensai.serving.transports.spread import CoreSpread
 
 pytestmark = pytest.mark.skipif(

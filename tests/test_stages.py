@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from sensai.bench.stages import (_balanced_cuts, _cut_candidates, export_stage_onnx, node_macs,
+                                 plan_stages, run_stages, split_model, trace)
 from sensai.data import iterate_batches, normalize
 from sensai.errors import SensaiError
 from sensai.flops import count_flops
 from sensai.models import create_model
-from sensai.stages import (_cut_candidates, _balanced_cuts, export_stage_onnx, node_macs,
-                           plan_stages, run_stages, split_model, trace)
 
 MODELS = ["fmnist_cnn", "vgg11_bn", "resnet20", "mobilenet_v2"]
 
@@ -126,7 +126,7 @@ def test_untraceable_model_is_a_clear_error(images):
 
 @pytest.mark.parametrize("name", ["fmnist_cnn", "resnet20"])
 def test_onnx_stages_chain_like_the_model(name, images, tmp_path):
-    from sensai.serving.runners import OrtRunner
+    from sensai.serving.workers.runners import OrtRunner
 
     model = _model(name)
     stages, plan = split_model(model, 3, images)

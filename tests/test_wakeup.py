@@ -7,8 +7,8 @@ import struct
 import pytest
 
 from sensai.errors import SensaiError
-from sensai.serving.settings import GatewaySettings
-from sensai.serving.wakeup import DEVICE, LATENCY_US, current_limit_us, keep_cores_awake
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.wakeup import DEVICE, LATENCY_US, current_limit_us, keep_cores_awake
 
 MAY_HOLD = os.access(DEVICE, os.R_OK | os.W_OK)
 

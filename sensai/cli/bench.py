@@ -6,13 +6,13 @@ import logging
 import shlex
 from pathlib import Path
 
+from sensai.bench.names import (BENCH_BACKENDS, DEFAULT_SCENARIOS, PEER_TRANSPORT, PEERS,
+                                ROBUST_BACKENDS, SCENARIOS, STRATEGIES, SWEEP_CONFIGS, SWEEP_LEVELS,
+                                SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S, TRANSPORTS,
+                                WARMUP)
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import (BENCH_BACKENDS, DEFAULT_SCENARIOS, PEER_TRANSPORT,
-                                        PEERS, ROBUST_BACKENDS, SCENARIOS, STRATEGIES,
-                                        SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
-                                        SWEEP_TRANSPORTS, SWEEP_WARMUP_S, TRANSPORTS, WARMUP)
-from sensai.serving.settings import RUNTIMES
-from sensai.serving.wakeup import MODES
+from sensai.serving.core.settings import RUNTIMES
+from sensai.serving.core.wakeup import MODES
 
 from .train import add_device_arg
 
@@ -114,9 +114,9 @@ def _worker_args(p) -> None:
 
 def cmd_bench(args) -> int:
     # torch, onnxruntime, uvicorn: only when the command runs.
-    from sensai.serving.bench.latency import run_bench
-    from sensai.serving.bench.latency_report import render_table
-    from sensai.serving.build import check_backend_installed
+    from sensai.bench.latency import run_bench
+    from sensai.bench.latency_report import render_table
+    from sensai.serving.launch.build import check_backend_installed
 
     transports = [t for t in args.transports
                   if not (args.no_inprocess if t == "inprocess" else args.no_http)]
@@ -220,8 +220,8 @@ def register_robust(sub) -> None:
 
 
 def cmd_bench_robust(args) -> int:
-    from sensai.serving.bench.robust import run_robust_bench
-    from sensai.serving.bench.robust_report import render_table
+    from sensai.bench.robust import run_robust_bench
+    from sensai.bench.robust_report import render_table
 
     result = run_robust_bench(
         args.artifact, args.out, redundancies=args.redundancy, hedges_ms=args.hedge_ms,
@@ -245,7 +245,7 @@ def cmd_bench_robust(args) -> int:
 
 
 def register_load(sub) -> None:
-    from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
+    from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
 
     p = _parser(
         sub, "bench-load", cmd_bench_load,
@@ -330,7 +330,7 @@ def register_load(sub) -> None:
 
 
 def cmd_bench_load(args) -> int:
-    from sensai.serving.bench.load import LoadOptions, parse_env
+    from sensai.bench.load import LoadOptions, parse_env
 
     options = LoadOptions(
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
@@ -340,8 +340,8 @@ def cmd_bench_load(args) -> int:
         seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)
     if args.sweep:
-        from sensai.serving.bench.load_sweep import run_load_sweep
-        from sensai.serving.bench.load_sweep_report import render_table
+        from sensai.bench.load_sweep import run_load_sweep
+        from sensai.bench.load_sweep_report import render_table
 
         result = run_load_sweep(
             args.artifact, out, options, configs=args.configs, levels=args.levels,
@@ -351,8 +351,8 @@ def cmd_bench_load(args) -> int:
                         else args.overload_seconds), transport=args.transport)
         logs = f"server output: {out}/gateway-*.log"
     else:
-        from sensai.serving.bench.load import run_load_bench
-        from sensai.serving.bench.load_report import render_table
+        from sensai.bench.load import run_load_bench
+        from sensai.bench.load_report import render_table
 
         result = run_load_bench(
             args.artifact, out, options, concurrency=args.concurrency,
@@ -373,7 +373,7 @@ def cmd_bench_load(args) -> int:
 
 
 def register_swap(sub) -> None:
-    from sensai.serving.settings import BACKENDS as SERVE_BACKENDS
+    from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
 
     p = sub.add_parser(
         "bench-swap", help="swap versions of a model in and out under a steady load",
@@ -425,8 +425,8 @@ def register_swap(sub) -> None:
 
 
 def cmd_bench_swap(args) -> int:
-    from sensai.serving.bench.swap import run_swap_bench
-    from sensai.serving.bench.swap_report import render_table
+    from sensai.bench.swap import run_swap_bench
+    from sensai.bench.swap_report import render_table
 
     result = run_swap_bench(
         args.artifact, args.artifact_b, args.out, model=args.model, swaps=args.swaps,

@@ -92,19 +92,18 @@ def cmd_demo(args) -> int:
     import numpy as np
     import torch
 
-    from sensai.pruning.decompose import DecomposeConfig, decompose
-    from sensai.pruning.workdir import SettingsMismatch
-    from sensai.serving.app import create_app
-    from sensai.serving.bench.latency import run_bench
-    from sensai.serving.bench.latency_report import render_table
-    from sensai.serving.build import build_predictor
-    from sensai.serving.server import BackgroundServer
-    from sensai.training.trainer import check_warmup, train
-
+    from sensai.bench.latency import run_bench
+    from sensai.bench.latency_report import render_table
     from sensai.data import encode_png, load_split, resolve_dataset
     from sensai.errors import CheckpointError, SensaiError
     from sensai.manifest import load_model_record
     from sensai.models import list_models, select_device
+    from sensai.pruning.decompose import DecomposeConfig, decompose
+    from sensai.pruning.workdir import SettingsMismatch
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.server import BackgroundServer
+    from sensai.serving.launch.build import build_predictor
+    from sensai.training.trainer import check_warmup, train
 
     out = Path(args.out)
     model_name = args.model

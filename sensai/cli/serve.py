@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from sensai.bench.names import WARMUP
 from sensai.errors import SensaiError
-from sensai.serving.bench.names import WARMUP
-from sensai.serving.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
-                                     load_settings, setting_name)
-from sensai.serving.wakeup import MODES, keep_cores_awake
+from sensai.serving.core.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
+                                          load_settings, setting_name)
+from sensai.serving.core.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def read_token(path: str) -> str:
 
 
 def injected_delays(items: list[str], workers: int) -> dict[int, str]:
-    from sensai.serving.faults import parse_delay
+    from sensai.serving.core.faults import parse_delay
 
     delays = {}
     for item in items:
@@ -242,10 +242,10 @@ def injected_delays(items: list[str], workers: int) -> dict[int, str]:
 
 def cmd_serve(args) -> int:
     from sensai.artifact import load_artifact
-    from sensai.serving.app import create_app
-    from sensai.serving.build import launch_triton
-    from sensai.serving.placement import check_redundancy
-    from sensai.serving.repository import is_repository
+    from sensai.serving.core.placement import check_redundancy
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.repository import is_repository
+    from sensai.serving.launch.build import launch_triton
 
     settings = settings_from(args)
     field = settings.first_set(SERVE_ONLY) if settings.backend != "ray-serve" else None
@@ -289,9 +289,9 @@ def cmd_serve(args) -> int:
 def serve_repository(args, settings: GatewaySettings) -> int:
     """``sensai serve REPO``: every model of a repository, each version with workers of its
     own, loaded before the port opens; with model control, loaded and unloaded while serving."""
-    from sensai.serving.app import create_app
-    from sensai.serving.models import ServedModels
-    from sensai.serving.repository import VersionPolicy, model_names
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.repository import VersionPolicy, model_names
+    from sensai.serving.gateway.served import ServedModels
 
     if settings.backend in ("triton", "ray-serve"):
         raise SensaiError(f"--backend {settings.backend} does not serve a model repository (use "
@@ -341,7 +341,7 @@ def endpoints(settings: GatewaySettings) -> str:
 
 def run_gateway(app, settings: GatewaySettings) -> None:
     """``app`` under uvicorn until SIGINT/SIGTERM; a failed startup is one line."""
-    from sensai.serving.server import run_uvicorn
+    from sensai.serving.gateway.server import run_uvicorn
 
     try:
         run_uvicorn(app, host=settings.host, port=settings.port, log_level=settings.log_level)
@@ -354,8 +354,8 @@ def run_gateway(app, settings: GatewaySettings) -> None:
 
 def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
     """``--backend ray-serve``: the artifact's Ray Serve application until SIGTERM/SIGINT."""
-    from sensai.serving.build import check_backend_installed
-    from sensai.serving.serve_run import check_serve_settings, serve_artifact
+    from sensai.serving.launch.build import check_backend_installed
+    from sensai.serving.launch.serve_run import check_serve_settings, serve_artifact
 
     if args.inject_delay:
         raise SensaiError("--inject-delay does not apply to --backend ray-serve (its workers "
@@ -373,7 +373,7 @@ def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
 def predictor_for(artifact, settings: GatewaySettings, **extra):
     """The predictor ``settings`` describe (``extra``: what is not a setting, e.g. injected
     delays)."""
-    from sensai.serving.build import build_predictor
+    from sensai.serving.launch.build import build_predictor
 
     s = settings
     return build_predictor(
@@ -409,7 +409,7 @@ def cmd_predict(args) -> int:
         return predict_remote(args, path)
     from sensai.artifact import load_artifact
     from sensai.merge import top_k
-    from sensai.serving.imaging import decode_image
+    from sensai.serving.gateway.imaging import decode_image
 
     settings = settings_from(args)
     artifact = load_artifact(args.artifact)
@@ -499,7 +499,7 @@ def print_latency(times_ms: list[float], what: str) -> None:
 
 
 def cmd_export(args) -> int:
-    from sensai.serving.repository import add_version
+    from sensai.serving.gateway.repository import add_version
 
     version = add_version(args.repository, args.model, args.artifact, args.version)
     print(f"wrote {Path(args.repository) / args.model / str(version)} (model {args.model!r} "
@@ -508,7 +508,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_export_triton(args) -> int:
-    from sensai.serving.triton_repo import export_triton_repo
+    from sensai.serving.launch.triton_repo import export_triton_repo
 
     names = export_triton_repo(args.artifact, args.out, backend=args.backend,
                                max_batch_size=args.max_batch, instance_kind=args.instance_kind,

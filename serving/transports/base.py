@@ -2,7 +2,7 @@
 
 A *worker* hosts the runners of one or more groups (its own, and with redundancy copies of
 others).  The predictor talks to it only through :meth:`WorkerHandle.send` with the typed
-messages of :mod:`sensai.serving.messages`; the worker hands back what it computes by calling
+messages of :mod:`sensai.serving.core.messages`; the worker hands back what it computes by calling
 ``sink.deliver(index, generation, event)`` from whatever thread it runs on, and reports the end of
 an incarnation (death, or a failed load) with ``sink.exited(index, generation, detail)``.  Every
 start is a new *generation*, so anything a dead or abandoned incarnation still says is ignored.
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from sensai.artifact import subnet_name
 from sensai.errors import SensaiError
 
-from ..messages import BatchCounts, Batching
+from ..core.messages import BatchCounts, Batching
 
 if TYPE_CHECKING:
-    from ..faults import DelaySpec
-    from ..runners import RunnerSpec
+    from ..core.faults import DelaySpec
+    from ..workers.runners import RunnerSpec
 
 TOKENS = itertools.count(1)  # ping tokens, unique in this process
 

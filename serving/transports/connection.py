@@ -3,7 +3,7 @@ requests travel over one: a pipe to a local process (:mod:`.processes`) and an a
 socket to a Ray actor (:mod:`.ray_actors`).
 
 The worker's end (:func:`serve_connection`) feeds the in-worker loop of
-:mod:`~sensai.serving.worker_core` from the connection and writes back what it computes.  The
+:mod:`~sensai.serving.workers.loop` from the connection and writes back what it computes.  The
 gateway's end (:class:`ConnectionWorker`) has a sender thread, so a busy worker with a full pipe
 never blocks the event loop, and a reader thread, which hands each result to the predictor the
 moment it arrives and reports the incarnation's end when the connection closes.
@@ -21,9 +21,9 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 from sensai.errors import SensaiError
 
-from ..messages import Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Ready, Run, Shutdown, \
-    Skip
-from ..worker_core import Stop, WorkerCore
+from ..core.messages import (Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Ready, Run,
+                             Shutdown, Skip)
+from ..workers.loop import Stop, WorkerCore
 from .base import TOKENS, WorkerHandle
 
 HANDSHAKE_S = 5.0  # a client that has not proved the key by then is hung up on

@@ -16,8 +16,8 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..messages import Batching, Fault, LoadFailed, Ready
-from ..worker_core import WorkerCore
+from ..core.messages import Batching, Fault, LoadFailed, Ready
+from ..workers.loop import WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionWorker, Incarnation, serve_connection
 

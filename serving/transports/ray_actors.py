@@ -35,10 +35,10 @@ import numpy as np
 from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
-from ..messages import Batching, Fault, Ready
-from ..placement import Placement, spread
-from ..wakeup import keep_cores_awake
-from ..worker_core import WorkerCore
+from ..core.messages import Batching, Fault, Ready
+from ..core.placement import Placement, spread
+from ..core.wakeup import keep_cores_awake
+from ..workers.loop import WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionWorker, Incarnation, accept, connect, cut, serve_connection
 
@@ -64,12 +64,12 @@ class OneAtATime:
 class RayWorkerBody:
     """The worker inside a Ray actor or a Serve replica: its hosted subnets' runners, served to
     each gateway over a socket of its own (:meth:`channel`) by the in-worker loop of
-    :mod:`sensai.serving.worker_core`.
+    :mod:`sensai.serving.workers.loop`.
 
     A gateway is known by its ``owner`` token: a newer channel of the same owner replaces its
     older one (the gateway reconnecting), while the channels of other owners - the ingress
     replicas of a Serve application - live side by side, each with its own
-    :class:`~sensai.serving.worker_core.WorkerCore`, since each gateway numbers its requests on
+    :class:`~sensai.serving.workers.loop.WorkerCore`, since each gateway numbers its requests on
     its own."""
 
     def __init__(self, name: str, hosted: list, seed: int, keep_awake: str = "off"):
@@ -212,7 +212,7 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
 def spread_plan(placement: Placement, nodes: list[dict], *, use_gpu: bool, num_cpus: float
                 ) -> tuple[list[tuple[dict, float]], list[int], list[int]]:
     """Where each worker goes: the workers spread over ``nodes`` (the copies of a group on
-    distinct nodes when possible: :func:`~sensai.serving.placement.spread`), only over nodes
+    distinct nodes when possible: :func:`~sensai.serving.core.placement.spread`), only over nodes
     with GPUs when ``use_gpu``, with a CPU share that fits each node.  Returns ``([(node, CPUs)
     per worker], node index per worker into ``nodes``, groups whose copies share a node)``; the
     Ray actors and the Serve deployments alike are placed from it."""

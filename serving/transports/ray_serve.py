@@ -1,4 +1,4 @@
-"""Workers as Ray Serve deployments (the Serve application of :mod:`sensai.serving.ray_app`,
+"""Workers as Ray Serve deployments (the Serve application of :mod:`sensai.serving.launch.serve_app`,
 ``serve run deploy/ray-serve.yaml`` or KubeRay's ``RayService``).
 
 Serve places, health-checks and replaces the worker replicas; the requests do not take Serve's

@@ -28,8 +28,8 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..messages import Done, Fault, Output, Run, Skip
-from ..worker_core import Stop, WorkerCore
+from ..core.messages import Done, Fault, Output, Run, Skip
+from ..workers.loop import Stop, WorkerCore
 from .base import Capabilities, Sink, WorkerHandle
 from .spread import CoreSpread
 

@@ -17,8 +17,8 @@ from tritonclient.utils import InferenceServerException
 
 from sensai.errors import SensaiError
 
-from ..messages import Done, Failure, Output, Run
-from ..triton_repo import triton_model_name
+from ..core.messages import Done, Failure, Output, Run
+from ..launch.triton_repo import triton_model_name
 from .base import Capabilities, Sink, WorkerHandle
 
 

@@ -1,0 +1,287 @@
+"""What the benchmarks share, written once: the real test images (normalized arrays in process,
+lossless PNG over HTTP, so both give the same answers); the drivers that time one request
+(:class:`InProcessDriver`, the predictor called directly, and :class:`RemoteDriver`, its own
+gateway called from :class:`.client.HttpClientProcess`, each request paired with the bare request
+that is its transport's floor); warm-up, interleaved rounds (a change in the machine's load hits
+every candidate alike), throughput, :func:`quiet_gc`; the argument checks, the result envelope
+and the writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sensai.artifact import Artifact
+from sensai.data import encode_png, load_split, normalize, resolve_dataset, stratified_subset
+from sensai.errors import SensaiError
+from sensai.fsutil import write_json_atomic, write_text_atomic
+from sensai.manifest import utc_now
+from sensai.serving.core.contract import Predictor
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.server import BackgroundServer
+from sensai.spec import DatasetSpec
+
+from .client import HttpClientProcess, closed_loop
+from .machine import load_average, machine_description
+from .stats import summarize
+
+SCHEMA_VERSION = 2  # 2: the harness on the unified predictor; accuracy and per-model targets
+
+# One timed request: (latency ms, predicted class index, the predictor's timings_ms, and for a
+# remote transport the bare request's ms just before it - None in process).
+Timed = tuple[float, int, dict, float | None]
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and output
+
+
+def check_int(name: str, value, low: int) -> None:
+    """``value`` must be an integer >= ``low`` (None: the default applies)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < low):
+        raise SensaiError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_settings(*, ints: Sequence[tuple[str, Any, int]] = (),
+                   numbers: Sequence[tuple[str, Any, bool]] = (),
+                   choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+    """Every benchmark's arguments, checked before anything is loaded: ``ints`` (name, value,
+    lowest), ``numbers`` (name, value, whether 0 is allowed; None: the default applies) and
+    ``choices`` (what, the values given, those allowed; at least one)."""
+    for name, value, low in ints:
+        check_int(name, value, low)
+    for name, value, zero in numbers:
+        if value is not None and not (not isinstance(value, bool)
+                                      and isinstance(value, (int, float)) and math.isfinite(value)
+                                      and (value >= 0 if zero else value > 0)):
+            raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
+                              f"{value!r}")
+    for what, given, allowed in choices:
+        bad = [v for v in given if v not in allowed]
+        if bad or not given:
+            raise SensaiError(f"unknown {what} {', '.join(map(repr, bad)) or '(none)'}; choose "
+                              f"from {', '.join(allowed)}")
+
+
+def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
+           ) -> tuple[DatasetSpec, Path]:
+    """The run's dataset and output directory, checked now rather than after the measurements:
+    the test split must be where the spec says, the directory writable."""
+    spec = artifact.spec.with_data_dir(data_dir)
+    resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".bench-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    return spec, out
+
+
+def progress_bar(enabled: bool, desc: str = "bench"):
+    return tqdm(total=0, desc=desc, unit="req", disable=not enabled, leave=False)
+
+
+def envelope(kind: str, *, command: str | None, artifact: Artifact, spec: DatasetSpec,
+             settings: dict[str, Any]) -> dict[str, Any]:
+    """The fields every benchmark result starts with."""
+    return {"kind": kind, "schema_version": SCHEMA_VERSION, "command": command,
+            "created": utc_now(), "artifact": str(artifact.root), "model": artifact.manifest.model,
+            "dataset": spec.name, "input_shape": list(spec.input_shape),
+            "groups": artifact.groups, "settings": settings,
+            "machine": machine_description()}
+
+
+def finish(out: Path, stem: str, result: dict[str, Any], t_start: float,
+           markdown: Callable[[dict], str], plot: Callable[[dict, Path], None]) -> None:
+    """The run's end in ``result``, then ``stem.json``, ``stem.md`` and ``stem.png`` in
+    ``out``, each written atomically."""
+    result["machine"]["load_average_end"] = load_average()
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    write_json_atomic(out / f"{stem}.json", result)
+    write_text_atomic(out / f"{stem}.md", markdown(result))
+    plot(result, out / f"{stem}.png")
+
+
+# --------------------------------------------------------------------------------------------
+# The images
+
+
+@dataclass
+class TestImages:
+    """The same real test images for every candidate: ``xs[j]`` is a normalized ``[1, C, H, W]``
+    float32 array, ``pngs[j]`` its PNG bytes (when HTTP needs them), ``labels[j]`` its class."""
+
+    xs: list[np.ndarray]
+    labels: np.ndarray
+    pngs: list[bytes]
+    indices: np.ndarray  # into the test split
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def batch(self, count: int) -> torch.Tensor:
+        """The first ``count`` images as one tensor (export checks, activation estimates)."""
+        return torch.from_numpy(np.concatenate(self.xs[:count]))
+
+
+def load_test_images(spec: DatasetSpec, count: int, seed: int, *, png: bool) -> TestImages:
+    test = load_split(spec, "test")
+    idx = stratified_subset(test.labels, count, seed)
+    u8 = torch.stack([test[int(i)][0] for i in idx])
+    xs = [normalize(u8[i:i + 1], spec).numpy() for i in range(len(idx))]
+    pngs = [encode_png(u8[i]) for i in range(len(idx))] if png else []
+    return TestImages(xs, np.asarray(test.labels)[idx], pngs, np.asarray(idx))
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers
+
+
+class InProcessDriver:
+    """Calls the predictor from this event loop: no HTTP, no serialisation."""
+
+    transport = "inprocess"
+
+    def __init__(self, predictor: Predictor, images: TestImages):
+        self.predictor, self.xs = predictor, images.xs
+
+    async def one(self, j: int) -> Timed:
+        t0 = time.perf_counter()
+        pred = await self.predictor.predict(self.xs[j])
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms, None
+
+    async def sequential(self, indices: Sequence[int]) -> list[Timed]:
+        return [await self.one(int(j)) for j in indices]
+
+    async def concurrent(self, n_requests: int, concurrency: int
+                         ) -> tuple[float, list[float], int]:
+        async def one(j: int) -> bool:
+            await self.predictor.predict(self.xs[j % len(self.xs)])
+            return True
+
+        r = await closed_loop(n_requests, concurrency, one)
+        return r["seconds"], r["latencies"], r["shed"]
+
+    async def close(self) -> None:
+        pass
+
+
+class RemoteDriver:
+    """Requests over ``transport`` (``http``: PNG upload, ``http-v2``: KServe v2 binary tensor,
+    ``grpc``: KServe v2 over gRPC) to the predictor's own gateway on 127.0.0.1 (free ports; with
+    its gRPC server for ``grpc``), from the benchmark's client process.  Use :meth:`start`, or
+    :meth:`attach` for a server of another kind (a peer of ``sensai bench --peers``)."""
+
+    def __init__(self, transport: str, server: BackgroundServer | None,
+                 client: HttpClientProcess, address: str, model: str):
+        self.transport, self.server, self.client = transport, server, client
+        self.address, self.model = address, model
+
+    @classmethod
+    async def start(cls, transport: str, predictor: Predictor, client: HttpClientProcess,
+                    settings: GatewaySettings | None = None) -> "RemoteDriver":
+        # A free port for gRPC, and none for the others (whatever SENSAI_GRPC_PORT says: every
+        # strategy has a gateway of its own).
+        settings = (settings or GatewaySettings()).model_copy(
+            update={"grpc_port": 0 if transport == "grpc" else None})
+        app = create_app(predictor, settings, close_predictor=False)
+        server = await asyncio.to_thread(BackgroundServer(app).start)
+        address = (f"{server.host}:{app.state.grpc.port}" if transport == "grpc"
+                   else server.url)
+        return cls(transport, server, client, address, predictor.name)
+
+    @classmethod
+    def attach(cls, transport: str, client: HttpClientProcess, address: str,
+               model: str) -> "RemoteDriver":
+        """Requests to a server the driver does not own (a peer the run started, serving
+        ``model`` at ``address``): closing the driver leaves it running."""
+        return cls(transport, None, client, address, model)
+
+    async def _ask(self, fn, *args):
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except RuntimeError as e:
+            raise SensaiError(f"{self.transport} benchmark client: {e}") from None
+
+    async def sequential(self, indices: Sequence[int]) -> list[Timed]:
+        return await self._ask(self.client.timed, self.transport, self.address, self.model,
+                               [int(j) for j in indices])
+
+    async def concurrent(self, n_requests: int, concurrency: int
+                         ) -> tuple[float, list[float], int]:
+        """(seconds, latencies of the answered requests, requests the server turned away)."""
+        r = await self._ask(self.client.concurrent, self.address, n_requests, concurrency,
+                            self.transport, self.model)
+        return r["seconds"], r["latencies"], r["shed"]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement steps
+
+
+async def warm_up(driver, n_images: int, count: int) -> None:
+    """``count`` untimed requests: first requests allocate buffers, open connections, fill
+    caches."""
+    if count:
+        await driver.sequential([j % n_images for j in range(count)])
+
+
+def rounds_of(n: int, rounds: int) -> list[np.ndarray]:
+    """The image indices ``0..n-1`` in ``min(rounds, n)`` consecutive chunks."""
+    return np.array_split(np.arange(n), min(rounds, n))
+
+
+@contextmanager
+def quiet_gc() -> Iterator[None]:
+    """``with quiet_gc(): <measure>``: everything alive now is moved out of the collector's
+    sight (``gc.freeze``), so the collections run between timed runs (to keep a collector pause
+    out of them) take milliseconds, not the half second a full pass over torch and the rest
+    takes."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+async def interleaved(keys: Sequence[str], n: int, rounds: int,
+                      run_chunk: Callable[[str, np.ndarray], Awaitable[None]]) -> None:
+    """Every key serves each round's images in turn, rounds one after the other, so a change in
+    the machine's load hits every key alike."""
+    for chunk in rounds_of(n, rounds):
+        for key in keys:
+            gc.collect()
+            await run_chunk(key, chunk)
+
+
+async def throughput(driver, n_requests: int, concurrency: int) -> dict[str, Any]:
+    """Answers per second at ``concurrency``; requests the server turns away (503, gRPC
+    UNAVAILABLE: its admission shedding load) are counted in ``shed``, not in the rate."""
+    gc.collect()
+    wall, latencies, shed = await driver.concurrent(n_requests, concurrency)
+    return {"concurrency": concurrency, "requests": n_requests, "answered": len(latencies),
+            "shed": shed, "seconds": round(wall, 3),
+            "images_per_s": round(len(latencies) / wall, 2),
+            "latency_ms": summarize(latencies) if latencies else None}

@@ -1,0 +1,379 @@
+"""``sensai bench``: single-image latency of class parallelism against the usual alternatives.
+
+The strategies of :mod:`.strategies` run on the same real test images, runtime and threads per
+worker, each in process and over each remote transport (``http``: PNG upload, ``http-v2``:
+KServe v2 binary tensor, ``grpc``) against its own gateway on 127.0.0.1, from a client in its own
+process.  Latency is taken at concurrency 1 in interleaved rounds (a change in the machine's load
+hits every strategy alike), throughput afterwards.  Over a remote transport the client times the
+bare request to the same server just before each request: the floor under any request.  The
+subnets are also timed each alone, to separate their compute from competition for the cores.
+``peers`` (:mod:`.peers`) are timed over ``http-v2`` in the same rounds and compared in
+:mod:`.comparison`.  Outputs: ``bench.json``, ``bench.md``, ``bench.png`` and ``models/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+from sensai.models import select_device
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.wakeup import check_mode, keep_cores_awake
+from sensai.serving.gateway.server import run_like_the_gateway
+from sensai.serving.launch.tritonserver import TRITON_HINT, find_tritonserver
+from sensai.serving.workers.runners import RUNTIMES, resolve_runtime, runner_specs
+
+from .accuracy import accuracy, shrink
+from .baselines import WorkerSet
+from .client import HttpClientProcess
+from .comparison import comparison
+from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings, envelope, finish,
+                      inputs, interleaved, load_test_images, progress_bar, quiet_gc, throughput,
+                      warm_up)
+from .latency_report import plot, render_markdown
+from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS,
+                    UNTIMED_TRANSPORTS, WARMUP, strategy_key)
+from .peers import Peer, Peers
+from .stats import Samples, summarize
+from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
+                         prepare_class_parallel, stage_count)
+from .targets import evaluate_targets
+
+log = logging.getLogger(__name__)
+
+
+def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requests, threads,
+                         rounds, isolated_images, strategies: Sequence[str],
+                         transports: Sequence[str], runtime: str, backends: Sequence[str],
+                         ray_address: str | None = None, peers: Sequence[str] = ()) -> None:
+    """Every setting of ``sensai bench`` checked before anything is loaded."""
+    check_settings(
+        ints=(("--workers", workers, 1), ("--replicas", replicas, 1), ("--images", images, 1),
+              ("--warmup", warmup, 0), ("--concurrency", concurrency, 1),
+              ("--requests", requests, 1), ("--threads", threads, 1), ("--rounds", rounds, 1),
+              ("isolated_images", isolated_images, 0)),
+        choices=(("strategy", strategies, STRATEGIES), ("transports", transports, TRANSPORTS),
+                 ("runtime", [runtime], RUNTIMES), ("backend", backends, BENCH_BACKENDS),
+                 ("peer", peers or [PEERS[0]], PEERS)))
+    if len(set(backends)) < len(backends):
+        raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
+    if ray_address and not {"ray", "ray-serve"} & set(backends):
+        raise SensaiError("--ray-address is for --backend ray and ray-serve")
+    for pool, untimed in UNTIMED_TRANSPORTS.items():
+        if pool in backends and "class-parallel" in strategies \
+                and not set(transports) - set(untimed):
+            raise SensaiError(f"--backend {pool} is timed over "
+                              f"{' and '.join(t for t in TRANSPORTS if t not in untimed)} only: "
+                              "add one to --transports")
+    if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
+        raise SensaiError(f"--backend triton: {TRITON_HINT}")
+    if peers and PEER_TRANSPORT not in transports:
+        raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
+                          "v2 binary tensor over HTTP, the one request they all take): add "
+                          f"{PEER_TRANSPORT} to --transports")
+
+
+def run_bench(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    workers: int | None = None,
+    replicas: int | None = None,
+    images: int = 200,
+    warmup: int = WARMUP,
+    concurrency: int = 8,
+    requests: int | None = None,
+    rounds: int = 10,
+    strategies: Sequence[str] = STRATEGIES,
+    transports: Sequence[str] = TRANSPORTS,
+    backend: str | Sequence[str] = "local",
+    ray_address: str | None = None,
+    peers: Sequence[str] = (),
+    device: str = "auto",
+    runtime: str = "auto",
+    threads: int = 1,
+    data_dir: str | None = None,
+    seed: int = 0,
+    isolated_images: int = 20,
+    keep_awake: str | None = None,
+    spread_cores: bool = False,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Benchmark the artifact in ``artifact_dir``; write bench.json, bench.md, bench.png to
+    ``out_dir``; return what bench.json holds.  The arguments are ``sensai bench``'s options
+    (``workers``: K, default G; ``replicas``: default K; ``requests``: default max(images,
+    4 x concurrency); ``backend``: one or several, each a class-parallel strategy; ``peers``:
+    the original model on other systems; ``keep_awake`` and ``spread_cores``: as for ``sensai
+    serve``, held for the whole run and recorded in ``machine``).  ``isolated_images``: images
+    on which each subnet is also timed alone."""
+    backends = [backend] if isinstance(backend, str) else list(backend or [])
+    check_bench_settings(
+        workers=workers, replicas=replicas, images=images, warmup=warmup,
+        concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
+        isolated_images=isolated_images, strategies=list(strategies or []),
+        transports=list(transports or []), runtime=runtime, backends=backends,
+        ray_address=ray_address, peers=list(peers or []))
+    if keep_awake is not None:
+        check_mode(keep_awake)
+    strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
+    transports = [t for t in TRANSPORTS if t in set(transports)]
+    peers = [p for p in PEERS if p in set(peers or [])]
+    t_start = time.perf_counter()
+    artifact = load_artifact(artifact_dir)
+    resolved_device = str(select_device(device))
+    if peers and resolve_runtime(runtime, resolved_device) != "onnx":
+        raise SensaiError("the peers (--peers) serve the original model's ONNX file: use "
+                          "--runtime onnx (or auto on a CPU)")
+    needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
+    model, record = load_original(artifact) if needs_original else (None, None)
+    spec, out = inputs(artifact, data_dir, out_dir)
+    g = len(artifact.subnets)
+    k = workers or g
+    if "model-parallel" in strategies:
+        k = stage_count(model, spec.input_shape, k, explicit=workers is not None)
+    r = replicas or k
+    if "class-parallel" in strategies:
+        # Fails now, not after the baselines are ready, when a subnet's file is missing.
+        runner_specs(artifact, device=device, runtime=runtime, threads=threads)
+    n_requests = requests or max(images, 4 * concurrency)
+
+    imgs = load_test_images(spec, images, seed, png="http" in transports)
+    n = len(imgs)
+    log.info("benchmarking %s (G=%d) on %d %s test images", artifact.manifest.model, g, n,
+             spec.name)
+    settings = {"strategies": strategies, "transports": transports, "images": n,
+                "warmup": warmup, "rounds": rounds, "concurrency": concurrency,
+                "throughput_requests": n_requests, "stages": k, "replicas": r, "subnets": g,
+                "class_parallel_backend": backends[0], "class_parallel_backends": backends,
+                "peers": peers, "ray_address": ray_address,
+                "threads_per_worker": threads,
+                "device": device, "device_resolved": resolved_device, "runtime": runtime,
+                "seed": seed, "batch": 1, "isolated_images": isolated_images}
+    result = envelope("sensai-bench", command=command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["accuracy"] = accuracy(artifact.manifest)
+    result["shrink"] = shrink(artifact.manifest)
+    result["strategies"] = {}
+    # The gateway's defaults (and SENSAI_* variables), as serve.
+    gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
+    awake = keep_cores_awake(gateway.keep_cores_awake)
+    result["machine"]["cores_awake"] = awake.describe()
+    result["machine"]["spread_cores"] = spread_cores
+    bar = progress_bar(progress)
+    try:
+        recipes: dict[str, Recipe] = {}
+        if needs_original:
+            # The peers serve the single device's ONNX file.
+            recipes, plan = prepare_baselines(
+                model, record, artifact, imgs, out / "models", stages=k, replicas=r,
+                strategies=[*strategies, "single"] if peers else strategies, device=device,
+                runtime=runtime, threads=threads, status=bar.set_description)
+            if plan is not None:
+                result["stage_plan"] = plan
+                settings["stages"] = plan["num_stages"]
+        if "class-parallel" in strategies:
+            recipes["class-parallel"] = prepare_class_parallel(
+                artifact, imgs, device=device, runtime=runtime, threads=threads)
+        built: list[Strategy] = []
+        running = Peers()
+        try:
+            for key in strategies:
+                pools = backends if key == "class-parallel" else ["local"]
+                for i, pool in enumerate(pools):
+                    name = strategy_key(pool, i == 0) if key == "class-parallel" else key
+                    bar.set_description(f"load {name}")
+                    s = build(recipes[key], artifact, backend=pool, device=device,
+                              runtime=runtime, threads=threads, settings=gateway,
+                              ray_address=ray_address, key=name, spread_cores=spread_cores,
+                              log_dir=out)
+                    if "untimed_transports" in s.info:  # those of this run only
+                        s.info["untimed_transports"] = {
+                            t: why for t, why in s.info["untimed_transports"].items()
+                            if t in transports}
+                    built.append(s)
+                    result["strategies"][name] = s.info
+            settings["runtime_resolved"] = sorted(
+                {str(w.get("runtime")) for s in built for w in s.info["per_worker"]})
+            if peers:
+                running.start(peers, Path(recipes["single"].specs[0].onnx_path),
+                              threads=threads, status=bar.set_description)
+                result["peers"] = running.report()  # each filled in as it is measured
+            timed = (warmup + n + n_requests) * (
+                sum(t not in s.info.get("untimed_transports", {}) for s in built
+                    for t in transports) + len(running.running))
+            alone = min(isolated_images, n) * (
+                (g if "class-parallel" in strategies else 0) + (1 if peers else 0))
+            bar.total = timed + alone
+            bar.refresh()
+            with quiet_gc():
+                run_like_the_gateway(_measure(
+                    built, running.running, imgs, transports, warmup=warmup, rounds=rounds,
+                    concurrency=concurrency, n_requests=n_requests, gateway=gateway, bar=bar))
+        finally:
+            running.stop()
+            for s in built:
+                _close(s)
+        # After the strategies and peers are stopped: each model alone, nothing else running.
+        cores = result["machine"].get("usable_cores") or 1
+        if "class-parallel" in strategies and isolated_images:
+            cp = result["strategies"]["class-parallel"]
+            cp.update(isolated_compute(recipes["class-parallel"], imgs, isolated_images,
+                                       cores=cores, threads=threads, bar=bar))
+        # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
+        for key in ("class-parallel", "single"):
+            if key in strategies and key in result["strategies"]:
+                result["strategies"][key].update(graph_replay(recipes[key], bar))
+        if peers:
+            alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
+                                      threads=threads, bar=bar) if isolated_images else {})
+            result["comparison"] = comparison(
+                result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
+    finally:
+        bar.close()
+        awake.release()
+
+    result["accuracy"]["on_bench_images"] = _measured_top1(result, n)
+    result["targets"] = evaluate_targets(result)
+    finish(out, "bench", result, t_start, render_markdown, plot)
+    log.info("benchmark done in %.0f s -> %s", result["seconds"], out)
+    return result
+
+
+def _close(s: Strategy) -> None:
+    try:
+        if s.predictor is not None:
+            asyncio.run(s.predictor.close())
+    except Exception as e:  # closing is best effort; the measurements are already taken
+        log.warning("closing %s: %s", s.key, e)
+    finally:
+        if s.stop is not None:
+            s.stop()
+
+
+async def _measure(built: list[Strategy], peers: Sequence[Peer], imgs: TestImages,
+                   transports: Sequence[str], *, warmup: int, rounds: int, concurrency: int,
+                   n_requests: int, gateway: GatewaySettings, bar) -> None:
+    """Every strategy over every transport, and over PEER_TRANSPORT every peer with them, in
+    the same interleaved rounds; each one's report goes into its ``info["transports"]``."""
+    n = len(imgs)
+    for transport in transports:
+        drivers: dict[str, Any] = {}
+        infos: dict[str, dict] = {}
+        client = None
+        try:
+            if transport != "inprocess":
+                client = HttpClientProcess(imgs.pngs, [x.tobytes() for x in imgs.xs],
+                                           list(imgs.xs[0].shape))
+            for s in built:
+                if transport in s.info.get("untimed_transports", {}):
+                    continue
+                infos[s.key] = s.info
+                if s.url is not None:  # its own gateway, which it stops
+                    drivers[s.key] = RemoteDriver.attach(transport, client, s.url,
+                                                         gateway.model_name)
+                    continue
+                drivers[s.key] = (
+                    InProcessDriver(s.predictor, imgs) if transport == "inprocess"
+                    else await RemoteDriver.start(transport, s.predictor, client, gateway))
+            for p in peers if transport == PEER_TRANSPORT else ():
+                infos[p.key] = p.info
+                drivers[p.key] = RemoteDriver.attach(transport, client, p.url, p.model)
+            for key in drivers:
+                bar.set_description(f"{transport}: warm-up {key}")
+                await warm_up(drivers[key], n, warmup)
+                bar.update(warmup)
+            samples = {key: Samples() for key in drivers}
+            predictions: dict[str, list[int]] = {key: [] for key in drivers}
+
+            async def run_chunk(key: str, chunk) -> None:
+                bar.set_description(f"{transport}: latency {key}")
+                timed = await drivers[key].sequential(chunk)
+                for j, (ms, pred, timings, floor) in zip(chunk, timed):
+                    samples[key].add(ms, timings, pred == int(imgs.labels[j]), floor)
+                    predictions[key].append(int(pred))
+                bar.update(len(chunk))
+
+            await interleaved(list(drivers), n, rounds, run_chunk)
+            for key in drivers:
+                bar.set_description(f"{transport}: throughput {key} (c={concurrency})")
+                thr = await throughput(drivers[key], n_requests, concurrency)
+                bar.update(n_requests)
+                rep = samples[key].report()
+                rep["throughput"] = thr
+                rep["latencies_ms"] = [round(v, 4) for v in samples[key].latency]
+                if samples[key].floor:  # request by request, beside latencies_ms
+                    rep["floors_ms"] = [round(v, 4) for v in samples[key].floor]
+                rep["predictions"] = predictions[key]  # image by image, in the run's order
+                infos[key]["transports"][transport] = rep
+        finally:
+            for d in drivers.values():
+                await d.close()
+            if client is not None:
+                await asyncio.to_thread(client.close)
+
+
+def isolated_compute(recipe: Recipe, imgs: TestImages, count: int, *, cores: int, threads: int,
+                     bar) -> dict[str, Any]:
+    """Each of the recipe's workers (a subnet; the original model) alone on a thread worker, one
+    after the other, on the first ``count`` images: its compute without neighbours competing
+    for the cores."""
+    bar.set_description(f"{recipe.key}: each worker alone")
+    workers = WorkerSet(recipe.names, recipe.specs)
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {name: [] for name in recipe.names}
+        for j in range(min(count, len(imgs))):
+            for i, name in enumerate(recipe.names):
+                times[name].append((await workers.run(i, imgs.xs[j]))[1])
+            bar.update(len(recipe.names))
+        return times
+
+    try:
+        times = asyncio.run(run())
+    finally:
+        workers.close()
+    per = {k: summarize(v) for k, v in times.items()}
+    p50s = [v["p50"] for v in per.values() if v["p50"] is not None]
+    out: dict[str, Any] = {"isolated_compute_ms": per,
+                           "isolated_compute_ms_p50_sum": round(sum(p50s), 4) if p50s else None,
+                           "isolated_compute_ms_p50_max": round(max(p50s), 4) if p50s else None}
+    if p50s and all(str(s.device) == "cpu" for s in recipe.specs):
+        # G single-thread subnets on fewer cores cannot all finish before this, however cheap
+        # the fan-out: the core-bound floor, next to the slowest subnet's own compute.
+        out["core_bound_floor_ms"] = round(max(max(p50s), sum(p50s) * threads / cores), 4)
+    return out
+
+
+def graph_replay(recipe: Recipe, bar, repeats: int = 200) -> dict[str, Any]:
+    """Each worker on CUDA graphs rebuilt alone and its replay timed by CUDA events (nothing
+    for workers on other runtimes)."""
+    per: dict[str, float] = {}
+    for name, spec in zip(recipe.names, recipe.specs):
+        if spec.resolved_runtime() != "cuda-graph":
+            continue
+        bar.set_description(f"{recipe.key}: graph replay of {name}")
+        runner = spec.build()
+        if hasattr(runner, "replay_ms"):  # not when the capture fell back to eager
+            per[name] = round(runner.replay_ms(repeats), 4)
+        del runner
+    if not per:
+        return {}
+    return {"graph_replay_ms": per, "graph_replay_ms_max": max(per.values())}
+
+
+def _measured_top1(result: dict, n: int) -> dict[str, Any]:
+    """Top-1 on this run's images: the original (any baseline) and the decomposed model."""
+    def top1(keys: Sequence[str]) -> float | None:
+        for key in keys:
+            for rep in result["strategies"].get(key, {}).get("transports", {}).values():
+                return rep["top1"]
+        return None
+
+    return {"images": n, "original_top1": top1(["single", "model-parallel", "data-parallel"]),
+            "decomposed_top1": top1(["class-parallel"])}

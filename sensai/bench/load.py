@@ -1,0 +1,491 @@
+"""``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
+serve (overload).
+
+The gateway is ``sensai serve ART`` in a process of its own (:mod:`.gateway_process`), so its
+resident set is its own; real test images go to ``/v1/predict`` as PNG uploads from client
+processes (:mod:`.client`), every 200 answer checked against offline evaluation's top-1.  Phases:
+a warm-up and a soak in a closed loop (the RSS sampled throughout; its growth is the soak's last
+minute against its first sample); an open-loop overload at a multiple of the soak's throughput
+(requests leave when due whatever the answers, latency counts from when a request was due, a new
+connection is opened whenever all are busy, so the client does not limit the requests in
+flight); health afterwards; a burst of the largest legal image for the peak memory.  Targets:
+:func:`~.targets.evaluate_load_targets`.  Outputs: ``load.json``, ``load.md``, ``load.png`` and
+``gateway.log``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import resource
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from PIL import Image
+from pydantic import ValidationError
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+from sensai.serving.core.settings import BACKENDS, GatewaySettings
+from sensai.serving.gateway.imaging import decode_image
+from sensai.serving.launch.build import free_ports
+from sensai.serving.launch.serve_run import check_serve_settings
+
+from .client import HttpClientProcess
+from .gateway_process import GatewayProcess, sigterm_as_exit
+from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
+from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds, phase_report,
+                            process_cores, rss_growth, scrape_metrics, server_view)
+from .load_report import plot, render_markdown
+from .machine import peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss
+from .robust import offline_reference
+from .stats import summarize
+from .targets import evaluate_load_targets
+
+HEALTH_IMAGES = 20  # predictions checked after the overload
+RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
+# Settings the benchmark sets itself (--backend, --deadline, the address).
+OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE_S")
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``["SENSAI_MAX_PREDICTIONS=8", ...]`` -> a dict; each must name a gateway setting."""
+    env = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise SensaiError(f"--env wants NAME=VALUE (e.g. SENSAI_MAX_PREDICTIONS=8), got "
+                              f"{item!r}")
+        env[key] = value
+    return env
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``sensai bench-load``'s soak and its sweep share: the gateway's settings
+    (``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``,
+    ``SENSAI_*``; unset ones from this environment as for ``sensai serve``) and how long it may
+    take to start; the ``clients`` processes sharing the load, the overload's multiple of the
+    measured throughput, the test images; the run's ``command`` and progress bar."""
+
+    backend: str | None = None
+    deadline_s: float | None = None
+    max_requests: int | None = None
+    max_predictions: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 180.0
+    clients: int = 2
+    overload_factor: float = 4.0
+    images: int = 200
+    data_dir: str | None = None
+    seed: int = 0
+    command: str | None = None
+    progress: bool = True
+
+    def check(self, *, ints: Sequence[tuple[str, Any, int]] = (),
+              numbers: Sequence[tuple[str, Any, bool]] = (),
+              choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+        """These options and a command's own (as :func:`~.harness.check_settings` takes them),
+        before anything is loaded."""
+        check_settings(
+            ints=(("--clients", self.clients, 1), ("--images", self.images, 1), *ints),
+            numbers=(*numbers, ("--overload-factor", self.overload_factor, False),
+                     ("--startup-timeout", self.startup_timeout_s, False)),
+            choices=choices)
+        if not Path("/proc/self/status").is_file():
+            raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
+                              "/proc: Linux only")
+
+    def gateway_settings(self) -> tuple[GatewaySettings, dict[str, str]]:
+        """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
+        overridden by ``env`` and the options), and the variables to add to its environment."""
+        extra = {}
+        for key, value in self.env.items():
+            name = key[len("SENSAI_"):].lower()
+            if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
+                raise SensaiError(f"--env {key}: not a gateway setting (e.g. "
+                                  "SENSAI_MAX_PREDICTIONS, SENSAI_REDUNDANCY; see "
+                                  "deploy/README.md)")
+            if key in OWN_SETTINGS:
+                raise SensaiError(f"--env {key}: set by the benchmark itself (use --backend and "
+                                  "--deadline; the gateway listens on 127.0.0.1)")
+            extra[key] = str(value)
+        for key, value in (("SENSAI_MAX_REQUESTS", self.max_requests),
+                           ("SENSAI_MAX_PREDICTIONS", self.max_predictions)):
+            if value is not None:
+                extra[key] = str(value)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise SensaiError(f"unknown backend {self.backend!r}; choose one of "
+                              f"{', '.join(BACKENDS)}")
+        overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
+        overrides |= {k: v for k, v in (("backend", self.backend),
+                                        ("deadline_s", self.deadline_s)) if v is not None}
+        try:
+            settings = GatewaySettings(**overrides)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
+        if settings.backend == "ray-serve":
+            check_serve_settings(settings, own_port=True)  # now, not when the gateway exits
+        return settings, extra
+
+    def progress_bar(self, desc: str):
+        """A bar of the seconds of each phase."""
+        bar = progress_bar(self.progress, desc)
+        bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
+                          "[{elapsed}{postfix}]")
+        return bar
+
+    def gateway(self, root: Path, env: dict[str, str], log_path: Path,
+                args: Sequence[str] = ()) -> GatewayProcess:
+        """``sensai serve ROOT`` with these options, on a free port (not yet started)."""
+        return GatewayProcess(root, port=free_ports(1)[0], backend=self.backend,
+                              deadline_s=self.deadline_s, env=env, log_path=log_path, args=args)
+
+
+def request_timeout(gs: GatewaySettings) -> float:
+    """How long a client waits for an answer: past the gateway's own deadline and body
+    timeout, so the gateway's answer (a 503) is what the client sees, not its own timeout."""
+    return gs.deadline_s + gs.body_timeout_s + 10.0
+
+
+def check_load_settings(options: LoadOptions, *, concurrency: int, warmup_s: float,
+                        soak_s: float, overload_s: float, overload_rate: float | None,
+                        overload_connections: int | None, sample_s: float, burst_s: float = 0.0,
+                        burst_concurrency: int = 1) -> None:
+    clients = options.clients
+    options.check(
+        ints=(("--concurrency", concurrency, 1),
+              ("--overload-connections", overload_connections, clients),
+              ("--burst-concurrency", burst_concurrency, 1)),
+        numbers=(("--warmup-seconds", warmup_s, True), ("--burst-seconds", burst_s, True),
+                 ("--soak-seconds", soak_s, False), ("--overload-seconds", overload_s, False),
+                 ("--sample-seconds", sample_s, False),
+                 ("--overload-rate", overload_rate, False)))
+    if clients > concurrency:
+        raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
+                          "every client process keeps at least one request in flight")
+
+
+def split(n: int, parts: int) -> list[int]:
+    """``n`` in ``parts`` near-equal integers (10, 3 -> 4, 3, 3)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def files_per_process() -> int:
+    """Connections the gateway may hold (it inherits this process's open-file limit), less some
+    to spare."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else max(1, soft - 64)
+
+
+def overload_cap(gs: GatewaySettings, rate: float, clients: int) -> int:
+    """Connections an overload at ``rate`` may open: enough for every request to take up to
+    the deadline, within the open-file limit."""
+    return max(clients, min(gs.max_requests + math.ceil(rate * gs.deadline_s),
+                            files_per_process()))
+
+
+def check_open_files(connections: int) -> None:
+    if connections > files_per_process():
+        raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
+                          f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
+                          "or lower --overload-connections")
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def burst_image(artifact, spec, gs: GatewaySettings) -> tuple[bytes, dict[str, Any]]:
+    """The largest RGBA picture the gateway accepts for this model (95% of the side its pixel
+    and decoded-bytes limits allow): legal, and as costly to decode as a legal upload gets."""
+    pixels, budget = gs.image_pixels(spec.input_shape), gs.decoded_bytes(spec.input_shape)
+    side = max(1, int(math.sqrt(min(pixels, budget // 4)) * 0.95))
+    buf = io.BytesIO()
+    Image.new("RGBA", (side, side), (200, 100, 50, 255)).save(buf, "PNG")
+    png = buf.getvalue()
+    x = decode_image(png, spec, pixels, budget)
+    expected = int(offline_reference(artifact, [x]).argmax(1)[0])
+    return png, {"width": side, "height": side, "mode": "RGBA", "png_bytes": len(png),
+                 "decoded_bytes": side * side * 4, "expected": expected}
+
+
+class LoadRun:
+    """The running benchmark: the gateway, the client processes, the RSS sampler, the progress
+    bar; one method per step."""
+
+    def __init__(self, gateway: GatewayProcess, procs: list[HttpClientProcess], *,
+                 expected: list[int], concurrency: int, timeout_s: float, sample_s: float,
+                 bar, progress: bool, request: dict[str, str] | None = None,
+                 metrics: bool = True):
+        """``gateway``: the server under load (a :class:`GatewayProcess`, or any object with its
+        ``url``, ``pid``, ``serving_pid`` and ``died()``); ``expected``: each image's offline
+        top-1 (empty: the answers are not checked, as for the bare route); ``request``: the
+        clients' ``transport`` and ``model`` (default: PNG uploads); ``metrics``: whether the
+        server has the gateway's ``/metrics``."""
+        self.gateway, self.procs, self.expected = gateway, procs, expected
+        self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
+        self.bar, self.progress = bar, progress
+        self.request, self.metrics = dict(request or {}), metrics
+        self.t0 = time.monotonic()
+        self.sampler = RssSampler(gateway.serving_pid, self.t0, sample_s, tree_of=gateway.pid)
+        # Each client process starts at its own image, so they do not send the same ones.
+        n, k = len(expected) or 1, len(procs)
+        self.offsets = [int(o) for o in np.cumsum([0] + split(n, k))[:-1]]
+
+    def say(self, message: str) -> None:
+        if self.progress:
+            self.bar.write(message)
+
+    def drive(self, name: str, plans: list[dict[str, Any]], seconds: float,
+              procs: list[HttpClientProcess] | None = None) -> list[dict[str, Any]]:
+        """Every client process's share of one phase, while the RSS is sampled and the gateway
+        watched; a dead gateway or client ends the run at once."""
+        bar, sampler, gateway = self.bar, self.sampler, self.gateway
+        procs = procs or self.procs
+        bar.reset(total=round(seconds, 1))
+        bar.set_description(name)
+        self._show(sampler.sample(name))
+        with ThreadPoolExecutor(len(procs), thread_name_prefix="bench-load") as pool:
+            futures = [pool.submit(c.load, gateway.url, **plan) for c, plan in zip(procs, plans)]
+            t0 = time.monotonic()
+            try:
+                while True:
+                    timeout = min(0.5, max(0.01, sampler.next_due - time.monotonic()))
+                    done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+                    if sampler.due():
+                        self._show(sampler.sample(name))
+                    bar.n = round(min(seconds, time.monotonic() - t0), 1)
+                    bar.refresh()
+                    if not pending or any(f.exception() for f in done):
+                        break
+                    died = gateway.died()
+                    if died:
+                        raise SensaiError(f"during the {name}, {died}")
+                try:
+                    outs = [f.result() for f in futures]
+                except (RuntimeError, EOFError, OSError, TimeoutError) as e:
+                    raise SensaiError(f"HTTP load client during the {name}: {e}") from None
+            except BaseException:
+                for c in procs:  # unblocks the threads waiting for their answers
+                    c.process.kill()
+                raise
+        self._show(sampler.sample(name))
+        return outs
+
+    def _show(self, sample: dict | None) -> None:
+        if sample is not None:
+            self.bar.set_postfix_str(f"gateway RSS {sample['rss_mb']:.1f} MB", refresh=False)
+
+    def phase(self, name: str, seconds: float, plans: list[dict]) -> dict[str, Any]:
+        for plan, first in zip(plans, self.offsets):
+            plan.update(seconds=seconds, expected=self.expected or None,
+                        timeout_s=self.timeout_s, first=first, **self.request)
+        scrape = scrape_metrics if self.metrics else lambda url: None
+        before = scrape(self.gateway.url)
+        pid = self.gateway.serving_pid
+        cpu, threads, t_cpu = machine_cpu_seconds(), process_cpu_seconds(pid), time.monotonic()
+        outs = self.drive(name, plans, seconds)
+        elapsed = time.monotonic() - t_cpu
+        busy = busy_cores(cpu, elapsed)
+        rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
+        rep["machine_busy_cores"] = busy
+        rep["gateway_cpu"] = process_cores(threads, process_cpu_seconds(pid), elapsed)
+        rep["duration_s"] = seconds
+        rep["server"] = server_view(before, scrape(self.gateway.url))
+        ok = rep["latency_ok_ms"]
+        self.say(f"{name}: {rep['requests']} requests, {rep['throughput_rps']} answered 200 per "
+                 f"second, status codes {rep['status_counts']}, p50/p99 of the 200s "
+                 f"{ok['p50']}/{ok['p99']} ms, wrong answers {rep['wrong']}")
+        rep["outs"] = outs
+        return rep
+
+    def closed(self, name: str, seconds: float, concurrency: int | None = None
+               ) -> dict[str, Any]:
+        """A closed loop at ``concurrency`` (default: the run's), shared by as many client
+        processes as it has requests in flight (up to all of them)."""
+        concurrency = concurrency or self.concurrency
+        k = min(concurrency, len(self.procs))
+        rep = self.phase(name, seconds, [{"concurrency": c} for c in split(concurrency, k)])
+        del rep["outs"]
+        rep["concurrency"] = concurrency
+        return rep
+
+    def overload(self, seconds: float, rate: float, connections: int,
+                 preopen: int) -> dict[str, Any]:
+        k = len(self.procs)
+        plans = [{"rate": rate / k, "connections": c, "preopen": min(c, o)}
+                 for c, o in zip(split(connections, k), split(preopen, k))]
+        rep = self.phase("overload", seconds, plans)
+        outs = rep.pop("outs")
+        # Every request due is sent, late if the client falls behind: the rate offered is the
+        # requests that left before the phase's end over its duration.
+        rep.update({"target_rate_rps": round(rate, 2),
+                    "offered_rate_rps": round(sum(o["sent_in_time"] for o in outs) / seconds, 2),
+                    "send_lag_ms": summarize([v for o in outs for v in o["lag_ms"]]),
+                    "connections_allowed": connections,
+                    "connections_opened": sum(o["connections"] for o in outs)})
+        self.say(f"overload: {rep['requests']} requests offered at {rep['offered_rate_rps']}/s "
+                 f"(asked {rep['target_rate_rps']}/s); {rep['connections_opened']} connections")
+        return rep
+
+    def burst(self, client: HttpClientProcess, image: dict[str, Any], concurrency: int,
+              seconds: float) -> dict[str, Any]:
+        """``concurrency`` uploads of one large legal image always in flight: what decoding
+        them costs the gateway at its peak (``VmHWM``, reset first), against what decoding
+        every one at once would take."""
+        pid = self.gateway.serving_pid
+        before = process_rss_bytes(pid)
+        reset = reset_peak_rss(pid)
+        plan = {"concurrency": concurrency, "seconds": seconds, "expected": [image["expected"]],
+                "timeout_s": self.timeout_s, "first": 0}
+        rep = phase_report(self.drive("burst", [plan], seconds, procs=[client]), t0=self.t0,
+                           bin_s=self.sample_s)
+        peak = peak_rss_bytes(pid)
+        rep.update({
+            "duration_s": seconds, "concurrency": concurrency,
+            "image": {k: v for k, v in image.items() if k != "expected"},
+            "rss_before_mb": None if before is None else round(before / 1e6, 2),
+            "peak_rss_mb": None if peak is None or not reset else round(peak / 1e6, 2),
+            "all_at_once_mb": round(concurrency * image["decoded_bytes"] / 1e6, 1)})
+        if rep["peak_rss_mb"] is not None and rep["rss_before_mb"] is not None:
+            rep["peak_growth_mb"] = round(rep["peak_rss_mb"] - rep["rss_before_mb"], 2)
+        self.say(f"burst: {rep['requests']} uploads of {image['width']}x{image['height']} "
+                 f"{image['mode']} ({image['decoded_bytes'] / 1e6:.1f} MB decoded each), "
+                 f"{concurrency} at a time, status codes {rep['status_counts']}; gateway peak "
+                 f"RSS {rep['peak_rss_mb']} MB (from {rep['rss_before_mb']})")
+        return rep
+
+    def health(self) -> dict[str, Any]:
+        """Right after the overload, and if that fails, again every second for a while."""
+        self.bar.set_description("health after the overload")
+        n = min(HEALTH_IMAGES, len(self.expected))
+        health = check_health(self.gateway.url, self.procs[0], self.expected, n)
+        health["recovered_after_s"] = 0.0 if health["healthy"] else None
+        t = time.monotonic()
+        while not health["healthy"] and time.monotonic() - t < RECOVERY_S \
+                and self.gateway.alive():
+            time.sleep(1.0)
+            if check_health(self.gateway.url, self.procs[0], self.expected, n)["healthy"]:
+                health["recovered_after_s"] = round(time.monotonic() - t, 2)
+                break
+        self.sampler.sample("after")
+        self.say(f"after the overload: ready {health['ready_status']}, {health['correct']}/"
+                 f"{health['predictions']} predictions agree with offline evaluation")
+        return health
+
+
+def run_load_bench(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    options: LoadOptions = LoadOptions(),
+    *,
+    concurrency: int = 16,
+    warmup_s: float = 30.0,
+    soak_s: float = 600.0,
+    overload_s: float = 60.0,
+    overload_rate: float | None = None,
+    overload_connections: int | None = None,
+    burst_s: float = 20.0,
+    burst_concurrency: int = 32,
+    sample_s: float = 5.0,
+) -> dict[str, Any]:
+    """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
+    load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
+    The arguments are ``sensai bench-load``'s options, those the sweep shares in ``options``;
+    ``overload_connections`` (default: ``max_requests`` plus the arrivals of one deadline,
+    within the open-file limit) caps the overload's connections."""
+    check_load_settings(options, concurrency=concurrency, warmup_s=warmup_s, soak_s=soak_s,
+                        overload_s=overload_s, overload_rate=overload_rate,
+                        overload_connections=overload_connections, sample_s=sample_s,
+                        burst_s=burst_s, burst_concurrency=burst_concurrency)
+    gs, gateway_env = options.gateway_settings()
+    if overload_connections is not None:
+        check_open_files(overload_connections)
+    artifact = load_artifact(artifact_dir)
+    spec, out = inputs(artifact, options.data_dir, out_dir)
+    t_start = time.perf_counter()
+
+    clients, overload_factor = options.clients, options.overload_factor
+    imgs = load_test_images(spec, options.images, options.seed, png=True)
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
+    timeout_s = request_timeout(gs)
+    settings = {
+        "backend": gs.backend, "concurrency": concurrency, "clients": clients,
+        "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
+        "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
+        "overload_connections": overload_connections, "burst_s": burst_s,
+        "burst_concurrency": burst_concurrency, "sample_s": sample_s,
+        "images": len(imgs), "seed": options.seed, "request_timeout_s": timeout_s,
+        "transport": "http",
+        "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions,
+                    "latency_target_s": gs.latency_target_s, "body_timeout_s": gs.body_timeout_s,
+                    "redundancy": gs.redundancy, "vote": gs.vote,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
+        "gateway_env": gateway_env,
+    }
+    result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
+    gateway = options.gateway(artifact.root, gateway_env, out / "gateway.log")
+    procs: list[HttpClientProcess] = []
+    phases: dict[str, Any] = {}
+    bar = options.progress_bar("bench-load")
+    run = None
+    try:
+        with sigterm_as_exit():
+            bar.set_description("starting the gateway")
+            gateway.launch()
+            procs = [HttpClientProcess(imgs.pngs) for _ in range(clients)]
+            gateway.wait_ready(options.startup_timeout_s)
+            run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
+                          timeout_s=timeout_s, sample_s=sample_s, bar=bar,
+                          progress=options.progress)
+            run.sampler.sample("startup")
+            run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
+                    f"{gateway.startup_s} s; its output: {gateway.log_path}")
+            if warmup_s > 0:
+                phases["warmup"] = run.closed("warm-up", warmup_s)
+            phases["soak"] = soak = run.closed("soak", soak_s)
+            soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
+                           "with_descendants": rss_growth(run.sampler.samples, "soak",
+                                                          "tree_rss_mb")}
+            rate = overload_rate or overload_factor * (soak["throughput_rps"] or 0.0)
+            if rate > 0:
+                cap = overload_connections or overload_cap(gs, rate, clients)
+                phases["overload"] = run.overload(overload_s, rate, cap,
+                                                  min(cap, gs.max_requests + concurrency))
+                result["health_after"] = run.health()
+                if burst_s > 0:
+                    png, image = burst_image(artifact, spec, gs)
+                    procs.append(HttpClientProcess([png]))
+                    result["burst"] = run.burst(procs[-1], image, burst_concurrency, burst_s)
+            else:
+                phases["overload"] = {"skipped": "the soak answered no request, so there is no "
+                                                 "rate to multiply; give --overload-rate"}
+            run.sampler.sample("after")
+    finally:
+        bar.close()
+        # The client processes and the gateway wind down side by side.
+        with ThreadPoolExecutor(len(procs) + 1, thread_name_prefix="bench-load-stop") as pool:
+            for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
+                stopping.result()
+    result |= gateway.report(run.sampler.samples)
+    result["phases"] = phases
+    result["targets"] = evaluate_load_targets(result)
+    finish(out, "load", result, t_start, render_markdown, plot)
+    return result

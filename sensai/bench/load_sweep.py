@@ -1,0 +1,284 @@
+"""``sensai bench-load --sweep``: a throughput-latency sweep of several serving configurations.
+
+For each configuration a server starts on 127.0.0.1 - ``sensai serve`` in its own process
+(:class:`~.gateway_process.GatewayProcess`), or Triton (:mod:`.peers`) - and the same client
+processes (:mod:`.client`) drive it with :class:`~.load.LoadRun`, bench-load's own harness: a
+warm-up, closed loops at each concurrency level, the server's bare ``GET /v2/health/live`` at
+:data:`NOOP_CONCURRENCY` in flight (the floor a predict request cannot go below), then an
+open-loop overload at a multiple of the best closed-loop throughput.  Every 200 answer is
+checked against offline evaluation's top-1 of the model that configuration serves.  The client
+processes' own CPU and the machine's busy cores are recorded per level: on a small machine the
+client competes with the server.  Targets: :func:`~.targets.evaluate_sweep_targets`.  Outputs:
+``load.json``, ``load.md``, ``load.png`` and one log per server.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sensai.artifact import load_artifact
+from sensai.errors import CheckpointError, SensaiError
+
+from .client import HttpClientProcess
+from .gateway_process import served, sigterm_as_exit
+from .harness import envelope, finish, inputs, load_test_images
+from .load import LoadOptions, LoadRun, overload_cap, request_timeout
+from .load_single import original_as_artifact
+from .load_sweep_report import plot, render_markdown
+from .names import SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S
+from .peers import MODEL as PEER_MODEL
+from .peers import Peers, unavailable
+from .robust import offline_reference
+from .targets import evaluate_sweep_targets
+
+CONFIGS = SWEEP_CONFIGS
+CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
+                 "class-parallel-unbatched": "class parallel (sensAI), no batching",
+                 "single": "single device (the original), batching",
+                 "triton": "Triton, the original, dynamic batcher"}
+# Gateway settings that make a configuration (added to the run's own).
+CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
+LEVELS = SWEEP_LEVELS
+NOOP_CONCURRENCY = 16
+WARMUP_CONCURRENCY = 16
+GATEWAY_MODEL = "sensai"  # the model name the gateway serves under KServe v2
+
+
+class PeerServer:
+    """A peer (Triton) as :class:`~.load.LoadRun` watches a server: its URL, no process of ours
+    to sample, no gateway ``/metrics``."""
+
+    pid = serving_pid = None
+
+    def __init__(self, peer):
+        self.peer, self.url = peer, peer.url
+
+    def died(self) -> str | None:
+        return None
+
+
+def check_sweep_settings(options: LoadOptions, *, configs: Sequence[str],
+                         levels: Sequence[int], level_s: float, warmup_s: float,
+                         overload_s: float, transport: str | None) -> None:
+    options.check(
+        ints=tuple(("--levels", c, 1) for c in levels),
+        numbers=(("--level-seconds", level_s, False), ("--warmup-seconds", warmup_s, True),
+                 ("--overload-seconds", overload_s, True)),
+        choices=(("configuration", configs, CONFIGS),))
+    if not levels:
+        raise SensaiError("--levels needs at least one concurrency")
+    if transport is not None and transport not in SWEEP_TRANSPORTS:
+        raise SensaiError(f"unknown transport {transport!r}; choose one of "
+                          f"{', '.join(SWEEP_TRANSPORTS)}")
+
+
+def sweep_transport(configs: Sequence[str], transport: str | None, triton_runs: bool) -> str:
+    """One transport for every configuration, so they compare like with like: Triton takes only
+    tensors, so KServe v2 binary tensors when it runs; else PNG uploads (what a camera sends)."""
+    if transport is not None:
+        return transport
+    return "http-v2" if "triton" in configs and triton_runs else "http"
+
+
+def level_row(rep: dict[str, Any], usable_cores: int | None) -> dict[str, Any]:
+    """A closed-loop phase as one row of the sweep (no timeline)."""
+    row = {k: v for k, v in rep.items() if k != "timeline"}
+    cores = rep.get("client_cores")
+    row["client_cpu_share"] = (round(cores / usable_cores, 4)
+                               if cores is not None and usable_cores else None)
+    return row
+
+
+def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
+    row = {k: v for k, v in rep.items() if k != "timeline"}
+    row.update(goodput_rps=rep["throughput_rps"],
+               rejected_503=rep["status_counts"].get("503", 0),
+               goodput_of_best_closed=(round(rep["throughput_rps"] / best_rps, 4)
+                                       if best_rps and rep["throughput_rps"] is not None
+                                       else None))
+    return row
+
+
+def batching_counters(url: str) -> list[dict] | None:
+    """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
+    workers do not batch, as the Ray Serve application's replicas may not)."""
+    workers = (served(url).get("predictor") or {}).get("workers") or []
+    return [{"name": w.get("name"), **w["batching"]} for w in workers
+            if isinstance(w, dict) and w.get("batching")] or None
+
+
+class Sweep:
+    """One configuration after another on the same client processes."""
+
+    def __init__(self, options: LoadOptions, *, out: Path, procs: list[HttpClientProcess],
+                 levels: Sequence[int], level_s: float, warmup_s: float, overload_s: float,
+                 gs, transport: str, usable_cores: int | None, bar):
+        self.options, self.out, self.procs, self.levels = options, out, procs, list(levels)
+        self.level_s, self.warmup_s, self.overload_s = level_s, warmup_s, overload_s
+        self.overload_factor, self.progress = options.overload_factor, options.progress
+        self.gs, self.timeout_s, self.transport = gs, request_timeout(gs), transport
+        self.usable_cores, self.bar = usable_cores, bar
+
+    def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
+                transport: str) -> dict[str, Any]:
+        """Warm-up, the closed-loop levels, the bare route, the overload, on one server."""
+        request = {"transport": transport, "model": model}
+        run = LoadRun(server, self.procs, expected=expected, concurrency=WARMUP_CONCURRENCY,
+                      timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
+                      progress=self.progress, request=request, metrics=gateway)
+        rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
+        if self.warmup_s > 0:
+            run.closed(f"{key}: warm-up", self.warmup_s)
+        rep["levels"] = [level_row(run.closed(f"{key}: {c} in flight", self.level_s, c),
+                                   self.usable_cores) for c in self.levels]
+        noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
+                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
+                       progress=self.progress, request={"transport": "live"}, metrics=False)
+        rep["noop"] = level_row(noop.closed(f"{key}: GET /v2/health/live", self.level_s),
+                                self.usable_cores)
+        best = max((r["throughput_rps"] or 0.0 for r in rep["levels"]), default=0.0)
+        if self.overload_s > 0 and best > 0:
+            rate = self.overload_factor * best
+            cap = overload_cap(self.gs, rate, len(self.procs))
+            rep["overload"] = overload_row(
+                run.overload(self.overload_s, rate, cap,
+                             min(cap, self.gs.max_requests + NOOP_CONCURRENCY)), best)
+        else:
+            rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
+                               "no closed loop answered, so there is no rate to multiply"}
+        if gateway:
+            rep["batching"] = batching_counters(server.url)
+        return rep
+
+    def gateway(self, key: str, root: Path, env: dict[str, str],
+                expected: list[int]) -> dict[str, Any]:
+        gateway = self.options.gateway(root, env, self.out / f"gateway-{key}.log")
+        try:
+            self.bar.set_description(f"{key}: starting the gateway")
+            gateway.launch()
+            gateway.wait_ready(self.options.startup_timeout_s)
+            rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
+                               transport=self.transport)
+        finally:
+            gateway.stop()
+        rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,
+                         "exit_code": gateway.exit_code, "log": str(gateway.log_path),
+                         "sampled": gateway.sampled()}
+        return rep
+
+    def triton(self, onnx: Path, expected: list[int], threads: int) -> dict[str, Any]:
+        peers = Peers()
+        try:
+            self.bar.set_description("triton: starting tritonserver")
+            peers.start(["triton"], onnx, threads=threads)
+            if not peers.running:
+                return {"label": CONFIG_LABELS["triton"], "skipped": peers.skipped["triton"]}
+            peer = peers.running[0]
+            # Triton takes tensors only (the run's transport is http-v2 unless asked otherwise).
+            rep = self.measure("triton", PeerServer(peer), expected, PEER_MODEL, gateway=False,
+                               transport="http-v2")
+            rep["server"] = peers.report()["triton"]
+        finally:
+            peers.stop()
+        return rep
+
+
+def run_load_sweep(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    options: LoadOptions = LoadOptions(),
+    *,
+    configs: Sequence[str] = CONFIGS,
+    levels: Sequence[int] = LEVELS,
+    level_s: float = 5.0,
+    warmup_s: float = SWEEP_WARMUP_S,
+    overload_s: float = SWEEP_OVERLOAD_S,
+    transport: str | None = None,
+) -> dict[str, Any]:
+    """The sweep of ``configs`` (of :data:`CONFIGS`) at ``levels`` in flight, ``level_s``
+    seconds each; writes load.json, load.md, load.png (and a log per server) to ``out_dir``
+    and returns what load.json holds.  ``transport``: ``http`` (PNG uploads) or ``http-v2``
+    (KServe v2 binary tensors) for every configuration (default: :func:`sweep_transport`).
+    ``options``: what the sweep shares with bench-load's soak, the gateway's settings among
+    them; a configuration that cannot run here is recorded with its reason."""
+    configs = list(dict.fromkeys(configs))
+    levels = sorted(set(levels))
+    check_sweep_settings(options, configs=configs, levels=levels, level_s=level_s,
+                         warmup_s=warmup_s, overload_s=overload_s, transport=transport)
+    gs, gateway_env = options.gateway_settings()
+    artifact = load_artifact(artifact_dir)
+    spec, out = inputs(artifact, options.data_dir, out_dir)
+    t_start = time.perf_counter()
+    imgs = load_test_images(spec, options.images, options.seed, png=True)
+    results: dict[str, Any] = {}
+
+    original = full_onnx = None
+    if {"single", "triton"} & set(configs):
+        try:
+            original, full_onnx = original_as_artifact(artifact, out / "original",
+                                                       check_batch=imgs.batch(8))
+        except CheckpointError as e:
+            for key in {"single", "triton"} & set(configs):
+                results[key] = {"label": CONFIG_LABELS[key],
+                                "skipped": f"needs the original model: {e}"}
+    if "triton" in configs and "triton" not in results:
+        reason = unavailable("triton")
+        if reason:
+            results["triton"] = {"label": CONFIG_LABELS["triton"],
+                                 "skipped": " ".join(reason.split())}
+    transport = sweep_transport(configs, transport, "triton" not in results)
+
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
+    expected_original = ([int(i) for i in offline_reference(original, imgs.xs).argmax(1)]
+                         if original is not None else None)
+    settings = {
+        "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
+        "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
+        "overload_factor": options.overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
+        "clients": options.clients, "images": len(imgs), "seed": options.seed,
+        "transport": transport, "request_timeout_s": request_timeout(gs),
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions,
+                    "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
+                    "batch_delay_us": gs.batch_delay_us,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "device": gs.device},
+        "gateway_env": gateway_env, "config_env": CONFIG_ENV,
+    }
+    result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
+                      spec=spec, settings=settings)
+    result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
+    tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
+    bar = options.progress_bar("bench-load --sweep")
+    procs: list[HttpClientProcess] = []
+    try:
+        with sigterm_as_exit():
+            procs = [HttpClientProcess(imgs.pngs, tensors, [1, *spec.input_shape])
+                     for _ in range(options.clients)]
+            sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
+                          warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,
+                          usable_cores=result["machine"].get("usable_cores"), bar=bar)
+            for key in configs:
+                if key in results:
+                    continue
+                if key == "triton":
+                    results[key] = sweep.triton(full_onnx, expected_original,
+                                                gs.threads_per_worker)
+                    continue
+                single = key == "single"
+                results[key] = sweep.gateway(
+                    key, original.root if single else artifact.root,
+                    gateway_env | CONFIG_ENV.get(key, {}),
+                    expected_original if single else expected)
+    finally:
+        bar.close()
+        for p in procs:
+            p.close()
+    result["configs"] = {key: results[key] for key in configs}
+    result["targets"] = evaluate_sweep_targets(result)
+    finish(out, "load", result, t_start, render_markdown, plot)
+    return result

@@ -1,0 +1,185 @@
+"""``sensai bench-load --sweep``'s report: the terminal tables, ``load.md`` and ``load.png``
+(p99 latency against throughput, one line per configuration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .load_report import TARGET_HEADER, latency_target, target_rows
+from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, server_cores,
+                     status_codes, text_table)
+
+LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
+                "errors", "status codes", "wrong", "client CPU (cores)", "client share",
+                "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)"]
+OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best closed loop",
+                   "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
+                   "other", "machine busy cores", "server cores (busiest thread)"]
+SKIPPED_HEADER = ["configuration", "not run, because"]
+BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
+                   "rows per batch", "largest", "held back"]
+COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
+          "single": "#55A868", "triton": "#C44E52"}
+
+
+def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
+    lat = r["latency_ok_ms"]
+    share = r.get("client_cpu_share")
+    return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
+            fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
+            fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
+            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r)]
+
+
+def full_gcs(r: dict) -> str:
+    """The gateway's full collections during a level, as its /metrics counted them."""
+    g = (r.get("server") or {}).get("gc_full")
+    return "-" if g is None else f"{g['collections']} ({g['paused_ms']:.0f})"
+
+
+def level_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for key, c in result["configs"].items():
+        if "levels" not in c:
+            continue
+        rows += [_row(key, c["transport"], str(r["concurrency"]), r) for r in c["levels"]]
+        rows.append(_row(key, "GET /v2/health/live", str(c["noop"]["concurrency"]), c["noop"]))
+    return rows
+
+
+def overload_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for key, c in result["configs"].items():
+        o = c.get("overload")
+        if not o:
+            continue
+        if "skipped" in o:
+            rows.append([key, o["skipped"], *["-"] * (len(OVERLOAD_HEADER) - 2)])
+            continue
+        ok, rej = o["latency_ok_ms"], o["latency_rejected_ms"]
+        share = o.get("goodput_of_best_closed")
+        rows.append([key, fmt(o["offered_rate_rps"], 1), fmt(o["goodput_rps"], 1),
+                     "-" if share is None else f"{share * 100:.0f} %", fmt(ok["p50"]),
+                     fmt(ok["p99"]), str(o["rejected_503"]), fmt(rej["p50"]), fmt(rej["p99"]),
+                     str(o["not_200_or_503"]), fmt(o.get("machine_busy_cores")),
+                     server_cores(o)])
+    return rows
+
+
+def batching_rows(result: dict) -> list[list[str]]:
+    """Each gateway worker's batching over the whole configuration (its own counters)."""
+    rows = []
+    for key, c in result["configs"].items():
+        for w in c.get("batching") or []:
+            per = w["requests"] / w["batches"] if w.get("batches") else None
+            rows.append([key, str(w["name"]), str(w["max_rows"]), fmt(w["delay_us"], 0),
+                         str(w["requests"]), str(w["batches"]), fmt(per), str(w["largest"]),
+                         str(w["held"])])
+    return rows
+
+
+def skipped_rows(result: dict) -> list[list[str]]:
+    return [[key, c["skipped"]] for key, c in result["configs"].items() if "skipped" in c]
+
+
+def render_table(result: dict) -> str:
+    parts = [text_table(LEVEL_HEADER, level_rows(result))]
+    if overload_rows(result):
+        parts.append(text_table(OVERLOAD_HEADER, overload_rows(result)))
+    if skipped_rows(result):
+        parts.append(text_table(SKIPPED_HEADER, skipped_rows(result)))
+    parts.append(text_table(TARGET_HEADER, target_rows(result)))
+    return "\n\n".join(parts)
+
+
+def render_markdown(result: dict) -> str:
+    st = result["settings"]
+    g = st["gateway"]
+    lines = [
+        f"# sensai bench-load --sweep: {result['model']} on {result['dataset']}",
+        "",
+        f"Command: `{result.get('command') or 'run_load_sweep(...)'}`",
+        "",
+        f"Configurations: {', '.join(st['configs'])}.  Each gateway configuration is `sensai "
+        f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, deadline "
+        f"{g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
+        f"{g['max_predictions']}, latency target {latency_target(g)}, batch_max_rows "
+        f"{g['batch_max_rows']}, batch_delay_us {g['batch_delay_us']:g}; "
+        "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
+        "serves the original model as one group on one worker, with the same settings); triton "
+        "is Triton Inference Server serving the original's ONNX with its dynamic batcher.",
+        "",
+        f"Traffic: {st['images']} real test images over `{st['transport']}` "
+        + ("(PNG uploads to `/v1/predict`; Triton, which takes only tensors, over `http-v2`: "
+           "see each row's transport)" if st["transport"] == "http" else
+           "(KServe v2 binary tensors)")
+        + f" from {st['clients']} client process(es), the same for every configuration; every "
+        "200 answer is compared with offline evaluation's top-1 of the model served (`wrong`).  "
+        f"Warm-up {st['warmup_s']:g} s at {st['warmup_concurrency']} in flight, then closed "
+        f"loops at {', '.join(map(str, st['levels']))} in flight, {st['level_s']:g} s each, the "
+        f"server's bare `GET /v2/health/live` at {st['noop_concurrency']} in flight, then "
+        f"{st['overload_s']:g} s of open-loop overload at {st['overload_factor']:g} x the best "
+        "closed-loop throughput (requests sent when due whatever the answers, latency from when "
+        "each was due).",
+        "",
+        machine_line(result) + "  Client CPU: the client processes' own CPU time "
+        "over the level's wall time (cores), and as a share of the usable cores; machine busy "
+        "cores: the whole machine's (server, client and anything else); server cores: the "
+        "serving process's own threads, and in brackets its busiest thread's (the event loop "
+        "under load: near 1.00, one core is its ceiling).  The configurations "
+        "run one after another, so what else ran on the machine may differ between them (that "
+        "column shows it).  Full GCs: the collector's full collections in the gateway's process "
+        "during the level and the time they stopped it (its `/metrics`).",
+        "",
+        "## Targets",
+        "",
+        md_table(TARGET_HEADER, target_rows(result)),
+        "",
+        "## Closed loops",
+        "",
+        md_table(LEVEL_HEADER, level_rows(result)),
+        "",
+    ]
+    if overload_rows(result):
+        lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
+                  "other: answers neither 200 nor 503 (or no answer).", ""]
+    if batching_rows(result):
+        lines += ["## Batching in the workers", "",
+                  md_table(BATCHING_HEADER, batching_rows(result)), "",
+                  "From each gateway's `GET /v1/models` at the end of its configuration (the "
+                  "warm-up, levels, bare route and overload together); a request alone counts as "
+                  "a batch of one; held back: requests that waited for company.", ""]
+    if skipped_rows(result):
+        lines += ["## Not run", "", md_table(SKIPPED_HEADER, skipped_rows(result)), ""]
+    lines += ["![p99 latency against throughput](load.png)", "",
+              SHARED_CORES, ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for key, c in result["configs"].items():
+        pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"], r["concurrency"])
+               for r in c.get("levels", []) if r["latency_ok_ms"]["p99"] is not None]
+        if not pts:
+            continue
+        color = COLORS.get(key, "#8C8C8C")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
+                label=c["label"])
+        for x, y, n in pts:
+            ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=color)
+        o = c.get("overload") or {}
+        if o.get("goodput_rps") and o["latency_ok_ms"]["p99"] is not None:
+            ax.plot([o["goodput_rps"]], [o["latency_ok_ms"]["p99"]], marker="X", ms=9, ls="",
+                    color=color)
+    ax.plot([], [], marker="X", ls="", color="black", label="overload (goodput, admitted p99)")
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (answers 200 per second)")
+    ax.set_ylabel("p99 latency (ms, log)")
+    ax.set_title(f"{result['model']}: p99 latency against throughput (closed loops, labelled "
+                 f"by requests in flight; {result['settings']['transport']})")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
+    save_figure(fig, path)

@@ -1,0 +1,456 @@
+"""``sensai bench-robust``: latency, errors and compute cost of redundant class parallelism.
+
+Every configuration (redundancy ``r``, for ``r >= 1`` optionally a hedge delay) is the predictor
+``sensai serve ART --redundancy r [--hedge-ms h]`` builds; ``r = 0`` is the default serving path,
+so the cost of redundancy is measured against it.  The same test images are sent one at a time,
+in process, under the scenarios of :data:`.names.SCENARIOS`: ``none``; ``straggler`` (one worker
+sleeps before every request, ``--delay``); ``failure`` (one worker is ended while a request is in
+flight, then restarted; requests are paced so the error count measures the outage, not how fast
+errors come back); ``node-loss`` (the victim's Ray node's raylet and everything it started are
+killed, as losing the machine would; one configuration, the node does not come back).  ``none``
+and ``straggler`` interleave the configurations in rounds; an outage is a wall-clock event, one
+configuration at a time.  Every answer is compared with the offline one (``wrong``); ``errors``
+counts 503/504 answers.  With ``--backend ray-serve`` every configuration is instead the Ray
+Serve application, started in turn and called over HTTP (:mod:`.robust_serve`; scenarios
+``none`` and ``failure``).  Outputs: ``robust.json``, ``robust.md``, ``robust.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+from sensai.merge import merge_outputs
+from sensai.raycluster import alive_nodes, local_raylet_pid
+from sensai.serving.core.errors import ServingError
+from sensai.serving.core.faults import parse_delay
+from sensai.serving.core.placement import check_redundancy
+from sensai.serving.core.settings import load_settings
+from sensai.serving.engine.predictor import ClassParallelPredictor
+from sensai.serving.gateway.server import run_like_the_gateway
+from sensai.serving.launch.build import build_predictor
+from sensai.serving.workers.runners import RUNTIMES, runner_specs
+
+from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
+                      progress_bar, quiet_gc)
+from .machine import descendant_pids
+from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS, WARMUP
+from .robust_records import AFTER_REJOIN, Records
+from .robust_report import plot, render_markdown
+from .robust_serve import (IN_FLIGHT, REFUSED_SCENARIOS, TRANSPORT, check_serve_bench,
+                           measure_on_serve)
+from .stats import summarize
+
+log = logging.getLogger(__name__)
+
+# The flags of the settings the Serve application is given, for its one-line refusals.
+FLAGS = {"deadline_s": "--deadline", "restart_delay_s": "--restart-delay",
+         "hedge_ms": "--hedge-ms", "threads_per_worker": "--threads"}
+
+
+def config_key(r: int, hedge_ms: float) -> str:
+    return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
+
+
+def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, groups: int, vote: bool, interval_ms: float,
+                          backend: str, runtime: str, ray_address: str | None = None) -> None:
+    if not redundancies:
+        raise SensaiError("give at least one --redundancy")
+    for r in redundancies:
+        check_redundancy(groups, None, r, vote)
+    check_settings(
+        ints=(("--images", images, 2), ("--warmup", warmup, 0), ("--rounds", rounds, 1)),
+        numbers=(*(("--hedge-ms", h, True) for h in hedges),
+                 ("--interval-ms", interval_ms, True)),
+        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], ROBUST_BACKENDS),
+                 ("runtime", [runtime], RUNTIMES)))
+    parse_delay(delay)
+    for name, v in (("--straggler", straggler), ("--victim", victim)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:
+            raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
+    if not 0.0 <= kill_at < 1.0:
+        raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
+    if ray_address and backend not in ("ray", "ray-serve"):
+        raise SensaiError("--ray-address is for --backend ray and ray-serve")
+    if "node-loss" in scenarios and backend != "ray":
+        raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
+
+
+def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
+                      threads: int = 1) -> np.ndarray:
+    """The answers to compare with: every subnet run in this process on CPU, merged."""
+    runners = [s.build() for s in runner_specs(artifact, device="cpu", runtime=runtime,
+                                               threads=threads)]
+    x = np.concatenate(xs)
+    outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
+    return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
+
+
+async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,
+                      kill=None) -> None:
+    run.requests += 1
+    t0 = time.perf_counter()
+    task = asyncio.ensure_future(pred.predict(x))
+    if kill is not None:
+        await asyncio.sleep(0)  # the request is dispatched to every worker...
+        kill()  # ...and one of them dies while it is in flight
+    try:
+        p = await task
+    except ServingError as e:
+        run.errors.append(f"{e.status}: {e}")
+        return
+    run.latency.append((time.perf_counter() - t0) * 1e3)
+    run.answered_by.append(dict(p.answered_by))
+    run.degraded += bool(p.degraded)
+    if int(p.scores[0].argmax()) != int(ref.argmax()) or not np.allclose(p.scores[0], ref,
+                                                                          atol=1e-5):
+        run.wrong += 1
+
+
+async def settle(pred: ClassParallelPredictor, timeout: float = 5.0) -> None:
+    """Let copies still being computed for the last request finish, so counters are complete."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(w.pending for w in pred.workers):
+        await asyncio.sleep(0.005)
+
+
+def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: int,
+                       delay: str) -> dict[str, Any]:
+    """How often the delayed worker's own groups were still answered by it."""
+    own = [f"subnet_{g:02d}" for g in pred.placement.workers[straggler]
+           if pred.hosts[g][0] == straggler]
+    name = pred.workers[straggler].name
+    total = sum(1 for a in run.answered_by for s in own if s in a)
+    by_it = sum(1 for a in run.answered_by for s in own if a.get(s) == name)
+    return {"straggler": name, "straggler_delay": delay, "straggler_groups": own,
+            "straggler_answered_share": round(by_it / total, 4) if total else None}
+
+
+async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs, *, warmup: int,
+                   rounds: int, straggler: int, delay: str, victim: int, kill_at: float,
+                   rejoin_timeout_s: float, interval_s: float,
+                   bar) -> dict[str, dict[str, dict]]:
+    n = len(xs)
+    results: dict[str, dict[str, dict]] = {k: {} for k in preds}
+    for key, pred in preds.items():
+        bar.set_description(f"warm-up {key}")
+        for j in range(warmup):
+            await pred.predict(xs[j % n])
+            bar.update(1)
+    for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
+        runs = {k: Records() for k in preds}
+
+        async def run_chunk(key: str, chunk) -> None:
+            pred = preds[key]
+            bar.set_description(f"{scenario}: {key}")
+            await settle(pred)
+            before = pred.counters()
+            for j in chunk:
+                await one_request(pred, xs[j], refs[j], runs[key])
+                bar.update(1)
+            await settle(pred)
+            runs[key].add_work(before, pred.counters())
+
+        if scenario == "straggler":
+            for pred in preds.values():
+                pred.inject(straggler, delay=delay)
+        try:
+            await interleaved(list(preds), n, rounds, run_chunk)
+        finally:
+            if scenario == "straggler":
+                for pred in preds.values():
+                    pred.inject(straggler, delay=None)
+        for key, pred in preds.items():
+            extra = (_straggler_figures(pred, runs[key], straggler, delay)
+                     if scenario == "straggler" else None)
+            results[key][scenario] = runs[key].report(extra)
+    for scenario in [s for s in OUTAGES if s in scenarios]:
+        for key, pred in preds.items():
+            bar.set_description(f"{scenario}: {key}")
+            results[key][scenario] = await _failure(pred, xs, refs, victim, kill_at,
+                                                    rejoin_timeout_s, interval_s, bar,
+                                                    node=scenario == "node-loss")
+    return results
+
+
+def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
+    """The node of worker ``victim`` and the pid of its raylet, if it may be killed: a worker
+    node (never the head) whose raylet runs on this machine."""
+    node = pred.workers[victim].node
+    head = {n["id"] for n in alive_nodes() if n["head"]}
+    if node is None or node in head:
+        raise SensaiError(f"the node-loss scenario needs worker {victim} on a worker node, but it "
+                          f"runs on {'the head node' if node else 'no known node'}; choose "
+                          "another --victim or a cluster with worker nodes")
+    pid = local_raylet_pid(node)
+    if pid is None:
+        raise SensaiError(f"the raylet of node {node} (worker {victim}) does not run on this "
+                          "machine: the node-loss scenario needs a cluster of local nodes")
+    return node, pid
+
+
+async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at: float,
+                   rejoin_timeout_s: float, interval_s: float, bar, *,
+                   node: bool = False) -> dict:
+    """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
+    so every worker there) and the outage timed until it is up again."""
+    n = len(xs)
+    run = Records()
+    kill_index = int(kill_at * n)
+    wk = pred.workers[victim]
+    events: dict[str, Any] = {}
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        # Poll the worker's state to time the outage: ended -> restarted -> up again.
+        seen_down = False
+        while not stop.is_set():
+            up = pred.worker_states()[victim] == "up"
+            if "kill" in events:
+                if not up and not seen_down:
+                    seen_down = True
+                    events["down"] = time.perf_counter()
+                elif up and seen_down and "up" not in events:
+                    events["up"] = time.perf_counter()
+            await asyncio.sleep(0.002)
+
+    victims = [victim]
+    if node:
+        node_id, raylet = victim_raylet(pred, victim)
+        victims = [w.index for w in pred.workers if w.node == node_id]
+
+    def kill() -> None:
+        events["kill"] = time.perf_counter()
+        if node:
+            # What losing the machine does: the raylet and every process it started (the
+            # node's workers, which would otherwise go on answering direct actor calls until
+            # the cluster declares the node dead).
+            for pid in [*descendant_pids(raylet), raylet]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            events["pid"] = raylet
+        else:
+            events["pid"] = pred.kill_worker(victim)
+
+    restarts0 = wk.restarts
+    await settle(pred)
+    before = pred.counters()
+    watcher = asyncio.ensure_future(watch())
+    errors_in_outage = 0
+    during_ms: list[float] = []  # answered while the victim was down
+    next_start = time.perf_counter()
+    try:
+        for j in range(n):
+            # Paced arrivals: a request that fails fast must not let the next ones rush in, or
+            # the error count would measure how quickly errors come back, not the outage.
+            wait = next_start - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            next_start = time.perf_counter() + interval_s
+            was, answered = len(run.errors), len(run.latency)
+            in_outage = j >= kill_index and "up" not in events
+            await one_request(pred, xs[j], refs[j], run, kill=kill if j == kill_index else None)
+            if len(run.errors) > was and "kill" in events and "up" not in events:
+                errors_in_outage += 1
+            if in_outage and len(run.latency) > answered:
+                during_ms.append(run.latency[-1])
+            bar.update(1)
+        await settle(pred)
+        run.add_work(before, pred.counters())
+        # Wait for the rejoin of every worker that was lost (a node takes several), then
+        # check the victim serves again.
+        deadline = time.monotonic() + rejoin_timeout_s
+        rejoined = await asyncio.to_thread(lambda: all(
+            pred.wait_until_up(v, max(0.0, deadline - time.monotonic())) for v in victims))
+        await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await watcher
+    after = Records()
+    runs0 = pred.counters()["per_worker_runs"][victim]
+    for j in range(min(n, AFTER_REJOIN)):
+        await one_request(pred, xs[j], refs[j], after)
+    await settle(pred)
+    rejoin_runs = pred.counters()["per_worker_runs"][victim] - runs0
+    outage = (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
+    extra = {"node": node_id, "workers_on_node": [pred.workers[v].name for v in victims],
+             "nodes_after": [w.get("node") for w in pred.describe()["workers"]]} if node else {}
+    return run.report({
+        **extra,
+        "victim": wk.name, "killed_pid": events.get("pid"), "kill_at_request": kill_index,
+        "restarted": wk.restarts > restarts0, "rejoined": bool(rejoined),
+        "outage_s": round(outage, 3) if outage is not None else None,
+        "errors_during_outage": errors_in_outage,
+        "latency_during_outage_ms": summarize(during_ms),
+        "after_rejoin": {"requests": after.requests, "errors": len(after.errors),
+                         "wrong": after.wrong, "victim_subnet_runs": rejoin_runs,
+                         "latency_ms": summarize(after.latency)},
+    })
+
+
+def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) -> None:
+    """Compute overheads relative to r = 0 without faults (one full answer's work), and p99
+    relative to the same configuration without faults."""
+    base = measured.get(base_key, {}).get("none") if base_key else None
+    for per in measured.values():
+        none = per.get("none")
+        for scen, rep in per.items():
+            if base and base["subnet_runs_per_request"]:
+                rep["compute_overhead_runs"] = round(
+                    rep["subnet_runs_per_request"] / base["subnet_runs_per_request"], 3)
+                rep["compute_overhead_time"] = (round(
+                    rep["compute_ms_per_request"] / base["compute_ms_per_request"], 3)
+                    if base["compute_ms_per_request"] else None)
+            if scen != "none" and none and none["latency_ms"]["p99"] and rep["latency_ms"]["p99"]:
+                rep["p99_vs_no_fault"] = round(rep["latency_ms"]["p99"]
+                                               / none["latency_ms"]["p99"], 3)
+
+
+def _in_process(artifact, configs, scenarios, xs, refs, *, bar, backend: str,
+                ray_address: str | None, vote: bool, device: str, runtime: str, threads: int,
+                deadline_s: float, restart_delay_s: float, seed: int, **measure
+                ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every configuration's predictor built in this process, then measured (:func:`_measure`);
+    returns the scenarios' reports and each predictor's ``describe()``."""
+    preds: dict[str, ClassParallelPredictor] = {}
+    try:
+        for r, h in configs:
+            key = config_key(r, h)
+            bar.set_description(f"start {key}")
+            preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
+                                         vote=vote, device=device, runtime=runtime,
+                                         threads=threads, deadline_s=deadline_s, hedge_ms=h,
+                                         restart_delay_s=restart_delay_s, seed=seed,
+                                         ray_address=ray_address)
+        described = {k: p.describe() for k, p in preds.items()}
+        with quiet_gc():
+            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, bar=bar,
+                                                     **measure))
+    finally:
+        for p in preds.values():
+            p.shutdown()
+    return measured, described
+
+
+def run_robust_bench(
+    artifact_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    redundancies: Sequence[int] = (0, 1),
+    hedges_ms: Sequence[float] = (0.0,),
+    scenarios: Sequence[str] | None = None,
+    backend: str = "local",
+    ray_address: str | None = None,
+    images: int = 200,
+    warmup: int = WARMUP,
+    rounds: int = 5,
+    delay: str = "exp:50ms",
+    straggler: int = 0,
+    victim: int = 1,
+    kill_at: float = 0.3,
+    interval_ms: float = 10.0,
+    vote: bool = False,
+    deadline_s: float = 5.0,
+    restart_delay_s: float = 0.0,
+    rejoin_timeout_s: float = 120.0,
+    device: str = "auto",
+    runtime: str = "auto",
+    threads: int = 1,
+    data_dir: str | None = None,
+    seed: int = 0,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the robust benchmark on the artifact in ``artifact_dir``; write robust.json,
+    robust.md and robust.png to ``out_dir``; return what robust.json holds.  The arguments are
+    ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
+    the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
+    worker indices; the victim is ended at request ``kill_at`` x ``images``; ``scenarios``
+    (None: :data:`.names.DEFAULT_SCENARIOS`, those the backend takes)."""
+    artifact = load_artifact(artifact_dir)
+    g = len(artifact.groups)
+    if scenarios is None:  # the backend's defaults
+        scenarios = [s for s in DEFAULT_SCENARIOS
+                     if backend != "ray-serve" or s not in REFUSED_SCENARIOS]
+    scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
+    redundancies = sorted({int(r) for r in redundancies})
+    hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
+    check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
+                          victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
+                          ray_address)
+    configs = [(r, 0.0) for r in redundancies if r == 0] + [
+        (r, h) for r in redundancies if r > 0 for h in hedges]
+    if "node-loss" in scenarios and len(configs) > 1:
+        raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
+                          "(one --redundancy, one --hedge-ms) at a time")
+    serve_settings = [load_settings(
+        {"backend": backend, "redundancy": r, "hedge_ms": h, "vote": vote,
+         "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
+         "runtime": runtime, "threads_per_worker": threads, "ray_address": ray_address},
+        FLAGS) for r, h in configs] if backend == "ray-serve" else []
+    if serve_settings:
+        check_serve_bench(scenarios, serve_settings[0])
+    spec, out = inputs(artifact, data_dir, out_dir)
+    t_start = time.perf_counter()
+
+    imgs = load_test_images(spec, images, seed, png=False)
+    xs = imgs.xs
+    refs = offline_reference(artifact, xs, runtime=runtime, threads=threads)
+    settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
+                "backend": backend, "ray_address": ray_address, "images": len(xs),
+                "warmup": warmup, "rounds": rounds,
+                "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
+                "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
+                "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
+                "runtime": runtime, "threads_per_worker": threads, "seed": seed, "batch": 1,
+                "concurrency": 1, "transport": "inprocess"}
+    result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
+                      settings=settings)
+    result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
+    bar = progress_bar(progress, "bench-robust")
+    try:
+        bar.total = len(configs) * (warmup + len(xs) * len(scenarios))
+        bar.refresh()
+        if backend == "ray-serve":
+            result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
+                                      failure_interval_ms=None, rounds=None)
+            measured, described = measure_on_serve(
+                artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve_settings)},
+                scenarios, xs, refs, warmup=warmup, victim=victim, kill_at=kill_at,
+                rejoin_timeout_s=rejoin_timeout_s, ray_address=ray_address, bar=bar)
+        else:
+            measured, described = _in_process(
+                artifact, configs, scenarios, xs, refs, bar=bar, backend=backend,
+                ray_address=ray_address, vote=vote, device=device, runtime=runtime,
+                threads=threads, deadline_s=deadline_s, restart_delay_s=restart_delay_s,
+                seed=seed, warmup=warmup, rounds=rounds, straggler=straggler, delay=delay,
+                victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
+                interval_s=interval_ms / 1e3)
+    finally:
+        bar.close()
+    result["placement"] = {k: d["placement"] for k, d in described.items()}
+    result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
+    result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
+                              for k, d in described.items()}
+    if backend == "ray-serve":
+        result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"]}
+                           for k, d in described.items()}
+    _relative_costs(measured, config_key(0, 0.0) if 0 in redundancies else None)
+    result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
+                             "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
+                             "scenarios": measured[k]}
+                         for (r, h), k in zip(configs, described)}
+    finish(out, "robust", result, t_start, render_markdown, plot)
+    return result

@@ -1,0 +1,277 @@
+"""How ``sensai bench`` builds each strategy, and what each costs per worker: ``single`` (the
+original model on one worker), ``model-parallel`` (K contiguous stages on K workers),
+``class-parallel`` (exactly the predictor ``sensai serve`` builds, ``class-parallel@<backend>``
+the same on each further backend; on ``ray-serve``, ``sensai serve --backend ray-serve`` itself,
+a process of its own) and ``data-parallel`` (R replicas).  The baselines run on the
+same thread workers as the default class-parallel backend, with the same runtime, device and
+threads; their ONNX files go to ``out/models``.  Each strategy is loaded under a
+:class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sensai.artifact import Artifact
+from sensai.checkpoint import load_trained_model
+from sensai.errors import CheckpointError, SensaiError
+from sensai.export import export_onnx
+from sensai.flops import count_flops
+from sensai.fsutil import sha256_file
+from sensai.models import count_params
+from sensai.serving.core.contract import Predictor
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.engine.predictor import worker_devices
+from sensai.serving.launch.build import build_predictor, free_ports, launch_triton
+from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
+
+from .baselines import BASELINES, ModuleSpec, WorkerSet
+from .gateway_process import GatewayProcess, served
+from .harness import TestImages
+from .machine import MemoryProbe
+from .names import UNTIMED_TRANSPORTS, label
+from .stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
+
+SERVE_STARTUP_S = 300.0  # Ray, Serve and the replicas start on a busy machine too
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recipe:
+    """What a strategy's workers run (one runner recipe each) and what each one costs."""
+
+    key: str
+    names: list[str]
+    specs: list  # RunnerSpec, or ModuleSpec for torch stages
+    workers: list[dict[str, Any]]  # params, flops, weights_mb, activations_mb per worker
+
+
+@dataclass
+class Strategy:
+    key: str
+    predictor: Predictor | None  # None: served by a server of its own only (``url``)
+    recipe: Recipe
+    info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
+    # What it runs beside its predictor (a tritonserver), or instead of one (a gateway process).
+    stop: Callable[[], None] | None = None
+    url: str | None = None  # the gateway of a strategy without a predictor in this process
+
+
+def load_original(artifact: Artifact):
+    """The model the artifact was decomposed from (the baselines run it), checked by hash."""
+    source = artifact.manifest.source
+    try:
+        model, record = load_trained_model(source.model_dir)
+    except CheckpointError as e:
+        raise CheckpointError(f"the baselines need the original model the artifact was made "
+                              f"from ({source.model_dir}): {e}") from None
+    if record.weights_sha256 != source.weights_sha256:
+        raise CheckpointError(f"the model in {source.model_dir} is not the one {artifact.root} "
+                              "was decomposed from (weights hash differs)")
+    return model.eval(), record
+
+
+def stage_count(model, input_shape: Sequence[int], k: int, *, explicit: bool) -> int:
+    """K checked against where the model can be cut, before any long work."""
+    k_max = plan_stages(trace(model, torch.zeros(1, *input_shape)), 1)[0].max_stages
+    if k <= k_max:
+        return k
+    if explicit:
+        raise SensaiError(f"--workers {k}: {model.__class__.__name__} can be cut into at most "
+                          f"{k_max} stages with one tensor between consecutive stages")
+    # The default K is G; a small model may have fewer places to cut.
+    log.warning("model parallel: the model can be cut into at most %d stages; using %d instead "
+                "of G=%d", k_max, k_max, k)
+    return k_max
+
+
+def _cost(params: int, flops: int, activation_bytes: int, **extra) -> dict[str, Any]:
+    return {"params": params, "flops": flops, "weights_mb": round(params * 4 / 1e6, 3),
+            "activations_mb": round(activation_bytes / 1e6, 3), **extra}
+
+
+def prepare_baselines(model, record, artifact: Artifact, images: TestImages, models_dir: Path, *,
+                      stages: int, replicas: int, strategies: Sequence[str], device: str,
+                      runtime: str, threads: int,
+                      status: Callable[[str], None]) -> tuple[dict[str, Recipe], dict | None]:
+    """Recipes of the baselines in ``strategies``, and the model-parallel stage plan."""
+    spec = artifact.spec
+    check = images.batch(32)
+    cost = _cost(count_params(model), count_flops(model, spec.input_shape),
+                 peak_activation_bytes(model, check[:2]))
+    devices = worker_devices(max(stages, replicas), device)
+    full_onnx = models_dir / "full.onnx"
+    if (any(resolve_runtime(runtime, d) == "onnx" for d in devices)
+            and {"single", "data-parallel"} & set(strategies)):
+        status("export full model")
+        export_onnx(model, spec.input_shape, full_onnx, check_batch=check)
+    full_sha = sha256_file(full_onnx) if full_onnx.is_file() else None
+
+    def full(name: str, i: int) -> RunnerSpec:
+        return RunnerSpec(
+            name=name, input_shape=tuple(spec.input_shape), device=devices[i], runtime=runtime,
+            threads=threads, onnx_path=str(full_onnx) if full_sha else None,
+            onnx_sha256=full_sha, arch=record.model, num_outputs=record.num_classes,
+            in_channels=record.in_channels,
+            weights_path=str(Path(artifact.manifest.source.model_dir) / record.weights),
+            weights_sha256=record.weights_sha256)
+
+    recipes: dict[str, Recipe] = {}
+    if "single" in strategies:
+        recipes["single"] = Recipe("single", ["full"], [full("full", 0)], [dict(cost)])
+    if "data-parallel" in strategies:
+        names = [f"replica_{i:02d}" for i in range(replicas)]
+        recipes["data-parallel"] = Recipe("data-parallel", names,
+                                          [full(nm, i) for i, nm in enumerate(names)],
+                                          [dict(cost) for _ in names])
+    plan = None
+    if "model-parallel" in strategies:
+        status(f"cut into {stages} stages")
+        modules, stage_plan = split_model(model, stages, check)
+        plan = stage_plan.to_dict()
+        names = [f"stage_{i:02d}" for i in range(stage_plan.num_stages)]
+        specs, infos, h = [], [], check
+        for i, (stage, name) in enumerate(zip(modules, names)):
+            in_shape = tuple(h.shape[1:])
+            act = peak_activation_bytes(stage, h[:2].clone())
+            if resolve_runtime(runtime, devices[i]) == "onnx":
+                status(f"export stage {i + 1}/{stage_plan.num_stages}")
+                path = models_dir / f"{name}.onnx"
+                export_stage_onnx(stage, h, path)
+                specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
+                                        runtime="onnx", threads=threads, onnx_path=str(path),
+                                        onnx_sha256=sha256_file(path)))
+            else:
+                specs.append(ModuleSpec(name, stage, in_shape, device=devices[i], threads=threads,
+                                        runtime=runtime))
+            with torch.no_grad():
+                h = stage(h.clone())
+            infos.append(_cost(stage_plan.stage_params[i], stage_plan.stage_macs[i], act,
+                               input_shape=[1, *in_shape]))
+        recipes["model-parallel"] = Recipe("model-parallel", names, specs, infos)
+    return recipes, plan
+
+
+def prepare_class_parallel(artifact: Artifact, images: TestImages, *, device: str, runtime: str,
+                           threads: int) -> Recipe:
+    """The subnets' recipes (checks their files now) and what each subnet costs."""
+    specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads)
+    example = images.batch(2)
+    infos = []
+    for rec, sub in zip(artifact.manifest.subnets, artifact.load_subnets("cpu")):
+        infos.append(_cost(rec.params, rec.flops, peak_activation_bytes(sub.eval(), example),
+                           classes=list(rec.classes)))
+    return Recipe("class-parallel", [s.name for s in specs], specs, infos)
+
+
+def _worker_fields(worker: dict, spec) -> dict[str, Any]:
+    return {"device": worker.get("device"), "runtime": worker.get("runtime"),
+            "threads": spec.threads, "worker": worker.get("name"), "node": worker.get("node")}
+
+
+def start_serve_pool(artifact: Artifact, *, device: str, runtime: str, threads: int,
+                     settings: GatewaySettings, ray_address: str | None,
+                     log_path: Path) -> GatewayProcess:
+    """Class parallel as the Ray Serve application: ``sensai serve ART --backend ray-serve``
+    in a process of its own on 127.0.0.1 (its own local Ray instance unless ``ray_address``),
+    with the run's device, runtime, threads and gateway settings; returns once it is ready."""
+    env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
+           "SENSAI_THREADS_PER_WORKER": str(threads), "SENSAI_MODEL_NAME": settings.model_name,
+           "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake}
+    if ray_address:
+        env["SENSAI_RAY_ADDRESS"] = ray_address
+    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend="ray-serve",
+                             deadline_s=settings.deadline_s, env=env, log_path=log_path)
+    try:
+        gateway.launch()
+        gateway.wait_ready(SERVE_STARTUP_S)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def served_workers(url: str) -> list[dict[str, Any]]:
+    """The workers a gateway describes (``GET /v1/models``), as a predictor's ``describe()``."""
+    workers = (served(url, timeout_s=30.0).get("predictor") or {}).get("workers")
+    if not isinstance(workers, list):
+        raise SensaiError(f"the gateway at {url} did not describe its workers (GET /v1/models)")
+    return workers
+
+
+def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
+          threads: int, settings: GatewaySettings, ray_address: str | None = None,
+          key: str | None = None, spread_cores: bool = False,
+          log_dir: Path | None = None) -> Strategy:
+    """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
+    recipe's) names class parallel on a further backend.  Backend ``triton``: a
+    ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backend
+    ``ray-serve``: the Ray Serve application in a ``sensai serve`` process of its own
+    (:func:`start_serve_pool`, its log in ``log_dir``), stopped with the strategy and timed
+    over HTTP only (bench.json's ``untimed_transports`` says why)."""
+    key = key or recipe.key
+    parallel = recipe.key == "class-parallel"
+    if parallel:
+        devices = worker_devices(len(recipe.specs), device)
+    else:
+        devices = [s.device for s in recipe.specs]
+    triton = gateway = None
+    with MemoryProbe(devices) as probe:
+        if parallel and backend == "ray-serve":
+            gateway = start_serve_pool(artifact, device=device, runtime=runtime,
+                                       threads=threads, settings=settings,
+                                       ray_address=ray_address,
+                                       log_path=Path(log_dir or ".") / f"gateway-{key}.log")
+            try:
+                described = served_workers(gateway.url)
+            except BaseException:
+                gateway.stop()
+                raise
+            predictor = None
+        elif parallel:
+            triton = launch_triton(artifact.root, threads=threads) if backend == "triton" else None
+            try:
+                # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
+                predictor = build_predictor(
+                    artifact.root, backend=backend, device=device, runtime=runtime,
+                    threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
+                    hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
+                    triton_url=triton.url if triton else None,
+                    keep_awake=settings.keep_cores_awake, spread_cores=spread_cores)
+            except BaseException:
+                if triton is not None:
+                    triton.stop()
+                raise
+            described = predictor.describe()["workers"]
+        else:
+            workers = WorkerSet(recipe.names, recipe.specs)
+            predictor = BASELINES[key](workers, artifact.spec, key,
+                                       deadline_s=settings.deadline_s)
+            described = workers.describe()
+    per_worker = [dict(info, name=name, **_worker_fields(w, spec))
+                  for info, name, w, spec in zip(recipe.workers, recipe.names, described,
+                                                 recipe.specs)]
+    info = {
+        "label": label(key),
+        "workers": len(per_worker),
+        "backend": backend if parallel else "local",
+        "per_worker": per_worker,
+        "params_max_per_worker": max(w["params"] for w in per_worker),
+        "flops_max_per_worker": max(w["flops"] for w in per_worker),
+        "params_total": sum(w["params"] for w in per_worker),
+        "flops_total": sum(w["flops"] for w in per_worker),
+        "memory": probe.figures,
+        "transports": {},
+    }
+    if gateway is not None:
+        info["gateway"] = {"command": gateway.command(), "url": gateway.url,
+                           "startup_s": gateway.startup_s, "log": str(gateway.log_path)}
+        info["untimed_transports"] = dict(UNTIMED_TRANSPORTS[backend])
+        return Strategy(key, None, recipe, info, gateway.stop, gateway.url)
+    return Strategy(key, predictor, recipe, info, triton.stop if triton else None)

@@ -1,0 +1,216 @@
+"""Gateway settings: defaults, overridden by ``SENSAI_*`` environment variables, then by the CLI.
+
+:class:`GatewaySettings` is the one place each setting has a name, an environment variable
+(``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags,
+the Ray Serve application embeds it in its arguments (:mod:`.ray_app`), and
+:func:`~sensai.serving.launch.build.build_predictor` validates its keywords against it.  Every field is
+documented in deploy/README.md ("Settings"; a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sensai.errors import SensaiError
+
+from ..gateway.repository import VersionPolicy
+from .wakeup import MODES
+
+BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# How a subnet runs: see serving/runners.py (auto picks per device).
+RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
+ENV_PREFIX = "SENSAI_"
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
+                                      protected_namespaces=())
+
+    model_name: str = Field("sensai", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                            description="name served under the KServe v2 API")
+    backend: str = Field("local", pattern=f"^({'|'.join(BACKENDS)})$",
+                         description="where the workers run: local (threads of the gateway), "
+                                     "processes, ray (actors), triton, ray-serve (the Ray "
+                                     "Serve application, gateway included; sensai serve only)")
+    workers: int | None = Field(None, ge=1, description="workers (default: one per group)")
+    redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic placement)")
+    vote: bool = Field(False, description="decide a group by r+1 agreeing of 2r+1 copies")
+    hedge_ms: float = Field(0.0, ge=0, description="a worker waits up to this long before "
+                            "computing copies, skipped if their group is answered meanwhile")
+    restart_delay_s: float = Field(0.0, ge=0, description="wait before restarting a dead worker")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="larger requests get 413")
+    max_image_pixels: int | None = Field(
+        None, ge=1, description="width x height limit of an uploaded image (default: 4096 x the "
+                                "model's input pixels, between 4 and 25 million)")
+    max_decoded_bytes: int | None = Field(
+        None, ge=1024, description="memory an uploaded image may take decoded (width x height x "
+                                   "bytes per pixel; default: 4 bytes per pixel of the image "
+                                   "size limit, an 8-bit RGBA picture of the largest size)")
+    max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
+                              "metrics excepted); beyond it: 503 with Retry-After")
+    max_predictions: int = Field(32, ge=1, description="most requests in the predictor at once "
+                                 "(the adaptive limit's ceiling); as many more may wait, up to "
+                                 "their deadline; beyond: 503 (ray-serve: shared by its gateway "
+                                 "processes)")
+    latency_target_s: float | None = Field(
+        None, gt=0, description="waiting for the predictor plus predicting: the predictor's "
+                                "limit adapts (AIMD) so that at most 1 request in 20 takes "
+                                "longer (default: a quarter of the deadline)")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
+                                  "this long (408)")
+    max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "
+                                  "and headers) over this: 431, connection closed")
+    head_timeout_s: float = Field(10.0, gt=0, description="a request head must arrive within "
+                                  "this long of its first byte or of the connection (408)")
+    max_connections: int = Field(1000, ge=1, description="open connections; one more gets 503 "
+                                 "with Retry-After and is closed")
+    max_loop_lag_s: float | None = Field(
+        None, gt=0, description="while the event loop runs this late, new requests get 503 at "
+                                "once (default: a quarter of the deadline, at most 0.25 s)")
+    max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
+    batch_max_rows: int = Field(8, ge=1, description="most image rows a worker runs as one batch "
+                                "of the requests it finds waiting (1: one request at a time; "
+                                "a larger v2 batch still runs whole, alone)")
+    batch_delay_us: float = Field(0.0, ge=0, description="how long a worker may hold a request "
+                                  "back waiting for company (0: it batches only what is queued "
+                                  "already, a request alone never waits)")
+    deadline_s: float = Field(5.0, gt=0, description="deadline of a whole request, from its "
+                              "arrival (body, decoding, waiting, the subnets)")
+    hang_timeout_s: float | None = Field(
+        None, gt=0, description="a worker with work in flight that answers nothing for this long "
+                                "is restarted (default: max(10 s, 2 x deadline))")
+    threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each subnet runner")
+    default_top_k: int = Field(5, ge=1)
+    runtime: str = Field("auto", pattern=f"^({'|'.join(RUNTIMES)})$",
+                         description="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    trust_model_code: bool = Field(False, description="allow the torch runtime to import an "
+                                   "architecture the manifest names as package.module:factory")
+    ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
+    ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
+                                   "an even share when the cluster has fewer)")
+    gateway_replicas: int = Field(1, ge=1, description="ray-serve: gateway processes, the "
+                                  "Serve application's ingress replicas, sharing the port on a "
+                                  "node")
+    gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
+                                       "replica (default: 1, or a worker's share when that is "
+                                       "less)")
+    triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
+    keep_cores_awake: str = Field(
+        "off", pattern=f"^({'|'.join(MODES)})$",
+        description="host tuning, opt-in: while serving, ask the kernel that idle cores poll "
+                    "instead of sleeping deeply (PM QoS, /dev/cpu_dma_latency, root only): off, "
+                    "auto (when this process may), on (or refuse to start)")
+    spread_cores: bool = Field(
+        False, description="host tuning, opt-in (local backend): move a worker thread to "
+                           "another core when it ran a request on the same core as another "
+                           "worker of that request (sched_setaffinity)")
+    model_control: str = Field(
+        "none", pattern="^(none|explicit|poll)$",
+        description="a model repository's control API (/v2/repository/...): none (off), "
+                    "explicit (index, load, unload), poll (index; the files are watched)")
+    repository_poll_s: float = Field(15.0, gt=0, description="model_control poll: how often "
+                                     "the repository is looked at")
+    version_policy: str = Field("latest:1", description="which versions of each repository "
+                                "model are served: latest[:N], all, specific:V[,V...] (a model's "
+                                "own sensai-model.json overrides it)")
+    repository_token: str | None = Field(
+        None, min_length=16, description="a bearer token the repository API then asks for; "
+                                         "without one it answers loopback clients only")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535,
+                                  description="also serve KServe v2 over gRPC on this port, same "
+                                              "host (None: off; 0: the kernel picks one)")
+    log_level: str = Field("info", pattern=f"^({'|'.join(LOG_LEVELS)})$",
+                           description="the HTTP server's log level")
+
+    @field_validator("keep_cores_awake", mode="before")
+    @classmethod
+    def yaml_on_off(cls, v):
+        # YAML 1.1 reads an unquoted on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def check_triton(self) -> "GatewaySettings":
+        # Refused before anything starts (Ray, Triton, workers).
+        if self.backend == "triton" and (self.redundancy or self.vote or self.hedge_ms):
+            raise ValueError("redundancy, vote and hedge_ms need workers that host several "
+                             "subnets; Triton runs one model per subnet (use the local, "
+                             "processes or ray backend)")
+        return self
+
+    @field_validator("version_policy")
+    @classmethod
+    def known_policy(cls, v: str) -> str:
+        try:
+            return str(VersionPolicy.parse(v))
+        except SensaiError as e:
+            raise ValueError(str(e)) from None
+
+    def image_pixels(self, input_shape) -> int:
+        """The image size limit: as set, or the largest picture worth decoding for a model of
+        this input size - 4,096 times its pixels, between 4 and 25 megapixels (a phone photo of
+        a shirt for a 28x28 model)."""
+        if self.max_image_pixels is not None:
+            return self.max_image_pixels
+        _, h, w = input_shape
+        return int(min(25_000_000, max(4_000_000, 4096 * h * w)))
+
+    def decoded_bytes(self, input_shape) -> int:
+        """The decoded-memory limit of one uploaded image: as set, or what the largest allowed
+        picture takes as 8-bit RGBA (deeper or larger-per-pixel modes then get fewer pixels)."""
+        if self.max_decoded_bytes is not None:
+            return self.max_decoded_bytes
+        return 4 * self.image_pixels(input_shape)
+
+    def first_set(self, fields) -> str | None:
+        """The first of ``fields`` set to something other than its default (None: none is)."""
+        defaults = type(self).model_fields
+        return next((f for f in fields if getattr(self, f) != defaults[f].default), None)
+
+    def hang_timeout(self) -> float:
+        return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)
+
+
+BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+          "less_than_equal": "<="}
+
+
+def number(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
+def explain(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """The first error of ``e`` in one line, the setting called by the name its user knows it by
+    (``names``: field -> e.g. its CLI flag; default: the field's own name)."""
+    first = e.errors()[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    field = loc[-1] if loc else ""
+    name = (names or {}).get(field) or ".".join(loc)
+    ctx = first.get("ctx") or {}
+    op = BOUNDS.get(first.get("type", ""))
+    if op and ctx:
+        return f"{name} must be {op} {number(next(iter(ctx.values())))}, got " \
+               f"{number(first.get('input'))}"
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    return f"invalid setting {name}: {msg}" if name else msg
+
+
+def setting_name(field: str, names: Mapping[str, str] | None = None) -> str:
+    """A setting as its user gave it: the flag (``names``: field -> flag), else its environment
+    variable."""
+    return (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
+
+
+def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:
+    """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, or a
+    one-line :class:`SensaiError` naming the setting as ``names`` call it."""
+    try:
+        return GatewaySettings(**values)
+    except ValidationError as e:
+        raise SensaiError(explain(e, names)) from None

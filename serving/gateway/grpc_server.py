@@ -1,0 +1,347 @@
+"""The Open Inference Protocol (KServe v2) over gRPC, beside the HTTP gateway.
+
+The service is the one ``tritonclient`` ships (``tritonclient.grpc.service_pb2``), so
+``tritonclient.grpc.InferenceServerClient`` calls it unchanged.  It runs on the gateway's event
+loop (started and stopped by the app's lifespan when ``settings.grpc_port`` is set), on the same
+predictor, admission and whole-request deadline, and every inference goes through the gateway's
+own path (:func:`~sensai.serving.gateway.inference.v2_infer` -> :func:`~sensai.serving.gateway.inference.predict`):
+this module only converts messages and errors.  Implemented: ``ServerLive``, ``ServerReady``,
+``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (tensors in
+``raw_input_contents`` or typed ``contents``; outputs always in ``raw_output_contents``) and the
+repository's ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload`` (asked for
+what HTTP asks, :func:`~sensai.serving.gateway.repository_api.check_access`); the other methods answer
+UNIMPLEMENTED.
+
+Errors map to status codes by their HTTP status (:data:`CODES`): 400 INVALID_ARGUMENT, 404
+NOT_FOUND, 413 RESOURCE_EXHAUSTED (what gRPC itself answers for a message over
+``max_receive_message_length``), 503 UNAVAILABLE - overload (trailing metadata ``retry-after``)
+and missing classes (named in the message and in trailing metadata ``missing-classes``) alike,
+as both are worth a retry - and 504 DEADLINE_EXCEEDED.  Bad input is never UNKNOWN or INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from sensai.errors import SensaiError
+
+from ..core.contract import Prediction
+from ..core.errors import InputError, Overloaded, ServingError
+from . import oip
+from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
+                        v2_model_metadata, v2_server_metadata, version_ready)
+from .repository_api import check_access
+from .served import ModelVersion
+
+log = logging.getLogger(__name__)
+
+SERVICE = "/inference.GRPCInferenceService/"
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+         403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+         408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+         415: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
+         503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+# The typed field of InferTensorContents that carries each datatype (FP16 has none: raw only).
+TYPED = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+         "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+         "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+         "FP32": "fp32_contents", "FP64": "fp64_contents"}
+# Typed contents above this many elements are converted in a thread (as HTTP parses JSON).
+INLINE_ELEMENTS = INLINE_PARSE_BYTES // 4
+GRACE_S = 5.0
+
+
+# --------------------------------------------------------------------------------------------
+# Messages <-> the protocol's request and response
+
+
+def parameters(params) -> dict[str, Any]:
+    """A protobuf ``map<string, InferParameter>`` as plain values."""
+    out = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which else None
+    return out
+
+
+def _set_parameter(p: pb.InferParameter, value: Any) -> None:
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def _tensor(t, raw: bytes | None, k: int, max_elements: int) -> oip.InputTensor:
+    if not t.name:
+        raise InputError(f"input {k}: 'name' must be a non-empty string")
+    where = f"input {t.name!r}"
+    if t.datatype not in oip.DTYPES:
+        raise InputError(f"{where}: unsupported datatype {t.datatype!r} "
+                         f"(one of {', '.join(oip.DTYPES)})")
+    dt = oip.DTYPES[t.datatype]
+    field = TYPED.get(t.datatype)
+    # No shape may claim more elements than a message can carry (the HTTP rule, shared); the
+    # exact count is checked against what was sent below.
+    shape = oip.bounded_shape(list(t.shape), where, max_elements)
+    n = oip.num_elements(shape)
+    if raw is not None:
+        if t.HasField("contents"):
+            raise InputError(f"{where}: data both in raw_input_contents and in contents")
+        if len(raw) != n * dt.itemsize:
+            raise InputError(f"{where}: shape {shape} of {t.datatype} needs {n * dt.itemsize:,} "
+                             f"bytes, its raw_input_contents has {len(raw):,}")
+        return oip.InputTensor(t.name, t.datatype, shape, np.frombuffer(raw, dt).reshape(shape))
+    if field is None:
+        raise InputError(f"{where}: send {t.datatype} data in raw_input_contents")
+    values = getattr(t.contents, field)
+    if len(values) != n:
+        raise InputError(f"{where}: shape {shape} needs {n:,} elements, contents.{field} has "
+                         f"{len(values):,}")
+    try:
+        arr = np.array(values, dtype=dt).reshape(shape)
+    except (OverflowError, ValueError) as e:
+        raise InputError(f"{where}: values do not fit {t.datatype}: {e}") from None
+    return oip.InputTensor(t.name, t.datatype, shape, arr)
+
+
+def _requested(o) -> oip.RequestedOutput:
+    k = parameters(o.parameters).get("classification", 0)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise InputError(f"output {o.name!r}: classification must be a count >= 0")
+    return oip.RequestedOutput(o.name, True, k)
+
+
+def infer_request(msg: pb.ModelInferRequest, max_elements: int) -> oip.InferRequest:
+    """A ``ModelInferRequest`` as the protocol's request, every tensor checked against the bytes
+    or values that carry it (so no shape can claim more than the message holds)."""
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(msg.inputs)} "
+                         "inputs (one per input, or none)")
+    inputs = [_tensor(t, raw[k] if raw else None, k, max_elements)
+              for k, t in enumerate(msg.inputs)]
+    outputs = [_requested(o) for o in msg.outputs] or None  # none asked for: all of them
+    return oip.InferRequest(msg.id or None, inputs, outputs, True, parameters(msg.parameters))
+
+
+def typed_elements(msg: pb.ModelInferRequest) -> int:
+    fields = set(TYPED.values())
+    return sum(len(getattr(t.contents, f)) for t in msg.inputs for f in fields)
+
+
+def _raw(arr: np.ndarray, datatype: str) -> bytes:
+    if datatype == "BYTES":  # each element: its length (uint32 LE), then its bytes
+        return b"".join(struct.pack("<I", len(s)) + s for s in arr.reshape(-1))
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+
+
+def infer_response(mv: ModelVersion, msg: pb.ModelInferRequest, pred: Prediction,
+                   outputs: list[tuple[str, np.ndarray, bool]]) -> pb.ModelInferResponse:
+    resp = pb.ModelInferResponse(model_name=mv.name, model_version=mv.version, id=msg.id)
+    for key, value in oip.response_parameters(pred).items():
+        _set_parameter(resp.parameters[key], value)
+    for out_name, arr, _ in outputs:
+        datatype = oip.v2_datatype(arr)
+        resp.outputs.add(name=out_name, datatype=datatype, shape=list(arr.shape))
+        resp.raw_output_contents.append(_raw(arr, datatype))
+    return resp
+
+
+def _tensor_metadata(items: list[dict]) -> list:
+    return [pb.ModelMetadataResponse.TensorMetadata(name=t["name"], datatype=t["datatype"],
+                                                    shape=t["shape"]) for t in items]
+
+
+# --------------------------------------------------------------------------------------------
+# The service
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """The gateway's v2 routes as gRPC methods: admission, deadline, metrics and errors as HTTP
+    has them (``ServerLive``/``ServerReady`` are never turned away, like ``/v2/health/*``)."""
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    async def _serve(self, method: str, context, work: Callable[[float], Awaitable[Any]], *,
+                     gated: bool = True) -> Any:
+        gw, metrics = self.gw, self.gw.metrics
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        budget, remaining = gw.settings.deadline_s, context.time_remaining()
+        deadline = loop.time() + (budget if remaining is None else min(budget, remaining))
+        status, reason, admitted = 200, None, False
+        metrics.inflight.inc()
+        try:
+            if gated:
+                if not gw.admission.admit():
+                    reason, why = gw.admission.refusal()
+                    raise Overloaded(why, reason=reason)
+                admitted = True
+            return await work(deadline)
+        except asyncio.CancelledError:  # the client went away or its deadline passed
+            status, reason = 499, "cancelled"
+            raise
+        except SensaiError as e:
+            exc = e if isinstance(e, ServingError) else InputError(str(e))
+            status, reason = exc.status, type(e).__name__
+            count_error(gw, exc)
+            await self._abort(context, exc)
+        except Exception as e:
+            log.exception("gRPC %s failed", method)
+            status, reason = 500, "internal"
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error ({type(e).__name__}); see the server log")
+        finally:
+            if admitted:
+                gw.admission.release()
+            metrics.inflight.dec()
+            route = SERVICE + method
+            metrics.observe_request(route, "GRPC", str(status), time.perf_counter() - t0)
+            if status >= 400:
+                metrics.errors.labels(route, str(status), reason).inc()
+
+    @staticmethod
+    async def _abort(context, exc: ServingError) -> None:
+        trailer = []
+        if exc.retry_after is not None:
+            trailer.append(("retry-after", f"{max(1, round(exc.retry_after))}"))
+        if exc.missing_classes:
+            trailer.append(("missing-classes", json.dumps(exc.missing_classes)))
+        if trailer:
+            context.set_trailing_metadata(tuple(trailer))
+        code = CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT if exc.status < 500
+                         else grpc.StatusCode.UNAVAILABLE)
+        await context.abort(code, str(exc))
+
+    # -- health and metadata
+
+    async def ServerLive(self, request, context):
+        async def work(_):
+            return pb.ServerLiveResponse(live=True)
+        return await self._serve("ServerLive", context, work, gated=False)
+
+    async def ServerReady(self, request, context):
+        async def work(_):
+            return pb.ServerReadyResponse(ready=await asyncio.to_thread(server_ready, self.gw))
+        return await self._serve("ServerReady", context, work, gated=False)
+
+    async def ModelReady(self, request, context):
+        async def work(_):
+            mv = self.gw.models.route(request.name, request.version or None)
+            return pb.ModelReadyResponse(ready=await asyncio.to_thread(version_ready, mv))
+        return await self._serve("ModelReady", context, work)
+
+    async def ServerMetadata(self, request, context):
+        async def work(_):
+            return pb.ServerMetadataResponse(**v2_server_metadata(self.gw))
+        return await self._serve("ServerMetadata", context, work)
+
+    async def ModelMetadata(self, request, context):
+        async def work(_):
+            m = v2_model_metadata(self.gw, self.gw.models.route(request.name,
+                                                                request.version or None))
+            return pb.ModelMetadataResponse(
+                name=m["name"], versions=m["versions"], platform=m["platform"],
+                inputs=_tensor_metadata(m["inputs"]), outputs=_tensor_metadata(m["outputs"]))
+        return await self._serve("ModelMetadata", context, work)
+
+    # -- inference
+
+    async def ModelInfer(self, request, context):
+        gw = self.gw
+
+        async def work(deadline: float):
+            name, version = request.model_name, request.model_version or None
+            gw.models.route(name, version)  # an unknown model is told before its parsing
+            if typed_elements(request) <= INLINE_ELEMENTS:
+                req = infer_request(request, gw.settings.max_body_bytes)
+            else:
+                async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
+                    req = await asyncio.to_thread(infer_request, request,
+                                                  gw.settings.max_body_bytes)
+            async with gw.models.hold(name, version) as mv:
+                pred, outputs = await v2_infer(gw, mv, req, deadline, f"gRPC {req.id or ''}")
+            return infer_response(mv, request, pred, outputs)
+        return await self._serve("ModelInfer", context, work)
+
+    # -- the model repository (KServe v2 repository extension, as Triton's)
+
+    def _check_access(self, context, changes: bool) -> None:
+        peer = context.peer() or ""  # "ipv4:127.0.0.1:51234", "ipv6:[::1]:51234"
+        host = peer.partition(":")[2].rpartition(":")[0]
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        check_access(self.gw.settings, client=host, authorization=auth, changes=changes)
+
+    async def RepositoryIndex(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=False)
+            rows = self.gw.models.index(ready_only=request.ready)
+            return pb.RepositoryIndexResponse(models=[
+                pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+        return await self._serve("RepositoryIndex", context, work, gated=False)
+
+    async def RepositoryModelLoad(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=True)
+            if request.parameters:
+                raise InputError("load takes no parameters: a new version is a new folder in "
+                                 "the repository")
+            await self.gw.models.load(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+        return await self._serve("RepositoryModelLoad", context, work, gated=False)
+
+    async def RepositoryModelUnload(self, request, context):
+        async def work(_):
+            self._check_access(context, changes=True)
+            await self.gw.models.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+        return await self._serve("RepositoryModelUnload", context, work, gated=False)
+
+
+class GrpcServer:
+    """The service on ``host:port`` (0: the kernel's choice, then in :attr:`port`), on the running
+    event loop.  Messages over the gateway's ``max_body_bytes`` are refused by gRPC itself."""
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> "GrpcServer":
+        limit = self.gw.settings.max_body_bytes
+        # SO_REUSEPORT (gRPC's default on Linux) would let a second server share a busy port.
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                          ("grpc.so_reuseport", 0)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gw), server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise SensaiError(f"cannot serve gRPC on {address}: {e}") from None
+        if not bound:
+            raise SensaiError(f"cannot serve gRPC on {address} (is the port in use?)")
+        await server.start()
+        self.server, self.port = server, bound
+        log.debug("serving KServe v2 over gRPC on %s:%d", host, bound)
+        return self
+
+    async def stop(self, grace_s: float = GRACE_S) -> None:
+        """In-flight calls get ``grace_s`` to finish; new ones are refused at once."""
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None

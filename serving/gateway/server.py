@@ -1,0 +1,178 @@
+"""The gateway under uvicorn: in the foreground (``sensai serve``), in a background thread (the
+benchmark, the demo, tests, notebooks), or on the event loop that already runs the app (the Ray
+Serve ingress replica's own port)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+import time
+from typing import Awaitable, TypeVar
+
+import uvicorn
+
+from sensai.errors import SensaiError
+
+from ..core.settings import GatewaySettings
+from .http_protocol import ConnectionLimits, http_protocol
+from .middleware import early_gate
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run_like_the_gateway(main: Awaitable[T]) -> T:
+    """``asyncio.run(main)`` on the event loop uvicorn gives the gateway (its own choice for
+    the gateway's config: uvloop when installed, whose thread hand-offs are cheaper): what calls
+    a predictor in process (the benchmark) measures it as the gateway runs it."""
+    with asyncio.Runner(loop_factory=uvicorn_config(None).get_loop_factory()) as runner:
+        return runner.run(main)
+
+
+def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                   graceful_s: float = 10.0, lifespan: str = "on") -> uvicorn.Config:
+    """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
+    settings before any request is admitted (:mod:`~sensai.serving.gateway.http_protocol`)."""
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
+    gate = early_gate(gateway) if gateway is not None else None
+    count = gateway.metrics.rejected_connection if gateway is not None else None
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
+                          access_log=False, timeout_graceful_shutdown=graceful_s,
+                          http=http_protocol(limits, gate, count),
+                          h11_max_incomplete_event_size=limits.max_header_bytes)
+
+
+def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
+                graceful_s: float = 10.0) -> None:
+    """Serve ``app`` in this thread until SIGINT/SIGTERM, then shut down gracefully (the app's
+    shutdown closes the predictor) and return normally."""
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                           graceful_s=graceful_s))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal against the
+    # handlers installed before it; these make that a normal exit (status 0).
+    stopped = []
+    old = {s: signal.signal(s, lambda signum, frame: stopped.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if stopped:
+        log.info("stopped by %s", signal.Signals(stopped[0]).name)
+
+
+def listening_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn (which listens on it), ``shared`` with other
+    processes that bind it the same way (SO_REUSEPORT); OSError when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class BackgroundServer:
+    """``app`` under uvicorn on 127.0.0.1 in a daemon thread; the port is the kernel's choice
+    (bound before uvicorn starts, so no other process can take it meanwhile)."""
+
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", startup_timeout_s: float = 60.0):
+        self.host = host
+        self.sock = listening_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(app, host=host, port=self.port,
+                                                    log_level=log_level, graceful_s=5.0))
+        self.startup_timeout_s = startup_timeout_s
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="sensai-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                self.sock.close()
+                raise SensaiError(f"the gateway failed to start on {self.host}:{self.port}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SensaiError(f"the gateway did not start within {self.startup_timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EmbeddedServer:
+    """``app`` under uvicorn on the event loop that already runs it, whose lifespan someone else
+    runs (the Ray Serve ingress replica: Serve runs the app and its lifespan, this serves it on
+    the replica's own port too, past Serve's proxy).  The socket has SO_REUSEPORT, so several
+    replicas on one node, or an old and a new one during a rolling update, share the port and
+    the kernel spreads the connections over them."""
+
+    def __init__(self, app, host: str, port: int):
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn_config(app, host=host, port=port, graceful_s=5.0,
+                                                    lifespan="off"))
+        # Signals belong to the process that embeds the server (uvicorn would take them when
+        # the loop runs on the main thread).
+        self.server.capture_signals = contextlib.nullcontext
+        self.task: asyncio.Task | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """Why the server stopped serving on its own (None while it serves)."""
+        if self.task is None or not self.task.done() or self.server.should_exit:
+            return None
+        e = None if self.task.cancelled() else self.task.exception()
+        return f"the gateway's server on {self.host}:{self.port} stopped" + (f": {e}" if e else "")
+
+    async def start(self, timeout_s: float = 30.0) -> "EmbeddedServer":
+        try:
+            sock = listening_socket(self.host, self.port, shared=True)
+        except OSError as e:
+            raise SensaiError(f"cannot listen on {self.host}:{self.port}: "
+                              f"{e.strerror or e}") from None
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self.task.done() or time.monotonic() > deadline:
+                await self.stop()
+                sock.close()
+                raise SensaiError(f"the gateway's server on {self.host}:{self.port} did not "
+                                  "start")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        """Stop accepting, let the requests in flight finish (a few seconds at most)."""
+        self.server.should_exit = True
+        if self.task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self.task

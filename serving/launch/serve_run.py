@@ -1,0 +1,218 @@
+"""A Ray Serve application run by this process: ``sensai serve ART --backend ray-serve`` (the
+application of :mod:`.ray_app`, the one ``serve run deploy/ray-serve.yaml`` and KubeRay run) and
+the benchmark's plain Ray Serve peer.
+
+:func:`launch` joins the Ray cluster named (``--ray-address`` / ``RAY_ADDRESS``), else starts a
+local instance on 127.0.0.1 (:func:`sensai.raycluster.connect`, as the ``ray`` backend does);
+refuses a cluster where Serve already runs (its proxy's address is not ours to choose, its
+applications not ours to stop); starts Serve, with its HTTP proxy on the host and port asked or,
+for ``sensai serve``'s application (:meth:`ServeRun.serve`, which serves on that address
+itself: Serve's proxy would cost every request two more hops), with none; runs the application
+at route ``/``; and returns once a route answers 200 there.
+:meth:`ServeRun.stop` deletes the application, shuts Serve down, and Ray when :func:`launch`
+started or joined it.  Ray is imported only after :func:`~sensai.raycluster.connect` (which must
+set Ray's loopback switch before the import).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from sensai.errors import SensaiError
+from sensai.raycluster import connect, error_text
+
+from ..core.settings import GatewaySettings, setting_name
+from .child import wait_ready
+
+log = logging.getLogger(__name__)
+
+READY = "/v2/health/ready"
+STARTUP_TIMEOUT_S = 300.0
+# Settings the Serve application cannot honour, and why: refused rather than ignored.
+NOT_ON_SERVE = {
+    "grpc_port": "the Serve ingress has no gRPC server",
+    "spread_cores": "it moves the local backend's worker threads",
+    "restart_delay_s": "Serve restarts replicas itself",
+    "hang_timeout_s": "Serve watches and restarts replicas itself",
+    "triton_url": "it is the triton backend's",
+}
+# And those it honours only on the ingress's own port (``own_port``), not behind Serve's proxy.
+PROXY_HELD = {
+    "max_connections": "connections are held by Serve's HTTP proxy",
+    "max_header_bytes": "request heads are read by Serve's HTTP proxy",
+    "head_timeout_s": "request heads are read by Serve's HTTP proxy",
+}
+
+
+def check_serve_settings(settings: GatewaySettings, names: Mapping[str, str] | None = None, *,
+                         own_port: bool) -> None:
+    """One line for the first setting the Serve application cannot honour that is set
+    (``names``: field -> the flag it was given by; else its environment variable);
+    ``own_port``: whether the ingress serves on its own port (as ``sensai serve`` runs it)."""
+    refused = NOT_ON_SERVE if own_port else NOT_ON_SERVE | PROXY_HELD
+    field = settings.first_set(refused)
+    if field is not None:
+        raise SensaiError(f"{setting_name(field, names)} does not apply to --backend ray-serve "
+                          f"({refused[field]})")
+
+
+class ServeRun:
+    """An application this process runs on Ray Serve: created connected to Ray (a new local
+    instance, or the cluster named), :meth:`start` runs the application; its ``url`` and
+    :meth:`stop`."""
+
+    def __init__(self, ray_address: str | None = None):
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        self.own_ray = connect(ray_address)
+        self.name, self.url, self.own_serve = "", "", False
+
+    def start(self, build: Callable[[], tuple[str, Any]], *, host: str, port: int,
+              ready_path: str, proxy: bool = True,
+              startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServeRun":
+        """Run the application that ``build()`` returns with its name at route ``/``, served on
+        ``host:port`` by Serve's proxy (``proxy``), or else by the application itself (no
+        proxy); returns once ``ready_path`` answers 200 there.  What it started is stopped
+        when it fails."""
+        from ray import serve
+
+        self.url = f"http://{client_host(host)}:{port}"
+        try:
+            status = serve.status()
+            if status.proxies or status.applications:
+                raise SensaiError("Ray Serve already runs on this Ray cluster (stop it with "
+                                  "'serve shutdown', or use another cluster)")
+            self.own_serve = True
+            if proxy:
+                serve.start(http_options={"host": host, "port": port})
+            else:
+                serve.start(proxy_location="Disabled")
+            # serve.start sets Serve's logging up anew; serve.run's notices (it "connects to
+            # the existing Serve app", whose HTTP options it "will not apply") mislead here.
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+            self.name, app = build()
+            serve.run(app, name=self.name, route_prefix="/")
+            wait_ready(self.url + ready_path, startup_timeout_s,
+                       what="Ray Serve's proxy" if proxy else "the Serve application")
+            return self
+        except SensaiError:
+            self.stop()
+            raise
+        except Exception as e:
+            self.stop()
+            raise SensaiError(f"Ray Serve: {error_text(e)}") from None
+        except BaseException:
+            self.stop()
+            raise
+
+    def serve(self, artifact: str | Path, settings: GatewaySettings, *,
+              startup_timeout_s: float = STARTUP_TIMEOUT_S) -> "ServeRun":
+        """Run the application ``sensai serve ART --backend ray-serve`` runs: the artifact's
+        with ``settings``, its ingress serving on ``settings.host:port`` itself (Serve without
+        a proxy)."""
+        def build():
+            from .serve_app import APP_NAME, build_app  # Ray: imported once connected
+
+            return APP_NAME, build_app({"artifact": str(Path(artifact).resolve()),
+                                        "settings": settings.model_dump(), "own_port": True})
+
+        return self.start(build, host=settings.host, port=settings.port, ready_path=READY,
+                          proxy=False, startup_timeout_s=startup_timeout_s)
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if self.own_serve:
+            try:
+                if self.name:
+                    serve.delete(self.name)
+                serve.shutdown()
+            except Exception as e:  # best effort: Ray itself may already be gone
+                log.warning("stopping Ray Serve: %s", error_text(e))
+            self.own_serve = False
+        if self.own_ray:
+            ray.shutdown()
+            self.own_ray = False
+
+
+def client_host(host: str) -> str:
+    """The address a client on this machine reaches a server bound to ``host`` at."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else "[::1]" if host == "::" else \
+        f"[{host}]" if ":" in host else host
+
+
+def launch(build: Callable[[], tuple[str, Any]], *, host: str, port: int, ready_path: str,
+           ray_address: str | None = None,
+           startup_timeout_s: float = STARTUP_TIMEOUT_S) -> ServeRun:
+    """:class:`ServeRun` of the application ``build()`` returns, behind Serve's proxy (see
+    :meth:`ServeRun.start`)."""
+    return ServeRun(ray_address).start(build, host=host, port=port, ready_path=ready_path,
+                                       startup_timeout_s=startup_timeout_s)
+
+
+def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
+                   startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """``sensai serve ART --backend ray-serve``: the Serve application of the artifact with
+    ``settings``, its ingress on ``settings.host:port`` (no Serve proxy), until SIGTERM or
+    SIGINT; then the application, Serve (and Ray, when this process started it) are
+    stopped."""
+    check_serve_settings(settings, own_port=True)
+    run = ServeRun(settings.ray_address)
+    # Installed after Ray's own handlers, which would exit this process halfway through.
+    with StopSignals() as signals:
+        try:
+            run.serve(artifact, settings, startup_timeout_s=startup_timeout_s)
+            print(f"serving {artifact} as the Ray Serve application '{run.name}' on "
+                  f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+            signals.wait()
+        except KeyboardInterrupt:
+            # The port answers before start-up returns: a SIGTERM then (a supervisor that saw
+            # it ready) asks for the same clean stop as one after it; Ctrl-C stays an interrupt.
+            if signals.received != signal.SIGTERM:
+                raise
+        finally:
+            run.stop()
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (this process's main thread), while in the ``with``: before
+    :meth:`wait`, a ``KeyboardInterrupt`` (start-up is abandoned and cleaned up, as after
+    Ctrl-C; ``received`` says which); from then on, what :meth:`wait` returns on; later ones
+    ignored while stopping."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        # Plain flags, no lock: a handler runs on the main thread between any two bytecodes,
+        # so a lock it shares with that thread (an Event's) can be held already - by an
+        # earlier signal's handler, when SIGTERM comes twice - and it would wait forever.
+        self.waiting = self.stopped = False
+        self.received: int | None = None  # the first signal
+        self.old: dict = {}
+
+    def handler(self, signum, frame) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if self.waiting:
+            self.stopped = True
+        elif first:  # a later one would break off the clean-up the first one started
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "StopSignals":
+        self.old = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+    def wait(self) -> None:
+        self.waiting = True
+        while not self.stopped:
+            time.sleep(0.2)

@@ -1,0 +1,283 @@
+"""Runners: one network on one device, called with a numpy batch, answering numpy.
+
+Everything that executes a subnet, a model-parallel stage or a whole model for serving or the
+benchmark goes through a runner, so the strategies compare like with like.
+
+* :class:`OrtRunner` - ONNX Runtime; CPU by default (faster than torch eager at batch 1 on small
+  CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
+* :class:`TorchRunner` - torch eager.
+* :class:`~sensai.serving.workers.graphs.GraphRunner` - torch replayed from CUDA graphs: the default on
+  CUDA devices, falling back to eager (with a warning) where a network cannot be captured.
+
+A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
+it is built where the runner will live, and checks the file it loads against the manifest's hash
+there.  The device is picked at run time; nothing calls ``.cuda()`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from sensai.artifact import Artifact, verify_bytes, verify_file
+from sensai.errors import CheckpointError, SensaiError
+from sensai.models import device_for_worker, is_factory_path
+
+from ..core.settings import RUNTIMES
+from .graphs import GraphCaptureError, GraphRunner, buckets_up_to
+
+log = logging.getLogger(__name__)
+
+
+
+def resolve_runtime(runtime: str, device: str, *, has_onnx: bool = True) -> str:
+    """``auto``: ONNX Runtime on CPUs (where an ONNX file exists), CUDA graphs on GPUs, torch
+    eager otherwise; an explicit runtime as given."""
+    if runtime != "auto":
+        return runtime
+    if str(device).startswith("cuda"):
+        return "cuda-graph"
+    return "onnx" if has_onnx else "torch"
+
+
+def torch_runner(model, *, device: str, runtime: str, name: str, input_shape: Sequence[int],
+                 batch_rows: int = 1) -> "Runner":
+    """The torch network as the runtime asks: CUDA graphs, one per batch-size bucket up to
+    ``batch_rows`` (``auto`` on a GPU falls back to eager, with a warning, when capture fails;
+    an explicit ``cuda-graph`` fails instead) or eager."""
+    chosen = resolve_runtime(runtime, device, has_onnx=False)
+    if chosen != "cuda-graph":
+        return TorchRunner(model, device=device, name=name)
+    try:
+        return GraphRunner(model, device=device, input_shape=input_shape, name=name,
+                           buckets=buckets_up_to(batch_rows))
+    except GraphCaptureError as e:
+        if runtime == "cuda-graph":
+            raise CheckpointError(f"{e}; use --runtime torch") from None
+        log.warning("%s; running it eagerly", e)
+        return TorchRunner(model, device=device, name=name)
+
+
+class Runner(Protocol):
+    name: str
+    device: str
+    runtime: str
+
+    def run(self, x: np.ndarray) -> np.ndarray: ...
+
+
+class OrtRunner:
+    runtime = "onnx"
+
+    def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
+                 name: str | None = None, num_outputs: int | None = None):
+        import onnxruntime as ort  # only the onnx runtime needs it
+
+        opts = ort.SessionOptions()
+        # One thread per worker: parallelism comes from running workers side by side, and
+        # intra-op threads of several sessions on few cores only fight each other.
+        opts.intra_op_num_threads = max(1, int(threads))
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        providers: list = ["CPUExecutionProvider"]
+        if device.startswith("cuda"):
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise CheckpointError("device is CUDA but onnxruntime has no "
+                                      "CUDAExecutionProvider (install onnxruntime-gpu or use the "
+                                      "torch runtime)")
+            index = int(device.split(":")[1]) if ":" in device else 0
+            providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+        what = name or (f"{len(onnx)} bytes of ONNX" if isinstance(onnx, bytes) else onnx)
+        try:
+            self.session = ort.InferenceSession(onnx if isinstance(onnx, bytes) else str(onnx),
+                                                sess_options=opts, providers=providers)
+        except Exception as e:  # onnxruntime raises its own types for unreadable graphs
+            raise CheckpointError(f"onnxruntime cannot load {what}: "
+                                  f"{str(e).splitlines()[0]}") from None
+        self.input_name = self.session.get_inputs()[0].name
+        out = self.session.get_outputs()[0]
+        self.output_name = out.name
+        width = out.shape[-1] if out.shape else None
+        if num_outputs is not None and isinstance(width, int) and width != num_outputs:
+            raise CheckpointError(f"{what} gives {width} outputs per image, the manifest "
+                                  f"says {num_outputs}")
+        self.name = name or (Path(onnx).stem if not isinstance(onnx, bytes) else "onnx")
+        self.device = device
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run([self.output_name], {self.input_name: x})[0]
+
+
+class TorchRunner:
+    runtime = "torch"
+
+    def __init__(self, model, *, device: str = "cpu", name: str = "model"):
+        import torch
+
+        self._torch = torch
+        self.device = device
+        dev = torch.device(device)
+        self.model = model.eval().to(dev)
+        self.name = name
+        # Its own stream, as the graph runner has: workers sharing a GPU overlap, not queue.
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        if not x.flags.writeable:
+            x = np.array(x)  # arrays from Ray or shared buffers are read-only; torch wants its own
+        with torch.inference_mode():
+            if self.stream is None:
+                return self.model(torch.from_numpy(x)).float().numpy()
+            with torch.cuda.stream(self.stream):
+                out = self.model(torch.from_numpy(x).to(self.device, non_blocking=True))
+                # .cpu() waits for this stream, so the caller's clock covers the computation.
+                return out.float().cpu().numpy()
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything needed to build one subnet's runner, picklable.
+
+    ``runtime="auto"``: ONNX Runtime when the device is a CPU and an ONNX file exists, CUDA
+    graphs on GPUs, torch eager otherwise (see :func:`resolve_runtime`).  The torch network is rebuilt from its
+    safetensors weights - nothing is unpickled; an architecture given as
+    ``package.module:factory`` is imported only with ``trust_code``.
+    """
+
+    name: str
+    input_shape: tuple[int, int, int]
+    device: str = "cpu"
+    runtime: str = "auto"
+    threads: int = 1
+    onnx_path: str | None = None
+    onnx_sha256: str | None = None
+    arch: str | None = None
+    num_outputs: int = 0
+    in_channels: int = 0
+    weights_path: str | None = None
+    weights_sha256: str | None = None
+    trust_code: bool = False
+    warmup: bool = True
+    batch_rows: int = 1  # the most rows its worker batches (CUDA graphs: one per bucket)
+    # The files' contents (bytes, or Ray object refs to them) for workers that may not see the
+    # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
+    onnx_blob: Any = None
+    weights_blob: Any = None
+
+    def resolved_runtime(self) -> str:
+        return resolve_runtime(self.runtime, self.device, has_onnx=bool(self.onnx_path))
+
+    def build(self) -> Runner:
+        if self.resolved_runtime() == "onnx":
+            if not self.onnx_path:
+                raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
+            if self.onnx_blob is not None:
+                onnx = verify_bytes(fetch(self.onnx_blob), self.onnx_sha256,
+                                    f"ONNX file of {self.name} ({self.onnx_path})")
+            else:
+                onnx = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
+            runner: Runner = OrtRunner(onnx, threads=self.threads, device=self.device,
+                                       name=self.name, num_outputs=self.num_outputs or None)
+        else:
+            # torch only on this branch: ONNX-only workers never import it.
+            import torch
+
+            from sensai.checkpoint import build_from_weights, load_weights
+
+            if not (self.arch and self.weights_path):
+                raise CheckpointError(f"{self.name} has no weights to build a torch runner from")
+            if self.device == "cpu":
+                # Several CPU workers in one process share torch's intra-op pool; keep it small
+                # so they do not oversubscribe the cores.
+                torch.set_num_threads(max(1, self.threads))
+            if self.weights_blob is not None:
+                from safetensors.torch import load as load_safetensors
+
+                data = verify_bytes(fetch(self.weights_blob), self.weights_sha256,
+                                    f"weights of {self.name} ({self.weights_path})")
+                state = load_safetensors(data)
+            else:
+                path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
+                state = load_weights(path, self.weights_sha256)
+            model = build_from_weights(self.arch, self.num_outputs, self.in_channels, state,
+                                       f"weights of {self.name} ({self.weights_path})",
+                                       trust_code=self.trust_code)
+            runner = torch_runner(model, device=self.device, runtime=self.runtime,
+                                  name=self.name, input_shape=self.input_shape,
+                                  batch_rows=self.batch_rows)
+        if self.warmup:
+            # The first run allocates buffers (and compiles kernels on GPUs); do it now so the
+            # first request does not pay for it.
+            runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
+        return runner
+
+    def shipped(self, put) -> "RunnerSpec":
+        """This spec with its files' contents attached (``put``: e.g. ``ray.put``), read and
+        checked here first."""
+        onnx = weights = None
+        if self.onnx_path:
+            onnx = put(verify_file(Path(self.onnx_path), self.onnx_sha256,
+                                   "ONNX file").read_bytes())
+        if self.weights_path and Path(self.weights_path).is_file():
+            weights = put(verify_file(Path(self.weights_path), self.weights_sha256,
+                                      "weights file").read_bytes())
+        return replace(self, onnx_blob=onnx, weights_blob=weights)
+
+    def describe(self) -> dict:
+        d = {k: v for k, v in fields_of(self).items() if k in ("name", "device", "threads")}
+        d["runtime"] = self.resolved_runtime()
+        return d
+
+
+def fields_of(spec: RunnerSpec) -> dict:
+    return {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+
+
+def fetch(blob) -> bytes:
+    """A shipped file's bytes: as given, or from Ray's object store (on a Ray worker)."""
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        return bytes(blob)
+    import ray  # only Ray ships object refs
+
+    return ray.get(blob)
+
+
+def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",
+                 threads: int = 1, trust_code: bool = False,
+                 batch_rows: int = 1) -> list[RunnerSpec]:
+    """One :class:`RunnerSpec` per subnet of an artifact, devices round robin over GPUs.
+
+    Refuses now, with one line, what would fail later: an unknown runtime, a missing file, and
+    an architecture that names code when the torch runtime would import it without consent."""
+    if runtime not in RUNTIMES:
+        raise SensaiError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    m = artifact.manifest
+    specs = []
+    if runtime == "cuda-graph" and not str(device).startswith("cuda") and device != "auto":
+        raise SensaiError(f"the cuda-graph runtime needs a CUDA device, not {device!r}")
+    for s in artifact.subnets:
+        spec = RunnerSpec(
+            name=s.name, input_shape=tuple(m.dataset.input_shape),
+            device=str(device_for_worker(s.index, device)), runtime=runtime, threads=threads,
+            onnx_path=str(s.onnx) if s.onnx else None, onnx_sha256=s.onnx_sha256, arch=m.model,
+            num_outputs=s.num_outputs, in_channels=m.in_channels, weights_path=str(s.weights),
+            weights_sha256=s.weights_sha256, trust_code=trust_code, batch_rows=batch_rows)
+        if spec.resolved_runtime() == "onnx":
+            if not (s.onnx and s.onnx.is_file()):
+                raise CheckpointError(f"ONNX file {s.onnx} of {s.name} does not exist")
+        else:
+            if not s.weights.is_file():
+                raise CheckpointError(f"weights file {s.weights} of {s.name} does not exist")
+            if is_factory_path(m.model) and not trust_code:
+                raise CheckpointError(
+                    f"the manifest's architecture {m.model!r} is code the torch runtime would "
+                    "import; pass --trust-model-code if you trust this artifact, or use the "
+                    "onnx runtime")
+        specs.append(spec)
+    return specs
