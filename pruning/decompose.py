@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 from sensai.artifact import load_artifact
 from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
 from sensai.cores import usable_cores
-from sensai.data import DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split, \
-    normalize, resolve_dataset, stratified_subset
+from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split,
+                         normalize, resolve_dataset, stratified_subset)
 from sensai.errors import CheckpointError, SensaiError
 from sensai.export import export_onnx
 from sensai.flops import count_flops
@@ -52,10 +52,12 @@ from sensai.merge import merge_outputs
 from sensai.models import count_params, select_device
 
 from .apoz import ChannelStats, collect_activation_stats
+from .errors import RetrainFailed
 from .grouping import group_classes, penultimate_features, plot_grouping
 from .iterative import step_policies
 from .jobs import RetrainProgress, ray_or_in_process, run_in_process, run_on_ray
-from .prune import ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
+from .prune import (ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head,
+                    prune_to_policy)
 from .report import write_report
 from .retrain import RetrainSettings, retrain_plan, retrain_state, soft_targets
 from .workdir import Layout, Stages, file_ok, prepare_out, read_json
@@ -193,14 +195,6 @@ class DecomposeConfig:
     def from_dict(cls, d: dict[str, Any]) -> "DecomposeConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
-
-
-class RetrainFailed(SensaiError):
-    """One or more subnets could not be retrained; the others are saved."""
-
-    def __init__(self, message: str, failures: dict[int, str]):
-        super().__init__(message)
-        self.failures = failures
 
 
 # --------------------------------------------------------------------------------------------

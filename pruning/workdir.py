@@ -13,11 +13,9 @@ from sensai.errors import SensaiError
 from sensai.fsutil import sha256_file, write_json_atomic
 from sensai.manifest import MANIFEST
 
+from .errors import SettingsMismatch
+
 STAGES = ("grouping", "stats", "prune", "retrain", "export", "evaluate", "artifact")
-
-
-class SettingsMismatch(SensaiError):
-    """The output directory holds a decomposition made with other settings."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torchvision.models import mobilenet_v2 as tv_mobilenet_v2
 from torchvision.models import resnet18 as tv_resnet18
 from torchvision.models.resnet import BasicBlock as TVBasicBlock
 
-from .models import register_model
+from .registry import register_model
 
 
 def _conv_bn_relu(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:

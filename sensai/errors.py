@@ -20,3 +20,7 @@ class CheckpointError(SensaiError):
 
 class UnknownModelError(SensaiError):
     """A model name that the registry does not know."""
+
+
+class ExportError(SensaiError):
+    """An ONNX file could not be written or does not compute what the torch model computes."""

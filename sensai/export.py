@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import SensaiError
+from .errors import ExportError
 from .fsutil import atomic_path
 
 log = logging.getLogger(__name__)
@@ -26,10 +26,6 @@ log = logging.getLogger(__name__)
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DEFAULT_OPSET = 17
-
-
-class ExportError(SensaiError):
-    """The ONNX file could not be written or does not compute what the torch model computes."""
 
 
 def _torch_export(model: nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:

@@ -59,9 +59,13 @@ class Merger:
         if covers_all and self.num_classes > 1:  # itemgetter of one index returns no tuple
             self.gather = itemgetter(*np.argsort(self.classes).tolist())
 
-    def __call__(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
+    def __call__(self, outputs: Sequence[np.ndarray],
+                 parts: Sequence[list[float] | None] | None = None) -> np.ndarray:
+        """Scores ``[B, N]`` of the subnets' outputs, in this layout's order.  One image goes
+        through :meth:`one`; ``parts``: the :meth:`part` of some of its outputs worked out
+        already (None where not)."""
         if outputs[0].shape[0] == 1:
-            return self.one(outputs)
+            return self.one(outputs, parts)
         # As few and as cheap numpy calls as the rule allows (take, not fancy indexing), and
         # this runs for every request.
         z = np.concatenate(outputs, axis=1, dtype=np.float64)
@@ -81,17 +85,20 @@ class Merger:
         total = np.add.reduce(scores, axis=1, keepdims=True)
         return (scores / np.where(total > 0, total, 1.0)).astype(np.float32)
 
-    def one(self, outputs: Sequence[np.ndarray]) -> np.ndarray:
+    def one(self, outputs: Sequence[np.ndarray],
+            parts: Sequence[list[float] | None] | None = None) -> np.ndarray:
         """The same rule for one image, in float64 Python arithmetic: a request holds one image,
         and on one row a dozen numpy calls cost far more than their arithmetic.  The scores
         match the batch path's to float32 rounding (summation order and ``exp`` differ in the
         last bits of float64)."""
-        return self.combine([self.part(g, o) for g, o in enumerate(outputs)])
+        if parts is None:
+            return self.combine([self.part(o) for o in outputs])
+        return self.combine([self.part(o) if p is None else p for o, p in zip(outputs, parts)])
 
-    def part(self, group: int, output: np.ndarray) -> list[float]:
-        """What subnet ``group``'s output ``[1, width]`` contributes on its own - its logit
-        (binary heads), or the softmax over its segment without "not mine" - so a predictor can
-        work it out as soon as that subnet answers, while the others still compute."""
+    def part(self, output: np.ndarray) -> list[float]:
+        """What one subnet's output ``[1, width]`` contributes on its own - its logit (binary
+        heads), or the softmax over its segment without "not mine" - so a predictor can work it
+        out as soon as that subnet answers, while the others still compute."""
         row = output.ravel().tolist()
         if self.binary:
             return row

@@ -1,5 +1,5 @@
-"""Model registry: ``@register_model``, :func:`create_model`, :func:`list_models` (as in timm),
-and the device a model runs on.
+"""Models by name: :func:`create_model`, :func:`list_models` (as in timm) over the registry's
+table (:mod:`sensai.registry`, ``@register_model``), and the device a model runs on.
 
 The built-in architectures live in :mod:`sensai.architectures` (see there for what every factory
 must return); users' own come in as ``package.module:factory`` strings with the same signature.
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .errors import SensaiError, UnknownModelError
+from .registry import DESCRIPTIONS, FACTORIES, ModelFactory
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-ModelFactory = Callable[..., "nn.Module"]
-_REGISTRY: dict[str, ModelFactory] = {}
-_DESCRIPTIONS: dict[str, str] = {}
 
 DEFAULT_MODEL = "fmnist_cnn"  # `sensai train`'s default: small, trains in minutes
 # `sensai demo`'s: large enough that one image's compute outweighs the request path, so the
@@ -29,26 +26,12 @@ DEFAULT_MODEL = "fmnist_cnn"  # `sensai train`'s default: small, trains in minut
 DEMO_MODEL = "vgg11_bn"
 
 
-def register_model(fn: ModelFactory | None = None, *, name: str | None = None):
-    """Decorator adding a factory ``fn(num_classes, in_channels, **kw) -> nn.Module``."""
-
-    def wrap(f: ModelFactory) -> ModelFactory:
-        key = name or f.__name__
-        if key in _REGISTRY:
-            raise ValueError(f"model {key!r} is registered twice")
-        _REGISTRY[key] = f
-        _DESCRIPTIONS[key] = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
-        return f
-
-    return wrap(fn) if fn is not None else wrap
-
-
 def registry() -> dict[str, ModelFactory]:
     """Every registered factory by name, the built-in architectures included (importing them is
     what registers them, and what imports torch)."""
     from . import architectures  # noqa: F401
 
-    return _REGISTRY
+    return FACTORIES
 
 
 def list_models() -> list[str]:
@@ -56,7 +39,7 @@ def list_models() -> list[str]:
 
 
 def describe_models() -> dict[str, str]:
-    return {k: _DESCRIPTIONS[k] for k in list_models()}
+    return {k: DESCRIPTIONS[k] for k in list_models()}
 
 
 def is_factory_path(name: str) -> bool:

@@ -18,6 +18,7 @@ import os
 import re
 
 from .errors import SensaiError
+from .net import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     ``num_cpus`` applies to a new local instance only."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None or is_loopback(address):
+    if address is None or loopback_address(address):
         # Ray turns a loopback address into the machine's network address before connecting
         # (it assumes a multi-host cluster); this switch, read when Ray is imported, keeps
         # 127.0.0.1 what it says.  It has no effect once Ray is imported.
@@ -72,9 +73,9 @@ def _to_debug_log(record: logging.LogRecord) -> bool:
     return False
 
 
-def is_loopback(address: str) -> bool:
-    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
+def loopback_address(address: str) -> bool:
+    """Whether a Ray address (``[scheme://]host:port``) names this machine's loopback."""
+    return is_loopback(address.split("://")[-1].rsplit(":", 1)[0])
 
 
 def error_text(e: BaseException) -> str:

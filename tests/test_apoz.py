@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from sensai.pruning.apoz import ChannelStatsAccumulator, collect_activation_stats
 from sensai.errors import SensaiError
+from sensai.pruning.apoz import ChannelStatsAccumulator, collect_activation_stats
 
 CPU = torch.device("cpu")
 

@@ -16,6 +16,7 @@ from sensai.export import export_onnx
 from sensai.fsutil import sha256_file, write_json_atomic
 from sensai.manifest import MANIFEST
 from sensai.models import create_model
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 
 PROBE = "sensai_untrusted_probe"
@@ -46,18 +47,18 @@ def test_model_code_named_by_a_manifest_is_not_imported_without_consent(tiny_art
                                                                         probe, capsys):
     art = tampered(tiny_artifact, tmp_path, lambda root, m: m.update(model=f"{PROBE}:factory"))
     with pytest.raises(CheckpointError, match="--trust-model-code"):
-        build_predictor(art, device="cpu", runtime="torch")
+        build_predictor(art, GatewaySettings(device="cpu", runtime="torch"))
     assert main(["serve", str(art), "--runtime", "torch", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--trust-model-code" in err and len(err.strip().splitlines()) == 1
     assert not probe.exists()
     # ONNX files never import anything: the same artifact serves with ONNX Runtime.
-    pred = build_predictor(art, device="cpu", runtime="onnx")
+    pred = build_predictor(art, GatewaySettings(device="cpu", runtime="onnx"))
     pred.shutdown()
     assert not probe.exists()
     # With consent the code is imported (and here fails, being no network).
     with pytest.raises(SensaiError):
-        build_predictor(art, device="cpu", runtime="torch", trust_code=True)
+        build_predictor(art, GatewaySettings(device="cpu", runtime="torch", trust_model_code=True))
     assert probe.exists()
 
 
@@ -72,14 +73,14 @@ def test_a_replaced_onnx_file_is_refused_at_load(backend, tiny_artifact, tmp_pat
     art = tampered(tiny_artifact, tmp_path, lambda root, m: shutil.copyfile(
         root / m["subnets"][0]["onnx"], root / m["subnets"][3]["onnx"]))
     with pytest.raises(SensaiError, match="does not match its sha256"):
-        build_predictor(art, backend=backend, device="cpu")
+        build_predictor(art, GatewaySettings(backend=backend, device="cpu"))
 
 
 def test_a_replaced_weights_file_is_refused_by_the_torch_runtime(tiny_artifact, tmp_path):
     art = tampered(tiny_artifact, tmp_path, lambda root, m: shutil.copyfile(
         root / m["subnets"][0]["weights"], root / m["subnets"][2]["weights"]))
     with pytest.raises(SensaiError, match="does not match its sha256"):
-        build_predictor(art, device="cpu", runtime="torch")
+        build_predictor(art, GatewaySettings(device="cpu", runtime="torch"))
 
 
 @pytest.mark.parametrize("edit, fragment", [
@@ -93,7 +94,7 @@ def test_a_malformed_manifest_is_refused_in_one_line(edit, fragment, tiny_artifa
                                                      capsys):
     art = tampered(tiny_artifact, tmp_path, edit)
     with pytest.raises(CheckpointError, match=fragment):
-        build_predictor(art, device="cpu")
+        build_predictor(art, GatewaySettings(device="cpu"))
     assert main(["serve", str(art)]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
@@ -109,7 +110,7 @@ def test_an_onnx_file_of_another_width_is_refused_at_load(tiny_artifact, tmp_pat
 
     art = tampered(tiny_artifact, tmp_path, edit)
     with pytest.raises(SensaiError, match="gives 4 outputs per image, the manifest says 3"):
-        build_predictor(art, device="cpu")
+        build_predictor(art, GatewaySettings(device="cpu"))
 
 
 def test_an_old_manifest_says_how_to_upgrade(tiny_artifact, tmp_path):

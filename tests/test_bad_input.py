@@ -23,6 +23,8 @@ from sensai.data import normalize
 from sensai.export import export_onnx
 from sensai.fsutil import sha256_file
 from sensai.models import create_model
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.engine.plan import class_parallel_plan
 from sensai.serving.engine.predictor import ClassParallelPredictor
 from sensai.serving.launch.build import build_predictor
 from sensai.serving.transports.threads import Threads
@@ -35,7 +37,7 @@ MAX_PIXELS = 4_000_000
 
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
-    server = start_gateway(build_predictor(tiny_artifact, device="cpu"),
+    server = start_gateway(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
                            max_body_bytes=MAX_BODY, max_image_pixels=MAX_PIXELS, max_batch=8)
     yield server
     server.stop()
@@ -313,7 +315,9 @@ def faulty_gateway(tiny_artifact, tmp_path_factory):
     specs = runner_specs(art, device="cpu")
     specs[2] = replace(specs[2], onnx_path=str(wrong), onnx_sha256=sha256_file(wrong),
                        warmup=False)
-    server = start_gateway(ClassParallelPredictor(art, specs, Threads(), deadline_s=10))
+    settings = GatewaySettings(device="cpu", deadline_s=10)
+    plan = class_parallel_plan(art, settings, specs=specs)
+    server = start_gateway(ClassParallelPredictor(art, plan, Threads()), deadline_s=10)
     yield server
     server.stop()
 
@@ -330,15 +334,15 @@ def test_failing_subnet_gives_503_naming_it(faulty_gateway, good_tensor):
 
 def test_slow_subnet_gives_504_naming_it_and_no_hang(tiny_artifact, good_tensor):
     """Healthy subnets except a slow one: 504 at the deadline, then normal service."""
-    pred = build_predictor(tiny_artifact, device="cpu", deadline_s=1.5)
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu", deadline_s=1.5))
     server = start_gateway(pred)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            pred.inject(3, delay="fixed:20s")
+            pred.pool.inject(3, delay="fixed:20s")
             t0 = time.monotonic()
             r = _infer_json(c, {"inputs": [_tensor(good_tensor)]})
             waited = time.monotonic() - t0
-            pred.inject(3, delay=None)
+            pred.pool.inject(3, delay=None)
             body = assert_error(r, 504, "subnet_03", "deadline")
             assert body["subnet"] == "subnet_03"
             assert waited < 15  # answered at the deadline, not when the subnet finished

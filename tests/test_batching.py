@@ -21,7 +21,8 @@ from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
 from sensai.serving.core.errors import SubnetFailed, SubnetTimeout
-from sensai.serving.core.messages import Batching, Done, Failure, Output, Run, Skip
+from sensai.serving.core.messages import Batching, Done, Output, Run, RunFailed, Skip
+from sensai.serving.core.settings import GatewaySettings, load_settings
 from sensai.serving.launch.build import build_predictor
 from sensai.serving.launch.triton_repo import export_triton_repo
 from sensai.serving.workers.loop import Stop, WorkerCore
@@ -127,7 +128,7 @@ def test_skipped_malformed_and_failing_requests_leave_their_batch_mates_unharmed
         got = outputs_of(events, req)
         for g in (0, 1):
             np.testing.assert_allclose(got[g], runners[g].run(x[i:i + 1]), atol=1e-5)
-    failed = {(e.req, e.group): e.error for e in events if type(e) is Failure}
+    failed = {(e.req, e.group): e.error for e in events if type(e) is RunFailed}
     assert set(failed) == {(3, 0), (3, 1), (5, 0), (5, 1)}
     assert "refused a row" in failed[3, 0] and "refused" not in failed[5, 0]
     assert not outputs_of(events, 2)
@@ -168,15 +169,16 @@ def make(tiny_artifact, backend, request, **kw):
     if backend == "ray":
         request.getfixturevalue("ray_instance")
         kw.setdefault("ray_cpus", 0.3)
-    return build_predictor(tiny_artifact, backend=backend, device="cpu", deadline_s=30, **kw)
+    return build_predictor(tiny_artifact,
+                           GatewaySettings(backend=backend, device="cpu", deadline_s=30, **kw))
 
 
 def batching(pred, requests: int) -> dict:
     """The workers' batching counters once every worker has reported its part of ``requests``
     requests (a request's answer can come before the worker's last word on it)."""
-    wait_until(lambda: pred.counters()["batching"]["requests"] == 5 * requests, 30,
+    wait_until(lambda: pred.pool.counters()["batching"]["requests"] == 5 * requests, 30,
                "the workers' counters")
-    return pred.counters()["batching"]
+    return pred.pool.counters()["batching"]
 
 
 def gather(pred, xs, **kw):
@@ -225,7 +227,8 @@ def test_a_failing_or_expiring_request_fails_alone(tiny_artifact, images, reques
         async def go():
             calls = [pred.predict(x) for x in xs[:8]]
             calls.append(pred.predict(wrong))
-            calls.append(pred.predict(xs[8], timeout_s=0.0))  # expires as it is sent
+            now = asyncio.get_running_loop().time()
+            calls.append(pred.predict(xs[8], deadline=now))  # expires as it is sent
             calls += [pred.predict(x) for x in xs[9:16]]
             return await asyncio.gather(*calls, return_exceptions=True)
 
@@ -253,7 +256,7 @@ def test_hedged_copies_are_still_skipped_per_request_inside_batches(tiny_artifac
         for i, p in enumerate(res):
             np.testing.assert_allclose(p.scores[0], images["offline"][i], atol=ATOL)
         assert batching(pred, N)["largest"] > 1
-        assert pred.counters()["runs"] == 5 * N
+        assert pred.pool.counters()["runs"] == 5 * N
     finally:
         pred.shutdown()
 
@@ -272,8 +275,8 @@ def v2_body(x: np.ndarray) -> tuple[bytes, dict]:
 @pytest.mark.slow
 def test_v2_batches_go_through_whole_and_share_worker_batches(tiny_artifact, images):
     # A delay long enough that the requests posted at once share the workers' batches.
-    server = start_gateway(build_predictor(tiny_artifact, device="cpu", batch_max_rows=8,
-                                           batch_delay_us=300_000))
+    server = start_gateway(build_predictor(tiny_artifact, GatewaySettings(
+        device="cpu", batch_max_rows=8, batch_delay_us=300_000)))
     x, offline = images["x"], images["offline"]
     cuts = [(0, 3), (3, 4), (4, 6), (6, 16), (16, 17), (17, 20)]  # (6, 16): more than 8 rows
 
@@ -309,10 +312,10 @@ def test_v2_batches_go_through_whole_and_share_worker_batches(tiny_artifact, ima
 
 def test_batch_settings_are_validated_and_reported(tiny_artifact):
     with pytest.raises(SensaiError, match="batch_max_rows must be >= 1"):
-        build_predictor(tiny_artifact, device="cpu", batch_max_rows=0)
+        load_settings({"device": "cpu", "batch_max_rows": 0})
     with pytest.raises(SensaiError, match="batch_delay_us must be >= 0"):
-        build_predictor(tiny_artifact, device="cpu", batch_delay_us=-1)
-    pred = build_predictor(tiny_artifact, device="cpu", batch_max_rows=1)
+        load_settings({"device": "cpu", "batch_delay_us": -1})
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu", batch_max_rows=1))
     try:
         assert pred.describe()["batching"] == {"max_rows": 1, "delay_us": 0.0}
         assert all(w["batching"]["max_rows"] == 1 for w in pred.describe()["workers"])

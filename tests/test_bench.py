@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from sensai.errors import CheckpointError, SensaiError
+from sensai.serving.core.faults import Faults
+from sensai.serving.core.settings import GatewaySettings
 
 STRATS = ("single", "model-parallel", "class-parallel", "data-parallel")
 TRANSPORTS = ("inprocess", "http", "http-v2", "grpc")
@@ -500,14 +502,14 @@ def test_baselines_keep_the_deadline_like_the_predictor(fmnist_spec):
     from sensai.serving.core.errors import SubnetTimeout
 
     shape = (1, 2, 2)
-    slow = SingleDevice(WorkerSet(["slow"], [ModuleSpec("slow", _Slow(0.3), shape)]),
-                        fmnist_spec, "single", deadline_s=5.0)
+    slow = SingleDevice(WorkerSet(["slow"], [ModuleSpec("slow", _Slow(0.3), shape)],
+                                  GatewaySettings(deadline_s=5.0)), fmnist_spec, "single")
     x = np.zeros((1, *shape), dtype=np.float32)
 
     async def run():
         try:
             with pytest.raises(SubnetTimeout, match="slow gave no answer within 0.05 s") as e:
-                await slow.predict(x, timeout_s=0.05)
+                await slow.predict(x, deadline=asyncio.get_running_loop().time() + 0.05)
             assert e.value.status == 504
             return await slow.predict(x)
         finally:
@@ -698,12 +700,13 @@ def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artif
     from sensai.bench.client import HttpClientProcess
     from sensai.bench.latency_report import shed_lines
     from sensai.data import encode_png
-    from sensai.serving.core.settings import GatewaySettings
     from sensai.serving.gateway.app import create_app
     from sensai.serving.gateway.server import BackgroundServer
     from sensai.serving.launch.build import build_predictor
 
-    pred = build_predictor(tiny_artifact, device="cpu", delays={0: "fixed:30ms"})
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(device="cpu"),
+                           faults=Faults.of(delays={0: "fixed:30ms"}))
     app = create_app(pred, GatewaySettings(max_requests=1, grpc_port=0))
     server = BackgroundServer(app).start()
     x = fmnist_test[0][0]
@@ -737,14 +740,14 @@ def test_throughput_stops_on_a_503_that_is_not_the_admission(tiny_artifact, fmni
     from sensai.serving.gateway.server import BackgroundServer
     from sensai.serving.launch.build import build_predictor
 
-    pred = build_predictor(tiny_artifact, device="cpu", restart_delay_s=300)
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu", restart_delay_s=300))
     app = create_app(pred, GatewaySettings(grpc_port=0))
     server = BackgroundServer(app).start()
     client = HttpClientProcess([encode_png(fmnist_test[0][0])],
                                [np.zeros((1, 1, 28, 28), np.float32).tobytes()], [1, 1, 28, 28])
     try:
-        pred.kill_worker(0)
-        assert pred.worker_states()[0] != "up"
+        pred.pool.kill(0)
+        assert pred.pool.states()[0] != "up"
         for args in ((server.url, 8, 2), (server.url, 8, 2, "http-v2", "sensai"),
                      (f"127.0.0.1:{app.state.grpc.port}", 8, 2, "grpc", "sensai")):
             with pytest.raises(RuntimeError, match="no live copy of classes"):

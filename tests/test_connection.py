@@ -18,7 +18,7 @@ from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
 from sensai.serving.core.messages import Output, Ping, Pong, Ready, Run, Shutdown
-from sensai.serving.transports.connection import accept, connect, serve_connection
+from sensai.serving.transports.connection import accept, dial, serve_connection
 from sensai.serving.workers.loop import WorkerCore
 from sensai.serving.workers.runners import runner_specs
 from tests.helpers import sample_images
@@ -68,7 +68,7 @@ def test_only_the_key_holder_is_served_and_nothing_is_unpickled_before(
     address, runner, serving = worker
     # 1. A client with another key is refused, on both sides of the handshake.
     with pytest.raises(SensaiError, match="authentication failed"):
-        connect(address, os.urandom(32), 5.0)
+        dial(address, os.urandom(32), 5.0)
     # 2. A client that skips the handshake and sends a pickle: it is read as the answer to the
     #    challenge (bytes, never unpickled) and refused.
     planted = tmp_path / "planted"
@@ -81,7 +81,7 @@ def test_only_the_key_holder_is_served_and_nothing_is_unpickled_before(
     raw.close()
     assert not planted.exists()
     # 3. The key holder is served: the same scores as the runner itself, and a ping answered.
-    conn = connect(address, KEY, 5.0)
+    conn = dial(address, KEY, 5.0)
     ready = conn.recv()
     assert isinstance(ready, Ready) and ready.device == "cpu"
     _, images, _ = sample_images(fmnist_test, 3)
@@ -109,7 +109,7 @@ def test_a_silent_client_does_not_keep_the_gateway_out(worker, monkeypatch):
     address, _, serving = worker
     squatter = socket.create_connection(address)
     try:
-        conn = connect(address, KEY, 10.0)
+        conn = dial(address, KEY, 10.0)
         assert isinstance(conn.recv(), Ready)
         conn.send(Shutdown())
         serving.join(10)
@@ -128,7 +128,7 @@ def test_a_silent_peer_cannot_hang_the_gateway():
     try:
         t0 = time.monotonic()
         with pytest.raises(SensaiError, match="no authenticated handshake within 1 s"):
-            connect(server.getsockname()[:2], KEY, 1.0)
+            dial(server.getsockname()[:2], KEY, 1.0)
         assert time.monotonic() - t0 < 10
     finally:
         server.close()
@@ -139,7 +139,7 @@ def test_nothing_listening_is_one_line():
         s.bind(("127.0.0.1", 0))
         address = s.getsockname()[:2]
     with pytest.raises(SensaiError, match="cannot reach the worker at 127.0.0.1"):
-        connect(address, KEY, 2.0)
+        dial(address, KEY, 2.0)
 
 
 def test_accept_waits_only_so_long():

@@ -106,8 +106,8 @@ def test_artifact_is_complete_and_consistent(tiny_artifact, trained_model_dir, f
 
 
 def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
-    from sensai.pruning.decompose import evaluate_artifact
     from sensai.manifest import load_manifest
+    from sensai.pruning.decompose import evaluate_artifact
 
     m = load_manifest(tiny_artifact)
     res = evaluate_artifact(tiny_artifact, device="cpu", limit=500)
@@ -137,8 +137,8 @@ def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
 
 
 def test_rerun_resumes_and_redoes_only_a_lost_subnet(tiny_artifact, trained_model_dir, tmp_path):
-    from sensai.pruning.decompose import decompose
     from sensai.manifest import load_manifest
+    from sensai.pruning.decompose import decompose
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     before = subnet_files(art)
@@ -159,8 +159,9 @@ def test_rerun_resumes_and_redoes_only_a_lost_subnet(tiny_artifact, trained_mode
 
 def test_failure_in_one_subnet_keeps_the_others_and_rerun_finishes(tiny_artifact,
                                                                    trained_model_dir, tmp_path):
-    from sensai.pruning.decompose import RetrainFailed, decompose
     from sensai.manifest import load_manifest
+    from sensai.pruning.decompose import decompose
+    from sensai.pruning.errors import RetrainFailed
     from sensai.pruning.retrain import retrain_state
 
     art = copy_artifact(tiny_artifact, tmp_path / "art")

@@ -10,8 +10,8 @@ import torch
 @pytest.fixture(scope="module")
 def pruned_subnet(trained_model_dir, fmnist_spec):
     """A really trained fmnist_cnn, pruned to half its channels with a 3-class group head."""
-    from sensai.pruning.prune import find_prunable, make_head, prune_model
     from sensai.checkpoint import build_from_weights, load_trained_model
+    from sensai.pruning.prune import find_prunable, make_head, prune_model
 
     model, record = load_trained_model(trained_model_dir)
     example = torch.zeros(1, *fmnist_spec.input_shape)
@@ -60,7 +60,8 @@ def test_check_onnx_rejects_a_file_that_computes_something_else(pruned_subnet, f
                                                                  fmnist_test, tmp_path):
     import copy
 
-    from sensai.export import ExportError, check_onnx, export_onnx
+    from sensai.errors import ExportError
+    from sensai.export import check_onnx, export_onnx
 
     path = tmp_path / "subnet.onnx"
     batch = real_batch(fmnist_test, fmnist_spec, 16)
@@ -73,7 +74,8 @@ def test_check_onnx_rejects_a_file_that_computes_something_else(pruned_subnet, f
 
 
 def test_export_refuses_bad_shapes_and_leaves_no_file(pruned_subnet, tmp_path):
-    from sensai.export import ExportError, export_onnx
+    from sensai.errors import ExportError
+    from sensai.export import export_onnx
 
     with pytest.raises(ExportError):
         export_onnx(pruned_subnet, (1, 28), tmp_path / "a.onnx")

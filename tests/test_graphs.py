@@ -11,7 +11,9 @@ import torch
 
 from sensai.artifact import load_artifact
 from sensai.errors import CheckpointError, SensaiError
-from sensai.serving.workers.graphs import (GraphCaptureError, GraphRunner, bucket_for,
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.errors import GraphCaptureError
+from sensai.serving.workers.graphs import (GraphRunner, bucket_for,
                                            buckets_up_to, check_buckets)
 from sensai.serving.workers.runners import TorchRunner, resolve_runtime, runner_specs, torch_runner
 
@@ -146,7 +148,7 @@ def test_the_local_pool_on_the_gpu_answers_batches_like_offline(tiny_artifact, f
     with torch.inference_mode():
         want = merge_outputs([m(x).float().numpy() for m in art.load_subnets("cpu")], art.groups,
                              art.manifest.num_classes)
-    pred = build_predictor(tiny_artifact, device="cuda")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cuda"))
 
     async def run():
         try:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from sensai.pruning.grouping import (BalancedKMeans, Grouping, _balanced_assign, group_classes,
-                              penultimate_features, plot_grouping)
 from sensai.errors import SensaiError
+from sensai.pruning.grouping import (BalancedKMeans, Grouping, _balanced_assign, group_classes,
+                                     penultimate_features, plot_grouping)
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""KServe v2 over gRPC (``serving/grpc_server.py``), called through the unchanged
+"""KServe v2 over gRPC (``serving/gateway/grpc_server.py``), called through the unchanged
 ``tritonclient.grpc`` client (and, for what that client refuses to send, the raw stub it ships).
 
 Real servers on 127.0.0.1 (the gateway's app under uvicorn, its gRPC server on the same event
@@ -28,6 +28,7 @@ from tritonclient.utils import InferenceServerException
 from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.errors import SensaiError
+from sensai.serving.core.faults import Faults
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway.app import create_app
 from sensai.serving.gateway.server import BackgroundServer
@@ -49,7 +50,7 @@ def serve(predictor, **settings) -> tuple[BackgroundServer, str]:
 def gateway(tiny_artifact):
     # A busy test machine can hold this process's event loop up for a moment; the loop-lag
     # shed (tested in test_hostile.py) must not turn these calls into 503s meanwhile.
-    server, target = serve(build_predictor(tiny_artifact, device="cpu"),
+    server, target = serve(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
                            max_body_bytes=MAX_BODY, max_batch=16, max_loop_lag_s=5.0)
     yield server, target
     server.stop()
@@ -255,13 +256,14 @@ def test_dead_worker_is_unavailable_naming_its_classes(tiny_artifact, batch, fmn
     groups = load_artifact(tiny_artifact).groups
     lost = [fmnist_spec.classes[c] for c in groups[1]]
     # The restart delay keeps the outage open long enough to look at it.
-    pred = build_predictor(tiny_artifact, device="cpu", deadline_s=30, restart_delay_s=4.0)
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(device="cpu", deadline_s=30, restart_delay_s=4.0))
     server, target = serve(pred, deadline_s=30)
     client = tc.InferenceServerClient(target)
     try:
         assert client.infer("sensai", [tensor(x)]).as_numpy("scores").shape == (5, 10)
-        pred.kill_worker(1)
-        wait_until(lambda: pred.worker_states()[1] != "up", 60, "the death to be noticed")
+        pred.pool.kill(1)
+        wait_until(lambda: pred.pool.states()[1] != "up", 60, "the death to be noticed")
         e = failure(client.infer, "sensai", [tensor(x)])
         assert e.status() == "StatusCode.UNAVAILABLE"
         assert all(name in e.message() for name in lost), e.message()
@@ -277,7 +279,7 @@ def test_dead_worker_is_unavailable_naming_its_classes(tiny_artifact, batch, fmn
         assert sorted(json.loads(p["covered_classes"])) == covered
         assert (res.as_numpy("scores")[:, groups[1]] == 0).all()
         assert set(res.as_numpy("class_index").tolist()) <= set(covered)
-        assert pred.wait_until_up(1, 120)
+        assert pred.pool.wait_until_up(1, 120)
         np.testing.assert_allclose(client.infer("sensai", [tensor(x)]).as_numpy("scores"),
                                    expected, atol=2e-5)
     finally:
@@ -287,7 +289,9 @@ def test_dead_worker_is_unavailable_naming_its_classes(tiny_artifact, batch, fmn
 
 def test_overload_is_unavailable_with_retry_after(tiny_artifact, batch):
     """Requests beyond max_requests are turned away at once; health checks never are."""
-    pred = build_predictor(tiny_artifact, device="cpu", delays={0: "fixed:1500ms"})
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(device="cpu"),
+                           faults=Faults.of(delays={0: "fixed:1500ms"}))
     app = create_app(pred, GatewaySettings(grpc_port=0, max_requests=1))
     server = BackgroundServer(app).start()
     gw, target = app.state.gateway, f"127.0.0.1:{app.state.grpc.port}"
@@ -328,7 +332,7 @@ def test_a_busy_grpc_port_stops_the_gateway_from_starting(tiny_artifact):
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        pred = build_predictor(tiny_artifact, device="cpu")
+        pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
         app = create_app(pred, GatewaySettings(grpc_port=busy))
         with pytest.raises(SensaiError, match="failed to start"):
             BackgroundServer(app).start()

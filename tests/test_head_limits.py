@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import png, sample_images, start_gateway
 
@@ -30,7 +31,7 @@ def image(fmnist_test):
 
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, head_timeout_s=HEAD_TIMEOUT_S, max_connections=300)
     yield server
     server.stop()
@@ -139,7 +140,7 @@ def test_a_hundred_huge_unfinished_heads_cost_little_memory(gateway, image):
 
 
 def test_connections_over_the_cap_get_a_fast_503(tiny_artifact, image):
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_connections=3, head_timeout_s=30)
     try:
         idle = [connect(server) for _ in range(3)]
@@ -182,10 +183,10 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
     """One request slot, held by a slow request: the next upload is answered 503 by the
     protocol itself (no app, hence no x-request-id), its body read and dropped, and the same
     connection then serves a health check; the refusal is counted."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_requests=1, deadline_s=20)
     try:
-        pred.inject(0, delay="fixed:1500ms")
+        pred.pool.inject(0, delay="fixed:1500ms")
         slow = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/predict",),
                                 kwargs={"content": image, "timeout": 60})
         slow.start()
@@ -202,10 +203,10 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
         assert "x-request-id" not in headers and json.loads(body)["status"] == 503
         assert "limit of 1 requests in flight" in json.loads(body)["error"]
         slow.join(30)
-        pred.inject(0, delay=None)
+        pred.pool.inject(0, delay=None)
         text = httpx.get(f"{server.url}/metrics").text
         assert 'sensai_rejected_total{reason="max_requests"} 1.0' in text
         assert 'route="unadmitted",status="503"} 1.0' in text
     finally:
-        pred.inject(0, delay=None)
+        pred.pool.inject(0, delay=None)
         server.stop()

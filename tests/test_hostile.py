@@ -28,6 +28,7 @@ from PIL import Image
 from sensai.cores import usable_cores
 from sensai.data import normalize
 from sensai.serving.core.errors import Overloaded
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway import heap
 from sensai.serving.gateway.admission import Admission
 from sensai.serving.launch.build import build_predictor
@@ -44,7 +45,7 @@ def good(fmnist_test, fmnist_spec):
 
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_requests=64, max_predictions=8)
     yield server, pred
     server.stop()
@@ -167,7 +168,7 @@ def test_a_16_bit_picture_over_the_limits_costs_nothing(client, good):
 
 def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
     """Under the pixel limit but over the decoded-bytes budget (RGBA at 4 bytes a pixel)."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_decoded_bytes=4_000_000)
     try:
         rgba = png_bytes(Image.new("RGBA", (1500, 1500), (10, 20, 30, 255)))
@@ -182,7 +183,6 @@ def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
 def test_the_decoded_bytes_default_follows_the_models_input_size():
     """Unset, the budget is an 8-bit RGBA picture of the pixel limit, which itself follows the
     model's input size; either can be set."""
-    from sensai.serving.core.settings import GatewaySettings
 
     s = GatewaySettings()
     assert s.image_pixels((1, 28, 28)) == 4_000_000
@@ -301,10 +301,10 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
     taking ~0.5 s: a burst of 16 gets 200s and fast JSON 503s with Retry-After - never a 504
     or a 500 - and health checks answer throughout; the refusals are counted by their reason
     (the predictor's queue full, or the requests in flight at their limit)."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_requests=4, max_predictions=1, deadline_s=20.0)
     try:
-        pred.inject(0, delay="fixed:500ms")
+        pred.pool.inject(0, delay="fixed:500ms")
 
         health, responses = health_during(server.url, good["png"], 16, settle_s=0.05)
         assert health.status_code == 200
@@ -315,7 +315,7 @@ def test_overload_is_turned_away_with_503_and_retry_after(tiny_artifact, good):
                 assert r.headers["retry-after"] == "1"
                 assert r.headers["content-type"].startswith("application/json")
                 assert r.json()["status"] == 503
-        pred.inject(0, delay=None)
+        pred.pool.inject(0, delay=None)
         with httpx.Client(base_url=server.url, timeout=60) as c:
             assert c.post("/v1/predict", content=good["png"]).status_code == 200
             text = c.get("/metrics").text
@@ -331,7 +331,7 @@ def test_the_predictor_limit_adapts_to_the_latency_target(tiny_artifact, good):
     predictor's limit falls from 4 (its ceiling) to 1 and the surplus gets 503s, never a 504;
     every 200 is the answer the idle gateway gave.  Once the subnet is fast again the limit climbs
     back to its ceiling under the same load.  The limit is read off /metrics."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_predictions=4, latency_target_s=0.03, deadline_s=20.0)
     url = server.url
 
@@ -377,19 +377,19 @@ def test_the_predictor_limit_adapts_to_the_latency_target(tiny_artifact, good):
             assert c.post("/v1/predict", content=good["png"]).status_code == 200
             assert limit(c.get("/metrics").text) == 4
             expected = c.post("/v1/predict", content=good["png"]).json()["index"]
-            pred.inject(0, delay="fixed:100ms")
+            pred.pool.inject(0, delay="fixed:100ms")
             statuses, indices, fell = under_load(lambda lim: lim == 1)
             assert fell, "the limit did not fall"
             assert set(statuses) <= {200, 503} and 503 in statuses, statuses
             assert indices and set(indices) == {expected}
-            pred.inject(0, delay=None)
+            pred.pool.inject(0, delay=None)
             statuses, _, rose = under_load(lambda lim: lim == 4)
             assert rose, "the limit did not climb back"
             assert set(statuses) <= {200, 503}, statuses
             text = c.get("/metrics").text
             assert 'sensai_rejected_total{reason="queue_full"}' in text
     finally:
-        pred.inject(0, delay=None)
+        pred.pool.inject(0, delay=None)
         server.stop()
 
 
@@ -397,10 +397,10 @@ def test_the_deadline_covers_waiting_for_a_prediction_slot(tiny_artifact, good):
     """One prediction at a time, a subnet taking 1.5 s, deadline 1 s: the second request waits
     for the slot the first holds until its own deadline, and is then given only what is left
     of its deadline - counted from its arrival - not a fresh second."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_predictions=1, deadline_s=1.0)
     try:
-        pred.inject(0, delay="fixed:1500ms")
+        pred.pool.inject(0, delay="fixed:1500ms")
 
         async def two():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -415,7 +415,7 @@ def test_the_deadline_covers_waiting_for_a_prediction_slot(tiny_artifact, good):
         given = float(re.search(r"within the ([0-9.e-]+) s deadline", err).group(1))
         assert given < 0.9, err
     finally:
-        pred.inject(0, delay=None)
+        pred.pool.inject(0, delay=None)
         server.stop()
 
 
@@ -442,7 +442,7 @@ def test_slow_bodies_get_408_hold_at_most_half_the_slots_and_block_nobody(tiny_a
     """Five slow-loris clients (headers, part of the body, then nothing) against 8 request
     slots: four may wait for their bodies (half the slots) and get a 408 when the body timeout
     runs out, the fifth gets a 503 at once, and a normal request is served meanwhile."""
-    pred = build_predictor(tiny_artifact, device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, body_timeout_s=1.0, max_requests=8)
     try:
         slow = []
@@ -472,8 +472,8 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
     """Requests wait on the event loop before any counter sees them; the loop's lag is measured
     and, while it is over the limit, new requests are turned away (and it counts against the
     deadline of those admitted)."""
-    adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=1,
-                    max_lag_s=0.05)
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+                                    deadline_s=1, max_loop_lag_s=0.05))
 
     async def go():
         adm.start()
@@ -497,8 +497,8 @@ def test_the_gateways_own_collection_is_not_taken_for_an_overload():
     """After a model is built or let go the gateway collects its heap once, on the event loop
     (sensai.serving.gateway.heap.settle); the loop is late by that much, but it is no overload: the
     requests right after it are admitted."""
-    adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=1,
-                    max_lag_s=0.05)
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+                                    deadline_s=1, max_loop_lag_s=0.05))
     alive = [[i] for i in range(2_000_000)]  # a heap that takes a while to walk
 
     async def go():
@@ -526,7 +526,8 @@ def test_the_gateways_own_collection_is_not_taken_for_an_overload():
 def test_a_short_queue_turns_the_surplus_away_at_once():
     """As many requests may wait for the predictor as it holds (here one each): the next one
     gets a 503 at once instead of waiting for its deadline, and the queued one is served."""
-    adm = Admission(max_requests=10, max_predictions=1, body_timeout_s=1, deadline_s=5)
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+                                    deadline_s=5))
 
     async def go():
         loop = asyncio.get_running_loop()

@@ -64,7 +64,8 @@ def mapped_libraries(pid: int) -> set[str]:
 def test_a_local_onnx_gateway_loads_neither_torch_nor_ray(tiny_artifact, fmnist_test, tmp_path):
     """``sensai serve --backend local`` (runtime auto: ONNX Runtime on the CPU) in its own
     process answers a real image, with no torch library mapped into it, and when it stops its
-    interpreter has imported none of torch, Ray, tritonclient or matplotlib."""
+    interpreter has imported none of torch, Ray, tritonclient or matplotlib, nor the
+    benchmark."""
     port = free_port()
     modules_file = tmp_path / "modules.json"
     # The real command, in an interpreter that writes what it imported when it exits.
@@ -87,6 +88,10 @@ def test_a_local_onnx_gateway_loads_neither_torch_nor_ray(tiny_artifact, fmnist_
         assert any("onnxruntime" in lib for lib in libs)  # the check sees what is loaded
         assert not {lib for lib in libs if "torch" in lib or lib.startswith("libc10")}
         assert stop_server(proc) == 0, proc.stderr.read().decode()[-3000:]
-    loaded = top_level(json.loads(modules_file.read_text()))
+    modules = json.loads(modules_file.read_text())
+    loaded = top_level(modules)
     assert {"sensai", "onnxruntime", "fastapi"} <= loaded
     assert not loaded & set(GATEWAY_NEVER), sorted(loaded & set(GATEWAY_NEVER))
+    # The benchmark is a package beside the product: serving never loads it.
+    assert "sensai.serving.gateway.app" in modules
+    assert not [m for m in modules if m.startswith("sensai.bench")]

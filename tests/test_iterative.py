@@ -15,7 +15,8 @@ from sensai.flops import count_flops
 from sensai.models import count_params
 from sensai.pruning.apoz import collect_activation_stats
 from sensai.pruning.iterative import group_images, prune_further, step_policies
-from sensai.pruning.prune import PruningPolicy, find_prunable, layer_widths, make_head, prune_to_policy
+from sensai.pruning.prune import (PruningPolicy, find_prunable, layer_widths, make_head,
+                                  prune_to_policy)
 
 X1 = torch.zeros(1, 1, 28, 28)
 

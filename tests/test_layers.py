@@ -1,8 +1,14 @@
 """The structure the code promises, checked on the code itself (its imports, as written):
 
-* layers: the core (``sensai/`` but the CLI) imports no stage; training, pruning and serving
-  import only the core (serving never training or pruning); only the CLI imports everything,
-  and nothing imports the CLI;
+* layers: the core (``sensai/`` but the CLI and the benchmark) imports no stage; training,
+  pruning and serving import only the core (serving never training or pruning); the benchmark
+  (``sensai/bench``) imports the core and serving, and nothing but the CLI imports it; only the
+  CLI imports everything, and nothing imports the CLI;
+* serving's wings, along the request path: ``core`` (settings, errors, messages, placement)
+  imports no other wing; ``workers`` only the core; ``transports`` the workers; ``engine`` (the
+  predictor, its pool and supervisor) the transports; ``gateway`` (HTTP, gRPC, admission) only
+  the core, so it serves any predictor; ``launch`` (plans, backends, Ray Serve, Triton) all;
+* no two modules import each other, even through a function-level import;
 * no ``_private`` name is imported from another module;
 * imports sit at the top of a module - a project module may be imported inside a function only
   when it pulls in a heavy optional dependency (torch, which an ONNX-only gateway or worker
@@ -39,6 +45,18 @@ def modules() -> dict[str, Path]:
 
 
 MODULES = modules()
+
+
+WINGS = {"core": {"core"}, "workers": {"core", "workers"},
+         "transports": {"core", "workers", "transports"},
+         "engine": {"core", "workers", "transports", "engine"}, "gateway": {"core", "gateway"},
+         "launch": {"core", "workers", "transports", "engine", "gateway", "launch"}}
+
+
+def wing(name: str) -> str | None:
+    """The serving wing of module ``name`` (None outside serving)."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["sensai", "serving"] and len(parts) > 3 else None
 
 
 def layer(name: str) -> str:
@@ -132,6 +150,57 @@ def test_layers(name):
             f"{MODULES[name].relative_to(ROOT)}:{line}: the {own} layer imports {p} ({layer(p)})"
 
 
+def test_every_serving_module_is_in_a_wing():
+    loose = [n for n in MODULES if n.startswith("sensai.serving.") and wing(n) is None
+             and MODULES[n].name != "__init__.py"]
+    assert not loose and {wing(n) for n in MODULES} - {None} == set(WINGS), loose
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if wing(n)))
+def test_the_wings_point_one_way(name):
+    own = wing(name)
+    for target, _, line, _ in imports(name):
+        p = project(target)
+        if p is not None and wing(p) is not None:
+            assert wing(p) in WINGS[own], \
+                f"{MODULES[name].relative_to(ROOT)}:{line}: the {own} wing imports {p}"
+
+
+def test_no_module_imports_itself_back():
+    """Strongly connected modules (function-level imports count: a cycle that works only
+    because one import waits inside a function is still two modules that need each other)."""
+    graph = {name: {p for target, _, _, _ in imports(name)
+                    if (p := project(target)) and p != name and MODULES[p].name != "__init__.py"}
+             for name in MODULES if MODULES[name].name != "__init__.py"}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
 def test_only_the_entry_point_imports_the_cli():
     for name in MODULES:
         if layer(name) == "cli":
@@ -168,7 +237,9 @@ def test_onnx_only_paths_load_nothing_heavy():
     light = ("sensai.artifact", "sensai.manifest", "sensai.models", "sensai.spec",
              "sensai.serving.workers.runners", "sensai.serving.workers.loop",
              "sensai.serving.transports.processes", "sensai.serving.transports.threads",
-             "sensai.serving.gateway.app", "sensai.serving.engine.predictor", "sensai.serving.gateway.imaging",
+             "sensai.serving.engine.predictor", "sensai.serving.engine.pool",
+             "sensai.serving.engine.plan", "sensai.serving.gateway.app",
+             "sensai.serving.gateway.imaging", "sensai.serving.launch.build",
              *(name for name in MODULES if layer(name) == "cli"))
     assert sorted(name for name in light if name in heavy) == []
 

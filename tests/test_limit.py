@@ -1,6 +1,6 @@
-"""The predictor's adaptive concurrency limit (serving/limit.py): its verdicts, and the gate's
-FIFO order, refusals and clean-up when a waiter leaves.  No timing thresholds: a sample "over
-the target" is a wait many times the target long."""
+"""The predictor's adaptive concurrency limit (serving/gateway/limit.py): its verdicts, and the
+gate's FIFO order, refusals and clean-up when a waiter leaves.  No timing thresholds: a sample
+"over the target" is a wait many times the target long."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from sensai.serving.gateway.limit import AdaptiveLimit, Full
+from sensai.serving.core.errors import Overloaded
+from sensai.serving.gateway.limit import AdaptiveLimit
 
 
 def test_a_slow_window_shrinks_the_limit_by_a_tenth_and_at_least_one():
@@ -47,8 +48,9 @@ def test_the_gate_is_fifo_refuses_beyond_its_queue_and_passes_places_on():
         waiters = [asyncio.ensure_future(one(n)) for n in ("a", "b")]
         await asyncio.sleep(0)
         assert lim.active == 2 and lim.waiting == 2 and lim.queue_full()
-        with pytest.raises(Full):
+        with pytest.raises(Overloaded, match="2 requests are waiting") as refused:
             await lim.acquire(far)
+        assert refused.value.reason == "queue_full"
         lim.release(held.pop())
         await asyncio.sleep(0)
         assert order == ["a"] and lim.active == 2 and lim.waiting == 1
@@ -96,7 +98,7 @@ def test_slow_requests_shrink_the_limit_and_fast_pressed_ones_restore_it():
         while not stop.is_set():
             try:
                 t0 = await lim.acquire(loop.time() + 60)
-            except Full:
+            except Overloaded:
                 await asyncio.sleep(0.001)
                 continue
             await asyncio.sleep(hold_s)

@@ -29,6 +29,7 @@ import pytest
 
 from sensai.data import normalize
 from sensai.serving.core.errors import SubnetFailed
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import free_port, offline_scores, png, sample_images, start_gateway, wait_until
 
@@ -111,8 +112,8 @@ def stream(pred, images, seconds_after: float, event, *, allow_partial: bool = F
 
 
 def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, images):
-    pred = build_predictor(tiny_artifact, backend="ray", redundancy=1, device="cpu",
-                           deadline_s=60, keep_awake="auto")
+    pred = build_predictor(tiny_artifact, GatewaySettings(
+        backend="ray", redundancy=1, device="cpu", deadline_s=60, keep_cores_awake="auto"))
     try:
         d = pred.describe()
         nodes = node_of_workers(pred)
@@ -135,16 +136,16 @@ def test_workers_need_no_shared_filesystem(cluster, tiny_artifact, tmp_path, ima
     that Ray restarts loads its subnets again and answers."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
-    pred = build_predictor(art, backend="ray", device="cpu", deadline_s=60)
+    pred = build_predictor(art, GatewaySettings(backend="ray", device="cpu", deadline_s=60))
     try:
         # Not asked (the default): no actor touches its node's idle cores.
         assert all(w["cores_awake"] is False for w in pred.describe()["workers"])
         shutil.rmtree(art)
-        old = pred.workers[2].pid
-        pred.kill_worker(2)
-        wait_until(lambda: pred.workers[2].restarts >= 1 and pred.worker_states()[2] == "up",
+        old = pred.workers[2].handle.pid
+        pred.pool.kill(2)
+        wait_until(lambda: pred.workers[2].restarts >= 1 and pred.pool.states()[2] == "up",
                    180, "the killed worker to be restarted")
-        assert pred.workers[2].pid != old
+        assert pred.workers[2].handle.pid != old
         out = asyncio.run(pred.predict(images["x"]))
         np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
     finally:
@@ -175,8 +176,8 @@ def test_bench_robust_reports_each_workers_node(cluster, tiny_artifact, tmp_path
 
 def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):
     c, workers = cluster
-    pred = build_predictor(tiny_artifact, backend="ray", redundancy=1, device="cpu",
-                           deadline_s=60)
+    pred = build_predictor(tiny_artifact, GatewaySettings(backend="ray", redundancy=1,
+                                                          device="cpu", deadline_s=60))
     try:
         victim = workers[0]
         on_victim = [i for i, n in enumerate(node_of_workers(pred)) if n == victim.node_id]
@@ -187,12 +188,12 @@ def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):
             assert not p.degraded
             np.testing.assert_allclose(p.scores[0], images["offline"][i % N], atol=1e-4)
         # Every group still has a live copy: ready, while the lost actors wait for room.
-        wait_until(lambda: all(pred.worker_states()[w] != "up" for w in on_victim), 60,
+        wait_until(lambda: all(pred.pool.states()[w] != "up" for w in on_victim), 60,
                    "the lost node's workers to be marked down")
         assert pred.is_ready()
         c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
         for w in on_victim:
-            assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
+            assert pred.pool.wait_until_up(w, 180), pred.describe()["workers"][w]
         assert victim.node_id not in node_of_workers(pred) and pred.is_ready()
         out = asyncio.run(pred.predict(images["x"]))
         np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
@@ -206,7 +207,8 @@ def test_a_lost_node_with_r0_gives_503_naming_classes_then_recovers(cluster, tin
     classes, readiness is false, allow_partial gets a flagged answer; when a node with room
     joins, they are placed again and all is well."""
     c, workers = cluster
-    pred = build_predictor(tiny_artifact, backend="ray", device="cpu", deadline_s=60)
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(backend="ray", device="cpu", deadline_s=60))
     server = start_gateway(pred, deadline_s=60)
     try:
         victim = workers[1]
@@ -216,7 +218,7 @@ def test_a_lost_node_with_r0_gives_503_naming_classes_then_recovers(cluster, tin
         with httpx.Client(base_url=server.url, timeout=120) as h:
             assert h.get("/v2/health/ready").status_code == 200
             c.remove_node(victim, allow_graceful=False)
-            wait_until(lambda: any(pred.worker_states()[w] != "up" for w in lost), 120,
+            wait_until(lambda: any(pred.pool.states()[w] != "up" for w in lost), 120,
                        "the lost node's workers to be seen down")
             r = h.post("/v1/predict", content=images["png"][0])
             assert r.status_code == 503, r.text
@@ -231,7 +233,7 @@ def test_a_lost_node_with_r0_gives_503_naming_classes_then_recovers(cluster, tin
             assert part["degraded"] and set(part["missing_classes"]) <= names, part
             c.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room to place them again
             for w in lost:
-                assert pred.wait_until_up(w, 180), pred.describe()["workers"][w]
+                assert pred.pool.wait_until_up(w, 180), pred.describe()["workers"][w]
             assert h.get("/v2/health/ready").status_code == 200
             for i in range(N):
                 r = h.post("/v1/predict", params={"top_k": 10}, content=images["png"][i])

@@ -25,6 +25,7 @@ import pytest
 
 from sensai.artifact import load_artifact
 from sensai.data import normalize
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images, server_process,
                            start_gateway, stop_server, wait_for_server, wait_until)
@@ -61,7 +62,7 @@ def backend(request):
 def make(tiny_artifact, backend, **kw):
     if backend == "ray":
         kw.setdefault("ray_cpus", 0.15)
-    return build_predictor(tiny_artifact, backend=backend, device="cpu", **kw)
+    return build_predictor(tiny_artifact, GatewaySettings(backend=backend, device="cpu", **kw))
 
 
 def test_r0_dead_worker_gives_503_naming_classes_then_recovers(backend, tiny_artifact, images,
@@ -79,8 +80,8 @@ def test_r0_dead_worker_gives_503_naming_classes_then_recovers(backend, tiny_art
             assert r.json()["degraded"] is False
             assert r.json()["answered_by"]["subnet_01"] == "worker_01"
 
-            pred.kill_worker(1)
-            wait_until(lambda: pred.worker_states()[1] != "up", 60, "the death to be noticed")
+            pred.pool.kill(1)
+            wait_until(lambda: pred.pool.states()[1] != "up", 60, "the death to be noticed")
             r = c.post("/v1/predict", content=images["png"][0])
             assert r.status_code == 503, r.text
             assert r.headers["content-type"].startswith("application/json")
@@ -122,7 +123,7 @@ def test_r0_dead_worker_gives_503_naming_classes_then_recovers(backend, tiny_art
             assert all(scores["data"][k] == 0 for k in groups[1])
             assert {int(e.split(":")[1]) for e in ranking["data"]} == set(covered)
 
-            assert pred.wait_until_up(1, 120)
+            assert pred.pool.wait_until_up(1, 120)
             assert c.get("/v2/health/ready").status_code == 200
             for i in range(3):
                 r = c.post("/v1/predict", content=images["png"][i])
@@ -139,7 +140,7 @@ def test_r0_dead_worker_gives_503_naming_classes_then_recovers(backend, tiny_art
 def test_r1_killed_worker_loses_no_request_and_rejoins(backend, tiny_artifact, images):
     pred = make(tiny_artifact, backend, redundancy=1, deadline_s=30, restart_delay_s=1.0)
     victim = pred.workers[3]
-    old_pid = victim.pid
+    old_pid = victim.handle.pid
     seen = []
 
     async def stream():
@@ -147,13 +148,13 @@ def test_r1_killed_worker_loses_no_request_and_rejoins(backend, tiny_artifact, i
         i, saw_down, back_at = 0, False, None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (back_at is None or i < back_at + N):
-            before = victim.state
+            before = victim.state.value
             task = asyncio.ensure_future(pred.predict(images["x"][i % N][None]))
             if i == 3:
                 await asyncio.sleep(0)  # dispatched to every worker; now one dies
-                pred.kill_worker(3)
+                pred.pool.kill(3)
             p = await task
-            after = victim.state
+            after = victim.state.value
             seen.append((before, after, p))
             saw_down = saw_down or "up" not in (before, after)
             if saw_down and back_at is None and after == "up":
@@ -170,7 +171,7 @@ def test_r1_killed_worker_loses_no_request_and_rejoins(backend, tiny_artifact, i
         during = [p for before, after, p in seen if before != "up" and after != "up"]
         assert during, "the killed worker was never seen down"
         assert all(p.answered_by["subnet_03"] == "worker_02" for p in during)
-        assert pred.wait_until_up(3, 120), pred.describe()["workers"][3]
+        assert pred.pool.wait_until_up(3, 120), pred.describe()["workers"][3]
         w = pred.describe()["workers"][3]
         assert w["deaths"] == 1 and w["restarts"] == 1
         if backend != "local":
@@ -194,16 +195,16 @@ def test_hung_worker_is_restarted_and_readiness_follows(backend, tiny_artifact, 
     server = start_gateway(pred, deadline_s=1.0)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            generation = pred.workers[1].generation
-            pred.inject(1, delay="hang")
+            generation = pred.workers[1].handle.generation
+            pred.pool.inject(1, delay="hang")
             r = c.post("/v1/predict", content=images["png"][0])
             assert r.status_code == 504, r.text
             assert r.json()["subnet"] == "subnet_01" and "deadline" in r.json()["error"]
-            wait_until(lambda: pred.worker_states()[1] != "up", 60, "the hang to be noticed")
+            wait_until(lambda: pred.pool.states()[1] != "up", 60, "the hang to be noticed")
             assert c.get("/v2/health/ready").status_code == 503
-            pred.inject(1, delay=None)  # the restarted worker is healthy
-            assert pred.wait_until_up(1, 120)
-            assert pred.workers[1].generation > generation
+            pred.pool.inject(1, delay=None)  # the restarted worker is healthy
+            assert pred.pool.wait_until_up(1, 120)
+            assert pred.workers[1].handle.generation > generation
             assert c.get("/v2/health/ready").status_code == 200
             r = c.post("/v1/predict", content=images["png"][1])
             assert r.status_code == 200, r.text
@@ -236,10 +237,11 @@ def test_sigterm_exits_within_the_grace_period_with_a_hung_worker(backend, tiny_
 def test_killed_worker_process_with_5_requests_in_flight(tiny_artifact, images):
     """Five requests wait on worker 1 when its process is SIGKILLed: exactly one restart, and
     every request that fails gets a JSON 503 naming the lost classes (never a 500 or text)."""
-    pred = build_predictor(tiny_artifact, backend="processes", device="cpu", deadline_s=30)
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(backend="processes", device="cpu", deadline_s=30))
     server = start_gateway(pred, deadline_s=30)
     try:
-        pred.inject(1, delay="fixed:2s")  # the five requests queue on worker 1
+        pred.pool.inject(1, delay="fixed:2s")  # the five requests queue on worker 1
 
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -247,16 +249,16 @@ def test_killed_worker_process_with_5_requests_in_flight(tiny_artifact, images):
                          for i in range(5)]
                 await asyncio.to_thread(wait_until, lambda: len(pred.workers[1].pending) == 5,
                                         30, "five requests in flight on worker 1")
-                pred.kill_worker(1)
+                pred.pool.kill(1)
                 return await asyncio.gather(*tasks)
 
         responses = asyncio.run(burst())
-        pred.inject(1, delay=None)
+        pred.pool.inject(1, delay=None)
         assert [r.status_code for r in responses] == [503] * 5
         for r in responses:
             assert r.headers["content-type"].startswith("application/json")
             assert r.json()["subnet"] == "subnet_01" and r.json()["missing_classes"]
-        assert pred.wait_until_up(1, 120)
+        assert pred.pool.wait_until_up(1, 120)
         time.sleep(1.0)  # any second restart would have begun by now
         w = pred.describe()["workers"][1]
         assert w["deaths"] == 1 and w["restarts"] == 1

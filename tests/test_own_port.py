@@ -1,8 +1,8 @@
 """The gateway serving on its own port from inside a host that already runs it (the Ray Serve
-ingress replica's own port, :class:`~sensai.serving.gateway.server.EmbeddedServer`), with real sockets
-on 127.0.0.1: two servers share a port and both answer; a port something else listens on is
-refused in one line; the gateway's app serves predictions there, with the gateway's own limits,
-and stops listening when its lifespan ends."""
+ingress replica's own port, :class:`~sensai.serving.gateway.server.EmbeddedServer`), with real
+sockets on 127.0.0.1: two servers share a port and both answer; a port something else listens on is
+refused in one line; the gateway's app serves predictions there, with the gateway's own limits, and
+stops listening when its lifespan ends."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def test_the_gateway_app_serves_on_its_own_port_with_its_limits(tiny_artifact, f
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
     port = free_port()
     settings = GatewaySettings(port=port, max_header_bytes=4096)
-    host = BackgroundServer(create_app(build_predictor(tiny_artifact, device="cpu"), settings,
-                                       own_port=True)).start()
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
+    host = BackgroundServer(create_app(pred, settings, own_port=True)).start()
     try:
         own = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=own, timeout=60) as c:

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from sensai.pruning.apoz import ChannelStats
-from sensai.pruning.prune import (PrunableLayer, PruningPolicy, channel_ranking, find_prunable,
-                                  layer_widths, make_head, prune_model, prune_to_policy,
-                                  select_channels)
 from sensai.checkpoint import build_from_weights
 from sensai.errors import SensaiError
 from sensai.flops import count_flops
 from sensai.models import classifier_layer, count_params, create_model, list_models
+from sensai.pruning.apoz import ChannelStats
+from sensai.pruning.prune import (PrunableLayer, PruningPolicy, channel_ranking, find_prunable,
+                                  layer_widths, make_head, prune_model, prune_to_policy,
+                                  select_channels)
 
 X1 = torch.zeros(1, 1, 28, 28)
 SLOW = {"resnet110", "resnet164", "mobilenet_v2", "resnet18", "vgg19_bn"}

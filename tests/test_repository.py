@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from sensai.errors import SensaiError
+from sensai.serving.core.faults import Faults
+from sensai.serving.core.repository import VersionPolicy, add_version, versions
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway.app import create_app
-from sensai.serving.gateway.repository import VersionPolicy, add_version, versions
 from sensai.serving.gateway.repository_api import check_access
 from sensai.serving.gateway.served import ServedModels
 from sensai.serving.gateway.server import BackgroundServer
@@ -38,8 +39,9 @@ def gateway(repo: Path, *, delays=None, **settings) -> BackgroundServer:
     s = GatewaySettings(**{"model_control": "explicit", "deadline_s": 10, **settings})
 
     def loader(name, path):
-        return build_predictor(path, backend="local", device="cpu", name=name,
-                               deadline_s=s.deadline_s, delays=delays)
+        return build_predictor(path, GatewaySettings(backend="local", device="cpu",
+                                                     model_name=name, deadline_s=s.deadline_s),
+                               faults=Faults.of(delays=delays))
 
     models = ServedModels(s, loader=loader, repository=repo,
                           policy=VersionPolicy.parse(s.version_policy))
@@ -197,8 +199,8 @@ def test_a_version_let_go_is_collected_though_the_heap_was_frozen(tmp_path, tiny
     s = GatewaySettings(model_control="explicit", deadline_s=10)
 
     def loader(name, path):
-        predictor = build_predictor(path, backend="local", device="cpu", name=name,
-                                    deadline_s=s.deadline_s)
+        predictor = build_predictor(path, GatewaySettings(backend="local", device="cpu",
+                                                          model_name=name, deadline_s=s.deadline_s))
         predictor.itself = predictor
         held.append(weakref.ref(predictor))
         return predictor

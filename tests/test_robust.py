@@ -17,10 +17,12 @@ import httpx
 import numpy as np
 import pytest
 
+from sensai.cli.serve import placement_table
 from sensai.data import normalize
 from sensai.errors import SensaiError
-from sensai.serving.core.faults import parse_delay
+from sensai.serving.core.faults import Faults, parse_delay
 from sensai.serving.core.placement import check_redundancy, cyclic_placement, group_hosts
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.engine.decoder import CoverageDecoder
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, local_ray, offline_scores, png, predict_all, sample_images,
@@ -179,10 +181,12 @@ def backend(request):
         yield request.param
 
 
-def make(tiny_artifact, backend, **kw):
+def make(tiny_artifact, backend, corrupt=(), **kw):
     if backend == "ray":
         kw.setdefault("ray_cpus", 0.15)  # two predictors of 5 actors fit 2 CPUs
-    return build_predictor(tiny_artifact, backend=backend, device="cpu", deadline_s=30, **kw)
+    return build_predictor(tiny_artifact,
+                           GatewaySettings(backend=backend, device="cpu", deadline_s=30, **kw),
+                           faults=Faults.of(corrupt=corrupt))
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +216,7 @@ def test_r1_answers_equal_offline_and_follow_the_placement(r1, backend, images):
             # Whoever answered subnet g hosts it: its primary (worker g) or the copy (g-1).
             assert p.answered_by[f"subnet_{g:02d}"] in (f"worker_{g:02d}",
                                                         f"worker_{(g - 1) % 5:02d}")
-    assert "worker_00: subnet_00, subnet_01 (copy)" in r1.placement_table()
+    assert "worker_00: subnet_00, subnet_01 (copy)" in placement_table(r1.describe())
 
 
 def test_concurrent_requests_are_decoded_independently(r1, images):
@@ -229,12 +233,12 @@ def test_concurrent_requests_are_decoded_independently(r1, images):
 def test_straggler_is_overtaken_by_its_copy(r1, images):
     """Worker 2 sleeps 300 ms before every request: subnet_02 is answered by worker 1's copy in
     most requests, and the answers are the no-straggler answers."""
-    r1.inject(2, delay="fixed:300ms")
+    r1.pool.inject(2, delay="fixed:300ms")
     try:
         assert r1.describe()["workers"][2]["injected_delay"] == "fixed:300ms"
         preds = predict_all(r1, images["x"])
     finally:
-        r1.inject(2, delay=None)
+        r1.pool.inject(2, delay=None)
     by = [p.answered_by["subnet_02"] for p in preds]
     assert by.count("worker_01") > len(by) / 2, by
     for i, p in enumerate(preds):
@@ -249,9 +253,9 @@ def test_r2_answers_with_two_workers_dead(backend, tiny_artifact, images):
     pred = make(tiny_artifact, backend, redundancy=2, restart_delay_s=60.0)
     try:
         assert pred.describe()["placement"] == [[w, (w + 1) % 5, (w + 2) % 5] for w in range(5)]
-        pred.kill_worker(1)
-        pred.kill_worker(2)
-        wait_until(lambda: [s != "up" for s in pred.worker_states()[1:3]] == [True, True], 60,
+        pred.pool.kill(1)
+        pred.pool.kill(2)
+        wait_until(lambda: [s != "up" for s in pred.pool.states()[1:3]] == [True, True], 60,
                    "both deaths to be noticed")
         preds = predict_all(pred, images["x"])
         for i, p in enumerate(preds):
@@ -290,7 +294,7 @@ def test_hedged_copies_are_skipped_when_their_group_is_answered(backend, tiny_ar
         for i, p in enumerate(preds):
             np.testing.assert_allclose(p.scores[0], images["offline"][i], atol=ATOL)
             assert all(p.answered_by[f"subnet_{g:02d}"] == f"worker_{g:02d}" for g in range(5))
-        c = pred.counters()
+        c = pred.pool.counters()
         assert c["runs"] == 5 * N
     finally:
         pred.shutdown()

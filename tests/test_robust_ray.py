@@ -15,8 +15,8 @@ import pytest
 
 from sensai.errors import SensaiError
 from sensai.serving.transports.ray_actors import actor_resources
-from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
-                           server_process, stop_server, wait_for_server)
+from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images, server_process,
+                           stop_server, wait_for_server)
 
 pytestmark = pytest.mark.slow  # Ray instances and actor starts
 

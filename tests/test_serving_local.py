@@ -21,6 +21,8 @@ import torch
 from sensai.artifact import load_artifact
 from sensai.data import normalize, pil_to_uint8
 from sensai.pruning.decompose import evaluate_models
+from sensai.serving.core.faults import Faults
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
                            start_gateway, stop_server, wait_for_server)
@@ -28,7 +30,7 @@ from tests.helpers import (free_port, offline_scores, png, sample_images, server
 
 @pytest.fixture(scope="module")
 def local_gateway(tiny_artifact):
-    server = start_gateway(build_predictor(tiny_artifact, device="cpu"))
+    server = start_gateway(build_predictor(tiny_artifact, GatewaySettings(device="cpu")))
     yield server
     server.stop()
 
@@ -171,7 +173,7 @@ def test_metrics_and_model_info(client):
 def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
     _, images, _ = sample_images(fmnist_test, 4)
     x = normalize(images, fmnist_spec).numpy()
-    pred = build_predictor(tiny_artifact, backend="processes", device="cpu")
+    pred = build_predictor(tiny_artifact, GatewaySettings(backend="processes", device="cpu"))
 
     async def run():
         try:
@@ -194,7 +196,9 @@ def test_one_image_answers_equal_offline_whichever_subnet_answers_last(
     last (held back by an injected delay), the scores are offline evaluation's."""
     _, images, _ = sample_images(fmnist_test, 4)
     xs = normalize(images, fmnist_spec).numpy()
-    pred = build_predictor(tiny_artifact, device="cpu", delays={slow_worker: "fixed:30ms"})
+    pred = build_predictor(tiny_artifact,
+                           GatewaySettings(device="cpu"),
+                           faults=Faults.of(delays={slow_worker: "fixed:30ms"}))
 
     async def run():
         try:
@@ -213,7 +217,7 @@ def test_one_image_answers_equal_offline_whichever_subnet_answers_last(
 
 def test_torch_runtime_gives_the_same_scores(tiny_artifact, fmnist_test, fmnist_spec):
     _, images, _ = sample_images(fmnist_test, 4)
-    pred = build_predictor(tiny_artifact, device="cpu", runtime="torch")
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu", runtime="torch"))
     out = asyncio.run(pred.predict(normalize(images, fmnist_spec).numpy()))
     asyncio.run(pred.close())
     np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),
@@ -260,7 +264,7 @@ def test_by_default_the_gateway_leaves_the_host_alone(tiny_artifact, fmnist_test
                                                             real_open(path, *a, **k))[1])
     monkeypatch.setattr(os, "sched_setaffinity", lambda *a: moved.append(a))
     limit_before = current_limit_us()
-    server = start_gateway(build_predictor(tiny_artifact, workers=2))
+    server = start_gateway(build_predictor(tiny_artifact, GatewaySettings(workers=2)))
     try:
         _, images, _ = sample_images(fmnist_test, 2)
         with httpx.Client(base_url=server.url, timeout=60) as c:

@@ -25,6 +25,7 @@ from sensai.cli import main
 from sensai.data import normalize
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import write_json_atomic
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor, launch_triton
 from sensai.serving.launch.triton_repo import export_triton_repo
 from sensai.serving.launch.tritonserver import (WORKDIR_PREFIX, find_tritonserver,
@@ -130,8 +131,8 @@ def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server
                                                                    fmnist_test, fmnist_spec):
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
-    predictor = build_predictor(tiny_artifact, backend="triton", triton_url=triton_server.url,
-                                deadline_s=10)
+    predictor = build_predictor(tiny_artifact, GatewaySettings(
+        backend="triton", triton_url=triton_server.url, deadline_s=10))
     gateway = start_gateway(predictor)
     try:
         with httpx.Client(base_url=gateway.url, timeout=30) as c:

@@ -108,20 +108,23 @@ def test_without_a_flag_an_error_names_the_setting():
     assert load_settings({"keep_cores_awake": False}).keep_cores_awake == "off"
 
 
-def test_build_predictor_defaults_are_the_settings_defaults():
-    """The library entry point restates no default of its own: each keyword that is a setting
-    defaults to that setting's default."""
+def test_the_settings_travel_whole():
+    """No entry point restates a setting: every function and class the settings reach takes
+    them whole, none has a keyword named after a setting (or after one of its old spellings),
+    so no default can be written twice."""
     import inspect
 
+    from sensai.bench.baselines import WorkerSet
+    from sensai.serving.engine.plan import class_parallel_plan
+    from sensai.serving.engine.predictor import ClassParallelPredictor
+    from sensai.serving.gateway.admission import Admission
     from sensai.serving.launch.build import build_predictor
+    from sensai.serving.launch.serve_app import worker_plan
 
-    renamed = {"threads": "threads_per_worker", "name": "model_name",
-               "trust_code": "trust_model_code", "keep_awake": "keep_cores_awake"}
-    fields = GatewaySettings.model_fields
-    checked = 0
-    for kw, p in inspect.signature(build_predictor).parameters.items():
-        field = renamed.get(kw, kw)
-        if field in fields:
-            assert p.default == fields[field].default, (kw, p.default, fields[field].default)
-            checked += 1
-    assert checked >= 15
+    old = {"threads", "name", "trust_code", "keep_awake", "max_lag_s"}
+    fields = set(GatewaySettings.model_fields) | old
+    for entry in (build_predictor, class_parallel_plan, ClassParallelPredictor, Admission,
+                  WorkerSet, worker_plan):
+        params = set(inspect.signature(entry).parameters)
+        assert "settings" in params or "plan" in params, entry
+        assert not params & fields, (entry.__qualname__, sorted(params & fields))

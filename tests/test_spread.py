@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sensai.cores import usable_cores
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import build_predictor
 from sensai.serving.transports.spread import CoreSpread
 
@@ -100,12 +101,13 @@ def test_the_local_pool_moves_workers_left_on_one_core_apart(tiny_artifact):
     """Both worker threads forced onto one core for ten requests (as the kernel sometimes
     leaves them), then released: without the spread they stayed there for all 40 requests
     that followed, in every run tried; with it they are apart from the next request on."""
-    predictor = build_predictor(tiny_artifact, workers=2, device="cpu", spread_cores=True)
+    predictor = build_predictor(tiny_artifact,
+                                GatewaySettings(workers=2, device="cpu", spread_cores=True))
     spread = predictor.transport.spread
     assert predictor.describe()["transport"]["spread_cores"] is True
     shape = tuple(predictor.manifest.dataset.input_shape)
     x = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
-    threads = [w.where()["thread"] for w in predictor.workers]
+    threads = [w.handle.where()["thread"] for w in predictor.workers]
     tids = [t.native_id for t in threading.enumerate() if t.name in threads]
     everywhere = os.sched_getaffinity(0)
     core = min(everywhere)

@@ -6,8 +6,8 @@ import torch
 from sensai.checkpoint import load_trained_model, save_weights
 from sensai.cli import main
 from sensai.errors import CheckpointError
-from sensai.manifest import load_model_record
 from sensai.learning import predict_logits, top1
+from sensai.manifest import load_model_record
 from sensai.training.trainer import train
 
 

@@ -1,10 +1,10 @@
 """The baselines of ``sensai bench``, on the same workers the class-parallel predictor uses.
 
-Every baseline's workers are the serving pool's thread workers
-(:class:`~sensai.serving.transports.threads.ThreadWorker`), answering with the compute time
-measured inside the worker; :class:`WorkerSet` is the sink their answers come back to.  The
-class-parallel predictor cannot host them: it sends every request to all its workers and merges
-their class groups, while a baseline calls one worker (:class:`SingleDevice`,
+Every baseline's workers are a :class:`~sensai.serving.engine.pool.WorkerPool` of the serving
+engine on its thread transport, answering with the compute time measured inside the worker;
+:class:`WorkerSet` is the pool's listener their answers come back to.  The class-parallel
+predictor's request path cannot serve them: it sends every request to all its workers and
+merges their class groups, while a baseline calls one worker (:class:`SingleDevice`,
 :class:`DataParallel`: the least busy replica) or hands the activation from worker to worker
 (:class:`ModelParallel`).  Each answers with the predictor's timing keys (``compute``,
 ``compute_sum``, ``merge``: a softmax here, ``total``, ``compute.<worker>``) and keeps a
@@ -24,12 +24,16 @@ import numpy as np
 
 from sensai.serving.core.contract import Prediction
 from sensai.serving.core.errors import SubnetFailed, SubnetTimeout
-from sensai.serving.core.messages import Done, Output, Run, Skip
-from sensai.serving.transports.threads import ThreadWorker
+from sensai.serving.core.messages import Output, Run, Skip
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.engine.plan import plain_plan
+from sensai.serving.engine.pool import WorkerPool, resolve, wake
+from sensai.serving.engine.worker import Worker
+from sensai.serving.transports.threads import Threads
 from sensai.serving.workers.runners import Runner, resolve_runtime, torch_runner
 from sensai.spec import DatasetSpec
 
-GROUP = 0  # a baseline worker hosts one runner, filed under this key
+GROUP = 0  # a baseline worker hosts one runner, filed under this key (see plain_plan)
 
 
 def softmax_scores(logits: np.ndarray) -> np.ndarray:
@@ -41,8 +45,8 @@ def softmax_scores(logits: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """The recipe of a torch runner for a module that has no weights file (a pipeline stage):
-    the duck type of :class:`~sensai.serving.workers.runners.RunnerSpec` a thread worker builds from.
+    """The recipe of a torch runner for a module that has no weights file (a pipeline stage): the
+    duck type of :class:`~sensai.serving.workers.runners.RunnerSpec` a thread worker builds from.
     Thread workers only: the module is shared with the worker (copied there), never pickled."""
 
     name: str
@@ -72,116 +76,95 @@ class ModuleSpec:
                 "runtime": self.resolved_runtime()}
 
 
-def _settle(future: asyncio.Future, value=None, error: BaseException | None = None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
 class WorkerSet:
-    """One thread worker per runner recipe, started together (as the predictor's supervisor
-    starts its workers), and the sink their events come back to.  ``await run(i, x, timeout_s)``
-    gives worker ``i``'s output and its in-worker compute milliseconds."""
+    """One plain worker per runner recipe, in a pool of the serving engine on the thread
+    transport (started, watched and restarted as the predictor's workers are), and the listener
+    their answers come back to.  ``await run(i, x, deadline)`` gives worker ``i``'s output and
+    its in-worker compute milliseconds."""
 
-    def __init__(self, names: Sequence[str], specs: Sequence, *, load_timeout_s: float = 600.0):
+    def __init__(self, names: Sequence[str], specs: Sequence,
+                 settings: GatewaySettings | None = None):
         if not specs or len(names) != len(specs):
             raise ValueError("one name per runner recipe, and at least one")
+        self.settings = settings or GatewaySettings()
         self._calls: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count(1)
-        self.workers: list[ThreadWorker] = []
-        try:
-            for i, (name, spec) in enumerate(zip(names, specs)):
-                w = ThreadWorker(i, (GROUP,), [spec], self)
-                w.name = name
-                w.state = "starting"
-                self.workers.append(w)
-                w.start()
-            for w in self.workers:
-                w.wait_ready(load_timeout_s)
-                w.state = "up"
-        except BaseException:
-            self.close()
-            raise
+        self.pool = WorkerPool(plain_plan(self.settings, list(zip(names, specs))), Threads(),
+                               self)
+        self.workers = self.pool.workers
+        self.pool.start()
 
-    async def run(self, i: int, x: np.ndarray, timeout_s: float = 600.0
+    async def run(self, i: int, x: np.ndarray, deadline: float | None = None
                   ) -> tuple[np.ndarray, float]:
         loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.settings.deadline_s
         future = loop.create_future()
         req = next(self._ids)
         self._calls[req] = (i, loop, future)
-        timer = loop.call_later(max(0.0, timeout_s), self._expire, future, i, timeout_s)
+        given = max(0.0, deadline - loop.time())
+        timer = loop.call_at(deadline, self._expire, future, i, given)
         try:
-            self.workers[i].send(Run(req, x, (GROUP,), 1))
+            if not self.pool.submit(i, Run(req, x, (GROUP,), 1)):
+                w = self.workers[i]
+                raise SubnetFailed(f"{w.name} is {w.state.value}", subnet=w.name)
             return await future
         except SubnetTimeout:
-            self.workers[i].send(Skip(req, None))  # not computed yet: never mind
+            self.workers[i].handle.send(Skip(req, None))  # not computed yet: never mind
             raise
         finally:
             timer.cancel()
             self._calls.pop(req, None)
 
-    def _expire(self, future: asyncio.Future, i: int, timeout_s: float) -> None:
+    def _expire(self, future: asyncio.Future, i: int, given: float) -> None:
         name = self.workers[i].name
-        _settle(future, None, SubnetTimeout(f"{name} gave no answer within {timeout_s:.3g} s",
+        resolve(future, None, SubnetTimeout(f"{name} gave no answer within {given:.3g} s",
                                             subnet=name))
 
-    # -- the sink (called from the worker threads)
+    # -- what the pool hears (any thread)
 
-    def deliver(self, index: int, generation: int, event) -> None:
-        if type(event) is Done:
-            return
+    def result(self, w: Worker, event) -> None:
         call = self._calls.get(event.req)
         if call is None:
             return
         _, loop, future = call
         if type(event) is Output:
-            loop.call_soon_threadsafe(_settle, future, (event.output, event.ms))
-        else:  # Failure
-            error = SubnetFailed(f"{self.workers[index].name} failed: {event.error}")
-            loop.call_soon_threadsafe(_settle, future, None, error)
+            loop.call_soon_threadsafe(resolve, future, (event.output, event.ms))
+        else:  # RunFailed
+            error = SubnetFailed(f"{w.name} failed: {event.error}")
+            loop.call_soon_threadsafe(resolve, future, None, error)
 
-    def exited(self, index: int, generation: int, detail: str) -> None:
-        w = self.workers[index] if index < len(self.workers) else None
-        if w is None or w.state == "closed":
-            return
-        w.state = "down"
-        error = SubnetFailed(f"{w.name} {detail}")
-        for req, (i, loop, future) in list(self._calls.items()):
-            if i == index:
-                loop.call_soon_threadsafe(_settle, future, None, error)
+    def lost(self, w: Worker, requests: list[int], reason: str) -> None:
+        error = SubnetFailed(reason)
+        for req in requests:
+            call = self._calls.get(req)
+            if call is not None:
+                wake(call[1], resolve, call[2], None, error)
 
     # -- state
 
     def is_ready(self) -> bool:
-        return all(w.state == "up" for w in self.workers)
+        return all(state == "up" for state in self.pool.states())
 
     def describe(self) -> list[dict]:
-        return [dict(w.describe(), threads=w.specs[0].threads) for w in self.workers]
+        return [dict(d, threads=w.handle.specs[0].threads)
+                for d, w in zip(self.pool.describe(), self.workers)]
 
     def close(self) -> None:
-        for w in self.workers:
-            w.state = "closed"
-            w.stop()
+        self.pool.close()
 
 
 class _Baseline:
-    """What the gateway needs of a predictor (:class:`~sensai.serving.core.contract.Predictor`)."""
+    """What the gateway needs of a predictor (:class:`~sensai.serving.core.contract.Predictor`);
+    the deadline is the workers' settings'."""
 
     strategy = "?"
 
-    def __init__(self, workers: WorkerSet, spec: DatasetSpec, name: str, *,
-                 deadline_s: float = 5.0):
+    def __init__(self, workers: WorkerSet, spec: DatasetSpec, name: str):
         self.workers = workers
         self.spec = spec
         self.name = name
-        self.deadline_s = float(deadline_s)
-
-    def _wait(self, timeout_s: float | None) -> float:
-        """How long this request may take: the deadline, or what is left of the caller's."""
-        return self.deadline_s if timeout_s is None else max(0.0, min(self.deadline_s, timeout_s))
+        self.deadline_s = workers.settings.deadline_s
 
     def is_ready(self) -> bool:
         return self.workers.is_ready()
@@ -211,9 +194,9 @@ class SingleDevice(_Baseline):
     strategy = "single"
 
     async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
-                      timeout_s: float | None = None) -> Prediction:
+                      deadline: float | None = None) -> Prediction:
         t0 = time.perf_counter()
-        logits, ms = await self.workers.run(0, x, self._wait(timeout_s))
+        logits, ms = await self.workers.run(0, x, deadline)
         return self._answer(logits, t0, time.perf_counter(), {self.workers.workers[0].name: ms})
 
 
@@ -223,12 +206,13 @@ class ModelParallel(_Baseline):
     strategy = "model-parallel"
 
     async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
-                      timeout_s: float | None = None) -> Prediction:
+                      deadline: float | None = None) -> Prediction:
         t0 = time.perf_counter()
-        until = t0 + self._wait(timeout_s)
+        until = asyncio.get_running_loop().time() + self.deadline_s if deadline is None \
+            else deadline
         h, compute = x, {}
         for i, w in enumerate(self.workers.workers):
-            h, compute[w.name] = await self.workers.run(i, h, until - time.perf_counter())
+            h, compute[w.name] = await self.workers.run(i, h, until)
         return self._answer(h, t0, time.perf_counter(), compute)
 
 
@@ -238,9 +222,8 @@ class DataParallel(_Baseline):
 
     strategy = "data-parallel"
 
-    def __init__(self, workers: WorkerSet, spec: DatasetSpec, name: str, *,
-                 deadline_s: float = 5.0):
-        super().__init__(workers, spec, name, deadline_s=deadline_s)
+    def __init__(self, workers: WorkerSet, spec: DatasetSpec, name: str):
+        super().__init__(workers, spec, name)
         self._inflight = [0] * len(workers.workers)  # touched by the event loop thread only
         self._next = 0
 
@@ -252,12 +235,12 @@ class DataParallel(_Baseline):
         return i
 
     async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
-                      timeout_s: float | None = None) -> Prediction:
+                      deadline: float | None = None) -> Prediction:
         t0 = time.perf_counter()
         i = self._pick()
         self._inflight[i] += 1
         try:
-            logits, ms = await self.workers.run(i, x, self._wait(timeout_s))
+            logits, ms = await self.workers.run(i, x, deadline)
         finally:
             self._inflight[i] -= 1
         return self._answer(logits, t0, time.perf_counter(), {self.workers.workers[i].name: ms})

@@ -30,10 +30,9 @@ from pydantic import ValidationError
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import BACKENDS, GatewaySettings
+from sensai.serving.core.settings import BACKENDS, GatewaySettings, check_backend
 from sensai.serving.gateway.imaging import decode_image
 from sensai.serving.launch.build import free_ports
-from sensai.serving.launch.serve_run import check_serve_settings
 
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
@@ -135,8 +134,7 @@ class LoadOptions:
             first = e.errors()[0]
             loc = ".".join(str(x) for x in first.get("loc", ()))
             raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
-        if settings.backend == "ray-serve":
-            check_serve_settings(settings, own_port=True)  # now, not when the gateway exits
+        check_backend(settings)  # now, not when the gateway exits
         return settings, extra
 
     def progress_bar(self, desc: str):

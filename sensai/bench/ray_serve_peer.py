@@ -1,18 +1,18 @@
 """The original model on plain Ray Serve: the ``ray-serve`` peer of ``sensai bench --peers``.
 
 What a user picking Ray Serve instead of sensai runs, as in Ray's docs: one deployment whose
-``__call__`` takes the HTTP request from Serve's proxy.  It answers the benchmark client's
-KServe v2 request (``POST /v2/models/<model>/infer``) with the class (``class_index``) and the
-replica's own timings, and the bare request the client times before each one
-(``GET /v2/health/live``) with 200.  The request is parsed by the gateway's parser
+``__call__`` takes the HTTP request from Serve's proxy.  It answers the benchmark client's KServe v2
+request (``POST /v2/models/<model>/infer``) with the class (``class_index``) and the replica's own
+timings, and the bare request the client times before each one (``GET /v2/health/live``) with 200.
+The request is parsed by the gateway's parser
 (:func:`~sensai.serving.gateway.oip.parse_infer_request`) and the model run by the workers' runner
-(:class:`~sensai.serving.workers.runners.OrtRunner`, ``threads`` intra-op threads), so the peer differs
-from sensai in the serving framework only.
+(:class:`~sensai.serving.workers.runners.OrtRunner`, ``threads`` intra-op threads), so the peer
+differs from sensai in the serving framework only.
 
 :func:`serve_original` runs it as sensai's own Serve application is run
 (:func:`~sensai.serving.launch.serve_run.launch`): on the Ray instance this process is connected to
-(else a new local one), its proxy on 127.0.0.1; the :class:`~sensai.serving.launch.serve_run.ServeRun`
-it returns stops it.
+(else a new local one), its proxy on 127.0.0.1; the
+:class:`~sensai.serving.launch.serve_run.ServeRun` it returns stops it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from sensai.raycluster import alive_nodes, local_raylet_pid
 from sensai.serving.core.errors import ServingError
 from sensai.serving.core.faults import parse_delay
 from sensai.serving.core.placement import check_redundancy
-from sensai.serving.core.settings import load_settings
+from sensai.serving.core.settings import GatewaySettings, load_settings
 from sensai.serving.engine.predictor import ClassParallelPredictor
 from sensai.serving.gateway.server import run_like_the_gateway
 from sensai.serving.launch.build import build_predictor
@@ -154,22 +154,22 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             pred = preds[key]
             bar.set_description(f"{scenario}: {key}")
             await settle(pred)
-            before = pred.counters()
+            before = pred.pool.counters()
             for j in chunk:
                 await one_request(pred, xs[j], refs[j], runs[key])
                 bar.update(1)
             await settle(pred)
-            runs[key].add_work(before, pred.counters())
+            runs[key].add_work(before, pred.pool.counters())
 
         if scenario == "straggler":
             for pred in preds.values():
-                pred.inject(straggler, delay=delay)
+                pred.pool.inject(straggler, delay=delay)
         try:
             await interleaved(list(preds), n, rounds, run_chunk)
         finally:
             if scenario == "straggler":
                 for pred in preds.values():
-                    pred.inject(straggler, delay=None)
+                    pred.pool.inject(straggler, delay=None)
         for key, pred in preds.items():
             extra = (_straggler_figures(pred, runs[key], straggler, delay)
                      if scenario == "straggler" else None)
@@ -186,7 +186,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
 def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
     """The node of worker ``victim`` and the pid of its raylet, if it may be killed: a worker
     node (never the head) whose raylet runs on this machine."""
-    node = pred.workers[victim].node
+    node = pred.workers[victim].handle.node
     head = {n["id"] for n in alive_nodes() if n["head"]}
     if node is None or node in head:
         raise SensaiError(f"the node-loss scenario needs worker {victim} on a worker node, but it "
@@ -215,7 +215,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
         # Poll the worker's state to time the outage: ended -> restarted -> up again.
         seen_down = False
         while not stop.is_set():
-            up = pred.worker_states()[victim] == "up"
+            up = pred.pool.states()[victim] == "up"
             if "kill" in events:
                 if not up and not seen_down:
                     seen_down = True
@@ -227,7 +227,7 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
     victims = [victim]
     if node:
         node_id, raylet = victim_raylet(pred, victim)
-        victims = [w.index for w in pred.workers if w.node == node_id]
+        victims = [w.index for w in pred.workers if w.handle.node == node_id]
 
     def kill() -> None:
         events["kill"] = time.perf_counter()
@@ -242,11 +242,11 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
                     pass
             events["pid"] = raylet
         else:
-            events["pid"] = pred.kill_worker(victim)
+            events["pid"] = pred.pool.kill(victim)
 
     restarts0 = wk.restarts
     await settle(pred)
-    before = pred.counters()
+    before = pred.pool.counters()
     watcher = asyncio.ensure_future(watch())
     errors_in_outage = 0
     during_ms: list[float] = []  # answered while the victim was down
@@ -268,22 +268,22 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
                 during_ms.append(run.latency[-1])
             bar.update(1)
         await settle(pred)
-        run.add_work(before, pred.counters())
+        run.add_work(before, pred.pool.counters())
         # Wait for the rejoin of every worker that was lost (a node takes several), then
         # check the victim serves again.
         deadline = time.monotonic() + rejoin_timeout_s
         rejoined = await asyncio.to_thread(lambda: all(
-            pred.wait_until_up(v, max(0.0, deadline - time.monotonic())) for v in victims))
+            pred.pool.wait_until_up(v, max(0.0, deadline - time.monotonic())) for v in victims))
         await asyncio.sleep(0.01)
     finally:
         stop.set()
         await watcher
     after = Records()
-    runs0 = pred.counters()["per_worker_runs"][victim]
+    runs0 = pred.pool.counters()["per_worker_runs"][victim]
     for j in range(min(n, AFTER_REJOIN)):
         await one_request(pred, xs[j], refs[j], after)
     await settle(pred)
-    rejoin_runs = pred.counters()["per_worker_runs"][victim] - runs0
+    rejoin_runs = pred.pool.counters()["per_worker_runs"][victim] - runs0
     outage = (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
     extra = {"node": node_id, "workers_on_node": [pred.workers[v].name for v in victims],
              "nodes_after": [w.get("node") for w in pred.describe()["workers"]]} if node else {}
@@ -329,11 +329,10 @@ def _in_process(artifact, configs, scenarios, xs, refs, *, bar, backend: str,
         for r, h in configs:
             key = config_key(r, h)
             bar.set_description(f"start {key}")
-            preds[key] = build_predictor(artifact.root, backend=backend, redundancy=r,
-                                         vote=vote, device=device, runtime=runtime,
-                                         threads=threads, deadline_s=deadline_s, hedge_ms=h,
-                                         restart_delay_s=restart_delay_s, seed=seed,
-                                         ray_address=ray_address)
+            preds[key] = build_predictor(artifact.root, GatewaySettings(
+                backend=backend, redundancy=r, vote=vote, device=device, runtime=runtime,
+                threads_per_worker=threads, deadline_s=deadline_s, hedge_ms=h,
+                restart_delay_s=restart_delay_s, ray_address=ray_address), seed=seed)
         described = {k: p.describe() for k, p in preds.items()}
         with quiet_gc():
             measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, bar=bar,
@@ -395,13 +394,13 @@ def run_robust_bench(
     if "node-loss" in scenarios and len(configs) > 1:
         raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
                           "(one --redundancy, one --hedge-ms) at a time")
+    if backend == "ray-serve":
+        check_serve_bench(scenarios)
     serve_settings = [load_settings(
         {"backend": backend, "redundancy": r, "hedge_ms": h, "vote": vote,
          "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
          "runtime": runtime, "threads_per_worker": threads, "ray_address": ray_address},
         FLAGS) for r, h in configs] if backend == "ray-serve" else []
-    if serve_settings:
-        check_serve_bench(scenarios, serve_settings[0])
     spec, out = inputs(artifact, data_dir, out_dir)
     t_start = time.perf_counter()
 

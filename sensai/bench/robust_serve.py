@@ -1,16 +1,16 @@
 """``sensai bench-robust --backend ray-serve``: each configuration as the Ray Serve application,
 called over HTTP.
 
-A configuration (redundancy ``r``, hedge) is the application ``sensai serve ART --backend
-ray-serve --redundancy r`` runs (:mod:`..ray_app`), started by
-:meth:`..serve_run.ServeRun.serve`, its ingress serving on 127.0.0.1 itself, on the one Ray instance of the run (a new local one unless
-``ray_address``), and stopped before the next starts: Serve runs one application per Ray
-instance here.  The requests are KServe v2 binary tensors of the same normalized images the
-offline answers are computed from, sent by the benchmark's client process
-(:func:`.client.load_phase`) with :data:`IN_FLIGHT` requests always in flight (a closed loop),
-in every scenario alike; ``wrong``: answers whose top-1 differs from offline evaluation's (the
-v2 answer's ``class_index``).  Subnet runs and skipped copies come from the ingress's
-``GET /v1/models``; the ingress does not report compute time.
+A configuration (redundancy ``r``, hedge) is the application ``sensai serve ART --backend ray-serve
+--redundancy r`` runs (:mod:`~sensai.serving.launch.serve_app`), started by
+:meth:`~sensai.serving.launch.serve_run.ServeRun.serve`, its ingress serving on 127.0.0.1 itself, on
+the one Ray instance of the run (a new local one unless ``ray_address``), and stopped before the
+next starts: Serve runs one application per Ray instance here.  The requests are KServe v2 binary
+tensors of the same normalized images the offline answers are computed from, sent by the benchmark's
+client process (:func:`.client.load_phase`) with :data:`IN_FLIGHT` requests always in flight (a
+closed loop), in every scenario alike; ``wrong``: answers whose top-1 differs from offline
+evaluation's (the v2 answer's ``class_index``).  Subnet runs and skipped copies come from the
+ingress's ``GET /v1/models``; the ingress does not report compute time.
 
 ``failure``: the victim worker's replica process is SIGKILLed while the loop runs, then
 ``GET /v1/models`` is polled: the outage ends when the ingress reports the victim up on a new
@@ -42,7 +42,7 @@ from sensai.errors import SensaiError
 from sensai.raycluster import connect, local_raylet_pid
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.build import free_ports
-from sensai.serving.launch.serve_run import ServeRun, check_serve_settings
+from sensai.serving.launch.serve_run import ServeRun
 
 from .client import HttpClientProcess
 from .gateway_process import served
@@ -58,13 +58,13 @@ PHASE_LIMIT_S = 3600.0  # a bound on a phase of a given number of requests, neve
 REFUSED_SCENARIOS = {"straggler": "the Serve application takes no injected delay"}
 
 
-def check_serve_bench(scenarios: Sequence[str], settings: GatewaySettings) -> None:
-    """One line for the first scenario or setting the Serve application cannot take."""
+def check_serve_bench(scenarios: Sequence[str]) -> None:
+    """One line for the first scenario the Serve application cannot take (its settings were
+    checked as they were loaded)."""
     for s in scenarios:
         if s in REFUSED_SCENARIOS:
             raise SensaiError(f"the {s} scenario does not apply to --backend ray-serve "
                               f"({REFUSED_SCENARIOS[s]})")
-    check_serve_settings(settings, {"restart_delay_s": "--restart-delay"}, own_port=True)
 
 
 class ServeConfig:

@@ -29,8 +29,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from sensai.errors import SensaiError
-from sensai.export import INPUT_NAME, OUTPUT_NAME, ExportError
+from sensai.errors import ExportError, SensaiError
+from sensai.export import INPUT_NAME, OUTPUT_NAME
 from sensai.fsutil import atomic_path
 
 log = logging.getLogger(__name__)

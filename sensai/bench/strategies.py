@@ -26,7 +26,7 @@ from sensai.fsutil import sha256_file
 from sensai.models import count_params
 from sensai.serving.core.contract import Predictor
 from sensai.serving.core.settings import GatewaySettings
-from sensai.serving.engine.predictor import worker_devices
+from sensai.serving.engine.plan import worker_devices
 from sensai.serving.launch.build import build_predictor, free_ports, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
 
@@ -238,21 +238,18 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
             triton = launch_triton(artifact.root, threads=threads) if backend == "triton" else None
             try:
                 # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
-                predictor = build_predictor(
-                    artifact.root, backend=backend, device=device, runtime=runtime,
-                    threads=threads, name=settings.model_name, deadline_s=settings.deadline_s,
-                    hang_timeout_s=settings.hang_timeout(), ray_address=ray_address,
-                    triton_url=triton.url if triton else None,
-                    keep_awake=settings.keep_cores_awake, spread_cores=spread_cores)
+                predictor = build_predictor(artifact.root, settings.model_copy(update=dict(
+                    backend=backend, device=device, runtime=runtime, threads_per_worker=threads,
+                    ray_address=ray_address, triton_url=triton.url if triton else None,
+                    spread_cores=spread_cores)))
             except BaseException:
                 if triton is not None:
                     triton.stop()
                 raise
             described = predictor.describe()["workers"]
         else:
-            workers = WorkerSet(recipe.names, recipe.specs)
-            predictor = BASELINES[key](workers, artifact.spec, key,
-                                       deadline_s=settings.deadline_s)
+            workers = WorkerSet(recipe.names, recipe.specs, settings)
+            predictor = BASELINES[key](workers, artifact.spec, key)
             described = workers.describe()
     per_worker = [dict(info, name=name, **_worker_fields(w, spec))
                   for info, name, w, spec in zip(recipe.workers, recipe.names, described,

@@ -1,18 +1,18 @@
 """``sensai bench-swap``: new versions of a model swapped in while a steady load runs.
 
-A model repository in the output directory starts with one version (artifact A); ``sensai serve
-REPO --model-control explicit`` serves it in a process of its own
+A model repository in the output directory starts with one version (artifact A); ``sensai serve REPO
+--model-control explicit`` serves it in a process of its own
 (:class:`~.gateway_process.GatewayProcess`).  A client process (:mod:`.client`) sends real test
 images as PNG uploads to ``/v1/predict`` in one closed loop for the whole run, recording every
 request's send time, latency, status, and the version its answer names.  After a warm-up and a
 steady period, each swap writes the next version (B, A, B, ... in turn) into the repository
-(:func:`~..repository.add_version`) and calls ``POST /v2/repository/models/{name}/load``, which
-returns once the new version is ready and the old one drained and unloaded, then waits.  The
-gateway's RSS is sampled throughout, just before each swap and at the end of each wait.  The
-figures (:func:`~.swap_report.swap_figures`): per swap, errors, answers by version, the p99
-during the swap against the steady state's, the time to the first answer by the new version,
-the RSS before and after.  Outputs: ``swap.json``, ``swap.md``, ``swap.png`` and
-``gateway.log``.
+(:func:`~sensai.serving.core.repository.add_version`) and calls
+``POST /v2/repository/models/{name}/load``, which returns once the new version is ready and the
+old one drained and unloaded, then waits.  The gateway's RSS is sampled throughout, just before
+each swap and at the end of each wait.  The figures (:func:`~.swap_report.swap_figures`): per
+swap, errors, answers by version, the p99 during the swap against the steady state's, the time to
+the first answer by the new version, the RSS before and after.  Outputs: ``swap.json``,
+``swap.md``, ``swap.png`` and ``gateway.log``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import httpx
 
 from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
-from sensai.serving.gateway.repository import add_version, check_model_name
+from sensai.serving.core.repository import add_version, check_model_name
 
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit

@@ -6,11 +6,8 @@ import logging
 import shlex
 from pathlib import Path
 
-from sensai.bench.names import (BENCH_BACKENDS, DEFAULT_SCENARIOS, PEER_TRANSPORT, PEERS,
-                                ROBUST_BACKENDS, SCENARIOS, STRATEGIES, SWEEP_CONFIGS, SWEEP_LEVELS,
-                                SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S, TRANSPORTS,
-                                WARMUP)
 from sensai.errors import SensaiError
+from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
 from sensai.serving.core.settings import RUNTIMES
 from sensai.serving.core.wakeup import MODES
 
@@ -18,8 +15,10 @@ from .train import add_device_arg
 
 
 def register(sub) -> None:
-    p = _parser(
-        sub, "bench", cmd_bench,
+    """The benchmark's commands; each one's arguments are added when it is used, so the other
+    commands (``sensai serve`` among them) never import the benchmark."""
+    _parser(
+        sub, "bench", cmd_bench, arguments=bench_args,
         help="latency benchmark: class parallel vs single device / model parallel",
         description="Measure single-image latency (p50/p90/p99/mean at concurrency 1), throughput, "
                     "params/MACs and memory per worker, and top-1, of the original model on one "
@@ -29,6 +28,15 @@ def register(sub) -> None:
                     "v2 binary tensor) and gRPC (KServe v2), each remote request paired with the "
                     "same client's bare request to the same server. Writes bench.json, bench.md "
                     "and bench.png to --out.")
+    register_robust(sub)
+    register_load(sub)
+    register_swap(sub)
+
+
+def bench_args(p) -> None:
+    from sensai.bench.names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES,
+                                    TRANSPORTS, WARMUP)
+
     p.add_argument("--workers", "-K", type=int, default=None,
                    help="model-parallel stages, one worker each (default: G, as many as subnets)")
     p.add_argument("--replicas", type=int, default=None,
@@ -76,18 +84,19 @@ def register(sub) -> None:
                    help="as for 'sensai serve': class parallel's local worker threads are moved "
                         "apart when two share a core (default: off)")
     _images_args(p, "real test images timed one at a time")
-    register_robust(sub)
-    register_load(sub)
-    register_swap(sub)
 
 
-def _parser(sub, name: str, func, *, help: str, description: str):
-    """A benchmark command's parser: the artifact and the output directory first."""
-    p = sub.add_parser(name, help=help, description=description)
-    p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
-    p.add_argument("--out", required=True, help="output directory")
+def _parser(sub, name: str, func, *, arguments, help: str, description: str) -> None:
+    """A benchmark command's parser: the artifact and the output directory first, then what
+    ``arguments(parser)`` adds when the command is used."""
+
+    def add(p) -> None:
+        p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
+        p.add_argument("--out", required=True, help="output directory")
+        arguments(p)
+
+    p = sub.add_parser(name, help=help, description=description, arguments=add)
     p.set_defaults(func=func, parser=p)
-    return p
 
 
 def _images_args(p, images: str) -> None:
@@ -172,8 +181,8 @@ def _arg(value) -> str:
 
 
 def register_robust(sub) -> None:
-    p = _parser(
-        sub, "bench-robust", cmd_bench_robust,
+    _parser(
+        sub, "bench-robust", cmd_bench_robust, arguments=robust_args,
         help="redundant class parallelism: stragglers and a killed worker",
         description="Serve the artifact as 'sensai serve --redundancy r' does (cyclic placement "
                     "on W = G workers; r = 0 is the default serving path 'sensai bench' "
@@ -181,6 +190,11 @@ def register_robust(sub) -> None:
                     "compute overhead of the copies, without faults, with one worker delayed "
                     "(a delay distribution) and with one worker ended mid-run. Writes "
                     "robust.json, robust.md and robust.png to --out.")
+
+
+def robust_args(p) -> None:
+    from sensai.bench.names import DEFAULT_SCENARIOS, ROBUST_BACKENDS, SCENARIOS, WARMUP
+
     p.add_argument("--redundancy", "-r", type=int, nargs="+", default=[0, 1], metavar="R",
                    help="redundancies to compare (default: 0 1)")
     p.add_argument("--hedge-ms", type=float, nargs="+", default=[0.0], metavar="MS",
@@ -245,10 +259,8 @@ def cmd_bench_robust(args) -> int:
 
 
 def register_load(sub) -> None:
-    from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
-
-    p = _parser(
-        sub, "bench-load", cmd_bench_load,
+    _parser(
+        sub, "bench-load", cmd_bench_load, arguments=load_args,
         help="soak and overload the HTTP gateway: memory, errors, 503s, health",
         description="Start 'sensai serve ART' as a process of its own on 127.0.0.1, warm it up, "
                     "then drive it with PNG uploads to /v1/predict from separate client "
@@ -258,6 +270,12 @@ def register_load(sub) -> None:
                     "p50/p99 of the admitted and of the rejected requests, health afterwards). "
                     "Writes load.json, load.md, load.png and gateway.log to --out; stops the "
                     "gateway in every case.")
+
+
+def load_args(p) -> None:
+    from sensai.bench.names import (SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
+                                    SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
+
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
                         "$SENSAI_BACKEND)")
@@ -342,6 +360,7 @@ def cmd_bench_load(args) -> int:
     if args.sweep:
         from sensai.bench.load_sweep import run_load_sweep
         from sensai.bench.load_sweep_report import render_table
+        from sensai.bench.names import SWEEP_OVERLOAD_S, SWEEP_WARMUP_S
 
         result = run_load_sweep(
             args.artifact, out, options, configs=args.configs, levels=args.levels,
@@ -373,10 +392,9 @@ def cmd_bench_load(args) -> int:
 
 
 def register_swap(sub) -> None:
-    from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
-
     p = sub.add_parser(
-        "bench-swap", help="swap versions of a model in and out under a steady load",
+        "bench-swap", arguments=swap_args,
+        help="swap versions of a model in and out under a steady load",
         description="Write ARTIFACT_A as version 1 of a model repository in --out, start "
                     "'sensai serve REPO --model-control explicit' as a process of its own on "
                     "127.0.0.1, and drive it with a closed loop of PNG uploads to /v1/predict "
@@ -388,6 +406,10 @@ def register_swap(sub) -> None:
                     "to the first answer by the new version, and the gateway's RSS before and "
                     "after.  Writes swap.json, swap.md, swap.png and gateway.log to --out; "
                     "stops the gateway in every case.")
+    p.set_defaults(func=cmd_bench_swap, parser=p)
+
+
+def swap_args(p) -> None:
     p.add_argument("artifact", metavar="ARTIFACT_A",
                    help="artifact directory written by 'sensai decompose': version 1, and every "
                         "even swap")
@@ -395,7 +417,6 @@ def register_swap(sub) -> None:
                    help="another artifact of the same model and dataset (e.g. another number "
                         "of groups): every odd swap")
     p.add_argument("--out", required=True, help="output directory")
-    p.set_defaults(func=cmd_bench_swap, parser=p)
     p.add_argument("--model", default=None,
                    help="the model's name in the repository (default: ARTIFACT_A's model)")
     p.add_argument("--swaps", type=int, default=5, help="versions swapped in (default: "

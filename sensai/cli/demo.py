@@ -99,7 +99,8 @@ def cmd_demo(args) -> int:
     from sensai.manifest import load_model_record
     from sensai.models import list_models, select_device
     from sensai.pruning.decompose import DecomposeConfig, decompose
-    from sensai.pruning.workdir import SettingsMismatch
+    from sensai.pruning.errors import SettingsMismatch
+    from sensai.serving.core.settings import GatewaySettings
     from sensai.serving.gateway.app import create_app
     from sensai.serving.gateway.server import BackgroundServer
     from sensai.serving.launch.build import build_predictor
@@ -165,8 +166,9 @@ def cmd_demo(args) -> int:
               f"{ev['decomposed_top1']:.4f}  (report: {art / 'report.md'})")
 
     _step("3/5 serve the subnets behind the HTTP gateway (local backend, ONNX Runtime)")
-    predictor = build_predictor(art, device=args.device)
-    server = BackgroundServer(create_app(predictor, close_predictor=False)).start()
+    settings = GatewaySettings(device=args.device)
+    predictor = build_predictor(art, settings)
+    server = BackgroundServer(create_app(predictor, settings, close_predictor=False)).start()
     try:
         print(f"gateway listening on {server.url} (POST /v1/predict, /v2/models/sensai/infer, /metrics)")
         _step(f"4/5 predict {args.images} real test images over HTTP")

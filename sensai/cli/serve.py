@@ -1,4 +1,4 @@
-"""``sensai serve``, ``sensai predict`` and ``sensai export-triton``.
+"""``sensai serve``, ``sensai export`` and ``sensai export-triton``.
 
 Every ``sensai`` command, ``--help`` included, builds this module's parsers, so what only a
 command needs (the artifact, the predictor, the image decoder, the HTTP client) is imported when
@@ -8,18 +8,14 @@ that command runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import socket
 import sys
-import time
 from pathlib import Path
 
-from sensai.bench.names import WARMUP
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
-                                          load_settings, setting_name)
+                                          load_settings)
 from sensai.serving.core.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -27,8 +23,6 @@ log = logging.getLogger(__name__)
 # On Ray, each version of a repository's model may take this part of the cluster's CPUs: a swap
 # runs the new version's actors beside the old one's, and actors that do not fit would wait.
 REPOSITORY_RAY_SHARE = 0.5
-# The settings of the Serve application's gateway processes (its ingress replicas).
-SERVE_ONLY = ("gateway_replicas", "gateway_cpus")
 
 
 # Every flag that sets a GatewaySettings field has that field as its ``dest`` and no default of
@@ -158,19 +152,6 @@ def register(sub) -> None:
                    help="the HTTP server's log level (default: info)")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
 
-    p = sub.add_parser("predict", help="classify one image with an artifact (or a running server)")
-    p.add_argument("artifact", help="artifact directory (ignored with --url)")
-    p.add_argument("image", help="PNG or JPEG file")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--url", default=None, help="send to a running gateway, e.g. http://127.0.0.1:8000")
-    p.add_argument("--json", action="store_true", help="print the full JSON answer")
-    p.add_argument("--repeat", type=int, default=1,
-                   help=f"send the image this many more times (after {WARMUP} warm-up requests, "
-                        "as sensai bench) and print latency percentiles to stderr")
-    add_runtime_args(p)
-    add_host_args(p)
-    p.set_defaults(func=cmd_predict, flags=setting_flags(p))
-
     p = sub.add_parser("export", help="add an artifact to a model repository as a new version")
     p.add_argument("artifact", help="artifact directory")
     p.add_argument("--repository", required=True, help="model repository (created if missing)")
@@ -225,8 +206,9 @@ def read_token(path: str) -> str:
     return lines[0].strip()
 
 
-def injected_delays(items: list[str], workers: int) -> dict[int, str]:
-    from sensai.serving.core.faults import parse_delay
+def injected_faults(items: list[str], workers: int):
+    """``--inject-delay W=SPEC`` as the predictor's injected faults."""
+    from sensai.serving.core.faults import Faults, parse_delay
 
     delays = {}
     for item in items:
@@ -236,22 +218,18 @@ def injected_delays(items: list[str], workers: int) -> dict[int, str]:
         if int(worker) >= workers:
             raise SensaiError(f"--inject-delay: no worker {int(worker)} (workers are "
                               f"0..{workers - 1})")
-        delays[int(worker)] = str(parse_delay(spec))
-    return delays
+        delays[int(worker)] = parse_delay(spec)
+    return Faults(delays)
 
 
 def cmd_serve(args) -> int:
     from sensai.artifact import load_artifact
     from sensai.serving.core.placement import check_redundancy
+    from sensai.serving.core.repository import is_repository
     from sensai.serving.gateway.app import create_app
-    from sensai.serving.gateway.repository import is_repository
-    from sensai.serving.launch.build import launch_triton
+    from sensai.serving.launch.build import build_predictor, launch_triton
 
     settings = settings_from(args)
-    field = settings.first_set(SERVE_ONLY) if settings.backend != "ray-serve" else None
-    if field is not None:
-        raise SensaiError(f"{setting_name(field, args.flags)} applies to --backend ray-serve "
-                          "only (the other backends serve from this process)")
     if is_repository(args.artifact):
         return serve_repository(args, settings)
     if settings.model_control != "none":
@@ -262,7 +240,7 @@ def cmd_serve(args) -> int:
                                settings.vote)
     if settings.backend == "ray-serve":
         return serve_on_ray_serve(args, settings)
-    delays = injected_delays(args.inject_delay, workers)
+    faults = injected_faults(args.inject_delay, workers)
     check_gateway_host(settings)
     server = None
     url = settings.triton_url
@@ -272,12 +250,13 @@ def cmd_serve(args) -> int:
         print(f"started tritonserver ({server.install.source}, {server.backend} backend) at "
               f"{url}", file=sys.stderr)
     try:
-        predictor = predictor_for(args.artifact, settings.model_copy(update={"triton_url": url}),
-                                  delays=delays)
+        predictor = build_predictor(args.artifact,
+                                    settings.model_copy(update={"triton_url": url}),
+                                    faults=faults)
         print(f"serving {args.artifact} ({len(predictor.groups)} subnets on "
               f"{len(predictor.workers)} {predictor.transport.name} workers, redundancy "
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "
-              f"on {endpoints(settings)}\nplacement:\n{predictor.placement_table()}",
+              f"on {endpoints(settings)}\nplacement:\n{placement_table(predictor.describe())}",
               file=sys.stderr)
         run_gateway(create_app(predictor, settings), settings)
     finally:
@@ -289,9 +268,10 @@ def cmd_serve(args) -> int:
 def serve_repository(args, settings: GatewaySettings) -> int:
     """``sensai serve REPO``: every model of a repository, each version with workers of its
     own, loaded before the port opens; with model control, loaded and unloaded while serving."""
+    from sensai.serving.core.repository import VersionPolicy, model_names
     from sensai.serving.gateway.app import create_app
-    from sensai.serving.gateway.repository import VersionPolicy, model_names
     from sensai.serving.gateway.served import ServedModels
+    from sensai.serving.launch.build import build_predictor
 
     if settings.backend in ("triton", "ray-serve"):
         raise SensaiError(f"--backend {settings.backend} does not serve a model repository (use "
@@ -312,7 +292,7 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     try:
         models = ServedModels(
             settings, repository=repo, policy=VersionPolicy.parse(settings.version_policy),
-            loader=lambda name, path: predictor_for(
+            loader=lambda name, path: build_predictor(
                 path, settings.model_copy(update={"model_name": name}),
                 ray_share=REPOSITORY_RAY_SHARE))
         print(f"serving model repository {repo} ({settings.version_policy}, model control "
@@ -355,12 +335,11 @@ def run_gateway(app, settings: GatewaySettings) -> None:
 def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
     """``--backend ray-serve``: the artifact's Ray Serve application until SIGTERM/SIGINT."""
     from sensai.serving.launch.build import check_backend_installed
-    from sensai.serving.launch.serve_run import check_serve_settings, serve_artifact
+    from sensai.serving.launch.serve_run import serve_artifact
 
     if args.inject_delay:
         raise SensaiError("--inject-delay does not apply to --backend ray-serve (its workers "
                           "are Serve replicas)")
-    check_serve_settings(settings, args.flags, own_port=True)
     check_backend_installed(settings.backend)
     if settings.port == 0:
         raise SensaiError("--backend ray-serve needs a fixed --port (its ingress replicas share "
@@ -370,20 +349,16 @@ def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
     return 0
 
 
-def predictor_for(artifact, settings: GatewaySettings, **extra):
-    """The predictor ``settings`` describe (``extra``: what is not a setting, e.g. injected
-    delays)."""
-    from sensai.serving.launch.build import build_predictor
-
-    s = settings
-    return build_predictor(
-        artifact, backend=s.backend, redundancy=s.redundancy, vote=s.vote, workers=s.workers,
-        device=s.device, runtime=s.runtime, threads=s.threads_per_worker, name=s.model_name,
-        deadline_s=s.deadline_s, hedge_ms=s.hedge_ms, restart_delay_s=s.restart_delay_s,
-        hang_timeout_s=s.hang_timeout(), ray_address=s.ray_address, ray_cpus=s.ray_cpus,
-        triton_url=s.triton_url, trust_code=s.trust_model_code, keep_awake=s.keep_cores_awake,
-        spread_cores=s.spread_cores, batch_max_rows=s.batch_max_rows,
-        batch_delay_us=s.batch_delay_us, **extra)
+def placement_table(described: dict) -> str:
+    """One line per worker of a predictor's ``describe()``: the subnets it hosts (its copies
+    marked) and where it runs."""
+    lines = []
+    for w in described["workers"]:
+        parts = [name + ("" if g in w["primary"] else " (copy)")
+                 for g, name in zip(w["groups"], w["subnets"])]
+        at = ", ".join(f"{k} {w[k]}" for k in ("device", "node") if w.get(k))
+        lines.append(f"  {w['name']}: {', '.join(parts)}" + (f"  [{at}]" if at else ""))
+    return "\n".join(lines)
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
@@ -397,109 +372,8 @@ def check_port_free(host: str, port: int, flag: str) -> None:
                               f"({e.strerror or e})") from None
 
 
-def cmd_predict(args) -> int:
-    if args.top_k < 1:
-        raise SensaiError("--top-k must be at least 1")
-    if args.repeat < 1:
-        raise SensaiError("--repeat must be at least 1")
-    path = Path(args.image)
-    if not path.is_file():
-        raise SensaiError(f"image {path} does not exist")
-    if args.url:
-        return predict_remote(args, path)
-    from sensai.artifact import load_artifact
-    from sensai.merge import top_k
-    from sensai.serving.gateway.imaging import decode_image
-
-    settings = settings_from(args)
-    artifact = load_artifact(args.artifact)
-    # The image is checked before any subnet is loaded.
-    x = decode_image(path.read_bytes(), artifact.spec,
-                     settings.image_pixels(artifact.spec.input_shape),
-                     settings.decoded_bytes(artifact.spec.input_shape))
-    predictor = predictor_for(args.artifact, settings)
-
-    async def run():
-        # Timed (--repeat) as the gateway serves: with the host tunings the gateway would use.
-        awake = None
-        try:
-            if args.repeat > 1:
-                awake = keep_cores_awake(settings.keep_cores_awake)
-            runs = args.repeat + WARMUP if args.repeat > 1 else 1
-            times = []
-            for i in range(runs):
-                t0 = time.perf_counter()
-                pred = await predictor.predict(x)
-                if runs > 1 and i >= WARMUP:
-                    times.append((time.perf_counter() - t0) * 1e3)
-            if times:
-                print_latency(times, "predictor (in process)")
-            return pred
-        finally:
-            if awake is not None:
-                awake.release()
-            await predictor.close()
-
-    pred = asyncio.run(run())
-    classes = artifact.spec.classes
-    idx, val = top_k(pred.scores, min(args.top_k, len(classes)))
-    rows = [{"index": int(i), "label": classes[int(i)], "score": float(v)}
-            for i, v in zip(idx[0], val[0])]
-    if args.json:
-        timings = {k: round(v, 4) for k, v in pred.timings_ms.items()}
-        print(json.dumps({"predictions": rows, "timings_ms": timings}, indent=2))
-    else:
-        for r in rows:
-            print(f"{r['score']:.4f}  {r['index']:>3}  {r['label']}")
-    return 0
-
-
-def predict_remote(args, path: Path) -> int:
-    import httpx
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
-    url = args.url.rstrip("/") + "/v1/predict"
-    data = path.read_bytes()
-    times = []
-    try:
-        with httpx.Client(timeout=60) as client:
-            for i in range((args.repeat + WARMUP) if args.repeat > 1 else 1):
-                t0 = time.perf_counter()
-                r = client.post(url, params={"top_k": args.top_k},
-                                files={"image": (path.name, data, "application/octet-stream")})
-                if i >= WARMUP:
-                    times.append((time.perf_counter() - t0) * 1e3)
-                if r.status_code != 200:
-                    break
-    except httpx.HTTPError as e:
-        raise SensaiError(f"cannot reach {url}: {e}") from None
-    if times and r.status_code == 200:
-        print_latency(times, f"HTTP {url}")
-    try:
-        body = r.json()
-    except ValueError:
-        raise SensaiError(f"{url} answered {r.status_code} with a non-JSON body") from None
-    if r.status_code != 200:
-        raise SensaiError(f"{url} answered {r.status_code}: {body.get('error', body)}")
-    if args.json:
-        print(json.dumps(body, indent=2))
-    else:
-        for p in body["predictions"]:
-            print(f"{p['score']:.4f}  {p['index']:>3}  {p['label']}")
-    return 0
-
-
-def print_latency(times_ms: list[float], what: str) -> None:
-    import numpy as np
-
-    t = np.asarray(times_ms)
-    print(f"{what}: {len(t)} requests, p50 {np.percentile(t, 50):.2f} ms, "
-          f"p90 {np.percentile(t, 90):.2f} ms, p99 {np.percentile(t, 99):.2f} ms, "
-          f"mean {t.mean():.2f} ms", file=sys.stderr)
-
-
 def cmd_export(args) -> int:
-    from sensai.serving.gateway.repository import add_version
+    from sensai.serving.core.repository import add_version
 
     version = add_version(args.repository, args.model, args.artifact, args.version)
     print(f"wrote {Path(args.repository) / args.model / str(version)} (model {args.model!r} "

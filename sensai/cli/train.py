@@ -72,10 +72,9 @@ def cmd_models(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from sensai.training.trainer import train
-
     from sensai.data import load_split, resolve_dataset
     from sensai.models import DEFAULT_MODEL, create_model, select_device
+    from sensai.training.trainer import train
 
     model_name = args.model or DEFAULT_MODEL
     spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
@@ -93,10 +92,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from sensai.learning import predict_logits, top1
-
     from sensai.checkpoint import import_weights, load_trained_model
     from sensai.data import load_split, resolve_dataset
+    from sensai.learning import predict_logits, top1
     from sensai.manifest import save_model_record
     from sensai.models import select_device
 

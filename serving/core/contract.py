@@ -1,8 +1,8 @@
 """What the gateway serves: a :class:`Predictor` turns a normalized batch into N-way class scores.
 
 The gateway knows nothing else about where the networks run.  Class parallelism is
-:class:`sensai.serving.engine.predictor.ClassParallelPredictor`; the benchmark's baselines implement the
-same protocol and are served by the same gateway.
+:class:`sensai.serving.engine.predictor.ClassParallelPredictor`; the benchmark's baselines implement
+the same protocol and are served by the same gateway.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ class Predictor(Protocol):
     name: str
 
     async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
-                      timeout_s: float | None = None) -> Prediction:
+                      deadline: float | None = None) -> Prediction:
         """Scores for a normalized float32 batch ``[B, C, H, W]``.  Raises
-        :class:`~sensai.serving.core.errors.ServingError` subclasses.  ``allow_partial``: a predictor
-        that cannot answer some classes may answer for the others (``degraded``) instead of
-        failing; predictors without that ability answer in full or fail.  ``timeout_s``: what
-        is left of the request's deadline (the predictor's own deadline applies too)."""
+        :class:`~sensai.serving.core.errors.ServingError` subclasses.  ``allow_partial``: a
+        predictor that cannot answer some classes may answer for the others (``degraded``)
+        instead of failing; predictors without that ability answer in full or fail.
+        ``deadline``: when the request must be answered, in the running event loop's time
+        (``loop.time()``); None: the settings' deadline from now."""
         ...
 
     def is_ready(self) -> bool:

@@ -1,4 +1,5 @@
-"""Errors a request can end in, each with the HTTP status the gateway answers with.
+"""Every error of the serving layer: those a request can end in, each with the HTTP status the
+gateway answers with, and those of loading what is served.
 
 Library code raises these (they are :class:`sensai.errors.SensaiError`\\ s, so the CLI prints them
 as one line); only the gateway's edge turns them into JSON bodies.
@@ -42,6 +43,24 @@ class ModelNotFound(ServingError):
     status = 404
 
 
+class ModelUnavailable(ServingError):
+    """The model is known but has no ready version (loading, or unloaded meanwhile)."""
+
+    status = 503
+
+
+class Unauthorized(ServingError):
+    """The repository API asks for a bearer token this request did not bring."""
+
+    status = 401
+
+
+class Forbidden(ServingError):
+    """The repository API answers loopback clients only, and this one is not."""
+
+    status = 403
+
+
 class SubnetFailed(ServingError):
     """Some classes cannot be answered: their subnet raised or every copy's worker is down."""
 
@@ -68,3 +87,11 @@ class RequestTimeout(ServingError):
     """The client did not send its request body in time."""
 
     status = 408
+
+
+class LoadFailed(SensaiError):
+    """A model version could not be loaded; the versions that were serving still are."""
+
+
+class GraphCaptureError(SensaiError):
+    """The network cannot be captured as a CUDA graph (e.g. it syncs with the host)."""

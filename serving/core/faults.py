@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -95,6 +96,31 @@ def parse_delay(text: str) -> DelaySpec:
             raise SensaiError(f"uniform delay {spec!r}: the upper bound is below the lower one")
         return DelaySpec(kind, a, b, prob=prob, text=spec)
     raise SensaiError(f"unknown delay distribution {kind!r} in {spec!r}; use fixed, exp or uniform")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults injected into a predictor's workers: worker -> its delay, and the workers
+    whose outputs are corrupted.  None by default."""
+
+    delays: Mapping[int, DelaySpec] = field(default_factory=dict)
+    corrupt: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, delays: Mapping[int, DelaySpec | str] | None = None,
+           corrupt: Iterable[int] = ()) -> "Faults":
+        """From delays given as :class:`DelaySpec` or as text (:func:`parse_delay`)."""
+        return cls({int(w): parse_delay(d) if isinstance(d, str) else d
+                    for w, d in (delays or {}).items()}, frozenset(int(w) for w in corrupt))
+
+    def __bool__(self) -> bool:
+        return bool(self.delays or self.corrupt)
+
+    def check(self, workers: int) -> None:
+        """Every worker named exists (there are ``workers``)."""
+        for w in [*self.delays, *self.corrupt]:
+            if not 0 <= w < workers:
+                raise SensaiError(f"no worker {w}: workers are 0..{workers - 1}")
 
 
 def corrupt_output(out: np.ndarray) -> np.ndarray:

@@ -4,8 +4,8 @@ pipe to a process, a Ray call).  Small, picklable, immutable.
 To a worker: :class:`Run` (compute groups of one request, in order), :class:`Skip` (do not
 compute these groups of a request, or none of it), :class:`Fault` (fault injection),
 :class:`Ping`, :class:`Shutdown`; when it starts, its :class:`Batching`.  From a worker:
-:class:`Output`, :class:`Failure`, :class:`Done` (the request's run is over, with the worker's
-:class:`BatchCounts`), :class:`Pong`, and while starting :class:`Ready` or :class:`LoadFailed`.
+:class:`Output`, :class:`RunFailed`, :class:`Done` (the request's run is over, with the worker's
+:class:`BatchCounts`), :class:`Pong`, and while starting :class:`Ready` or :class:`StartFailed`.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:
-    """Ends a worker process's loop (a worker thread gets :class:`~.worker_core.Stop` on its run
-    queue instead, which carries a callback and so never crosses a pipe)."""
+    """Ends a worker process's loop (a worker thread gets
+    :class:`~sensai.serving.workers.loop.Stop` on its run queue instead, which carries a callback
+    and so never crosses a pipe)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,7 @@ class Output:
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
+class RunFailed:
     req: int
     group: int
     error: str
@@ -118,8 +119,8 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadFailed:
+class StartFailed:
     error: str
 
 
-Event = Output | Failure | Done
+Event = Output | RunFailed | Done

@@ -2,26 +2,26 @@
 
 :class:`GatewaySettings` is the one place each setting has a name, an environment variable
 (``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags,
-the Ray Serve application embeds it in its arguments (:mod:`.ray_app`), and
-:func:`~sensai.serving.launch.build.build_predictor` validates its keywords against it.  Every field is
-documented in deploy/README.md ("Settings"; a test keeps the two in step).
+the Ray Serve application embeds it in its arguments (:mod:`~sensai.serving.launch.serve_app`), and
+:func:`~sensai.serving.launch.build.build_predictor` validates its keywords against it.  Every field
+is documented in deploy/README.md ("Settings"; a test keeps the two in step).
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sensai.errors import SensaiError
 
-from ..gateway.repository import VersionPolicy
+from .repository import VersionPolicy
 from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# How a subnet runs: see serving/runners.py (auto picks per device).
+# How a subnet runs: see serving/workers/runners.py (auto picks per device).
 RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
 ENV_PREFIX = "SENSAI_"
 
@@ -135,15 +135,6 @@ class GatewaySettings(BaseSettings):
         # YAML 1.1 reads an unquoted on/off as a boolean.
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
-    @model_validator(mode="after")
-    def check_triton(self) -> "GatewaySettings":
-        # Refused before anything starts (Ray, Triton, workers).
-        if self.backend == "triton" and (self.redundancy or self.vote or self.hedge_ms):
-            raise ValueError("redundancy, vote and hedge_ms need workers that host several "
-                             "subnets; Triton runs one model per subnet (use the local, "
-                             "processes or ray backend)")
-        return self
-
     @field_validator("version_policy")
     @classmethod
     def known_policy(cls, v: str) -> str:
@@ -177,6 +168,59 @@ class GatewaySettings(BaseSettings):
         return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)
 
 
+# What each backend cannot honour, and why: a setting set to anything but its default there is
+# refused before anything starts (Ray, Triton, workers), never ignored.
+ONE_MODEL_PER_SUBNET = ("Triton runs one model per subnet, and this needs workers that host "
+                        "several; use the local, processes or ray backend")
+SERVE_ONLY = {f: "the other backends serve from this process" for f in
+              ("gateway_replicas", "gateway_cpus")}
+NOT_ON = {
+    "local": SERVE_ONLY, "processes": SERVE_ONLY, "ray": SERVE_ONLY,
+    "triton": {**SERVE_ONLY, "redundancy": ONE_MODEL_PER_SUBNET, "vote": ONE_MODEL_PER_SUBNET,
+               "hedge_ms": ONE_MODEL_PER_SUBNET},
+    "ray-serve": {
+        "grpc_port": "the Serve ingress has no gRPC server",
+        "spread_cores": "it moves the local backend's worker threads",
+        "restart_delay_s": "Serve restarts replicas itself",
+        "hang_timeout_s": "Serve watches and restarts replicas itself",
+        "triton_url": "it is the triton backend's",
+    },
+}
+# And what the Serve application honours only on its ingress's own port, not behind Serve's
+# proxy.
+PROXY_HELD = {
+    "max_connections": "connections are held by Serve's HTTP proxy",
+    "max_header_bytes": "request heads are read by Serve's HTTP proxy",
+    "head_timeout_s": "request heads are read by Serve's HTTP proxy",
+}
+# The backends whose workers take injected faults (tests, benchmark): Triton owns its model
+# instances, and a Serve application's replicas are built from its arguments alone.
+FAULTS_ON = ("local", "processes", "ray")
+
+
+def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None = None, *,
+                  behind_proxy: bool = False) -> None:
+    """One line for the first setting ``settings.backend`` cannot honour that is set
+    (``names``: field -> the flag it was given by; else its environment variable);
+    ``behind_proxy``: the Serve application behind Serve's HTTP proxy."""
+    refused = NOT_ON[settings.backend]
+    if behind_proxy:
+        refused = refused | PROXY_HELD
+    field = settings.first_set(refused)
+    if field is not None:
+        why = refused[field]
+        where = "--backend ray-serve only" if field in SERVE_ONLY else None
+        raise SensaiError(f"{setting_name(field, names)} applies to {where} ({why})" if where
+                          else f"{setting_name(field, names)} does not apply to --backend "
+                               f"{settings.backend} ({why})")
+
+
+def check_faults(settings: "GatewaySettings", faults) -> None:
+    """Injected faults (tests, benchmark) only where the backend's workers take them."""
+    if faults and settings.backend not in FAULTS_ON:
+        raise SensaiError(f"the {settings.backend} backend takes no injected faults")
+
+
 BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
           "less_than_equal": "<="}
 
@@ -208,9 +252,12 @@ def setting_name(field: str, names: Mapping[str, str] | None = None) -> str:
 
 
 def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:
-    """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, or a
-    one-line :class:`SensaiError` naming the setting as ``names`` call it."""
+    """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, checked
+    against its backend (:func:`check_backend`), or a one-line :class:`SensaiError` naming the
+    setting as ``names`` call it."""
     try:
-        return GatewaySettings(**values)
+        settings = GatewaySettings(**values)
     except ValidationError as e:
         raise SensaiError(explain(e, names)) from None
+    check_backend(settings, names)
+    return settings

@@ -1,8 +1,10 @@
-"""The one supervisor of every transport's workers: start, death, restart, hang.
+"""The one supervisor of every transport's workers: start, death, restart, hang - the pool's
+state machine (:class:`~.worker.WorkerState`: new -> starting -> up -> down -> starting ...,
+closed at shutdown).
 
 * **Death** is reported by the worker's transport the moment it is seen (a process's sentinel, a
   failed Ray call or watch, a thread's end): the worker is marked down, its in-flight copies are
-  lost (the predictor re-checks those requests at once), and a restart begins.
+  lost (the pool's listener re-checks those requests at once), and a restart begins.
 * **Restart**: one restart thread per dead worker, which starts a new incarnation (on Ray: waits
   for Ray's own restart), waits for it to load and answer a ping, then marks it up.  Failed
   attempts back off exponentially (up to 30 s).  Transports whose workers cannot come back
@@ -21,7 +23,9 @@ from typing import Callable, Sequence
 
 from sensai.errors import SensaiError
 
-from ..transports.base import Capabilities, WorkerHandle
+from ..transports.base import Capabilities
+from .plan import ServingPlan
+from .worker import CLOSED, DOWN, STARTING, UP, Worker
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +33,21 @@ MAX_BACKOFF_S = 30.0
 
 
 class Supervisor:
-    def __init__(self, workers: Sequence[WorkerHandle], lock: threading.Lock,
-                 capabilities: Capabilities, on_down: Callable[[WorkerHandle, str], None], *,
-                 restart_delay_s: float = 0.0, load_timeout_s: float = 600.0,
-                 probe_timeout_s: float = 30.0, hang_timeout_s: float | None = None):
+    """Drives ``workers`` through their states (:class:`~.worker.WorkerState`) under ``lock``,
+    with the timeouts of ``plan``; ``on_down(worker, reason)`` is told of every worker that goes
+    down."""
+
+    def __init__(self, workers: Sequence[Worker], lock: threading.Lock,
+                 capabilities: Capabilities, plan: ServingPlan,
+                 on_down: Callable[[Worker, str], None]):
         self.workers = list(workers)
         self.lock = lock
-        self.capabilities = capabilities
         self.on_down = on_down
-        self.restart_delay_s = float(restart_delay_s)
-        self.load_timeout_s = float(load_timeout_s)
-        self.probe_timeout_s = float(probe_timeout_s)
-        self.hang_timeout_s = hang_timeout_s
+        self.capabilities = capabilities
+        self.restart_delay_s = plan.settings.restart_delay_s
+        self.load_timeout_s = plan.load_timeout_s
+        self.probe_timeout_s = plan.probe_timeout_s
+        self.hang_timeout_s = plan.hang_timeout_s
         self.closing = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -51,14 +58,14 @@ class Supervisor:
         t0 = time.perf_counter()
         try:
             for wk in self.workers:
-                wk.state = "starting"
-                wk.start()
+                wk.state = STARTING
+                wk.handle.start()
             for wk in self.workers:
-                wk.wait_ready(self.load_timeout_s)
+                wk.handle.wait_ready(self.load_timeout_s)
                 with self.lock:
-                    if wk.state != "starting":
+                    if wk.state is not STARTING:
                         raise SensaiError(f"{wk.name} ended right after loading its subnets")
-                    wk.state = "up"
+                    wk.state = UP
         except BaseException:
             self.close()
             raise
@@ -72,22 +79,22 @@ class Supervisor:
         self.closing.set()
         with self.lock:
             for wk in self.workers:
-                wk.state = "closed"
+                wk.state = CLOSED
         for wk in self.workers:
             try:
-                wk.stop(timeout)
+                wk.handle.stop(timeout)
             except Exception as e:  # best effort: it may be gone already
                 log.debug("stopping %s: %s", wk.name, e)
 
     # -- death
 
-    def exited(self, wk: WorkerHandle, generation: int, detail: str) -> None:
+    def exited(self, wk: Worker, generation: int, detail: str) -> None:
         """An incarnation of ``wk`` ended (called by its transport, any thread)."""
         with self.lock:
-            if generation != wk.generation or wk.state in ("closed", "down"):
+            if generation != wk.handle.generation or wk.state in (CLOSED, DOWN):
                 return
-            was_up = wk.state == "up"
-            wk.state = "down"
+            was_up = wk.state is UP
+            wk.state = DOWN
         if self.closing.is_set():
             return
         wk.deaths += 1
@@ -99,37 +106,37 @@ class Supervisor:
         if was_up:
             self._restart_later(wk)
 
-    def _restart_later(self, wk: WorkerHandle) -> None:
+    def _restart_later(self, wk: Worker) -> None:
         if self.capabilities.restart:
             threading.Thread(target=self._restart, args=(wk,), daemon=True,
                              name=f"{wk.name}-restart").start()
 
-    def _restart(self, wk: WorkerHandle) -> None:
-        attempt = 0
+    def _restart(self, wk: Worker) -> None:
+        handle, attempt = wk.handle, 0
         while not self.closing.is_set():
             wait = self.restart_delay_s if attempt == 0 else min(
                 MAX_BACKOFF_S, max(0.5, self.restart_delay_s) * 2 ** attempt)
             if self.closing.wait(wait):
                 return
             with self.lock:
-                if wk.state == "closed":
+                if wk.state is CLOSED:
                     return
-                wk.state = "starting"
+                wk.state = STARTING
             try:
-                wk.start()
-                generation = wk.generation
-                wk.wait_ready(self.load_timeout_s)
-                if not wk.probe(self.probe_timeout_s):
+                handle.start()
+                generation = handle.generation
+                handle.wait_ready(self.load_timeout_s)
+                if not handle.probe(self.probe_timeout_s):
                     raise SensaiError(f"{wk.name} did not answer its health probe")
                 with self.lock:
                     closing = self.closing.is_set()
                     # It may have died again after the probe: its transport then marked it down.
-                    alive = wk.state == "starting" and wk.generation == generation
+                    alive = wk.state is STARTING and handle.generation == generation
                     if alive and not closing:
-                        wk.state = "up"
+                        wk.state = UP
                         wk.restarts += 1
                 if closing:  # shut down while it was starting: do not leave it behind
-                    wk.stop()
+                    handle.stop()
                     return
                 if not alive:
                     raise SensaiError(f"{wk.name} died while starting")
@@ -137,19 +144,19 @@ class Supervisor:
                 attempt += 1
                 log.error("restarting %s failed (attempt %d): %s", wk.name, attempt, e)
                 with self.lock:
-                    if wk.state != "closed":
-                        wk.state = "down"
+                    if wk.state is not CLOSED:
+                        wk.state = DOWN
                 try:
-                    wk.kill()
+                    handle.kill()
                 except Exception:  # nothing left to kill
                     pass
                 continue
-            log.info("%s rejoined (restart %d, pid %s)", wk.name, wk.restarts, wk.pid)
+            log.info("%s rejoined (restart %d, pid %s)", wk.name, wk.restarts, handle.pid)
             return
 
     # -- hangs
 
-    def hung(self, wk: WorkerHandle, now: float) -> float:
+    def hung(self, wk: Worker, now: float) -> float:
         """Seconds ``wk`` has had work in flight without answering anything (0 if not busy)."""
         if not wk.pending:
             return 0.0
@@ -161,9 +168,9 @@ class Supervisor:
             now = time.monotonic()
             for wk in self.workers:
                 with self.lock:
-                    stuck = wk.state == "up" and self.hung(wk, now) > self.hang_timeout_s
+                    stuck = wk.state is UP and self.hung(wk, now) > self.hang_timeout_s
                     if stuck:
-                        wk.state = "down"
+                        wk.state = DOWN
                 if not stuck:
                     continue
                 wk.deaths += 1
@@ -172,7 +179,7 @@ class Supervisor:
                 log.error("%s: ending and restarting it", reason)
                 self.on_down(wk, reason)
                 try:
-                    wk.kill()
+                    wk.handle.kill()
                 except Exception as e:
                     log.error("could not end hung %s: %s", wk.name, e)
                 self._restart_later(wk)

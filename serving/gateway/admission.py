@@ -31,25 +31,30 @@ import asyncio
 from sensai.cores import usable_cores
 
 from ..core.errors import Overloaded, RequestTimeout
+from ..core.settings import GatewaySettings
 from . import heap
-from .limit import AdaptiveLimit, Full
+from .limit import AdaptiveLimit
 
 
 class Admission:
-    def __init__(self, *, max_requests: int, max_predictions: int, body_timeout_s: float,
-                 deadline_s: float, max_lag_s: float | None = None,
-                 latency_target_s: float | None = None, decode_slots: int | None = None):
-        self.max_requests = max_requests
-        self.max_receiving = max(1, max_requests // 2)
-        self.body_timeout_s = body_timeout_s
-        self.deadline_s = deadline_s
+    """The bounds of ``settings`` (``max_requests``, ``max_predictions``, ``latency_target_s``,
+    ``body_timeout_s``, ``max_loop_lag_s``, ``deadline_s``) for one gateway's event loop;
+    ``decode_slots``: decoding threads (default: one per usable core)."""
+
+    def __init__(self, settings: GatewaySettings, *, decode_slots: int | None = None):
+        s = settings
+        self.max_requests = s.max_requests
+        self.max_receiving = max(1, s.max_requests // 2)
+        self.body_timeout_s = s.body_timeout_s
+        self.deadline_s = s.deadline_s
         self.requests = 0
         self.receiving = 0
-        self.predictor = AdaptiveLimit(
-            max_predictions, latency_target_s if latency_target_s is not None else deadline_s / 4)
+        target = s.latency_target_s if s.latency_target_s is not None else s.deadline_s / 4
+        self.predictor = AdaptiveLimit(s.max_predictions, target)
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.decode_waiting = 0
-        self.max_lag_s = max_lag_s if max_lag_s is not None else min(0.25, deadline_s / 4)
+        self.max_lag_s = (s.max_loop_lag_s if s.max_loop_lag_s is not None
+                          else min(0.25, s.deadline_s / 4))
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
 
@@ -80,12 +85,8 @@ class Admission:
             return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
                                     "requests in flight; retry shortly")
         if self.predict_queue_full():
-            return "queue_full", self._queue_full_message()
+            return "queue_full", self.predictor.full_message()
         return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
-
-    def _queue_full_message(self) -> str:
-        return (f"{self.predictor.waiting} requests are waiting for a prediction slot already; "
-                "the gateway is overloaded, retry shortly")
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call on the loop that serves requests)."""
@@ -207,8 +208,6 @@ class _Prediction:
     async def __aenter__(self) -> None:
         try:
             self.t0 = await self.adm.predictor.acquire(self.deadline)
-        except Full:
-            raise Overloaded(self.adm._queue_full_message(), reason="queue_full") from None
         except TimeoutError:
             raise _no_slot("prediction") from None
 

@@ -9,19 +9,18 @@ Routes
 * ``GET /v1/models`` (what is served, where every worker runs), ``GET /metrics`` (Prometheus).
 
 With ``settings.grpc_port`` set, the app's lifespan also serves the Open Inference Protocol over
-gRPC (:mod:`sensai.serving.gateway.grpc_server`) on the same event loop, predictor and admission; both
-go through :mod:`sensai.serving.gateway.inference` from a parsed input to a prediction.
+gRPC (:mod:`sensai.serving.gateway.grpc_server`) on the same event loop, predictor and admission;
+both go through :mod:`sensai.serving.gateway.inference` from a parsed input to a prediction.
 
 Every error is JSON ``{"error", "status", "request_id", "subnet", "missing_classes"}`` with a
 4xx/5xx status; library code raises :class:`sensai.errors.SensaiError` subclasses and only the
-handlers here (and :mod:`sensai.serving.gateway.middleware`'s early 413 and 503) turn them into HTTP.  The
-work a request may cause is bounded
-(:mod:`sensai.serving.gateway.admission`); nothing slow or unbounded runs on the event loop, so health
-checks answer whatever the other requests are doing.  The two prediction routes build their JSON
-themselves (FastAPI's response-model validation costs more than the rest of the request path) and
-read their own parameters (so does FastAPI's per-request parameter solving).
-(No ``from __future__ import annotations`` here: FastAPI must see the route annotations, which
-refer to per-app values, as objects.)
+handlers here (and :mod:`sensai.serving.gateway.middleware`'s early 413 and 503) turn them into
+HTTP.  The work a request may cause is bounded (:mod:`sensai.serving.gateway.admission`); nothing
+slow or unbounded runs on the event loop, so health checks answer whatever the other requests are
+doing.  The two prediction routes build their JSON themselves (FastAPI's response-model validation
+costs more than the rest of the request path) and read their own parameters (so does FastAPI's
+per-request parameter solving). (No ``from __future__ import annotations`` here: FastAPI must see
+the route annotations, which refer to per-app values, as objects.)
 """
 
 import asyncio
@@ -258,11 +257,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
         version = package_version("sensai")
     except PackageNotFoundError:
         version = "0"
-    admission = Admission(max_requests=settings.max_requests,
-                          max_predictions=settings.max_predictions,
-                          body_timeout_s=settings.body_timeout_s, deadline_s=settings.deadline_s,
-                          max_lag_s=settings.max_loop_lag_s,
-                          latency_target_s=settings.latency_target_s)
+    admission = Admission(settings)
     gw = Gateway(models, settings, models.metrics, admission, version)
     # Read when scraped: the limit changes once a window at most, not with every request.
     models.metrics.predictor_limit.set_function(lambda: admission.predictor.limit)

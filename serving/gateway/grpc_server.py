@@ -1,15 +1,16 @@
 """The Open Inference Protocol (KServe v2) over gRPC, beside the HTTP gateway.
 
 The service is the one ``tritonclient`` ships (``tritonclient.grpc.service_pb2``), so
-``tritonclient.grpc.InferenceServerClient`` calls it unchanged.  It runs on the gateway's event
-loop (started and stopped by the app's lifespan when ``settings.grpc_port`` is set), on the same
-predictor, admission and whole-request deadline, and every inference goes through the gateway's
-own path (:func:`~sensai.serving.gateway.inference.v2_infer` -> :func:`~sensai.serving.gateway.inference.predict`):
-this module only converts messages and errors.  Implemented: ``ServerLive``, ``ServerReady``,
-``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (tensors in
-``raw_input_contents`` or typed ``contents``; outputs always in ``raw_output_contents``) and the
-repository's ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload`` (asked for
-what HTTP asks, :func:`~sensai.serving.gateway.repository_api.check_access`); the other methods answer
+``tritonclient.grpc.InferenceServerClient`` calls it unchanged.  It runs on the gateway's event loop
+(started and stopped by the app's lifespan when ``settings.grpc_port`` is set), on the same
+predictor, admission and whole-request deadline, and every inference goes through the gateway's own
+path (:func:`~sensai.serving.gateway.inference.v2_infer` ->
+:func:`~sensai.serving.gateway.inference.predict`): this module only converts messages and errors.
+Implemented: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``,
+``ModelInfer`` (tensors in ``raw_input_contents`` or typed ``contents``; outputs always in
+``raw_output_contents``) and the repository's ``RepositoryIndex``, ``RepositoryModelLoad``,
+``RepositoryModelUnload`` (asked for what HTTP asks,
+:func:`~sensai.serving.gateway.repository_api.check_access`); the other methods answer
 UNIMPLEMENTED.
 
 Errors map to status codes by their HTTP status (:data:`CODES`): 400 INVALID_ARGUMENT, 404

@@ -1,7 +1,7 @@
 """What a connection may cost before its request is admitted.
 
-Admission (:mod:`~sensai.serving.gateway.admission`) starts once a request's head is complete; before
-that, only this bounds a client.  uvicorn's httptools protocol keeps a head however large and
+Admission (:mod:`~sensai.serving.gateway.admission`) starts once a request's head is complete;
+before that, only this bounds a client.  uvicorn's httptools protocol keeps a head however large and
 however slowly it arrives, and accepts any number of connections, so a few hundred clients each
 trickling a huge header could exhaust the host's memory.  :class:`BoundedHttpProtocol` is that
 protocol with three bounds, as nginx, h11 and Envoy have them:
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Callable
 
+from ..core.settings import GatewaySettings
 from .wire import error_body
 
 try:  # uvicorn[standard] brings httptools; the h11 fallback below covers its absence
@@ -40,19 +40,6 @@ REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
 
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """The bounds, from :class:`~sensai.serving.core.settings.GatewaySettings` (their one default)."""
-
-    max_header_bytes: int
-    head_timeout_s: float
-    max_connections: int
-
-    @classmethod
-    def of(cls, settings) -> "ConnectionLimits":
-        return cls(settings.max_header_bytes, settings.head_timeout_s, settings.max_connections)
-
-
 def error_response(status: int, message: str, extra: bytes = b"", *, close: bool = True) -> bytes:
     """A whole HTTP/1.1 response carrying the gateway's JSON error."""
     body = error_body(status, message, os.urandom(16).hex())
@@ -64,10 +51,10 @@ def error_response(status: int, message: str, extra: bytes = b"", *, close: bool
 if HttpToolsProtocol is not None:
 
     class BoundedHttpProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol with the bounds of :class:`ConnectionLimits`
-        (``limits``: set on a subclass, see :func:`http_protocol`)."""
+        """uvicorn's httptools protocol with the gateway settings' bounds on connections
+        (``limits``: the settings, set on a subclass, see :func:`http_protocol`)."""
 
-        limits: ConnectionLimits  # set on the subclass http_protocol makes
+        limits: GatewaySettings  # set on the subclass http_protocol makes
         # Set there too: gate(method, url) -> why the gateway's admission would turn the request
         # away (counted by the gate), or None.
         gate: Callable[[str, bytes], str | None] | None = None
@@ -206,10 +193,10 @@ if HttpToolsProtocol is not None:
             return super().eof_received()
 
 
-def http_protocol(limits: ConnectionLimits, gate=None, count=None):
-    """What uvicorn's ``http`` option takes: the bounded protocol for ``limits`` (with ``gate``
-    and ``count``, see :class:`BoundedHttpProtocol`), or ``"h11"`` where httptools is not
-    installed."""
+def http_protocol(limits: GatewaySettings, gate=None, count=None):
+    """What uvicorn's ``http`` option takes: the bounded protocol for the settings ``limits``
+    (with ``gate`` and ``count``, see :class:`BoundedHttpProtocol`), or ``"h11"`` where
+    httptools is not installed."""
     if HttpToolsProtocol is None:
         return "h11"
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,),

@@ -2,8 +2,8 @@
 to a prediction, whichever protocol carried it.
 
 The HTTP routes (:mod:`sensai.serving.gateway.app`) and the gRPC service
-(:mod:`sensai.serving.gateway.grpc_server`) each parse their own messages and turn errors into their own
-status codes; everything in between - admission for the predictor, the deadline, non-finite
+(:mod:`sensai.serving.gateway.grpc_server`) each parse their own messages and turn errors into their
+own status codes; everything in between - admission for the predictor, the deadline, non-finite
 scores, the metrics of a prediction or an error, the Open Inference Protocol's model checks and
 metadata - is here, once.
 """
@@ -51,11 +51,10 @@ async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: b
     adm = gw.admission
     gw.metrics.waiting.set(adm.waiting)
     async with adm.prediction(deadline):
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
+        if deadline <= asyncio.get_running_loop().time():
             raise SubnetTimeout("the request's deadline passed before its subnets were asked")
         try:
-            pred = await mv.predictor.predict(x, allow_partial=allow_partial, timeout_s=left)
+            pred = await mv.predictor.predict(x, allow_partial=allow_partial, deadline=deadline)
         except (SubnetFailed, SubnetTimeout) as e:
             if e.subnet:
                 kind = "timeout" if isinstance(e, SubnetTimeout) else "failed"

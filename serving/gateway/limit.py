@@ -26,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from ..core.errors import Overloaded
+
 MIN_WINDOW_S = 0.05
 OVER_TARGET_SHARE = 0.05  # more samples than this share over the target: too slow
 DECREASE = 0.9
-
-
-class Full(Exception):
-    """As many requests wait as the limit lets in."""
 
 
 class AdaptiveLimit:
@@ -63,10 +61,14 @@ class AdaptiveLimit:
         """A new request would be refused: as many wait as the limit lets in."""
         return len(self._waiters) >= self.limit
 
+    def full_message(self) -> str:
+        return (f"{len(self._waiters)} requests are waiting for a prediction slot already; "
+                "the gateway is overloaded, retry shortly")
+
     async def acquire(self, deadline: float) -> float:
         """A place in the predictor, waited for until ``deadline`` (loop time) at most; returns
-        the time the wait began, for :meth:`release`.  Raises :class:`Full` when the queue is
-        full and ``TimeoutError`` at the deadline."""
+        the time the wait began, for :meth:`release`.  Raises :class:`Overloaded` when the
+        queue is full and ``TimeoutError`` at the deadline."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if self.active < self.limit and not self._waiters:
@@ -74,7 +76,7 @@ class AdaptiveLimit:
             return t0
         self._pressed = True
         if self.queue_full():
-            raise Full
+            raise Overloaded(self.full_message(), reason="queue_full")
         fut = loop.create_future()
         self._waiters.append(fut)
         try:

@@ -26,7 +26,7 @@ class GatewayMetrics:
         self.errors = Counter("sensai_request_errors", "requests answered with an error, by reason",
                               ["route", "status", "reason"], registry=r)
         self.inflight = Gauge("sensai_inflight_requests", "requests being served", registry=r)
-        # Per model version: a gateway may serve several (:mod:`.models`).
+        # Per model version: a gateway may serve several (:mod:`.served`).
         self.predict_seconds = Histogram("sensai_predict_seconds",
                                          "time in the predictor (fan-out + merge)",
                                          ["model", "version"], buckets=BUCKETS, registry=r)

@@ -156,9 +156,9 @@ class GatewayMiddleware:
 
 
 def early_gate(gw: Gateway):
-    """For the HTTP protocol (:mod:`~sensai.serving.gateway.http_protocol`): ``gate(method, url)`` -> why
-    the admission would turn the request away now (counted as :meth:`GatewayMiddleware.refuse`
-    counts it), or None; takes no slot."""
+    """For the HTTP protocol (:mod:`~sensai.serving.gateway.http_protocol`):
+    ``gate(method, url)`` -> why the admission would turn the request away now (counted as
+    :meth:`GatewayMiddleware.refuse` counts it), or None; takes no slot."""
     adm, metrics = gw.admission, gw.metrics
 
     def gate(method: str, url: bytes) -> str | None:

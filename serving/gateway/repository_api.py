@@ -14,30 +14,16 @@ by itself.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..core.errors import InputError, ServingError
+from sensai.net import is_loopback
+
+from ..core.errors import Forbidden, InputError, Unauthorized
 from ..core.settings import GatewaySettings
 
 LOOPBACK_HINT = "set SENSAI_REPOSITORY_TOKEN (or --repository-token-file) to allow others"
-
-
-class Forbidden(ServingError):
-    status = 403
-
-
-class Unauthorized(ServingError):
-    status = 401
-
-
-def is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_access(settings: GatewaySettings, *, client: str | None, authorization: str | None,

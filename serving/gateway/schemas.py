@@ -1,6 +1,6 @@
 """Request and response bodies of the gateway's own API (``/v1``) and of its errors.
 
-The KServe v2 bodies are built in :mod:`serving.oip` (they include binary framing that a
+The KServe v2 bodies are built in :mod:`.oip` (they include binary framing that a
 pydantic model cannot describe).
 """
 

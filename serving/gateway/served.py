@@ -9,9 +9,9 @@ says why) and whatever was serving keeps serving.  Unloading takes a version out
 once and closes its predictor only when the requests holding it are done (each is bounded by
 its deadline).  So a swap - the new version ready, then the old one unloaded - loses no request.
 
-An unversioned request goes to the model's highest ready version (Triton's rule).  With a
-repository (:mod:`.repository`), :meth:`ServedModels.load` brings a model to what its folder
-and version policy say; :meth:`ServedModels.poll` does that for every model whose folder
+An unversioned request goes to the model's highest ready version (Triton's rule).  With a repository
+(:mod:`~sensai.serving.core.repository`), :meth:`ServedModels.load` brings a model to what its
+folder and version policy say; :meth:`ServedModels.poll` does that for every model whose folder
 changed.  State names are Triton's (``READY``, ``LOADING``, ``UNLOADING``, ``UNAVAILABLE``).
 """
 
@@ -30,13 +30,13 @@ import numpy as np
 
 from sensai.errors import SensaiError
 
+from ..core import repository as repo_layout
 from ..core.contract import Predictor
-from ..core.errors import InputError, ModelNotFound, ServingError
+from ..core.errors import InputError, LoadFailed, ModelNotFound, ModelUnavailable
+from ..core.repository import VersionPolicy
 from ..core.settings import GatewaySettings
 from . import heap
-from . import repository as repo_layout
 from .metrics import GatewayMetrics
-from .repository import VersionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,6 @@ LET_GO_AFTER_S = 0.1
 DRAIN_GRACE_S = 1.0
 
 Loader = Callable[[str, Path], Predictor]  # (model name, artifact folder) -> predictor; blocks
-
-
-class ModelUnavailable(ServingError):
-    """The model is known but has no ready version (loading, or unloaded meanwhile)."""
-
-    status = 503
-
-
-class LoadFailed(SensaiError):
-    """A version could not be loaded; the versions that were serving still are."""
 
 
 @dataclass(eq=False)
@@ -87,7 +77,7 @@ class ModelVersion:
 
 
 @dataclass
-class Failure:
+class FailedVersion:
     """A version that failed to load, kept for the index until its files change."""
 
     stamp: str
@@ -109,7 +99,7 @@ class ServedModels:
         self.repository = Path(repository) if repository is not None else None
         self.policy = policy
         self.models: dict[str, dict[str, ModelVersion]] = {}
-        self.failures: dict[tuple[str, str], Failure] = {}
+        self.failures: dict[tuple[str, str], FailedVersion] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.loading: set[tuple[str, str]] = set()  # (name, version) being built or warmed
         self.latest: dict[str, ModelVersion] = {}  # each model's highest ready version
@@ -309,13 +299,13 @@ class ServedModels:
         reason = str(e) if isinstance(e, SensaiError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, SensaiError):
             log.exception("model %s version %s failed to load", *key)
-        self.failures[key] = Failure(stamp, reason)
+        self.failures[key] = FailedVersion(stamp, reason)
         raise LoadFailed(f"version {key[1]}: {reason}")
 
     async def warm(self, mv: ModelVersion) -> None:
         x = np.zeros((1, *mv.spec.input_shape), np.float32)
         for _ in range(WARMUP_PREDICTIONS):
-            await mv.predictor.predict(x, timeout_s=self.settings.deadline_s)
+            await mv.predictor.predict(x)
 
     async def unload(self, name: str) -> None:
         """Unload every version of ``name``; returns once the requests holding them are done."""

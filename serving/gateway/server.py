@@ -18,7 +18,7 @@ import uvicorn
 from sensai.errors import SensaiError
 
 from ..core.settings import GatewaySettings
-from .http_protocol import ConnectionLimits, http_protocol
+from .http_protocol import http_protocol
 from .middleware import early_gate
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
     settings before any request is admitted (:mod:`~sensai.serving.gateway.http_protocol`)."""
     gateway = getattr(getattr(app, "state", None), "gateway", None)
-    limits = ConnectionLimits.of(gateway.settings if gateway is not None else GatewaySettings())
+    limits = gateway.settings if gateway is not None else GatewaySettings()
     gate = early_gate(gateway) if gateway is not None else None
     count = gateway.metrics.rejected_connection if gateway is not None else None
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,

@@ -24,7 +24,8 @@ def ungated(path: str) -> bool:
 
 
 def error_body(status: int, message: str, rid: str) -> bytes:
-    """:class:`~sensai.serving.gateway.schemas.ErrorResponse`'s shape, for an error no route raised."""
+    """:class:`~sensai.serving.gateway.schemas.ErrorResponse`'s shape, for an error no route
+    raised."""
     return json_bytes({"error": message, "status": status, "request_id": rid,
                        "subnet": None, "missing_classes": None})
 

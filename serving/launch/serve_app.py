@@ -13,11 +13,11 @@ keep_cores_awake...), honoured here as ``sensai serve`` honours them:
 * ``ServeIngress`` receives the workers' handles (Serve injects them), builds the one
   :class:`~sensai.serving.engine.predictor.ClassParallelPredictor` over the
   :mod:`~sensai.serving.transports.ray_serve` transport, and serves
-  :func:`sensai.serving.gateway.app.create_app`'s routes: through Serve's proxy, and with ``own_port``
-  also on ``settings.host:port`` itself (sensai's own HTTP server on the replica's event loop,
-  with the gateway's connection limits), which spares each request the proxy's handle call to
-  the ingress and the ingress's call back for the body.  ``sensai serve --backend ray-serve``
-  runs Serve without a proxy and serves on that port alone.
+  :func:`sensai.serving.gateway.app.create_app`'s routes: through Serve's proxy, and with
+  ``own_port`` also on ``settings.host:port`` itself (sensai's own HTTP server on the replica's
+  event loop, with the gateway's connection limits), which spares each request the proxy's handle
+  call to the ingress and the ingress's call back for the body.  ``sensai serve --backend
+  ray-serve`` runs Serve without a proxy and serves on that port alone.
 
 Only the small raw subnet outputs travel back; the merge runs in the gateway.
 On a cluster of several nodes the worker deployments are spread over the nodes, the copies of a
@@ -45,13 +45,13 @@ from sensai.raycluster import alive_nodes
 
 from ..core.messages import Batching, Ready
 from ..core.placement import Placement
-from ..core.settings import GatewaySettings, explain
+from ..core.settings import GatewaySettings, check_backend, explain
+from ..engine.plan import ServingPlan, class_parallel_plan, subnet_specs
 from ..engine.predictor import ClassParallelPredictor
 from ..gateway.app import create_app
 from ..transports.ray_actors import RayWorkerBody, actor_resources, spread_plan
 from ..transports.ray_serve import ServeHandles
-from ..workers.runners import RunnerSpec, runner_specs
-from .serve_run import check_serve_settings
+from ..workers.runners import RunnerSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +117,11 @@ class ServeIngress:
         self.settings = s = GatewaySettings(**settings)
         self.own_port, self.gateway_app = own_port, None
         art = load_artifact(artifact)
-        specs, placement = worker_plan(art, s)
         # The predictor connects to every worker before it returns, through handle calls that
         # wait for their replicas: in a thread, while this loop serves the calls.
-        # Serve replaces dead replicas itself: no restart delay, no hang timeout of ours.
         self.predictor = await asyncio.to_thread(
-            ClassParallelPredictor, art, specs,
-            ServeHandles(workers, asyncio.get_running_loop()), placement,
-            name=s.model_name, deadline_s=s.deadline_s, hedge_ms=s.hedge_ms,
-            hang_timeout_s=None, batching=Batching(s.batch_max_rows, s.batch_delay_us))
+            ClassParallelPredictor, art, worker_plan(art, s),
+            ServeHandles(workers, asyncio.get_running_loop()))
 
     def __serve_build_asgi_app__(self):
         # The replicas belong to Serve: nothing to stop when the app stops.
@@ -141,12 +137,12 @@ class ServeIngress:
             raise RuntimeError(http.failed)
 
 
-def worker_plan(art: Artifact, s: GatewaySettings) -> tuple[list[RunnerSpec], Placement]:
-    """The subnets' runner specs and the workers' placement, as ``settings`` describe them: one
-    rule for :func:`build_app`, which binds the workers, and the ingress, which reaches them."""
-    specs = runner_specs(art, device="cpu", runtime=s.runtime, threads=s.threads_per_worker,
-                         trust_code=s.trust_model_code, batch_rows=s.batch_max_rows)
-    return specs, Placement.cyclic(len(specs), s.workers, s.redundancy, s.vote)
+def worker_plan(art: Artifact, settings: GatewaySettings) -> ServingPlan:
+    """The workers' plan as ``settings`` describe them: one rule for :func:`build_app`, which
+    binds the workers, and the ingress, which reaches them.  Serve replaces dead and unhealthy
+    replicas itself: no hang watchdog of ours."""
+    return class_parallel_plan(art, settings, specs=subnet_specs(art, settings, device="cpu"),
+                               own_devices=False, watch_hangs=False)
 
 
 def spread_options(base: dict, placement: Placement, nodes: list[dict], *,
@@ -173,11 +169,11 @@ def build_app(args: dict) -> serve.Application:
     except ValidationError as e:
         raise SensaiError(f"invalid Ray Serve app args ({explain(e)})") from None
     s = a.settings
-    check_serve_settings(s, own_port=a.own_port)
+    check_backend(s, behind_proxy=not a.own_port)
     artifact = str(Path(a.artifact).resolve())
     art = load_artifact(artifact)
-    specs, placement = worker_plan(art, s)
-    n = len(placement.workers)
+    plan = worker_plan(art, s)
+    n = len(plan.workers)
     if ray.is_initialized():
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
@@ -189,13 +185,14 @@ def build_app(args: dict) -> serve.Application:
     per_worker = [base] * n
     nodes = alive_nodes() if ray.is_initialized() else []
     if len(nodes) > 1:
-        per_worker = spread_options(base, placement, nodes, use_gpu="num_gpus" in base)
+        per_worker = spread_options(base, plan.placement, nodes, use_gpu="num_gpus" in base)
     bound = []
-    for w, hosted in enumerate(placement.workers):
-        spec_dicts = [(g, asdict(replace(specs[g], threads=threads))) for g in hosted]
-        bound.append(SubnetWorker.options(name=f"worker_{w:02d}", num_replicas=1,
+    for w, wp in enumerate(plan.workers):
+        spec_dicts = [(g, asdict(replace(spec, threads=threads)))
+                      for g, spec in zip(wp.groups, wp.specs)]
+        bound.append(SubnetWorker.options(name=wp.name, num_replicas=1,
                                           ray_actor_options=per_worker[w]).bind(
-            f"worker_{w:02d}", spec_dicts, w, s.keep_cores_awake))
+            wp.name, spec_dicts, w, s.keep_cores_awake))
     gateway_cpus = s.gateway_cpus if s.gateway_cpus is not None else min(1.0, base["num_cpus"])
     # The workers are shared: each gateway process admits its part of what they may hold, or
     # N processes would queue N times as much on them.

@@ -1,5 +1,5 @@
 """A Ray Serve application run by this process: ``sensai serve ART --backend ray-serve`` (the
-application of :mod:`.ray_app`, the one ``serve run deploy/ray-serve.yaml`` and KubeRay run) and
+application of :mod:`.serve_app`, the one ``serve run deploy/ray-serve.yaml`` and KubeRay run) and
 the benchmark's plain Ray Serve peer.
 
 :func:`launch` joins the Ray cluster named (``--ray-address`` / ``RAY_ADDRESS``), else starts a
@@ -21,44 +21,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from sensai.errors import SensaiError
 from sensai.raycluster import connect, error_text
 
-from ..core.settings import GatewaySettings, setting_name
+from ..core.settings import GatewaySettings, check_backend
 from .child import wait_ready
 
 log = logging.getLogger(__name__)
 
 READY = "/v2/health/ready"
 STARTUP_TIMEOUT_S = 300.0
-# Settings the Serve application cannot honour, and why: refused rather than ignored.
-NOT_ON_SERVE = {
-    "grpc_port": "the Serve ingress has no gRPC server",
-    "spread_cores": "it moves the local backend's worker threads",
-    "restart_delay_s": "Serve restarts replicas itself",
-    "hang_timeout_s": "Serve watches and restarts replicas itself",
-    "triton_url": "it is the triton backend's",
-}
-# And those it honours only on the ingress's own port (``own_port``), not behind Serve's proxy.
-PROXY_HELD = {
-    "max_connections": "connections are held by Serve's HTTP proxy",
-    "max_header_bytes": "request heads are read by Serve's HTTP proxy",
-    "head_timeout_s": "request heads are read by Serve's HTTP proxy",
-}
-
-
-def check_serve_settings(settings: GatewaySettings, names: Mapping[str, str] | None = None, *,
-                         own_port: bool) -> None:
-    """One line for the first setting the Serve application cannot honour that is set
-    (``names``: field -> the flag it was given by; else its environment variable);
-    ``own_port``: whether the ingress serves on its own port (as ``sensai serve`` runs it)."""
-    refused = NOT_ON_SERVE if own_port else NOT_ON_SERVE | PROXY_HELD
-    field = settings.first_set(refused)
-    if field is not None:
-        raise SensaiError(f"{setting_name(field, names)} does not apply to --backend ray-serve "
-                          f"({refused[field]})")
 
 
 class ServeRun:
@@ -161,7 +135,7 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
     ``settings``, its ingress on ``settings.host:port`` (no Serve proxy), until SIGTERM or
     SIGINT; then the application, Serve (and Ray, when this process started it) are
     stopped."""
-    check_serve_settings(settings, own_port=True)
+    check_backend(settings)
     run = ServeRun(settings.ray_address)
     # Installed after Ray's own handlers, which would exit this process halfway through.
     with StopSignals() as signals:

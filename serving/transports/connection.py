@@ -21,10 +21,10 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 from sensai.errors import SensaiError
 
-from ..core.messages import (Done, Failure, Fault, LoadFailed, Output, Ping, Pong, Ready, Run,
-                             Shutdown, Skip)
+from ..core.messages import (Done, Fault, Output, Ping, Pong, Ready, Run, RunFailed, Shutdown, Skip,
+                             StartFailed)
 from ..workers.loop import Stop, WorkerCore
-from .base import TOKENS, WorkerHandle
+from .base import TOKENS, Incarnation, WorkerHandle
 
 HANDSHAKE_S = 5.0  # a client that has not proved the key by then is hung up on
 
@@ -133,7 +133,7 @@ def cut(conn: Connection) -> None:
         sock.detach()
 
 
-def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
+def dial(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
     """The gateway's end of a worker's socket: connected and mutually authenticated (HMAC
     challenges both ways, before anything is unpickled) within ``timeout`` seconds."""
     try:
@@ -150,14 +150,12 @@ def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connect
     return conn
 
 
-class Incarnation:
-    """One start of a worker: its connection's send queue and whether it has loaded."""
+class ConnectionIncarnation(Incarnation):
+    """One start of a worker reached over a connection: the connection and its send queue."""
 
     def __init__(self, number: int):
-        self.number = number
+        super().__init__(number)
         self.send_q: queue.SimpleQueue = queue.SimpleQueue()
-        self.ready = threading.Event()
-        self.error: str | None = None
         self.conn: Connection | None = None
 
 
@@ -168,10 +166,11 @@ class ConnectionWorker(WorkerHandle):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.inc: Incarnation | None = None
+        self.inc: ConnectionIncarnation | None = None
         self._pongs: dict[int, threading.Event] = {}
 
-    def attach(self, inc: Incarnation, rx: Connection, tx: Connection, sentinel=None) -> None:
+    def attach(self, inc: ConnectionIncarnation, rx: Connection, tx: Connection,
+               sentinel=None) -> None:
         """Start ``inc``'s sender and reader threads.  ``sentinel``: a handle that becomes ready
         when the worker's process ends, waited on beside the connection."""
         inc.conn = rx
@@ -180,7 +179,7 @@ class ConnectionWorker(WorkerHandle):
         threading.Thread(target=self._reader, args=(rx, inc, sentinel), daemon=True,
                          name=f"{self.name}-read-{inc.number}").start()
 
-    def ended(self, inc: Incarnation) -> str:
+    def ended(self, inc: ConnectionIncarnation) -> str:
         """How ``inc`` ended, for the supervisor (called once its connection has closed)."""
         return "its connection closed"
 
@@ -199,7 +198,7 @@ class ConnectionWorker(WorkerHandle):
         finally:
             self._pongs.pop(token, None)
 
-    def hang_up(self, inc: Incarnation | None) -> None:
+    def hang_up(self, inc: ConnectionIncarnation | None) -> None:
         """Close ``inc``'s connection (its reader then reports the end) after a Shutdown."""
         if inc is not None:
             inc.send_q.put(Shutdown())
@@ -220,7 +219,7 @@ class ConnectionWorker(WorkerHandle):
         except OSError:
             pass
 
-    def _reader(self, conn: Connection, inc: Incarnation, sentinel) -> None:
+    def _reader(self, conn: Connection, inc: ConnectionIncarnation, sentinel) -> None:
         try:
             while True:
                 ready = wait([conn] if sentinel is None else [conn, sentinel])
@@ -253,9 +252,9 @@ class ConnectionWorker(WorkerHandle):
             self.sink.exited(self.index, inc.number,
                              detail if inc.error is None else f"loading failed: {inc.error}")
 
-    def _handle(self, msg, inc: Incarnation) -> None:
+    def _handle(self, msg, inc: ConnectionIncarnation) -> None:
         kind = type(msg)
-        if kind is Output or kind is Failure or kind is Done:
+        if kind is Output or kind is RunFailed or kind is Done:
             self.sink.deliver(self.index, inc.number, msg)
         elif kind is Ready:
             self.pid, self.device, self.runtime = msg.pid, msg.device, msg.runtime
@@ -263,7 +262,7 @@ class ConnectionWorker(WorkerHandle):
                 self.node = msg.node
             self.cores_awake = msg.cores_awake
             inc.ready.set()
-        elif kind is LoadFailed:
+        elif kind is StartFailed:
             inc.error = msg.error
             inc.ready.set()
         elif kind is Pong:

@@ -16,10 +16,10 @@ from typing import Sequence
 
 from sensai.errors import SensaiError
 
-from ..core.messages import Batching, Fault, LoadFailed, Ready
+from ..core.messages import Batching, Fault, Ready, StartFailed
 from ..workers.loop import WorkerCore
 from .base import Capabilities, Sink
-from .connection import ConnectionWorker, Incarnation, serve_connection
+from .connection import ConnectionIncarnation, ConnectionWorker, serve_connection
 
 
 def process_main(rx, tx, hosted: list, fault: Fault, seed: int,
@@ -32,7 +32,7 @@ def process_main(rx, tx, hosted: list, fault: Fault, seed: int,
     except BaseException as e:  # say why, then end: the gateway decides what to do
         text = str(e) if isinstance(e, SensaiError) else f"{type(e).__name__}: {e}"
         try:
-            tx.send(LoadFailed(text))
+            tx.send(StartFailed(text))
         finally:
             return
     spec = hosted[0][1] if hosted else None
@@ -54,7 +54,7 @@ class ProcessWorker(ConnectionWorker):
         to_child_r, to_child_w = ctx.Pipe(duplex=False)
         from_child_r, from_child_w = ctx.Pipe(duplex=False)
         self.generation += 1
-        inc = Incarnation(self.generation)
+        inc = ConnectionIncarnation(self.generation)
         proc = ctx.Process(target=process_main, name=f"sensai-{self.name}", daemon=True,
                            args=(to_child_r, from_child_w, list(zip(self.groups, self.specs)),
                                  Fault(self.delay, self.corrupt),
@@ -71,7 +71,7 @@ class ProcessWorker(ConnectionWorker):
     def wait_ready(self, timeout: float) -> None:
         self.wait_loaded(self.inc, timeout)
 
-    def ended(self, inc: Incarnation) -> str:
+    def ended(self, inc: ConnectionIncarnation) -> str:
         self.process.join(1.0)
         return f"its process died ({self.exit_detail() or 'no exit code'})"
 
@@ -102,11 +102,11 @@ class Processes:
     """The process transport (``--backend processes``)."""
 
     name = "processes"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+    capabilities = Capabilities()
 
-    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> ProcessWorker:
-        return ProcessWorker(index, groups, specs, sink, **faults)
+        return ProcessWorker(index, groups, specs, sink, **options)
 
     def healthy(self) -> bool:
         return True

@@ -40,7 +40,8 @@ from ..core.placement import Placement, spread
 from ..core.wakeup import keep_cores_awake
 from ..workers.loop import WorkerCore
 from .base import Capabilities, Sink
-from .connection import ConnectionWorker, Incarnation, accept, connect, cut, serve_connection
+from .connection import (ConnectionIncarnation, ConnectionWorker, accept, cut, dial,
+                         serve_connection)
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class ChannelWorker(ConnectionWorker):
     def start(self) -> None:
         self.generation += 1
         self._death = None
-        self.inc = Incarnation(self.generation)
+        self.inc = ConnectionIncarnation(self.generation)
 
     def time_left(self, deadline: float, timeout: float) -> float:
         """Seconds left to wait for the worker to load; :class:`SensaiError` when none are, or
@@ -292,7 +293,7 @@ class ChannelWorker(ConnectionWorker):
         except (RayError, TimeoutError) as e:
             raise SensaiError(f"{self.name} failed right after loading its subnets: "
                               f"{error_text(e)}") from None
-        conn = connect(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
+        conn = dial(tuple(address), authkey, max(1.0, deadline - time.monotonic()))
         self.channel = f"{address[0]}:{address[1]}"
         self.attach(inc, conn, conn)
         # A restarted worker forgot them; a fresh seed per incarnation.
@@ -301,7 +302,7 @@ class ChannelWorker(ConnectionWorker):
         gen = self.generation
         self.call_async("watch", self.owner, done=lambda exc: self._watch_done(gen, exc))
 
-    def ended(self, inc: Incarnation) -> str:
+    def ended(self, inc: ConnectionIncarnation) -> str:
         return f"died ({self._death or 'its connection closed'})"
 
     def _watch_done(self, gen: int, exc: BaseException | None) -> None:
@@ -415,11 +416,11 @@ class RayActorWorker(ChannelWorker):
 
 class RayActors:
     """The Ray actor transport: every worker an actor with ``actor_options`` (resources,
-    scheduling); ``own_ray``: shut Ray down on close (this process started it);
-    ``keep_awake``: whether each actor keeps its node's idle cores awake (:mod:`..wakeup`)."""
+    scheduling); ``own_ray``: shut Ray down on close (this process started it); ``keep_awake``:
+    whether each actor keeps its node's idle cores awake (:mod:`~sensai.serving.core.wakeup`)."""
 
     name = "ray"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+    capabilities = Capabilities()
 
     def __init__(self, actor_options: dict | Sequence[dict], *, own_ray: bool = False,
                  nodes: Sequence[dict] = (), keep_awake: str = "off"):
@@ -434,11 +435,11 @@ class RayActors:
         opts = self.actor_options
         return dict(opts[index] if isinstance(opts, (list, tuple)) else opts)
 
-    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> RayActorWorker:
         w = RayActorWorker(index, groups, specs, sink, actor_options=self.options_for(index),
                            closing=self.closing, keep_awake=self.keep_awake, owner=self.owner,
-                           **faults)
+                           **options)
         w.owner_nodes = self.node_addresses
         return w
 

@@ -1,5 +1,6 @@
-"""Workers as Ray Serve deployments (the Serve application of :mod:`sensai.serving.launch.serve_app`,
-``serve run deploy/ray-serve.yaml`` or KubeRay's ``RayService``).
+"""Workers as Ray Serve deployments (the Serve application of
+:mod:`sensai.serving.launch.serve_app`, ``serve run deploy/ray-serve.yaml`` or KubeRay's
+``RayService``).
 
 Serve places, health-checks and replaces the worker replicas; the requests do not take Serve's
 handles.  The ingress learns each worker through the ``DeploymentHandle`` Serve injects, asks
@@ -96,17 +97,17 @@ class ServeHandles:
     """The Ray Serve transport over the injected handles ``handles[w]`` of worker ``w``."""
 
     name = "ray-serve"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+    capabilities = Capabilities()
 
     def __init__(self, handles: Sequence, loop: asyncio.AbstractEventLoop):
         self.handles = list(handles)
         self.loop = loop  # the ingress's, where the handles are used
         self.owner = os.urandom(8).hex()  # this ingress replica, to the workers
 
-    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> ServeWorker:
         return ServeWorker(index, groups, specs, sink, handle=self.handles[index],
-                           loop=self.loop, owner=self.owner, **faults)
+                           loop=self.loop, owner=self.owner, **options)
 
     def healthy(self) -> bool:
         return True

@@ -30,16 +30,16 @@ from sensai.errors import SensaiError
 
 from ..core.messages import Done, Fault, Output, Run, Skip
 from ..workers.loop import Stop, WorkerCore
-from .base import Capabilities, Sink, WorkerHandle
+from .base import Capabilities, Incarnation, Sink, WorkerHandle
 from .spread import CoreSpread
 
 
-class _Incarnation:
+class ThreadIncarnation(Incarnation):
+    """One start of a thread worker: its thread, its run queue and its loop."""
+
     def __init__(self, number: int):
-        self.number = number
+        super().__init__(number)
         self.runs: queue.SimpleQueue = queue.SimpleQueue()
-        self.ready = threading.Event()
-        self.error: str | None = None
         self.core: WorkerCore | None = None
         self.abandoned = False
         self.stopped = False
@@ -51,18 +51,18 @@ class ThreadWorker(WorkerHandle):
 
     def __init__(self, *args, spread: CoreSpread | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._inc: _Incarnation | None = None
+        self._inc: ThreadIncarnation | None = None
         self.spread = spread
 
     def start(self) -> None:
         self.generation += 1
-        inc = _Incarnation(self.generation)
+        inc = ThreadIncarnation(self.generation)
         self._inc = inc
         inc.thread = threading.Thread(target=self._main, args=(inc,), daemon=True,
                                       name=f"sensai-{self.name}-{inc.number}")
         inc.thread.start()
 
-    def _main(self, inc: _Incarnation) -> None:
+    def _main(self, inc: ThreadIncarnation) -> None:
         detail = "its thread ended"
         try:
             runners = {g: spec.build() for g, spec in zip(self.groups, self.specs)}
@@ -165,16 +165,16 @@ class Threads:
     request apart when they ran on one core (:mod:`.spread`; off: affinity is never touched)."""
 
     name = "local"
-    capabilities = Capabilities(several_groups=True, skip=True, restart=True, kill=True)
+    capabilities = Capabilities()
 
     def __init__(self, *, spread_cores: bool = False):
         self.spread = CoreSpread() if spread_cores else None
         if self.spread is not None:  # the predictor's optional hook (see Transport)
             self.wake_order = self.spread.order
 
-    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> ThreadWorker:
-        return ThreadWorker(index, groups, specs, sink, spread=self.spread, **faults)
+        return ThreadWorker(index, groups, specs, sink, spread=self.spread, **options)
 
     def healthy(self) -> bool:
         return True

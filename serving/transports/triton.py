@@ -17,8 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from sensai.errors import SensaiError
 
-from ..core.messages import Done, Failure, Output, Run
-from ..launch.triton_repo import triton_model_name
+from ..core.messages import Done, Output, Run, RunFailed
 from .base import Capabilities, Sink, WorkerHandle
 
 
@@ -69,9 +68,9 @@ class TritonWorker(WorkerHandle):
                                                                             binary_data=True)])
             event = Output(run.req, group, res.as_numpy(out_name), (loop.time() - t0) * 1e3)
         except InferenceServerException as e:
-            event = Failure(run.req, group, f"Triton model {self.model}: {e.message()}")
+            event = RunFailed(run.req, group, f"Triton model {self.model}: {e.message()}")
         except (OSError, asyncio.TimeoutError) as e:  # refused or reset: the server went away
-            event = Failure(run.req, group, f"Triton at {self.owner.url} unreachable: {e}")
+            event = RunFailed(run.req, group, f"Triton at {self.owner.url} unreachable: {e}")
         self.sink.deliver(self.index, gen, event)
         self.sink.deliver(self.index, gen, Done(run.req, 0))
 
@@ -91,26 +90,26 @@ class TritonWorker(WorkerHandle):
 
 
 class Triton:
-    """The Triton transport: subnet ``i`` is the model ``sensai_subnet_0i`` of the server at
-    ``url`` (``host:port`` of its HTTP endpoint)."""
+    """The Triton transport: subnet ``g`` is the model ``models[g]`` of the server at ``url``
+    (``host:port`` of its HTTP endpoint)."""
 
     name = "triton"
-    capabilities = Capabilities(several_groups=False, skip=False, restart=False, kill=False,
-                                batch=False)  # the server batches: its dynamic batcher
+    # The server batches (its dynamic batcher), restarts and owns its model instances.
+    capabilities = Capabilities(restart=False, kill=False, batch=False)
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, prefix: str = "sensai_"):
+    def __init__(self, url: str, models: Sequence[str], *, timeout_s: float):
         self.url = url.removeprefix("http://").rstrip("/")
         self.timeout_s = timeout_s
-        self.prefix = prefix
+        self.names = list(models)
         self._clients: dict[asyncio.AbstractEventLoop, aioclient.InferenceServerClient] = {}
         self._keepers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.models: list[str] = []
 
-    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **faults
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> TritonWorker:
-        model = triton_model_name(groups[0], self.prefix)
+        model = self.names[groups[0]]
         self.models.append(model)
-        return TritonWorker(index, groups, specs, sink, owner=self, model=model, **faults)
+        return TritonWorker(index, groups, specs, sink, owner=self, model=model, **options)
 
     def client(self) -> aioclient.InferenceServerClient:
         """One aiohttp session per event loop (the gateway's, or a test's), closed when that

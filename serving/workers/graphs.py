@@ -26,6 +26,8 @@ import numpy as np
 
 from sensai.errors import SensaiError
 
+from ..core.errors import GraphCaptureError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1,)
@@ -33,10 +35,6 @@ WARMUP_RUNS = 3  # eager passes before a capture: cuDNN picks its kernels, lazy 
 
 # (model, static input, stream=) -> (replay, static output)
 Capture = Callable[..., tuple[Callable[[], None], Any]]
-
-
-class GraphCaptureError(SensaiError):
-    """The network cannot be captured as a CUDA graph (e.g. it syncs with the host)."""
 
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:

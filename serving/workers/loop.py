@@ -13,12 +13,12 @@ batching lifts what a worker answers per second exactly when requests queue.
 Everything else keeps its meaning per request inside a batch.  Each request first sleeps its
 injected delay (fault injection; none by default).  Before a copy the worker may wait up to
 ``hedge_s`` for the predictor to say the group is answered already
-(:class:`~sensai.serving.core.messages.Skip`), so a straggler's copies cost compute only when needed.
-A request skipped meanwhile (answered elsewhere, cancelled, expired) leaves the batch before its
-rows are computed.  A request whose input cannot be stacked with the others' runs in a batch of
-its own, and when a batch's run fails its requests are run again one by one: only a request
-that fails alone fails.  Skips can arrive at any time from another thread; they are applied
-under a condition variable the waits sleep on.
+(:class:`~sensai.serving.core.messages.Skip`), so a straggler's copies cost compute only when
+needed. A request skipped meanwhile (answered elsewhere, cancelled, expired) leaves the batch before
+its rows are computed.  A request whose input cannot be stacked with the others' runs in a batch of
+its own, and when a batch's run fails its requests are run again one by one: only a request that
+fails alone fails.  Skips can arrive at any time from another thread; they are applied under a
+condition variable the waits sleep on.
 
 Thread and process workers, and Ray actors over their socket, feed :meth:`WorkerCore.serve` a
 queue of :class:`~sensai.serving.core.messages.Run` messages; Ray Serve replicas call
@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..core.faults import DelaySpec, corrupt_output
-from ..core.messages import BatchCounts, Batching, Done, Failure, Fault, Output, Run, Skip
+from ..core.messages import BatchCounts, Batching, Done, Fault, Output, Run, RunFailed, Skip
 from .runners import Runner
 
 EVERY = "every"  # a skip of every group of a request (Skip.groups is None)
@@ -139,7 +139,7 @@ class WorkerCore:
                              timeout=max(0.0, until - time.perf_counter()))
 
     def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
-                hedge_s: float = 0.0) -> Output | Failure | None:
+                hedge_s: float = 0.0) -> Output | RunFailed | None:
         """Group ``group`` of request ``req`` alone: its output, a failure, or None when
         skipped."""
         if copy and hedge_s > 0:
@@ -151,7 +151,7 @@ class WorkerCore:
         return next(self.results(group, (req,), (x,)))
 
     def results(self, group: int, reqs: Sequence[int], xs: Sequence[np.ndarray]
-                ) -> Iterator[Output | Failure]:
+                ) -> Iterator[Output | RunFailed]:
         """Group ``group`` of requests ``reqs`` (inputs ``xs``, stackable), in one runner call:
         each request's output of its own rows (or its failure), yielded as soon as computed."""
         runner, corrupt = self.runners[group], self.corrupt
@@ -176,7 +176,7 @@ class WorkerCore:
         try:
             out = np.asarray(runner.run(xs[0]), dtype=np.float32)
         except Exception as e:  # one subnet failing must not take the worker down
-            yield Failure(reqs[0], group, f"{type(e).__name__}: {e}")
+            yield RunFailed(reqs[0], group, f"{type(e).__name__}: {e}")
             return
         ms = (time.perf_counter() - t0) * 1e3
         yield Output(reqs[0], group, corrupt_output(out) if corrupt else out, ms)

@@ -6,7 +6,8 @@ benchmark goes through a runner, so the strategies compare like with like.
 * :class:`OrtRunner` - ONNX Runtime; CPU by default (faster than torch eager at batch 1 on small
   CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
 * :class:`TorchRunner` - torch eager.
-* :class:`~sensai.serving.workers.graphs.GraphRunner` - torch replayed from CUDA graphs: the default on
+* :class:`~sensai.serving.workers.graphs.GraphRunner` - torch replayed from CUDA graphs: the default
+  on
   CUDA devices, falling back to eager (with a warning) where a network cannot be captured.
 
 A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
@@ -27,8 +28,9 @@ from sensai.artifact import Artifact, verify_bytes, verify_file
 from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
+from ..core.errors import GraphCaptureError
 from ..core.settings import RUNTIMES
-from .graphs import GraphCaptureError, GraphRunner, buckets_up_to
+from .graphs import GraphRunner, buckets_up_to
 
 log = logging.getLogger(__name__)
 
