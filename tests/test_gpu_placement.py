@@ -22,7 +22,7 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import device_for_worker, select_device
 from sensai.raycluster import LOOPBACK, cluster_resources
-from sensai.serving.engine.predictor import worker_devices
+from sensai.serving.engine.plan import worker_devices
 from sensai.serving.transports.ray_actors import actor_class, actor_resources
 from sensai.serving.workers.runners import runner_specs
 
