@@ -498,11 +498,12 @@ def test_baselines_keep_the_deadline_like_the_predictor(fmnist_spec):
     predictor's own), and the next request is answered normally."""
     import asyncio
 
-    from sensai.bench.baselines import ModuleSpec, SingleDevice, WorkerSet
+    from sensai.bench.baselines import SingleDevice, WorkerSet
+    from sensai.serving.workers.runners import RunnerSpec
     from sensai.serving.core.errors import SubnetTimeout
 
     shape = (1, 2, 2)
-    slow = SingleDevice(WorkerSet(["slow"], [ModuleSpec("slow", _Slow(0.3), shape)],
+    slow = SingleDevice(WorkerSet(["slow"], [RunnerSpec("slow", shape, module=_Slow(0.3))],
                                   GatewaySettings(deadline_s=5.0)), fmnist_spec, "single")
     x = np.zeros((1, *shape), dtype=np.float32)
 

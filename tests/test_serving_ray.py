@@ -122,9 +122,10 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
         hosted.append([g for g, _ in specs])
     assert hosted == [[w, (w + 1) % 5] for w in range(5)]  # cyclic, r = 1
     # The ingress plans its predictor by the same rule from its own bound arguments.
-    specs, placement = worker_plan(load_artifact(artifact), GatewaySettings(**settings))
-    assert placement.redundancy == 1 and [list(h) for h in placement.workers] == hosted
-    assert len(specs) == 5 and GatewaySettings(**settings).keep_cores_awake == "auto"
+    plan = worker_plan(load_artifact(artifact), GatewaySettings(**settings))
+    assert plan.placement.redundancy == 1 and [list(h) for h in plan.placement.workers] == hosted
+    assert [list(w.groups) for w in plan.workers] == hosted and len(plan.workers) == 5
+    assert plan.settings.keep_cores_awake == "auto" and plan.hang_timeout_s is None
 
 
 @pytest.fixture(scope="module")

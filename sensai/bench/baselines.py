@@ -14,11 +14,9 @@ deadline the same way (a late answer is a 504).
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -30,7 +28,6 @@ from sensai.serving.engine.plan import plain_plan
 from sensai.serving.engine.pool import WorkerPool, resolve, wake
 from sensai.serving.engine.worker import Worker
 from sensai.serving.transports.threads import Threads
-from sensai.serving.workers.runners import Runner, resolve_runtime, torch_runner
 from sensai.spec import DatasetSpec
 
 GROUP = 0  # a baseline worker hosts one runner, filed under this key (see plain_plan)
@@ -41,39 +38,6 @@ def softmax_scores(logits: np.ndarray) -> np.ndarray:
     z = np.asarray(logits, dtype=np.float64)
     e = np.exp(z - z.max(axis=1, keepdims=True))
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class ModuleSpec:
-    """The recipe of a torch runner for a module that has no weights file (a pipeline stage): the
-    duck type of :class:`~sensai.serving.workers.runners.RunnerSpec` a thread worker builds from.
-    Thread workers only: the module is shared with the worker (copied there), never pickled."""
-
-    name: str
-    module: Any
-    input_shape: tuple[int, ...]
-    device: str = "cpu"
-    threads: int = 1
-    runtime: str = "auto"  # auto: CUDA graphs on a GPU, as the subnets get them; else eager
-    warmup: bool = True
-
-    def resolved_runtime(self) -> str:
-        return resolve_runtime(self.runtime, self.device, has_onnx=False)
-
-    def build(self) -> Runner:
-        import torch  # the torch runtime only
-
-        if self.device == "cpu":
-            torch.set_num_threads(max(1, self.threads))
-        runner = torch_runner(copy.deepcopy(self.module), device=self.device,
-                              runtime=self.runtime, name=self.name, input_shape=self.input_shape)
-        if self.warmup:
-            runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
-        return runner
-
-    def describe(self) -> dict:
-        return {"name": self.name, "device": self.device, "threads": self.threads,
-                "runtime": self.resolved_runtime()}
 
 
 class WorkerSet:

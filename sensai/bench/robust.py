@@ -361,7 +361,7 @@ def run_robust_bench(
     kill_at: float = 0.3,
     interval_ms: float = 10.0,
     vote: bool = False,
-    deadline_s: float = 5.0,
+    deadline_s: float | None = None,
     restart_delay_s: float = 0.0,
     rejoin_timeout_s: float = 120.0,
     device: str = "auto",
@@ -377,7 +377,10 @@ def run_robust_bench(
     ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
     the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
     worker indices; the victim is ended at request ``kill_at`` x ``images``; ``scenarios``
-    (None: :data:`.names.DEFAULT_SCENARIOS`, those the backend takes)."""
+    (None: :data:`.names.DEFAULT_SCENARIOS`, those the backend takes); ``deadline_s`` (None:
+    the gateway settings')."""
+    if deadline_s is None:
+        deadline_s = load_settings({}).deadline_s
     artifact = load_artifact(artifact_dir)
     g = len(artifact.groups)
     if scenarios is None:  # the backend's defaults

@@ -30,7 +30,7 @@ from sensai.serving.engine.plan import worker_devices
 from sensai.serving.launch.build import build_predictor, free_ports, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
 
-from .baselines import BASELINES, ModuleSpec, WorkerSet
+from .baselines import BASELINES, WorkerSet
 from .gateway_process import GatewayProcess, served
 from .harness import TestImages
 from .machine import MemoryProbe
@@ -48,7 +48,7 @@ class Recipe:
 
     key: str
     names: list[str]
-    specs: list  # RunnerSpec, or ModuleSpec for torch stages
+    specs: list[RunnerSpec]
     workers: list[dict[str, Any]]  # params, flops, weights_mb, activations_mb per worker
 
 
@@ -148,8 +148,8 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
                                         runtime="onnx", threads=threads, onnx_path=str(path),
                                         onnx_sha256=sha256_file(path)))
             else:
-                specs.append(ModuleSpec(name, stage, in_shape, device=devices[i], threads=threads,
-                                        runtime=runtime))
+                specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
+                                        runtime=runtime, threads=threads, module=stage))
             with torch.no_grad():
                 h = stage(h.clone())
             infos.append(_cost(stage_plan.stage_params[i], stage_plan.stage_macs[i], act,

@@ -228,7 +228,9 @@ def robust_args(p) -> None:
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="seconds before the dead worker is restarted (default: 0)")
     p.add_argument("--vote", action="store_true", help="vote mode (2r+1 copies, majority)")
-    p.add_argument("--deadline", type=float, default=5.0, help="per-request deadline (s)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="per-request deadline in seconds (default: the gateway's, 5, or "
+                        "$SENSAI_DEADLINE_S)")
     _worker_args(p)
     _images_args(p, "real test images per scenario")
 

@@ -19,7 +19,7 @@ from sensai.artifact import Artifact
 from sensai.errors import SensaiError
 from sensai.models import device_for_worker
 
-from ..core.faults import Faults
+from ..core.faults import DelaySpec, Faults
 from ..core.messages import Batching
 from ..core.placement import Placement
 from ..core.settings import GatewaySettings
@@ -39,7 +39,7 @@ class WorkerPlan:
     name: str
     groups: tuple[int, ...]
     specs: tuple[RunnerSpec, ...]
-    delay: object = None  # a DelaySpec
+    delay: DelaySpec | None = None
     corrupt: bool = False
 
 

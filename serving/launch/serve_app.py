@@ -168,7 +168,8 @@ def build_app(args: dict) -> serve.Application:
         a = RayAppArgs(**dict(args))
     except ValidationError as e:
         raise SensaiError(f"invalid Ray Serve app args ({explain(e)})") from None
-    s = a.settings
+    # The application is the ray-serve backend, whatever the settings' backend field says.
+    s = a.settings.model_copy(update={"backend": "ray-serve"})
     check_backend(s, behind_proxy=not a.own_port)
     artifact = str(Path(a.artifact).resolve())
     art = load_artifact(artifact)

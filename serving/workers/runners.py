@@ -17,6 +17,7 @@ there.  The device is picked at run time; nothing calls ``.cuda()`` directly.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -147,13 +148,16 @@ class RunnerSpec:
     """Everything needed to build one subnet's runner, picklable.
 
     ``runtime="auto"``: ONNX Runtime when the device is a CPU and an ONNX file exists, CUDA
-    graphs on GPUs, torch eager otherwise (see :func:`resolve_runtime`).  The torch network is rebuilt from its
-    safetensors weights - nothing is unpickled; an architecture given as
-    ``package.module:factory`` is imported only with ``trust_code``.
+    graphs on GPUs, torch eager otherwise (see :func:`resolve_runtime`).  The torch network is
+    rebuilt from its safetensors weights - nothing is unpickled; an architecture given as
+    ``package.module:factory`` is imported only with ``trust_code``.  Or it is ``module``, a
+    torch module run as it is (the benchmark's pipeline stages, which have no weights file of
+    their own): such a recipe serves thread workers only, since a module is copied, never
+    pickled.
     """
 
     name: str
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     device: str = "cpu"
     runtime: str = "auto"
     threads: int = 1
@@ -171,6 +175,7 @@ class RunnerSpec:
     # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
     onnx_blob: Any = None
     weights_blob: Any = None
+    module: Any = None
 
     def resolved_runtime(self) -> str:
         return resolve_runtime(self.runtime, self.device, has_onnx=bool(self.onnx_path))
@@ -190,27 +195,11 @@ class RunnerSpec:
             # torch only on this branch: ONNX-only workers never import it.
             import torch
 
-            from sensai.checkpoint import build_from_weights, load_weights
-
-            if not (self.arch and self.weights_path):
-                raise CheckpointError(f"{self.name} has no weights to build a torch runner from")
             if self.device == "cpu":
                 # Several CPU workers in one process share torch's intra-op pool; keep it small
                 # so they do not oversubscribe the cores.
                 torch.set_num_threads(max(1, self.threads))
-            if self.weights_blob is not None:
-                from safetensors.torch import load as load_safetensors
-
-                data = verify_bytes(fetch(self.weights_blob), self.weights_sha256,
-                                    f"weights of {self.name} ({self.weights_path})")
-                state = load_safetensors(data)
-            else:
-                path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
-                state = load_weights(path, self.weights_sha256)
-            model = build_from_weights(self.arch, self.num_outputs, self.in_channels, state,
-                                       f"weights of {self.name} ({self.weights_path})",
-                                       trust_code=self.trust_code)
-            runner = torch_runner(model, device=self.device, runtime=self.runtime,
+            runner = torch_runner(self.torch_model(), device=self.device, runtime=self.runtime,
                                   name=self.name, input_shape=self.input_shape,
                                   batch_rows=self.batch_rows)
         if self.warmup:
@@ -218,6 +207,28 @@ class RunnerSpec:
             # first request does not pay for it.
             runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
         return runner
+
+    def torch_model(self):
+        """The torch network: a copy of ``module`` (the worker's own), or rebuilt from the
+        weights, checked against their hash first."""
+        if self.module is not None:
+            return copy.deepcopy(self.module)
+        from sensai.checkpoint import build_from_weights, load_weights
+
+        if not (self.arch and self.weights_path):
+            raise CheckpointError(f"{self.name} has no weights to build a torch runner from")
+        if self.weights_blob is not None:
+            from safetensors.torch import load as load_safetensors
+
+            data = verify_bytes(fetch(self.weights_blob), self.weights_sha256,
+                                f"weights of {self.name} ({self.weights_path})")
+            state = load_safetensors(data)
+        else:
+            path = verify_file(Path(self.weights_path), self.weights_sha256, "weights file")
+            state = load_weights(path, self.weights_sha256)
+        return build_from_weights(self.arch, self.num_outputs, self.in_channels, state,
+                                  f"weights of {self.name} ({self.weights_path})",
+                                  trust_code=self.trust_code)
 
     def shipped(self, put) -> "RunnerSpec":
         """This spec with its files' contents attached (``put``: e.g. ``ray.put``), read and
