@@ -208,11 +208,9 @@ def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None =
         refused = refused | PROXY_HELD
     field = settings.first_set(refused)
     if field is not None:
-        why = refused[field]
-        where = "--backend ray-serve only" if field in SERVE_ONLY else None
-        raise SensaiError(f"{setting_name(field, names)} applies to {where} ({why})" if where
-                          else f"{setting_name(field, names)} does not apply to --backend "
-                               f"{settings.backend} ({why})")
+        scope = ("applies to --backend ray-serve only" if field in SERVE_ONLY
+                 else f"does not apply to --backend {settings.backend}")
+        raise SensaiError(f"{setting_name(field, names)} {scope} ({refused[field]})")
 
 
 def check_faults(settings: "GatewaySettings", faults) -> None:
