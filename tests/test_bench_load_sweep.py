@@ -17,7 +17,8 @@ LEVEL_KEYS = {"concurrency", "seconds", "requests", "status_counts", "ok", "erro
               "throughput_rps", "latency_ok_ms", "client_cpu_s", "client_cores",
               "client_cpu_share", "machine_busy_cores"}
 SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50_c1",
-                 "flagship_vs_triton", "overload_goodput_share", "overload_admitted_p99"]
+                 "flagship_vs_triton", "overload_goodput_share", "overload_admitted_p99",
+                 "overload_refused_p99", "overload_within_deadline"]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,11 @@ def test_the_targets_are_reported(sweep_run):
     assert [c["name"] for c in checks] == SWEEP_TARGETS
     by = {c["name"]: c for c in checks}
     for name in ("batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50_c1",
-                 "overload_goodput_share", "overload_admitted_p99"):
+                 "overload_goodput_share", "overload_admitted_p99", "overload_within_deadline"):
         assert by[name]["value"] > 0 and by[name]["status"] in ("met", "not met"), name
+    # The polite clients' parked connections are counted, and the run says it honoured them.
+    over = result["configs"]["class-parallel"]["overload"]
+    assert over["retry_after_honoured"] is True and result["settings"]["overload_retry_after"]
     assert by["flagship_vs_triton"]["status"] == "not measured"  # no triton in this sweep
     assert by["flagship_vs_triton"]["why_not_measured"]
     assert by["c16_vs_noop_route"]["conditions_met"] is False  # not the demo artifact

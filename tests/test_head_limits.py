@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -139,25 +140,61 @@ def test_a_hundred_huge_unfinished_heads_cost_little_memory(gateway, image):
     assert r.status_code == 200, r.text
 
 
-def test_connections_over_the_cap_get_a_fast_503(tiny_artifact, image):
+def test_silent_connections_make_room_and_busy_ones_get_a_fast_503(tiny_artifact, image):
+    """Three connections that send nothing fill a cap of three: a new client is served at once,
+    and the connection that waited longest without a request is closed, with a 503, to make
+    room.  When every connection has a request in progress, a new one gets a fast 503."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, max_connections=3, head_timeout_s=30)
+    server = start_gateway(pred, max_connections=3, head_timeout_s=30, deadline_s=20)
     try:
-        idle = [connect(server) for _ in range(3)]
+        silent = [connect(server) for _ in range(3)]
         time.sleep(0.2)  # the server has accepted them
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/predict", content=image, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2, r.text
+        status, headers, body = read_response(silent[0])  # the oldest: closed to make room
+        assert status == 503 and headers["retry-after"] == "1" and "make room" in body["error"]
+        for s in silent:
+            s.close()
+        time.sleep(0.2)
+        pred.pool.inject(0, delay="fixed:1500ms")
+        busy = [threading.Thread(target=httpx.post, args=(f"{server.url}/v1/predict",),
+                                 kwargs={"content": image, "timeout": 60}) for _ in range(3)]
+        for t in busy:
+            t.start()
+        time.sleep(0.5)  # three requests in progress, one connection each
         with connect(server) as s:
             t0 = time.monotonic()
             s.sendall(get("/v2/health/live"))
             status, headers, body = read_response(s)
         assert status == 503 and headers["retry-after"] == "1"
         assert "SENSAI_MAX_CONNECTIONS" in body["error"] and time.monotonic() - t0 < 2
-        idle.pop().close()
-        time.sleep(0.2)
-        r = httpx.post(f"{server.url}/v1/predict", content=image, timeout=30)
-        assert r.status_code == 200, r.text
+        for t in busy:
+            t.join(30)
+        pred.pool.inject(0, delay=None)
         text = httpx.get(f"{server.url}/metrics").text
         assert 'sensai_rejected_connections_total{reason="max_connections"} 1.0' in text
-        for s in idle:
+        assert 'sensai_rejected_connections_total{reason="evicted"} 1.0' in text
+    finally:
+        pred.pool.inject(0, delay=None)
+        server.stop()
+
+
+def test_a_client_address_holds_at_most_its_share_of_connections(tiny_artifact, image):
+    """With max_connections_per_client 2, a third connection from the same address gets a 503
+    at once, while the two it holds are served."""
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
+    server = start_gateway(pred, max_connections_per_client=2, head_timeout_s=30)
+    try:
+        held = [connect(server) for _ in range(2)]
+        time.sleep(0.2)
+        with connect(server) as s:
+            s.sendall(get("/v2/health/live"))
+            status, headers, body = read_response(s)
+        assert status == 503 and "SENSAI_MAX_CONNECTIONS_PER_CLIENT" in body["error"]
+        for s in held:
+            s.sendall(get("/v2/health/live"))
+            assert read_one(s)[0] == 200
             s.close()
     finally:
         server.stop()
@@ -181,8 +218,8 @@ def read_one(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
 def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny_artifact,
                                                                              image):
     """One request slot, held by a slow request: the next upload is answered 503 by the
-    protocol itself (no app, hence no x-request-id), its body read and dropped, and the same
-    connection then serves a health check; the refusal is counted."""
+    protocol itself (no app), its body read and dropped, and the same connection then serves a
+    health check; the refusal is counted."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
     server = start_gateway(pred, max_requests=1, deadline_s=20)
     try:
@@ -200,7 +237,9 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
             s.sendall(get("/v2/health/live"))
             assert read_one(s)[0] == 200  # the connection was kept
         assert status == 503 and headers["retry-after"] == "1" and took < 0.5
-        assert "x-request-id" not in headers and json.loads(body)["status"] == 503
+        # Answered by the protocol itself: no app, hence none of uvicorn's own headers.
+        assert "server" not in headers and json.loads(body)["status"] == 503
+        assert headers["x-request-id"] == json.loads(body)["request_id"]
         assert "limit of 1 requests in flight" in json.loads(body)["error"]
         slow.join(30)
         pred.pool.inject(0, delay=None)
@@ -210,3 +249,16 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
     finally:
         pred.pool.inject(0, delay=None)
         server.stop()
+
+
+def test_the_listen_backlog_is_sized_from_the_request_limit(gateway):
+    """The kernel holds at most as many unaccepted connections as the gateway could admit
+    requests (``ss`` shows a listening socket's backlog as its Send-Q), unless set."""
+    import subprocess
+
+    assert gateway.server.config.backlog == GatewaySettings().max_requests
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{gateway.port}"], capture_output=True,
+                         text=True).stdout.split()
+    if out:  # ss may be missing from a minimal image: the configuration is what was checked
+        assert out[2] == str(GatewaySettings().max_requests), out
+    assert GatewaySettings(listen_backlog=50).backlog() == 50

@@ -27,10 +27,9 @@ from PIL import Image
 
 from sensai.cores import usable_cores
 from sensai.data import normalize
-from sensai.serving.core.errors import Overloaded
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway import heap
-from sensai.serving.gateway.admission import Admission
+from sensai.serving.gateway.admission import Admission, Ticket
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import png, sample_images, start_gateway
 
@@ -476,18 +475,23 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
                                     deadline_s=1, max_loop_lag_s=0.05))
 
     async def go():
+        loop = asyncio.get_running_loop()
         adm.start()
         await asyncio.sleep(0.1)
-        assert adm.admit()
-        adm.release()
+        ticket = adm.admit(loop.time(), False)
+        assert isinstance(ticket, Ticket)
+        ticket.release()
         time.sleep(0.4)  # something held the loop
         await asyncio.sleep(0.025)  # the lag timer, overdue, runs first
-        assert adm.lag > 0.05 and not adm.admit()  # 0.2 s smoothed
-        reason, why = adm.refusal()  # what HTTP and gRPC tell the client
-        assert reason == "loop_lag" and why.startswith("the gateway is behind by")
+        assert adm.lag > 0.05  # 0.2 s smoothed
+        assert adm.admit(loop.time(), False) == "loop_lag"
+        # What HTTP and gRPC tell the client, and its deadline: the lag counts against it.
+        assert adm.messages["loop_lag"].startswith("the gateway is behind by")
+        assert adm.deadline(loop.time()) < loop.time() + 1 - 0.05
         await asyncio.sleep(0.5)  # quiet again
-        assert adm.lag < 0.05 and adm.admit()
-        adm.release()
+        ticket = adm.admit(loop.time(), False)
+        assert adm.lag < 0.05 and isinstance(ticket, Ticket)
+        ticket.release()
         await adm.stop()
 
     asyncio.run(go())
@@ -512,8 +516,9 @@ def test_the_gateways_own_collection_is_not_taken_for_an_overload():
             await asyncio.sleep(0.005)
             seen.append(adm.lag)
         assert took > 0.12, took  # half of it, the smoothed lag, would be over the limit
-        assert max(seen) < 0.05 and adm.admit(), seen
-        adm.release()
+        ticket = adm.admit(asyncio.get_running_loop().time(), False)
+        assert max(seen) < 0.05 and isinstance(ticket, Ticket), seen
+        ticket.release()
         await adm.stop()
 
     try:
@@ -524,8 +529,9 @@ def test_the_gateways_own_collection_is_not_taken_for_an_overload():
 
 
 def test_a_short_queue_turns_the_surplus_away_at_once():
-    """As many requests may wait for the predictor as it holds (here one each): the next one
-    gets a 503 at once instead of waiting for its deadline, and the queued one is served."""
+    """As many requests may wait for the predictor as it holds (here one each): the next one is
+    refused at admission, at once, before its body is read and its image decoded; what was
+    admitted is served, and every slot is given back."""
     adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
                                     deadline_s=5))
 
@@ -533,24 +539,28 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
         served = []
+        first = adm.admit(loop.time(), True)  # predictions
+        second = adm.admit(loop.time(), True)
+        assert isinstance(first, Ticket) and isinstance(second, Ticket)
 
         async def queued():
-            async with adm.prediction(deadline):
+            async with adm.prediction(second, deadline):
                 served.append(True)
 
-        async with adm.prediction(deadline):
+        async with adm.prediction(first, deadline):
             waiter = asyncio.ensure_future(queued())
             await asyncio.sleep(0.01)
             assert adm.waiting == 1 and not served
-            t0 = loop.time()
-            with pytest.raises(Overloaded) as e:
-                async with adm.prediction(deadline):
-                    pass
-            assert e.value.reason == "queue_full" and loop.time() - t0 < 0.05
-            assert "1 requests are waiting for a prediction slot" in str(e.value)
-            # New requests are refused at admission already, before their body and image.
-            assert adm.full() and not adm.admit() and adm.refusal()[0] == "queue_full"
+            assert adm.admit(loop.time(), True) == "queue_full"
+            assert "no place for another request" in adm.messages["queue_full"]
+            other = adm.admit(loop.time(), False)  # a request that is no prediction
+            assert isinstance(other, Ticket)
+            other.release()
         await waiter
-        assert served == [True] and adm.waiting == 0 and not adm.full()
+        assert served == [True] and adm.waiting == 0
+        for ticket in (first, second):
+            ticket.release()
+        assert (adm.requests, adm.receiving, adm.predictor.active, adm.predictor.reserved) \
+            == (0, 0, 0, 0)
 
     asyncio.run(go())

@@ -1,6 +1,6 @@
-"""The predictor's adaptive concurrency limit (serving/gateway/limit.py): its verdicts, and the
-gate's FIFO order, refusals and clean-up when a waiter leaves.  No timing thresholds: a sample
-"over the target" is a wait many times the target long."""
+"""The predictor's gate (serving/gateway/limit.py): its limit's verdicts, its FIFO line, its
+refusals at admission, the standing line it does not keep, and the clean-up when a request
+leaves.  No timing thresholds: a sample "over the target" is many times the target long."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import asyncio
 
 import pytest
 
-from sensai.serving.core.errors import Overloaded
-from sensai.serving.gateway.limit import AdaptiveLimit
+from sensai.serving.gateway.limit import STANDING_S, AdaptiveLimit
 
 
 def test_a_slow_window_shrinks_the_limit_by_a_tenth_and_at_least_one():
@@ -32,77 +31,132 @@ def test_a_fast_window_grows_the_limit_by_one_only_when_it_was_full():
     assert lim.judge(50, 0, pressed=True) == 0 and lim.limit == 3  # at most `most`
 
 
-def test_the_gate_is_fifo_refuses_beyond_its_queue_and_passes_places_on():
+def place(lim: AdaptiveLimit, t0: float | None = None):
+    """A place reserved now (for a request whose first byte came at ``t0``, default now)."""
+    now = asyncio.get_running_loop().time()
+    return lim.reserve(now if t0 is None else t0, now)
+
+
+def test_the_gate_is_fifo_refuses_beyond_its_line_and_passes_places_on():
+    """Two places and a line of two: the fifth request finds no room (refused at admission, a
+    place never reserved), the waiting ones are let in first come first served."""
     lim = AdaptiveLimit(2, None)
 
     async def go():
         far = asyncio.get_running_loop().time() + 60
         order = []
 
-        async def one(name):
-            t0 = await lim.acquire(far)
+        async def one(name, p):
+            await lim.acquire(p, far)
             order.append(name)
-            return t0
+            return p
 
-        held = [await lim.acquire(far), await lim.acquire(far)]
-        waiters = [asyncio.ensure_future(one(n)) for n in ("a", "b")]
+        held = [place(lim), place(lim)]
+        for p in held:
+            await lim.acquire(p, far)
+        waiters = [asyncio.ensure_future(one(n, place(lim))) for n in ("a", "b")]
         await asyncio.sleep(0)
-        assert lim.active == 2 and lim.waiting == 2 and lim.queue_full()
-        with pytest.raises(Overloaded, match="2 requests are waiting") as refused:
-            await lim.acquire(far)
-        assert refused.value.reason == "queue_full"
-        lim.release(held.pop())
+        assert lim.active == 2 and lim.waiting == 2 and lim.reserved == 2
+        assert place(lim) is None and lim.refusals == 1  # no room: refused at once
+        lim.release(held.pop(), answered=True)
         await asyncio.sleep(0)
         assert order == ["a"] and lim.active == 2 and lim.waiting == 1
-        lim.release(held.pop())
+        lim.release(held.pop(), answered=True)
         held += await asyncio.gather(*waiters)
         assert order == ["a", "b"] and lim.active == 2 and lim.waiting == 0
-        for t0 in held:
-            lim.release(t0)
-        assert lim.active == 0 and lim.limit == 2  # no target: the limit never moves
+        for p in held:
+            lim.release(p, answered=True)
+        assert lim.active == 0 and lim.reserved == 0 and lim.limit == 2  # no target: it stays
 
     asyncio.run(go())
 
 
 def test_a_waiter_that_leaves_takes_no_place_with_it():
-    """One waiter's deadline passes, another is cancelled just as its place is granted: neither
-    keeps a place, and the next request gets in."""
+    """One waiter's deadline passes, another is cancelled just as its place is granted, a third
+    request fails before it ever asks for its place: none keeps one, and the next gets in."""
     lim = AdaptiveLimit(1, None)
 
     async def go():
         loop = asyncio.get_running_loop()
-        t0 = await lim.acquire(loop.time() + 60)
+        first = place(lim)
+        await lim.acquire(first, loop.time() + 60)
+        late = place(lim)
         with pytest.raises(TimeoutError):
-            await lim.acquire(loop.time() + 0.01)
-        assert lim.waiting == 0 and lim.active == 1
-        granted = asyncio.ensure_future(lim.acquire(loop.time() + 60))
+            await lim.acquire(late, loop.time() + 0.01)
+        assert lim.waiting == 0 and lim.active == 1 and lim.reserved == 0
+        p = place(lim)
+        granted = asyncio.ensure_future(lim.acquire(p, loop.time() + 60))
         await asyncio.sleep(0)
-        lim.release(t0)  # grants the waiter its place ...
+        lim.release(first, answered=True)  # grants the waiter its place ...
         granted.cancel()  # ... which it gives up before it runs
         with pytest.raises(asyncio.CancelledError):
             await granted
-        assert lim.active == 0 and lim.waiting == 0
-        lim.release(await lim.acquire(loop.time() + 60))
+        assert lim.active == 0 and lim.waiting == 0 and lim.reserved == 0
+        lim.cancel(place(lim))  # a request that failed before predicting
+        lim.release(p, answered=True)  # a second release of the same place changes nothing
+        assert lim.active == 0 and lim.reserved == 0
+        last = place(lim)
+        await lim.acquire(last, loop.time() + 60)
+        assert lim.active == 1
+        lim.release(last, answered=True)
+
+    asyncio.run(go())
+
+
+def test_a_standing_line_turns_the_surplus_away_and_ends_with_the_overload():
+    """A line that forms and drains absorbs a burst; one that has not been empty for
+    STANDING_S is a standing one: from then on a request is let in only when a place is free at
+    once, until nobody has been turned away for STANDING_S."""
+    lim = AdaptiveLimit(2, None)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        far = loop.time() + 60
+        held = [place(lim), place(lim)]
+        for p in held:
+            await lim.acquire(p, far)
+        queued = [place(lim), place(lim)]  # a burst: a line of two
+        waiting = [asyncio.ensure_future(lim.acquire(p, far)) for p in queued]
+        await asyncio.sleep(0)
+        assert lim.waiting == 2 and not lim.standing
+        await asyncio.sleep(STANDING_S * 1.5)  # the line never drained
+        assert not lim.room(loop.time()) and lim.standing
+        lim.release(held.pop(), answered=True)  # a place frees: one of the line takes it
+        await asyncio.sleep(0)
+        assert lim.waiting == 1 and place(lim) is None  # no room while the line stands
+        lim.release(held.pop(), answered=True)
+        await asyncio.gather(*waiting)
+        assert lim.waiting == 0 and lim.active == 2 and place(lim) is None  # full, no line
+        lim.release(queued.pop(), answered=True)
+        p = place(lim)  # a free place: let in, though standing
+        assert p is not None and lim.standing
+        await lim.acquire(p, far)
+        await asyncio.sleep(STANDING_S * 1.5)  # nobody turned away meanwhile
+        extra = place(lim)  # the overload is over: a line may form again
+        assert extra is not None and not lim.standing
+        for x in (p, queued.pop(), extra):
+            lim.release(x, answered=True)
+        assert lim.active == 0 and lim.reserved == 0
 
     asyncio.run(go())
 
 
 def test_slow_requests_shrink_the_limit_and_fast_pressed_ones_restore_it():
     """A target of 5 ms and requests that hold their place 50 ms: every window is too slow and
-    the limit falls; a request that began waiting before a decrease does not judge the new
-    limit.  Then instant requests with a queue: the limit climbs back to its ceiling."""
+    the limit falls; a request admitted before a decrease does not judge the new limit.  Then
+    instant requests pressing for places: the limit climbs back to its ceiling."""
     lim = AdaptiveLimit(8, 0.005)
 
     async def worker(hold_s: float, stop: asyncio.Event):
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            try:
-                t0 = await lim.acquire(loop.time() + 60)
-            except Overloaded:
+            p = place(lim)
+            if p is None:
                 await asyncio.sleep(0.001)
                 continue
+            await lim.acquire(p, loop.time() + 60)
             await asyncio.sleep(hold_s)
-            lim.release(t0)
+            lim.release(p, answered=True)
 
     async def phase(hold_s: float, until) -> None:
         stop = asyncio.Event()
@@ -124,22 +178,25 @@ def test_slow_requests_shrink_the_limit_and_fast_pressed_ones_restore_it():
 
 
 def test_a_request_admitted_before_a_decrease_does_not_judge_the_new_limit():
-    """Slow answers that began before the limit was cut would cut it again for the same
-    overload: the next window holds two of them and one fast answer begun after the cut, and
-    the limit stays."""
+    """Slow answers admitted before the limit was cut would cut it again for the same
+    overload: the next window holds two of them and one fast answer admitted after the cut, and
+    the limit stays.  A sample counts from the request's first byte."""
     lim = AdaptiveLimit(8, 0.1)
 
     async def go():
         loop = asyncio.get_running_loop()
         far = loop.time() + 60
-        began = await lim.acquire(far)
-        lim.release(began - 1.0)  # an answer that took a second: over the target
+        old = [place(lim, loop.time() - 1.0) for _ in range(3)]  # first bytes a second ago
+        for p in old:
+            await lim.acquire(p, far)
+        lim.release(old[0], answered=True)  # an answer that took a second: over the target
         assert lim.limit == 7 and lim.decreases == 1
-        for _ in range(2):  # as slow, but begun before the cut
-            await lim.acquire(far)
-            lim.release(began - 1.0)
+        for p in old[1:]:  # as slow, but admitted before the cut
+            lim.release(p, answered=True)
         await asyncio.sleep(0.15)  # the window is over ...
-        lim.release(await lim.acquire(far))  # ... and a fast answer closes it
+        fast = place(lim)
+        await lim.acquire(fast, far)
+        lim.release(fast, answered=True)  # ... and a fast answer closes it
         assert lim.limit == 7 and lim.decreases == 1
 
     asyncio.run(go())

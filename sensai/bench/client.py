@@ -17,6 +17,7 @@ request, the same client's bare request to the same server (``GET /v2/health/liv
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import math
@@ -359,7 +360,7 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
                      count: int | None = None, concurrency: int = 0, rate: float = 0.0,
                      connections: int = 0, preopen: int = 0, expected: list[int] | None = None,
                      timeout_s: float = TIMEOUT_S, first: int = 0,
-                     strict: bool = False, answers: bool = False,
+                     strict: bool = False, answers: bool = False, retry_after: bool = False,
                      stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """The load generator: ``requests`` (whole HTTP requests, sent in turn) for ``seconds`` or
     ``count`` requests, closed loop (``concurrency`` requests always in flight) or, given
@@ -372,13 +373,19 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     ``sent_in_time``, how many left before the end.  ``strict``: an answer other than 200, or a
     503 with Retry-After (the server's admission), raises instead of being counted.
     ``answers``: also per request the ``image`` sent, and of a 200 answer its top-1 ``index``
-    and the ``version`` that answered (None otherwise).  ``stop()`` true ends a closed loop
-    early: each caller sends no more requests once its last is answered."""
+    and the ``version`` that answered (None otherwise).  ``retry_after``: honour a 503's
+    ``Retry-After`` as a polite client does: the connection that got it (a closed loop's caller,
+    an open loop's connection) sends nothing more for that long (``parked`` counts them); an
+    open loop's request then counts its latency from when it was sent, and one that could not
+    be sent before the phase's end is dropped.
+    ``stop()`` true ends a closed loop early: each caller sends no more requests once its last
+    is answered.  The collector is kept out of the phase (a full collection of this process's
+    heap would stall the sending and show as server latency)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     live = live_request(url)
     out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
-                           "wrong": 0, "failures": {}}
+                           "wrong": 0, "failures": {}, "parked": 0}
     if answers:
         out |= {"image": [], "index": [], "version": []}
     images = itertools.count(first)
@@ -386,12 +393,17 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     conns = [_Connection(host, port) for _ in range(concurrency or preopen or connections)]
     free: asyncio.Queue = asyncio.Queue()
 
-    async def one(conn: _Connection, due: float) -> int:
+    async def one(conn: _Connection, due: float) -> tuple[int, float]:
+        """Send the next request on ``conn``: its status, and how long to wait before the next
+        one on it (a 503's Retry-After, when honoured; else 0)."""
         j = next(images) % len(requests)
-        status, index, version = 0, None, None
+        status, index, version, wait = 0, None, None, 0.0
         try:
             async with asyncio.timeout(timeout_s):
                 status, headers, body = await conn.request(requests[j])
+            if retry_after and status == 503 and b"retry-after" in headers:
+                wait = float(headers[b"retry-after"])
+                out["parked"] += 1
             if strict and status != 200 and not (status == 503 and b"retry-after" in headers):
                 raise RuntimeError(f"server at {url} answered {status}: "
                                    f"{body[:200].decode(errors='replace')}")
@@ -415,13 +427,16 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
             out["image"].append(j)
             out["index"].append(index)
             out["version"].append(version)
-        return status
+        return status, wait
 
     async def closed(conn: _Connection) -> None:
         while ((now := time.monotonic()) < end and not stop()
                and next(budget, None) is not None):
-            if not await one(conn, now):
+            status, wait = await one(conn, now)
+            if not status:
                 await asyncio.sleep(0.05)  # no answer (server gone?): do not spin
+            elif wait:
+                await asyncio.sleep(min(wait, max(0.0, end - time.monotonic())))
 
     async def due_at(due: float) -> None:
         if free.empty() and len(conns) < connections:
@@ -430,16 +445,29 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
         else:  # queued here when all the connections allowed are busy: counted as lag
             conn = await free.get()
         now = time.monotonic()
+        if retry_after and now >= end:  # a polite client sends no backlog after the phase
+            free.put_nowait(conn)
+            return
         out["lag_ms"].append((now - due) * 1e3)
         out["sent_in_time"] += now < end
+        wait = 0.0
         try:
-            await one(conn, due)
+            # A polite client sends when it may: its latency counts from then (its own waiting
+            # is the send lag); else from when the request was due, so a stall of the server that
+            # holds the client's connections counts in full.
+            wait = (await one(conn, now if retry_after else due))[1]
         finally:
-            free.put_nowait(conn)
+            if wait:
+                asyncio.get_running_loop().call_later(wait, free.put_nowait, conn)
+            else:
+                free.put_nowait(conn)
 
+    collecting = gc.isenabled()
     try:
         # Open the connections first, so the phase does not pay for TCP set-up.
         await asyncio.gather(*(c.request(live) for c in conns))
+        gc.collect()
+        gc.disable()
         cpu0 = time.process_time()
         t0 = time.monotonic()
         end = t0 + seconds
@@ -458,6 +486,8 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
         else:
             await asyncio.gather(*(closed(c) for c in conns))
     finally:
+        if collecting:
+            gc.enable()
         for c in conns:
             c.close()
     out["t0"] = t0

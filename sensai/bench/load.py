@@ -74,7 +74,8 @@ class LoadOptions:
     (``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``,
     ``SENSAI_*``; unset ones from this environment as for ``sensai serve``) and how long it may
     take to start; the ``clients`` processes sharing the load, the overload's multiple of the
-    measured throughput, the test images; the run's ``command`` and progress bar."""
+    measured throughput and whether its clients honour Retry-After (``retry_after``), the test
+    images; the run's ``command`` and progress bar."""
 
     backend: str | None = None
     deadline_s: float | None = None
@@ -84,6 +85,7 @@ class LoadOptions:
     startup_timeout_s: float = 180.0
     clients: int = 2
     overload_factor: float = 4.0
+    retry_after: bool = True
     images: int = 200
     data_dir: str | None = None
     seed: int = 0
@@ -187,9 +189,14 @@ def files_per_process() -> int:
     return 1 << 20 if soft == resource.RLIM_INFINITY else max(1, soft - 64)
 
 
-def overload_cap(gs: GatewaySettings, rate: float, clients: int) -> int:
-    """Connections an overload at ``rate`` may open: enough for every request to take up to
-    the deadline, within the open-file limit."""
+def overload_cap(gs: GatewaySettings, rate: float, clients: int, population: int,
+                 retry_after: bool) -> int:
+    """Connections an overload at ``rate`` may open: clients that honour Retry-After are a
+    ``population`` of connections, each pausing after a refusal (more would only open more
+    connections to pause); else enough for every request to take up to the deadline, within the
+    open-file limit."""
+    if retry_after:
+        return max(clients, population)
     return max(clients, min(gs.max_requests + math.ceil(rate * gs.deadline_s),
                             files_per_process()))
 
@@ -320,10 +327,11 @@ class LoadRun:
         rep["concurrency"] = concurrency
         return rep
 
-    def overload(self, seconds: float, rate: float, connections: int,
-                 preopen: int) -> dict[str, Any]:
+    def overload(self, seconds: float, rate: float, connections: int, preopen: int,
+                 retry_after: bool) -> dict[str, Any]:
         k = len(self.procs)
-        plans = [{"rate": rate / k, "connections": c, "preopen": min(c, o)}
+        plans = [{"rate": rate / k, "connections": c, "preopen": min(c, o),
+                  "retry_after": retry_after}
                  for c, o in zip(split(connections, k), split(preopen, k))]
         rep = self.phase("overload", seconds, plans)
         outs = rep.pop("outs")
@@ -333,7 +341,9 @@ class LoadRun:
                     "offered_rate_rps": round(sum(o["sent_in_time"] for o in outs) / seconds, 2),
                     "send_lag_ms": summarize([v for o in outs for v in o["lag_ms"]]),
                     "connections_allowed": connections,
-                    "connections_opened": sum(o["connections"] for o in outs)})
+                    "connections_opened": sum(o["connections"] for o in outs),
+                    "retry_after_honoured": retry_after,
+                    "parked_by_retry_after": sum(o["parked"] for o in outs)})
         self.say(f"overload: {rep['requests']} requests offered at {rep['offered_rate_rps']}/s "
                  f"(asked {rep['target_rate_rps']}/s); {rep['connections_opened']} connections")
         return rep
@@ -423,7 +433,9 @@ def run_load_bench(
         "backend": gs.backend, "concurrency": concurrency, "clients": clients,
         "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
         "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
-        "overload_connections": overload_connections, "burst_s": burst_s,
+        "overload_connections": overload_connections,
+        "overload_retry_after": "honoured" if options.retry_after else "ignored",
+        "burst_s": burst_s,
         "burst_concurrency": burst_concurrency, "sample_s": sample_s,
         "images": len(imgs), "seed": options.seed, "request_timeout_s": timeout_s,
         "transport": "http",
@@ -464,9 +476,11 @@ def run_load_bench(
                                                           "tree_rss_mb")}
             rate = overload_rate or overload_factor * (soak["throughput_rps"] or 0.0)
             if rate > 0:
-                cap = overload_connections or overload_cap(gs, rate, clients)
-                phases["overload"] = run.overload(overload_s, rate, cap,
-                                                  min(cap, gs.max_requests + concurrency))
+                population = gs.max_requests + concurrency
+                cap = overload_connections or overload_cap(gs, rate, clients, population,
+                                                           options.retry_after)
+                phases["overload"] = run.overload(overload_s, rate, cap, min(cap, population),
+                                                  options.retry_after)
                 result["health_after"] = run.health()
                 if burst_s > 0:
                     png, image = burst_image(artifact, spec, gs)

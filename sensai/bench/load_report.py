@@ -30,6 +30,15 @@ def latency_target(gateway: dict) -> str:
     return f"{t:g} s" if t is not None else "a quarter of the deadline"
 
 
+def retry_after_text(st: dict) -> str:
+    """How the overload's clients took a 503's Retry-After (older runs: at once)."""
+    if st.get("overload_retry_after") == "honoured":
+        return ("a client that got a 503 with Retry-After waited that long before sending again "
+                "on that connection, as polite clients do, and latency counts from when a "
+                "request was sent; asked: the rate due, offered: the rate sent")
+    return "a client sent again at once after a 503, whatever its Retry-After"
+
+
 def _load(key: str, rep: dict, st: dict) -> str:
     if key != "overload":
         return f"closed loop, {st['concurrency']} in flight"
@@ -181,7 +190,7 @@ def render_markdown(result: dict) -> str:
         f"at {st['overload_factor']:g} x the soak's throughput"
         + (f" (asked: {st['overload_rate_rps']:g}/s)" if st.get("overload_rate_rps") else "")
         + ", requests evenly spaced and sent whatever the answers, latency counted from when "
-        "each was due.  The gateway's RSS (`VmRSS`) is sampled every "
+        f"each was due ({retry_after_text(st)}).  The gateway's RSS (`VmRSS`) is sampled every "
         f"{st['sample_s']:g} s.",
         "",
         machine_line(result) + "  The clients share the machine with the gateway.",

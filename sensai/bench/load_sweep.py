@@ -143,10 +143,11 @@ class Sweep:
         best = max((r["throughput_rps"] or 0.0 for r in rep["levels"]), default=0.0)
         if self.overload_s > 0 and best > 0:
             rate = self.overload_factor * best
-            cap = overload_cap(self.gs, rate, len(self.procs))
+            population = self.gs.max_requests + NOOP_CONCURRENCY
+            honour = self.options.retry_after
+            cap = overload_cap(self.gs, rate, len(self.procs), population, honour)
             rep["overload"] = overload_row(
-                run.overload(self.overload_s, rate, cap,
-                             min(cap, self.gs.max_requests + NOOP_CONCURRENCY)), best)
+                run.overload(self.overload_s, rate, cap, min(cap, population), honour), best)
         else:
             rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
                                "no closed loop answered, so there is no rate to multiply"}
@@ -238,7 +239,9 @@ def run_load_sweep(
     settings = {
         "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
         "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
-        "overload_factor": options.overload_factor, "noop_concurrency": NOOP_CONCURRENCY,
+        "overload_factor": options.overload_factor,
+        "overload_retry_after": "honoured" if options.retry_after else "ignored",
+        "noop_concurrency": NOOP_CONCURRENCY,
         "clients": options.clients, "images": len(imgs), "seed": options.seed,
         "transport": transport, "request_timeout_s": request_timeout(gs),
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .load_report import TARGET_HEADER, latency_target, target_rows
+from .load_report import TARGET_HEADER, latency_target, retry_after_text, target_rows
 from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, server_cores,
                      status_codes, text_table)
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
                 "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)"]
-OVERLOAD_HEADER = ["configuration", "offered/s", "goodput (200/s)", "of best closed loop",
-                   "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)", "p99 ms (503)",
-                   "other", "machine busy cores", "server cores (busiest thread)"]
+OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
+                   "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
+                   "p99 ms (503)", "other", "client cores", "machine busy cores",
+                   "server cores (busiest thread)"]
 SKIPPED_HEADER = ["configuration", "not run, because"]
 BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
                    "rows per batch", "largest", "held back"]
@@ -58,11 +59,12 @@ def overload_rows(result: dict) -> list[list[str]]:
             continue
         ok, rej = o["latency_ok_ms"], o["latency_rejected_ms"]
         share = o.get("goodput_of_best_closed")
-        rows.append([key, fmt(o["offered_rate_rps"], 1), fmt(o["goodput_rps"], 1),
+        rows.append([key, fmt(o["target_rate_rps"], 1), fmt(o["offered_rate_rps"], 1),
+                     fmt(o["goodput_rps"], 1),
                      "-" if share is None else f"{share * 100:.0f} %", fmt(ok["p50"]),
                      fmt(ok["p99"]), str(o["rejected_503"]), fmt(rej["p50"]), fmt(rej["p99"]),
-                     str(o["not_200_or_503"]), fmt(o.get("machine_busy_cores")),
-                     server_cores(o)])
+                     str(o["not_200_or_503"]), fmt(o.get("client_cores")),
+                     fmt(o.get("machine_busy_cores")), server_cores(o)])
     return rows
 
 
@@ -120,7 +122,7 @@ def render_markdown(result: dict) -> str:
         f"server's bare `GET /v2/health/live` at {st['noop_concurrency']} in flight, then "
         f"{st['overload_s']:g} s of open-loop overload at {st['overload_factor']:g} x the best "
         "closed-loop throughput (requests sent when due whatever the answers, latency from when "
-        "each was due).",
+        "each was due; " + retry_after_text(st) + ").",
         "",
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "

@@ -312,7 +312,13 @@ def load_args(p) -> None:
                    help="overload arrival rate in requests/s (overrides --overload-factor)")
     p.add_argument("--overload-connections", type=int, default=None,
                    help="connections the overload may use (default: the gateway's "
-                        "max_requests + --concurrency)")
+                        "max_requests + --concurrency; with --ignore-retry-after, enough for "
+                        "every request to wait its deadline)")
+    p.add_argument("--ignore-retry-after", action="store_true",
+                   help="the overload's clients send again at once after a 503 (default: a "
+                        "client that gets a 503 with Retry-After waits that long before it "
+                        "sends again on that connection, as polite clients do; the rate it "
+                        "then offers is reported beside the rate asked)")
     p.add_argument("--burst-seconds", type=float, default=20.0,
                    help="after the overload, uploads of one large legal image (as large as "
                         "the gateway's pixel and decoded-bytes limits allow) for this long, to "
@@ -356,7 +362,8 @@ def cmd_bench_load(args) -> int:
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env),
         startup_timeout_s=args.startup_timeout, clients=args.clients,
-        overload_factor=args.overload_factor, images=args.images, data_dir=args.data_dir,
+        overload_factor=args.overload_factor, retry_after=not args.ignore_retry_after,
+        images=args.images, data_dir=args.data_dir,
         seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)
     if args.sweep:

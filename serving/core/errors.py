@@ -73,6 +73,13 @@ class SubnetTimeout(ServingError):
     status = 504
 
 
+class DeadlinePassed(ServingError):
+    """An admitted request's deadline passed while it waited its turn (a decoding thread, a
+    place in the predictor)."""
+
+    status = 504
+
+
 class Overloaded(ServingError):
     """The gateway is at its limit of requests in flight and waiting: come back later."""
 

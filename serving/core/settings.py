@@ -66,8 +66,18 @@ class GatewaySettings(BaseSettings):
                                   "and headers) over this: 431, connection closed")
     head_timeout_s: float = Field(10.0, gt=0, description="a request head must arrive within "
                                   "this long of its first byte or of the connection (408)")
-    max_connections: int = Field(1000, ge=1, description="open connections; one more gets 503 "
-                                 "with Retry-After and is closed")
+    max_connections: int = Field(1000, ge=1, description="open connections; one more closes "
+                                 "the one waiting longest without a complete request head (else "
+                                 "the longest idle one), or when all have a request in "
+                                 "progress gets 503 with Retry-After")
+    max_connections_per_client: int | None = Field(
+        None, ge=1, description="open connections of one client address; one more gets 503 "
+                                "(default: no bound but max_connections: behind a proxy every "
+                                "client has one address)")
+    listen_backlog: int | None = Field(
+        None, ge=1, description="connections the kernel holds for the gateway before it "
+                                "accepts them (default: max_requests: more could not be "
+                                "admitted anyway)")
     max_loop_lag_s: float | None = Field(
         None, gt=0, description="while the event loop runs this late, new requests get 503 at "
                                 "once (default: a quarter of the deadline, at most 0.25 s)")
@@ -163,6 +173,9 @@ class GatewaySettings(BaseSettings):
         """The first of ``fields`` set to something other than its default (None: none is)."""
         defaults = type(self).model_fields
         return next((f for f in fields if getattr(self, f) != defaults[f].default), None)
+
+    def backlog(self) -> int:
+        return self.listen_backlog if self.listen_backlog is not None else self.max_requests
 
     def hang_timeout(self) -> float:
         return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)

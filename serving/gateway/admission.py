@@ -1,27 +1,32 @@
 """How much work the gateway takes on at once, so that no client - hostile or just too many -
-can exhaust it or stall the others.
+can exhaust it or stall the others; and the one moment a request is let in or turned away.
 
-* every request (but health checks and metrics) takes a slot of ``max_requests`` on arrival;
-  when none is free it gets a 503 at once, with ``Retry-After``;
-* at most half of those slots may be waiting for the rest of a request body at a time (a body
-  that comes with its headers never waits), and a body must arrive within ``body_timeout_s``
-  (408), so clients trickling bodies cannot hold every slot;
-* image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
-  time;
-* at most a limit of requests are in the predictor and as many more wait for a place, no
-  longer than their request's deadline, which starts when the request arrives (503 when it
-  runs out while waiting, 504 when the subnets are late); a request that finds the queue full
-  gets a 503 at once, so an admitted request waits about one service time, not its deadline.
-  The limit adapts, up to ``max_predictions``, to keep waiting plus predicting within
-  ``latency_target_s`` (:class:`~.limit.AdaptiveLimit`); while the queue is full, new requests
-  are refused at admission, before their body is read and their image decoded (work on the
-  event loop that a refusal would waste);
-* a request reaches the gateway's code only after waiting its turn on the event loop, a wait no
-  counter sees.  The loop's lag is measured (how late a periodic timer fires) and counts
-  against each request's deadline; while it is over ``max_lag_s``, new requests are turned away
-  at once (503), which costs far less than serving them and lets the loop catch up.
+A request's clock starts at its first byte (the HTTP protocol stamps it as it parses; gRPC when
+the call reaches the servicer), less the event loop's lag, which estimates how long the bytes
+waited for the loop before that.  Its deadline counts from there, so do the latency target's
+samples, and so does admission: a request is admitted, or refused with a 503 and
+``Retry-After``, once its head is parsed and before its body is read.  What is admitted is never
+refused afterwards for want of room: it can only fail on its own (bad input 4xx, a slow body
+408 or 503, its deadline 504).  A request is refused when
 
-Everything here runs on the event loop, so plain counters need no lock.
+* ``max_requests`` requests (health checks and metrics excepted) are in flight already;
+* it waited longer than the latency target before it could be admitted (the bytes sat in a
+  socket buffer or a busy event loop's queue): its answer would come late anyway, and refusing
+  it costs a few bytes;
+* the event loop runs later than ``max_loop_lag_s`` (measured by how late a periodic timer
+  fires): turning new requests away at once costs far less than serving them and lets it catch
+  up;
+* it is a prediction and the predictor's gate has no place for it: a place is reserved at
+  admission and kept to the answer (:class:`~.limit.AdaptiveLimit`: the limit adapts to the
+  latency target, and no standing line forms).
+
+One bound holds a client to account later: at most half of ``max_requests`` may be waiting for
+the rest of their body at a time (a body that comes with its head never waits), so clients
+trickling bodies cannot hold every slot: a body that does not come whole while that many are
+arriving gets a 503, and a body must arrive within ``body_timeout_s`` (408).
+
+Image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
+time.  Everything here runs on the event loop, so plain counters need no lock.
 """
 
 from __future__ import annotations
@@ -30,10 +35,49 @@ import asyncio
 
 from sensai.cores import usable_cores
 
-from ..core.errors import Overloaded, RequestTimeout
+from ..core.errors import DeadlinePassed, Overloaded, RequestTimeout
 from ..core.settings import GatewaySettings
 from . import heap
-from .limit import AdaptiveLimit
+from .limit import AdaptiveLimit, Place
+
+
+class Ticket:
+    """One admitted request: its slot among ``max_requests``, for a prediction its place at the
+    predictor's gate, and a receiving slot while a body that did not come whole arrives.
+    :meth:`release` gives back whatever it still holds (at the end of the request, whatever
+    happened)."""
+
+    __slots__ = ("adm", "first_byte", "place", "receiving", "released")
+
+    def __init__(self, adm: "Admission", first_byte: float, place: Place | None):
+        self.adm, self.first_byte, self.place = adm, first_byte, place
+        self.receiving = False
+        self.released = False
+
+    def start_receiving(self) -> None:
+        """The body did not come whole: it takes a receiving slot until it has (most bodies
+        arrive with their head and never take one)."""
+        adm = self.adm
+        if adm.receiving >= adm.max_receiving:
+            raise Overloaded(adm.messages["max_receiving"], reason="max_receiving")
+        adm.receiving += 1
+        self.receiving = True
+
+    def body_done(self) -> None:
+        """The body has arrived whole: its receiving slot, if it took one, is free."""
+        if self.receiving:
+            self.receiving = False
+            self.adm.receiving -= 1
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.body_done()
+        adm = self.adm
+        adm.requests -= 1
+        if self.place is not None:
+            adm.predictor.release(self.place, answered=False)  # nothing if it was already
 
 
 class Admission:
@@ -49,44 +93,71 @@ class Admission:
         self.deadline_s = s.deadline_s
         self.requests = 0
         self.receiving = 0
-        target = s.latency_target_s if s.latency_target_s is not None else s.deadline_s / 4
-        self.predictor = AdaptiveLimit(s.max_predictions, target)
+        self.target_s = s.latency_target_s if s.latency_target_s is not None else s.deadline_s / 4
+        self.predictor = AdaptiveLimit(s.max_predictions, self.target_s)
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.decode_waiting = 0
         self.max_lag_s = (s.max_loop_lag_s if s.max_loop_lag_s is not None
                           else min(0.25, s.deadline_s / 4))
         self.lag = 0.0  # seconds a ready callback waits for the loop, smoothed
         self._monitor: asyncio.Task | None = None
-
-    def full(self) -> bool:
-        """Whether :meth:`admit` would say no now (nothing taken)."""
-        return (self.requests >= self.max_requests or self.lag > self.max_lag_s
-                or self.predict_queue_full())
+        # What a refused client is told, by the metric's reason: fixed per gateway, so each
+        # answer is built once (:class:`~.wire.Refusals`).
+        self.messages = {
+            "max_requests": f"the gateway is at its limit of {self.max_requests} requests in "
+                            "flight; retry shortly",
+            "waited": f"the request waited more than the gateway's latency target of "
+                      f"{self.target_s * 1e3:.0f} ms before it could be admitted; the gateway "
+                      "is overloaded, retry shortly",
+            "loop_lag": f"the gateway is behind by more than {self.max_lag_s * 1e3:.0f} ms; "
+                        "retry shortly",
+            "max_receiving": f"{self.max_receiving} requests are sending their bodies already; "
+                             "retry shortly",
+            "queue_full": "the predictor has no place for another request; the gateway is "
+                          "overloaded, retry shortly",
+        }
 
     @property
     def waiting(self) -> int:
         """Requests waiting for a place in the predictor or a decoding (parsing) thread."""
         return self.predictor.waiting + self.decode_waiting
 
-    def predict_queue_full(self) -> bool:
-        """As many requests wait for the predictor as may: a new one would be refused there
-        anyway, after its body was read and its image decoded; refused at admission instead."""
-        return self.predictor.queue_full()
+    def clock(self, first_byte: float) -> float:
+        """When a request whose first byte the loop saw at ``first_byte`` really began: the
+        loop's lag earlier, the time its bytes waited for the loop."""
+        return first_byte - self.lag
 
-    def admit(self) -> bool:
-        if self.full():
-            return False
-        self.requests += 1
-        return True
+    def deadline(self, first_byte: float) -> float:
+        return self.clock(first_byte) + self.deadline_s
 
-    def refusal(self) -> tuple[str, str]:
-        """Why :meth:`admit` just said no: (the metric's reason, the client's message)."""
+    def refused(self, first_byte: float, prediction: bool, now: float) -> str | None:
+        """Why a request whose first byte came at ``first_byte`` would be refused now (the
+        metric's reason, a key of ``messages``), or None.  ``prediction``: it takes a place at
+        the predictor."""
         if self.requests >= self.max_requests:
-            return "max_requests", (f"the gateway is at its limit of {self.max_requests} "
-                                    "requests in flight; retry shortly")
-        if self.predict_queue_full():
-            return "queue_full", self.predictor.full_message()
-        return "loop_lag", (f"the gateway is behind by {self.lag * 1e3:.0f} ms; retry shortly")
+            return "max_requests"
+        if now - self.clock(first_byte) > self.target_s:
+            return "waited"
+        if self.lag > self.max_lag_s:
+            return "loop_lag"
+        if prediction and not self.predictor.room(now):
+            self.predictor.refused(now)
+            return "queue_full"
+        return None
+
+    def admit(self, first_byte: float, prediction: bool) -> Ticket | str:
+        """A :class:`Ticket` for the request, or why it is refused (see :meth:`refused`)."""
+        now = asyncio.get_running_loop().time()
+        reason = self.refused(first_byte, prediction, now)
+        if reason is not None:
+            return reason
+        place = None
+        if prediction:
+            place = self.predictor.reserve(self.clock(first_byte), now)
+            if place is None:  # cannot happen after refused() said yes, on one event loop
+                return "queue_full"
+        self.requests += 1
+        return Ticket(self, first_byte, place)
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call on the loop that serves requests)."""
@@ -114,20 +185,6 @@ class Admission:
             # lasts a few periods is.
             self.lag = 0.5 * self.lag + 0.5 * late
 
-    def release(self) -> None:
-        self.requests -= 1
-
-    def start_receiving(self) -> None:
-        """A request's body did not come in one piece: it takes a receiving slot until it is
-        complete (most bodies arrive with their headers and never take one)."""
-        if self.receiving >= self.max_receiving:
-            raise Overloaded(f"{self.receiving} requests are sending their bodies already; "
-                             "retry shortly", reason="max_receiving")
-        self.receiving += 1
-
-    def done_receiving(self) -> None:
-        self.receiving -= 1
-
     def body(self, deadline: float) -> "_Body":
         """``async with admission.body(deadline)``: reading one request body, within the body
         time limit."""
@@ -138,10 +195,10 @@ class Admission:
         until ``deadline`` at most."""
         return _Slot(self, sem, deadline, what)
 
-    def prediction(self, deadline: float) -> "_Prediction":
-        """``async with admission.prediction(deadline)``: a place in the predictor, waited for
-        until ``deadline`` at most."""
-        return _Prediction(self, deadline)
+    def prediction(self, ticket: Ticket, deadline: float) -> "_Prediction":
+        """``async with admission.prediction(ticket, deadline)``: the ticket's place in the
+        predictor, waited for until ``deadline`` at most."""
+        return _Prediction(self, ticket, deadline)
 
 
 # Context managers as plain classes: every request enters two, and @asynccontextmanager's
@@ -169,9 +226,8 @@ class _Body:
             raise RequestTimeout(f"the request body did not arrive in time ({limit})") from None
 
 
-def _no_slot(what: str) -> Overloaded:
-    return Overloaded(f"no {what} slot became free before the request's deadline; the gateway "
-                      "is overloaded, retry shortly", reason="no_slot_before_deadline")
+def _late(what: str) -> DeadlinePassed:
+    return DeadlinePassed(f"the request's deadline passed while it waited for {what}")
 
 
 class _Slot:
@@ -191,7 +247,7 @@ class _Slot:
             async with asyncio.timeout_at(self.deadline):
                 await sem.acquire()
         except TimeoutError:
-            raise _no_slot(self.what) from None
+            raise _late(f"a {self.what} thread") from None
         finally:
             adm.decode_waiting -= 1
 
@@ -200,18 +256,21 @@ class _Slot:
 
 
 class _Prediction:
-    __slots__ = ("adm", "deadline", "t0")
+    __slots__ = ("adm", "ticket", "deadline")
 
-    def __init__(self, adm: Admission, deadline: float):
-        self.adm, self.deadline = adm, deadline
+    def __init__(self, adm: Admission, ticket: Ticket, deadline: float):
+        self.adm, self.ticket, self.deadline = adm, ticket, deadline
 
     async def __aenter__(self) -> None:
+        place = self.ticket.place
+        if place is None:
+            raise ValueError("a prediction's ticket holds a place at the predictor")
         try:
-            self.t0 = await self.adm.predictor.acquire(self.deadline)
+            await self.adm.predictor.acquire(place, self.deadline)
         except TimeoutError:
-            raise _no_slot("prediction") from None
+            raise _late("a place in the predictor") from None
 
     async def __aexit__(self, et, exc, tb) -> None:
         # Only an answer is a sample: a request failed by a hung or lost subnet says nothing
         # about how many requests the workers finish in time, and fewer would not help it.
-        self.adm.predictor.release(self.t0 if et is None else None)
+        self.adm.predictor.release(self.ticket.place, answered=et is None)

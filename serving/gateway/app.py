@@ -328,7 +328,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
             x = await decode(gw, mv, data, deadline)
             t1 = time.perf_counter()
             pred = await predict(gw, mv, x, query.allow_partial, deadline,
-                                 request.state.request_id)
+                                 request.state.request_id, request.state.ticket)
         rows = top_k_rows(pred.scores,
                           query.top_k or min(gw.settings.default_top_k, len(classes)),
                           classes, pred.covered_classes)
@@ -367,7 +367,8 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
             async with gw.admission.slot(gw.admission.decoding, deadline, "request parsing"):
                 req = await run_in_threadpool(oip.decode_request, *args)
         async with models.hold(model_name, version) as mv:
-            pred, outputs = await v2_infer(gw, mv, req, deadline, request.state.request_id)
+            pred, outputs = await v2_infer(gw, mv, req, deadline, request.state.request_id,
+                                           request.state.ticket)
         content, headers, media = oip.encode_infer_response(
             model_name=mv.name, model_version=mv.version, request_id=req.id, outputs=outputs,
             parameters=oip.response_parameters(pred))

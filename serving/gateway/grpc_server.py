@@ -27,7 +27,7 @@ import json
 import logging
 import struct
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple
 
 import grpc
 import numpy as np
@@ -39,6 +39,7 @@ from sensai.errors import SensaiError
 from ..core.contract import Prediction
 from ..core.errors import InputError, Overloaded, ServingError
 from . import oip
+from .admission import Ticket
 from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
                         v2_model_metadata, v2_server_metadata, version_ready)
 from .repository_api import check_access
@@ -171,6 +172,13 @@ def _tensor_metadata(items: list[dict]) -> list:
 # The service
 
 
+class Call(NamedTuple):
+    """What a method's work gets: its deadline (loop time) and its admission (None: ungated)."""
+
+    deadline: float
+    ticket: Ticket | None
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """The gateway's v2 routes as gRPC methods: admission, deadline, metrics and errors as HTTP
     has them (``ServerLive``/``ServerReady`` are never turned away, like ``/v2/health/*``)."""
@@ -178,22 +186,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gw: Gateway):
         self.gw = gw
 
-    async def _serve(self, method: str, context, work: Callable[[float], Awaitable[Any]], *,
-                     gated: bool = True) -> Any:
+    async def _serve(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
+                     gated: bool = True, prediction: bool = False) -> Any:
+        """``work(call)`` as the gateway serves an HTTP request: admitted (``gated``; a
+        ``prediction`` takes a place at the predictor) from the moment the call reached this
+        servicer (gRPC gives no earlier one), its deadline the gateway's or the client's,
+        whichever comes first."""
         gw, metrics = self.gw, self.gw.metrics
+        adm = gw.admission
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        budget, remaining = gw.settings.deadline_s, context.time_remaining()
-        deadline = loop.time() + (budget if remaining is None else min(budget, remaining))
-        status, reason, admitted = 200, None, False
+        first = asyncio.get_running_loop().time()
+        budget, remaining = adm.deadline(first), context.time_remaining()
+        deadline = budget if remaining is None else min(budget, first + remaining)
+        status, reason, ticket = 200, None, None
         metrics.inflight.inc()
         try:
             if gated:
-                if not gw.admission.admit():
-                    reason, why = gw.admission.refusal()
-                    raise Overloaded(why, reason=reason)
-                admitted = True
-            return await work(deadline)
+                ticket = adm.admit(first, prediction)
+                if type(ticket) is str:
+                    reason, ticket = ticket, None
+                    raise Overloaded(adm.messages[reason], reason=reason)
+            return await work(Call(deadline, ticket))
         except asyncio.CancelledError:  # the client went away or its deadline passed
             status, reason = 499, "cancelled"
             raise
@@ -208,8 +221,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"internal error ({type(e).__name__}); see the server log")
         finally:
-            if admitted:
-                gw.admission.release()
+            if ticket is not None:
+                ticket.release()
             metrics.inflight.dec()
             route = SERVICE + method
             metrics.observe_request(route, "GRPC", str(status), time.perf_counter() - t0)
@@ -266,7 +279,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         gw = self.gw
 
-        async def work(deadline: float):
+        async def work(call: Call):
+            deadline = call.deadline
             name, version = request.model_name, request.model_version or None
             gw.models.route(name, version)  # an unknown model is told before its parsing
             if typed_elements(request) <= INLINE_ELEMENTS:
@@ -276,9 +290,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     req = await asyncio.to_thread(infer_request, request,
                                                   gw.settings.max_body_bytes)
             async with gw.models.hold(name, version) as mv:
-                pred, outputs = await v2_infer(gw, mv, req, deadline, f"gRPC {req.id or ''}")
+                pred, outputs = await v2_infer(gw, mv, req, deadline, f"gRPC {req.id or ''}",
+                                               call.ticket)
             return infer_response(mv, request, pred, outputs)
-        return await self._serve("ModelInfer", context, work)
+        return await self._serve("ModelInfer", context, work, prediction=True)
 
     # -- the model repository (KServe v2 repository extension, as Triton's)
 

@@ -1,32 +1,44 @@
-"""What a connection may cost before its request is admitted.
+"""What a connection may cost before its request is admitted, and where a request's clock
+starts.
 
 Admission (:mod:`~sensai.serving.gateway.admission`) starts once a request's head is complete;
-before that, only this bounds a client.  uvicorn's httptools protocol keeps a head however large and
-however slowly it arrives, and accepts any number of connections, so a few hundred clients each
-trickling a huge header could exhaust the host's memory.  :class:`BoundedHttpProtocol` is that
-protocol with three bounds, as nginx, h11 and Envoy have them:
+before that, only this bounds a client.  uvicorn's httptools protocol keeps a head however
+large and however slowly it arrives, and accepts any number of connections, so a few hundred
+clients each trickling a huge header could exhaust the host's memory.
+:class:`BoundedHttpProtocol` is that protocol with these bounds, as nginx, h11 and Envoy have
+them:
 
+* every request is stamped at its first byte (the parser's message begin): its deadline, its
+  latency sample and its admission count from there (``scope["state"]["first_byte"]``);
 * a request head (request line and headers) over ``max_header_bytes`` -> 431, connection closed,
   counted as it arrives (so a trickled head never grows past the bound) and as parsed (a head
   that came in one read);
 * a head not complete ``head_timeout_s`` after its first byte (or after the connection opened)
-  -> 408, connection closed; an idle kept-alive connection is left to uvicorn's keep-alive timeout;
-* a connection beyond ``max_connections`` open ones -> 503 with ``Retry-After``, closed at once;
-* under overload, a request the gateway's admission would turn away -> 503 with
-  ``Retry-After`` from here, its body read and dropped, the connection kept.
+  -> 408, connection closed; an idle kept-alive connection is left to uvicorn's keep-alive
+  timeout;
+* at ``max_connections`` open connections, a new one makes room: the connection that has waited
+  longest without a complete request head is closed (with a 503), else the longest idle
+  kept-alive one; only when every connection has a request in progress is the new one refused
+  (503 with ``Retry-After``).  So connections that send nothing cannot lock real clients out;
+* one client address holds at most ``max_connections_per_client`` of them (503 beyond);
+* under overload, a request the gateway's admission would turn away -> 503 with ``Retry-After``
+  from here, a prebuilt answer (:class:`~.wire.Refusals`), once its body has been read and
+  dropped, the connection kept.
 
-Each answer is the gateway's JSON error.  Without httptools, uvicorn's h11 protocol runs instead,
-bounded by its own incomplete-event limit (set to ``max_header_bytes``; it answers 400).
+Each answer is the gateway's JSON error; a connection is never closed with an answer due on
+it.  Without httptools, uvicorn's h11 protocol runs instead, bounded by its own
+incomplete-event limit (set to ``max_header_bytes``; it answers 400).
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
-import os
 from typing import Callable
 
 from ..core.settings import GatewaySettings
-from .wire import error_body
+from .wire import error_response, new_request_id, request_id
 
 try:  # uvicorn[standard] brings httptools; the h11 fallback below covers its absence
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -36,16 +48,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 log = logging.getLogger(__name__)
 
 LINGER_S = 1.0  # how long a refused connection is drained before it is closed regardless
-REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
-           503: b"Service Unavailable"}
-
-
-def error_response(status: int, message: str, extra: bytes = b"", *, close: bool = True) -> bytes:
-    """A whole HTTP/1.1 response carrying the gateway's JSON error."""
-    body = error_body(status, message, os.urandom(16).hex())
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"%s%s\r\n" % (status, REASONS[status], len(body),
-                             b"connection: close\r\n" if close else b"", extra)) + body
 
 
 if HttpToolsProtocol is not None:
@@ -55,30 +57,79 @@ if HttpToolsProtocol is not None:
         (``limits``: the settings, set on a subclass, see :func:`http_protocol`)."""
 
         limits: GatewaySettings  # set on the subclass http_protocol makes
-        # Set there too: gate(method, url) -> why the gateway's admission would turn the request
-        # away (counted by the gate), or None.
-        gate: Callable[[str, bytes], str | None] | None = None
+        # Set there too: the gateway's early gate (:class:`~.middleware.EarlyGate`): called as
+        # gate(method, path, first_byte, now) -> why the admission would turn the request
+        # away (counted by the gate), or None; its ``refusals`` are the answers.
+        gate = None
         # And count(reason): a connection refused before any request (its metric).
         count: Callable[[str], None] | None = None
+        # Connections per client address, and the connections' count, of this server.
+        per_client: collections.Counter
+        opened_count: itertools.count
 
         def connection_made(self, transport) -> None:
-            full = len(self.connections) >= self.limits.max_connections
             super().connection_made(transport)
             self.head_bytes = self.parsed_bytes = 0
             self.awaiting_head = True
             self.refused = False
             self.shed: str | None = None
             self.head_timer = None
-            if full:
-                self.refuse(503, "max_connections",
-                            f"the gateway has {self.limits.max_connections} connections "
-                                 "open, its limit (SENSAI_MAX_CONNECTIONS); retry shortly",
+            self.first_byte = 0.0
+            self.head_since = self.loop.time()  # waiting for a complete head since
+            self.opened = next(self.opened_count)  # orders connections within one loop tick
+            self.host = self.client[0] if self.client else None
+            self.per_client[self.host] += 1
+            limits = self.limits
+            bound = limits.max_connections_per_client
+            if bound is not None and self.per_client[self.host] > bound:
+                self.refuse(503, "max_connections_per_client",
+                            f"this client address has {bound} connections open, its limit "
+                            "(SENSAI_MAX_CONNECTIONS_PER_CLIENT); retry shortly",
                             b"retry-after: 1\r\n")
                 return
-            self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self.head_late)
+            if len(self.connections) > limits.max_connections and not self.make_room():
+                self.refuse(503, "max_connections",
+                            f"the gateway has {limits.max_connections} connections open, its "
+                            "limit (SENSAI_MAX_CONNECTIONS), each with a request in progress; "
+                            "retry shortly", b"retry-after: 1\r\n")
+                return
+            self.head_timer = self.loop.call_later(limits.head_timeout_s, self.head_late)
+
+        def make_room(self) -> bool:
+            """Close the connection that has waited longest without a complete request head,
+            else the longest idle kept-alive one; False when every other one has a request in
+            progress."""
+            partial = idle = None
+            for c in self.connections:
+                if c is self or c.refused or not c.awaiting_head or c.pipeline:
+                    continue
+                if c.cycle is not None and c.cycle.response_complete and not c.head_bytes:
+                    if idle is None or c.waited_longer(idle):
+                        idle = c
+                elif c.cycle is None or c.cycle.response_complete:
+                    if partial is None or c.waited_longer(partial):
+                        partial = c
+            if partial is not None:
+                partial.refuse(503, "evicted", "the gateway is at its limit of open "
+                               "connections and this one sent no complete request: closed to "
+                               "make room; retry shortly", b"retry-after: 1\r\n")
+                return True
+            if idle is not None:
+                if self.count is not None:
+                    self.count("evicted_idle")
+                idle.transport.close()  # as its keep-alive timeout would
+                return True
+            return False
+
+        def waited_longer(self, other) -> bool:
+            """Whether this connection has waited for a complete head longer than ``other``."""
+            return (self.head_since, self.opened) < (other.head_since, other.opened)
 
         def connection_lost(self, exc) -> None:
             self.stop_head_timer()
+            self.per_client[self.host] -= 1
+            if not self.per_client[self.host]:
+                del self.per_client[self.host]
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -99,6 +150,8 @@ if HttpToolsProtocol is not None:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.first_byte = self.loop.time()
+            self.scope["state"]["first_byte"] = self.first_byte
             self.parsed_bytes = 0
             self.shed = None
 
@@ -127,7 +180,8 @@ if HttpToolsProtocol is not None:
             idle = (self.cycle is None or self.cycle.response_complete) and not self.pipeline
             if self.gate is not None and idle:
                 self.shed = self.gate(self.parser.get_method().decode("ascii", "replace"),
-                                      self.url)
+                                      self.url.split(b"?", 1)[0].decode("latin-1"),
+                                      self.first_byte, self.loop.time())
                 if self.shed is not None:
                     return  # answered once its body has been read (on_message_complete)
             super().on_headers_complete()
@@ -140,18 +194,31 @@ if HttpToolsProtocol is not None:
             if self.refused:
                 return
             self.awaiting_head = True  # a next head may follow on this connection
+            self.head_since = self.loop.time()
             if self.shed is not None:
                 keep = self.parser.should_keep_alive()
-                self.transport.write(error_response(503, self.shed, b"retry-after: 1\r\n",
-                                                    close=not keep))
+                self.transport.write(self.gate.refusals.response(
+                    self.shed, self.request_id(), close=not keep))
                 self.shed = None
                 if keep:
+                    self._unset_keepalive_if_required()
                     self.timeout_keep_alive_task = self.loop.call_later(
                         self.timeout_keep_alive, self.timeout_keep_alive_handler)
                 else:
                     self.transport.close()
                 return
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            self.head_since = self.loop.time()
+            super().on_response_complete()
+
+        def request_id(self) -> str:
+            """The client's ``x-request-id`` when it is a sane token, else a fresh one."""
+            for name, value in self.headers:
+                if name == b"x-request-id":
+                    return request_id(value)
+            return new_request_id()
 
         def too_large(self) -> str:
             return (f"the request head is over {self.limits.max_header_bytes:,} bytes "
@@ -179,7 +246,7 @@ if HttpToolsProtocol is not None:
             self.stop_head_timer()
             self.awaiting_head = False
             self.refused = True
-            self.transport.write(error_response(status, message, extra))
+            self.transport.write(error_response(status, message, new_request_id(), extra))
             if self.transport.can_write_eof():
                 self.transport.write_eof()
                 self.loop.call_later(LINGER_S, self.transport.close)
@@ -200,5 +267,6 @@ def http_protocol(limits: GatewaySettings, gate=None, count=None):
     if HttpToolsProtocol is None:
         return "h11"
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,),
-                {"limits": limits, "gate": staticmethod(gate) if gate else None,
-                 "count": staticmethod(count) if count else None})
+                {"limits": limits, "gate": gate,
+                 "count": staticmethod(count) if count else None,
+                 "per_client": collections.Counter(), "opened_count": itertools.count()})

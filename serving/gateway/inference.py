@@ -21,7 +21,7 @@ from ..core.errors import InputError, Overloaded, ServingError, SubnetFailed, Su
 from ..core.settings import GatewaySettings
 from ..core.wakeup import CoresAwake
 from . import oip
-from .admission import Admission
+from .admission import Admission, Ticket
 from .metrics import GatewayMetrics
 from .served import ModelVersion, ServedModels
 
@@ -45,12 +45,13 @@ class Gateway:
 
 
 async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: bool,
-                  deadline: float, request_id: str) -> Prediction:
+                  deadline: float, request_id: str, ticket: Ticket) -> Prediction:
     """The one path from a checked input batch to a prediction by model version ``mv`` (held
-    by the caller), for every route."""
+    by the caller), for every route; ``ticket``: the request's admission, with its place at the
+    predictor."""
     adm = gw.admission
     gw.metrics.waiting.set(adm.waiting)
-    async with adm.prediction(deadline):
+    async with adm.prediction(ticket, deadline):
         if deadline <= asyncio.get_running_loop().time():
             raise SubnetTimeout("the request's deadline passed before its subnets were asked")
         try:
@@ -71,19 +72,20 @@ async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: b
 
 
 async def v2_infer(gw: Gateway, mv: ModelVersion, req: oip.InferRequest, deadline: float,
-                   request_id: str) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
+                   request_id: str, ticket: Ticket
+                   ) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
     """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC)."""
     x = oip.input_batch(req, mv.spec, gw.settings.max_batch)
-    pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id)
+    pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id, ticket)
     return pred, oip.infer_outputs(req, pred.scores, mv.spec.classes, pred.covered_classes)
 
 
 def count_error(gw: Gateway, exc: ServingError) -> None:
     """The metrics of a request turned away (HTTP and gRPC alike)."""
     if isinstance(exc, Overloaded):
-        gw.metrics.rejected.labels(exc.reason).inc()
+        gw.metrics.child(gw.metrics.rejected, exc.reason).inc()
     elif exc.status == 408:
-        gw.metrics.rejected.labels("slow_body").inc()
+        gw.metrics.child(gw.metrics.rejected, "slow_body").inc()
 
 
 def version_ready(mv: ModelVersion) -> bool:

@@ -1,24 +1,32 @@
-"""The predictor's concurrency limit: how many requests it holds at once, and how many more may
-wait for a place, adapted to what the workers finish within a latency target.
+"""The predictor's gate: how many requests it holds at once, how many more may wait, and when a
+new one is turned away, adapted to what the workers finish within a latency target.
 
-A fixed limit is right for one machine and one model only: too large, and under overload every
-admitted request waits behind a long queue; too small, and the workers idle.  The limit here
-moves between 1 and ``most`` by additive increase, multiplicative decrease (AIMD, as Clipper
-adapts its batch size to a latency objective and TCP its window):
+A request takes a place here when it is admitted - before its body is read - and keeps it until
+it is answered, so an admitted request is never refused later.  Its place is *reserved* while
+its body arrives and its image is decoded, *active* while the predictor holds it; between the two
+it may wait in a FIFO line for an active place to free up.
 
-* each answered request's time in the gate - waiting for a place, then predicting - is one
-  sample of the limit it was admitted under (a request that began waiting before the last
-  decrease is not one: it would judge the old limit again; a failed request is not one
-  either);
+**How many.**  At most ``limit`` requests are active; the limit moves between 1 and ``most`` by
+additive increase, multiplicative decrease (AIMD, as Clipper adapts its batch size to a latency
+objective and TCP its window):
+
+* each answered request's time from its first byte to its answer is one sample of the limit it
+  was admitted under (a request admitted before the last decrease is not one: it would judge the
+  old limit again; a failed request is not one either);
 * every window (the target's length, at least ``MIN_WINDOW_S``) is judged once: more than one
   sample in 20 over the target shrinks the limit by a tenth (at least one); otherwise, if a
-  request found the predictor full during the window, the limit grows by one;
-* as many requests may wait as the limit lets in; one more is refused at once.
+  request found the predictor full during the window, the limit grows by one.
 
-So under overload the admitted requests keep about the target's latency and the rest get a fast
-refusal, and on a machine that finishes everything within the target the limit stays at
-``most``, which bounds the batches a worker can form.  Everything runs on the event loop: plain
-counters, no lock.
+**How many may wait: no standing queue** (CoDel's idea, as in "Fail at Scale"'s controlled
+delay).  A line that forms and drains absorbs a burst; a line that never drains only adds its
+length to every answer.  So as many requests may wait as the limit lets in until the line has not
+been empty for ``STANDING_S``; from then on a request is admitted only when a place is free at
+once (the line drains and stays empty), until ``STANDING_S`` has passed without anyone turned
+away.  Under a sustained overload the admitted requests then never wait behind a line, and the
+surplus is refused at admission, at the cost of a few bytes.  (A LIFO line would answer the
+newest first but keep the oldest waiting; refusing at the door keeps every answer fresh.)
+
+Everything runs on the event loop: plain counters, no lock.
 """
 
 from __future__ import annotations
@@ -26,17 +34,29 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from ..core.errors import Overloaded
-
 MIN_WINDOW_S = 0.05
 OVER_TARGET_SHARE = 0.05  # more samples than this share over the target: too slow
 DECREASE = 0.9
+STANDING_S = 0.05  # a line not empty for this long is a standing one
+
+
+class Place:
+    """One admitted request's place at the gate: reserved at admission, active while the
+    predictor holds it.  ``t0``: the request's first byte (loop time), where its sample starts."""
+
+    __slots__ = ("t0", "active", "done", "epoch")
+
+    def __init__(self, t0: float, epoch: int):
+        self.t0 = t0
+        self.active = False
+        self.done = False
+        self.epoch = epoch  # the limit's decreases when it was admitted
 
 
 class AdaptiveLimit:
-    """A FIFO gate for the predictor whose limit adapts (see the module docstring).  ``most``:
-    the largest limit (and the first); ``target_s``: the latency target of waiting plus
-    predicting; ``None`` keeps the limit at ``most``."""
+    """The gate (see the module docstring).  ``most``: the largest limit (and the first);
+    ``target_s``: the latency target, from a request's first byte to its answer; ``None`` keeps
+    the limit at ``most``."""
 
     def __init__(self, most: int, target_s: float | None):
         self.most = int(most)
@@ -44,77 +64,118 @@ class AdaptiveLimit:
         self.target_s = target_s
         self.window_s = max(MIN_WINDOW_S, target_s or 0.0)
         self.active = 0  # requests in the predictor
+        self.reserved = 0  # admitted, not in the predictor yet (reading, decoding, waiting)
         self.decreases = 0
         self.increases = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.refusals = 0
+        self.standing = False
+        self._line: collections.deque[tuple[Place, asyncio.Future]] = collections.deque()
+        self._line_since = 0.0  # when the line last became non-empty
+        self._refused_at = -float("inf")
         self._window_start: float | None = None
-        self._decreased_at = -float("inf")
         self._samples = 0
         self._over = 0
         self._pressed = False  # a request found no free place this window
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        """Requests in the line for an active place."""
+        return len(self._line)
 
-    def queue_full(self) -> bool:
-        """A new request would be refused: as many wait as the limit lets in."""
-        return len(self._waiters) >= self.limit
+    def room(self, now: float) -> bool:
+        """Whether a request admitted now would get a place (nothing is taken)."""
+        if self._standing(now):
+            return self.active + self.reserved < self.limit
+        return self.active + self.reserved < 2 * self.limit
 
-    def full_message(self) -> str:
-        return (f"{len(self._waiters)} requests are waiting for a prediction slot already; "
-                "the gateway is overloaded, retry shortly")
+    def _standing(self, now: float) -> bool:
+        if self.standing:
+            if not self._line and now - self._refused_at >= STANDING_S:
+                self.standing = False  # nobody turned away for a while: the overload is over
+        elif self._line and now - self._line_since >= STANDING_S:
+            self.standing = True
+        return self.standing
 
-    async def acquire(self, deadline: float) -> float:
-        """A place in the predictor, waited for until ``deadline`` (loop time) at most; returns
-        the time the wait began, for :meth:`release`.  Raises :class:`Overloaded` when the
-        queue is full and ``TimeoutError`` at the deadline."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        if self.active < self.limit and not self._waiters:
-            self.active += 1
-            return t0
+    def refused(self, now: float) -> None:
+        """A request was turned away for want of a place (see :meth:`room`)."""
+        self.refusals += 1
+        self._refused_at = now
         self._pressed = True
-        if self.queue_full():
-            raise Overloaded(self.full_message(), reason="queue_full")
+
+    def reserve(self, t0: float, now: float) -> Place | None:
+        """A place for a request admitted now whose first byte came at ``t0``; None when there
+        is no room (counted as a refusal)."""
+        if not self.room(now):
+            self.refused(now)
+            return None
+        self.reserved += 1
+        if self.active + self.reserved > self.limit:
+            self._pressed = True  # it will wait for an active place
+        return Place(t0, self.decreases)
+
+    async def acquire(self, place: Place, deadline: float) -> None:
+        """Make ``place`` active: at once when a place is free and nobody waits ahead of it,
+        else in FIFO order; ``TimeoutError`` when ``deadline`` (loop time) comes first (the
+        place is then given up)."""
+        if self.active < self.limit and not self._line:
+            self.reserved -= 1
+            self.active += 1
+            place.active = True
+            return
+        loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._waiters.append(fut)
+        if not self._line:
+            self._line_since = loop.time()
+        self._line.append((place, fut))
         try:
             async with asyncio.timeout_at(deadline):
                 await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self.release(None)  # granted as the wait ended: pass the place on
+                self.release(place, answered=False)  # granted as the wait ended: pass it on
             else:
                 fut.cancel()
-                self._waiters.remove(fut)
+                self._line.remove((place, fut))
+                self.cancel(place)
             raise
-        return t0
 
-    def release(self, t0: float | None) -> None:
-        """Leave the predictor; ``t0`` (from :meth:`acquire`) makes the request a sample."""
+    def release(self, place: Place, *, answered: bool) -> None:
+        """``place``'s request is done; an ``answered`` one is a sample of the limit."""
+        if place.done:
+            return
+        place.done = True
+        if not place.active:
+            self.reserved -= 1
+            self._wake()
+            return
         self.active -= 1
-        if t0 is not None and self.target_s is not None:
-            self._sample(asyncio.get_running_loop().time(), t0)
+        if answered and self.target_s is not None:
+            self._sample(asyncio.get_running_loop().time(), place)
         self._wake()
 
+    def cancel(self, place: Place) -> None:
+        """Give up a place that never became active (its request failed before predicting)."""
+        self.release(place, answered=False)
+
     def _wake(self) -> None:
-        while self._waiters and self.active < self.limit:
-            fut = self._waiters.popleft()
+        line = self._line
+        while line and self.active < self.limit:
+            place, fut = line.popleft()
             if not fut.done():
                 fut.set_result(None)
+                self.reserved -= 1
                 self.active += 1
+                place.active = True
 
-    def _sample(self, now: float, t0: float) -> None:
-        if t0 < self._decreased_at:
+    def _sample(self, now: float, place: Place) -> None:
+        if place.epoch != self.decreases:
             return
         if self._window_start is None:
-            self._window_start = t0
+            self._window_start = place.t0
         self._samples += 1
-        self._over += now - t0 > self.target_s
+        self._over += now - place.t0 > self.target_s
         if now - self._window_start >= self.window_s:
-            if self.judge(self._samples, self._over, self._pressed) < 0:
-                self._decreased_at = now
+            self.judge(self._samples, self._over, self._pressed)
             self._window_start, self._samples, self._over, self._pressed = now, 0, 0, False
 
     def judge(self, samples: int, over: int, pressed: bool) -> int:

@@ -3,11 +3,15 @@
 A pure ASGI middleware (Starlette's ``BaseHTTPMiddleware`` would add a task and a copy per
 request on the hot path), in pieces that each do one job:
 
-* :func:`request_id` - the client's ``x-request-id`` when it is a sane token, else a fresh one;
-  :class:`TaggedSend` puts it on the response and remembers the response's status;
-* :meth:`GatewayMiddleware.start` - the request's id and whole-request deadline, for the routes;
-* admission - a request over the gateway's limits is answered 503 before any work
-  (:meth:`GatewayMiddleware.refuse`); health checks and metrics are never turned away;
+* the request's id (the client's ``x-request-id`` when it is a sane token, else a fresh one) and
+  its deadline, counted from its first byte (stamped by the HTTP protocol;
+  :meth:`~.admission.Admission.clock`), for the routes; :class:`TaggedSend` puts the id on the
+  response and remembers the response's status;
+* admission (:meth:`~.admission.Admission.admit`): a request over the gateway's limits is
+  answered 503 before any work, from a prebuilt answer (:class:`~.wire.Refusals`); health
+  checks and metrics are never turned away.  The HTTP protocol refuses most of them earlier
+  still (:class:`EarlyGate`); an admitted request's :class:`~.admission.Ticket` is in
+  ``request.state.ticket`` for the routes, and given back when the request ends;
 * :class:`BodyLimit` - a body over ``max_body_bytes`` is refused by its declared length, or as it
   streams in, and a body still arriving holds one of the admission's receiving slots;
 * :meth:`GatewayMiddleware.record` - the request's metrics once it is answered.
@@ -16,22 +20,14 @@ request on the hot path), in pieces that each do one job:
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import time
 
 from ..core.errors import PayloadTooLarge
-from .admission import Admission
+from .admission import Ticket
 from .inference import Gateway
-from .wire import reply, ungated
+from .wire import Refusals, predicts, reply, request_id, ungated
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 LIMIT_HINT = "(set SENSAI_MAX_BODY_BYTES)"
-
-
-def request_id(headers: dict[bytes, bytes]) -> str:
-    rid = headers.get(b"x-request-id", b"").decode("latin-1")
-    return rid if REQUEST_ID.match(rid) else os.urandom(16).hex()
 
 
 class TaggedSend:
@@ -52,16 +48,14 @@ class TaggedSend:
 
 class BodyLimit:
     """``receive`` that raises :class:`PayloadTooLarge` once more than ``limit`` bytes came in,
-    and, given an ``admission``, holds a receiving slot while the body is still arriving (so
-    slow uploads are bounded apart from the requests being predicted); :meth:`close` gives
-    back a slot still held."""
+    and, given the request's ``ticket``, holds a receiving slot while the body is still arriving
+    (so slow uploads are bounded apart from the requests being predicted)."""
 
-    def __init__(self, receive, limit: int, admission: Admission | None):
+    def __init__(self, receive, limit: int, ticket: Ticket | None):
         self.receive = receive
         self.limit = limit
-        self.admission = admission
+        self.ticket = ticket
         self.received = 0
-        self.receiving = False
 
     async def __call__(self):
         message = await self.receive()
@@ -70,65 +64,63 @@ class BodyLimit:
             if self.received > self.limit:
                 raise PayloadTooLarge(f"request body is over the limit of {self.limit:,} bytes "
                                       f"{LIMIT_HINT}")
-            more = message.get("more_body", False)
-            if more and not self.receiving and self.admission is not None:
-                self.admission.start_receiving()
-                self.receiving = True
-            elif not more and self.receiving:
-                self.close()
+            ticket = self.ticket
+            if ticket is not None:
+                if message.get("more_body", False):
+                    if not ticket.receiving:
+                        ticket.start_receiving()
+                elif ticket.receiving:
+                    ticket.body_done()
         return message
-
-    def close(self) -> None:
-        if self.receiving:
-            self.admission.done_receiving()
-            self.receiving = False
 
 
 class GatewayMiddleware:
     def __init__(self, app, gateway: Gateway):
         self.app = app
         self.gw = gateway
+        self.refusals = Refusals(gateway.admission.messages)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        adm = self.gw.admission
         t0 = time.perf_counter()
-        send = TaggedSend(send, self.start(scope, headers))
-        gated = not ungated(scope.get("path", ""))
-        if gated and not self.gw.admission.admit():
-            await self.refuse(scope, send)
-            return
-        self.gw.metrics.inflight.inc()
+        state = scope.setdefault("state", {})
+        # Stamped by the HTTP protocol at the request's first byte; a server without it (Serve's
+        # proxy) starts the clock here.
+        first = state.get("first_byte")
+        if first is None:
+            first = state["first_byte"] = asyncio.get_running_loop().time()
+        state["request_id"] = rid = request_id(headers.get(b"x-request-id"))
+        state["deadline"] = adm.deadline(first)
+        send = TaggedSend(send, rid)
+        path = scope.get("path", "")
+        ticket = None
+        if not ungated(path):
+            ticket = adm.admit(first, predicts(path))
+            if type(ticket) is str:
+                await self.refuse(scope, send, ticket, rid)
+                return
+            state["ticket"] = ticket
+        metrics = self.gw.metrics
+        metrics.inflight.inc()
         try:
-            await self.within_body_limit(scope, headers, receive, send, gated)
+            await self.within_body_limit(scope, headers, receive, send, ticket)
         finally:
-            if gated:
-                self.gw.admission.release()
-            self.gw.metrics.inflight.dec()
+            if ticket is not None:
+                ticket.release()
+            metrics.inflight.dec()
             self.record(scope, send.status, time.perf_counter() - t0)
 
-    def start(self, scope, headers: dict[bytes, bytes]) -> str:
-        """The request's id and deadline in its state (``request.state`` for the routes)."""
-        state = scope.setdefault("state", {})
-        state["request_id"] = rid = request_id(headers)
-        # The deadline covers the whole request: body, decoding, waiting (also the wait for the
-        # event loop before this line, estimated by its lag), the subnets.
-        state["deadline"] = (asyncio.get_running_loop().time() + self.gw.settings.deadline_s
-                             - self.gw.admission.lag)
-        return rid
-
-    async def refuse(self, scope, send: TaggedSend) -> None:
+    async def refuse(self, scope, send: TaggedSend, reason: str, rid: str) -> None:
         """503 for a request the admission turned away (counted apart: it has no route)."""
-        metrics = self.gw.metrics
-        reason, why = self.gw.admission.refusal()
-        metrics.rejected.labels(reason).inc()
-        metrics.child(metrics.requests, "unadmitted", scope.get("method", ""), "503").inc()
-        await reply(send, 503, why, scope["state"]["request_id"], [(b"retry-after", b"1")])
+        count_refusal(self.gw, reason, scope.get("method", ""))
+        await self.refusals.send(send, reason, rid)
 
     async def within_body_limit(self, scope, headers: dict[bytes, bytes], receive,
-                                send: TaggedSend, gated: bool) -> None:
+                                send: TaggedSend, ticket: Ticket | None) -> None:
         """The app, on a body of at most ``max_body_bytes``: a larger declared length is
         answered 413 at once, a larger body that streams in ends as 413 when it passes the
         limit."""
@@ -140,11 +132,7 @@ class GatewayMiddleware:
                         f"{limit:,} {LIMIT_HINT}", scope["state"]["request_id"],
                         [(b"connection", b"close")])
             return
-        body = BodyLimit(receive, limit, self.gw.admission if gated else None)
-        try:
-            await self.app(scope, body, send)
-        finally:
-            body.close()
+        await self.app(scope, BodyLimit(receive, limit, ticket), send)
 
     def record(self, scope, status: int, seconds: float) -> None:
         metrics = self.gw.metrics
@@ -152,23 +140,31 @@ class GatewayMiddleware:
         metrics.observe_request(path, scope.get("method", ""), str(status), seconds)
         if status >= 400:
             reason = scope["state"].get("error_reason", "http")
-            metrics.errors.labels(path, str(status), reason).inc()
+            metrics.child(metrics.errors, path, str(status), reason).inc()
 
 
-def early_gate(gw: Gateway):
+def count_refusal(gw: Gateway, reason: str, method: str) -> None:
+    """The metrics of a request the admission turned away, wherever it was answered."""
+    metrics = gw.metrics
+    metrics.child(metrics.rejected, reason).inc()
+    metrics.child(metrics.requests, "unadmitted", method, "503").inc()
+
+
+class EarlyGate:
     """For the HTTP protocol (:mod:`~sensai.serving.gateway.http_protocol`):
-    ``gate(method, url)`` -> why the admission would turn the request away now (counted as
-    :meth:`GatewayMiddleware.refuse` counts it), or None; takes no slot."""
-    adm, metrics = gw.admission, gw.metrics
+    ``gate(method, path, first_byte, now)`` -> the reason the admission would turn the
+    request away at loop time ``now`` (counted as :meth:`GatewayMiddleware.refuse` counts it),
+    or None; takes no slot (the middleware admits).  ``refusals``: the answers."""
 
-    def gate(method: str, url: bytes) -> str | None:
-        if not adm.full():
-            return None
-        if ungated(url.split(b"?", 1)[0].decode("latin-1")):
-            return None
-        reason, why = adm.refusal()
-        metrics.rejected.labels(reason).inc()
-        metrics.child(metrics.requests, "unadmitted", method, "503").inc()
-        return why
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+        self.adm = gw.admission
+        self.refusals = Refusals(gw.admission.messages)
 
-    return gate
+    def __call__(self, method: str, path: str, first_byte: float, now: float) -> str | None:
+        if ungated(path):
+            return None
+        reason = self.adm.refused(first_byte, predicts(path), now)
+        if reason is not None:
+            count_refusal(self.gw, reason, method)
+        return reason

@@ -19,7 +19,7 @@ from sensai.errors import SensaiError
 
 from ..core.settings import GatewaySettings
 from .http_protocol import http_protocol
-from .middleware import early_gate
+from .middleware import EarlyGate
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     settings before any request is admitted (:mod:`~sensai.serving.gateway.http_protocol`)."""
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     limits = gateway.settings if gateway is not None else GatewaySettings()
-    gate = early_gate(gateway) if gateway is not None else None
+    gate = EarlyGate(gateway) if gateway is not None else None
     count = gateway.metrics.rejected_connection if gateway is not None else None
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
                           access_log=False, timeout_graceful_shutdown=graceful_s,
-                          http=http_protocol(limits, gate, count),
+                          http=http_protocol(limits, gate, count), backlog=limits.backlog(),
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 
