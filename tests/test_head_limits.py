@@ -254,8 +254,6 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
 def test_the_listen_backlog_is_sized_from_the_request_limit(gateway):
     """The kernel holds at most as many unaccepted connections as the gateway could admit
     requests (``ss`` shows a listening socket's backlog as its Send-Q), unless set."""
-    import subprocess
-
     assert gateway.server.config.backlog == GatewaySettings().max_requests
     out = subprocess.run(["ss", "-ltnH", f"sport = :{gateway.port}"], capture_output=True,
                          text=True).stdout.split()
