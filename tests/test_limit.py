@@ -104,8 +104,9 @@ def test_a_waiter_that_leaves_takes_no_place_with_it():
 
 
 def test_a_standing_line_turns_the_surplus_away_and_ends_with_the_overload():
-    """A line that forms and drains absorbs a burst; one that has not been empty for
-    STANDING_S is a standing one: from then on a request is let in only when a place is free at
+    """A line that forms and drains absorbs a burst, and one that never drains but is never
+    overrun (a fixed crowd of clients) is kept; one that has not been empty for STANDING_S and
+    overflowed is a standing one: from then on a request is let in only when a place is free at
     once, until nobody has been turned away for STANDING_S."""
     lim = AdaptiveLimit(2, None)
 
@@ -119,8 +120,10 @@ def test_a_standing_line_turns_the_surplus_away_and_ends_with_the_overload():
         waiting = [asyncio.ensure_future(lim.acquire(p, far)) for p in queued]
         await asyncio.sleep(0)
         assert lim.waiting == 2 and not lim.standing
-        await asyncio.sleep(STANDING_S * 1.5)  # the line never drained
-        assert not lim.room(loop.time()) and lim.standing
+        await asyncio.sleep(STANDING_S * 1.5)  # the line never drained, nobody turned away
+        assert not lim.room(loop.time()) and not lim.standing
+        assert place(lim) is None  # overrun: one more than the line holds is turned away
+        assert lim.standing
         lim.release(held.pop(), answered=True)  # a place frees: one of the line takes it
         await asyncio.sleep(0)
         assert lim.waiting == 1 and place(lim) is None  # no room while the line stands

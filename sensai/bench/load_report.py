@@ -205,8 +205,8 @@ def render_markdown(result: dict) -> str:
         "",
         "200/s: answers 200 per second of the phase.  Status codes: as the client saw them "
         "(no answer: the connection failed or timed out).  503 are the gateway turning work "
-        "away: at once when `max_requests` are in flight, or after waiting for a place in the "
-        "predictor until the deadline.  Server cores: the serving process's own threads, and in "
+        "away at admission, before the body is read (`rejected` in the JSON gives the reasons); "
+        "504 a deadline that passed.  Server cores: the serving process's own threads, and in "
         "brackets its busiest thread's (the event loop under load: near 1.00, one core is its "
         "ceiling).",
         "",

@@ -53,13 +53,15 @@ class GatewaySettings(BaseSettings):
     max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
                               "metrics excepted); beyond it: 503 with Retry-After")
     max_predictions: int = Field(32, ge=1, description="most requests in the predictor at once "
-                                 "(the adaptive limit's ceiling); as many more may wait, up to "
-                                 "their deadline; beyond: 503 (ray-serve: shared by its gateway "
-                                 "processes)")
+                                 "(the adaptive limit's ceiling); as many more may wait, a place "
+                                 "reserved at admission, until a line stands; beyond: 503 at "
+                                 "admission (ray-serve: shared by its gateway processes)")
     latency_target_s: float | None = Field(
-        None, gt=0, description="waiting for the predictor plus predicting: the predictor's "
+        None, gt=0, description="from a request's first byte to its answer: the predictor's "
                                 "limit adapts (AIMD) so that at most 1 request in 20 takes "
-                                "longer (default: a quarter of the deadline)")
+                                "longer, and a request that waited longer than this before it "
+                                "could be admitted gets 503 (default: a quarter of the "
+                                "deadline)")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
                                   "this long (408)")
     max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "

@@ -18,11 +18,13 @@ objective and TCP its window):
   request found the predictor full during the window, the limit grows by one.
 
 **How many may wait: no standing queue** (CoDel's idea, as in "Fail at Scale"'s controlled
-delay).  A line that forms and drains absorbs a burst; a line that never drains only adds its
-length to every answer.  So as many requests may wait as the limit lets in until the line has not
-been empty for ``STANDING_S``; from then on a request is admitted only when a place is free at
-once (the line drains and stays empty), until ``STANDING_S`` has passed without anyone turned
-away.  Under a sustained overload the admitted requests then never wait behind a line, and the
+delay).  A line that forms and drains absorbs a burst.  A line that never drains but is never
+overrun holds a fixed crowd of clients, each sending again when answered: refusing them would
+only bring them back at once.  A line that never drains *and* overflows means more arrive than
+leave: it only adds its length to every answer.  So as many requests may wait as the limit lets
+in until the line has not been empty for ``STANDING_S`` and someone was turned away meanwhile;
+from then on a request is admitted only when a place is free at once (the line drains and stays
+empty), until ``STANDING_S`` has passed without anyone turned away.  Under a sustained overload the admitted requests then never wait behind a line, and the
 surplus is refused at admission, at the cost of a few bytes.  (A LIFO line would answer the
 newest first but keep the oldest waiting; refusing at the door keeps every answer fresh.)
 
@@ -37,7 +39,7 @@ import collections
 MIN_WINDOW_S = 0.05
 OVER_TARGET_SHARE = 0.05  # more samples than this share over the target: too slow
 DECREASE = 0.9
-STANDING_S = 0.05  # a line not empty for this long is a standing one
+STANDING_S = 0.05  # a line not empty for this long, and overrun, is a standing one
 
 
 class Place:
@@ -92,7 +94,8 @@ class AdaptiveLimit:
         if self.standing:
             if not self._line and now - self._refused_at >= STANDING_S:
                 self.standing = False  # nobody turned away for a while: the overload is over
-        elif self._line and now - self._line_since >= STANDING_S:
+        elif (self._line and now - self._line_since >= STANDING_S
+              and self._refused_at >= self._line_since):
             self.standing = True
         return self.standing
 
@@ -101,6 +104,7 @@ class AdaptiveLimit:
         self.refusals += 1
         self._refused_at = now
         self._pressed = True
+        self._standing(now)
 
     def reserve(self, t0: float, now: float) -> Place | None:
         """A place for a request admitted now whose first byte came at ``t0``; None when there

@@ -41,11 +41,12 @@ class GatewayMetrics:
         self.ready = Gauge("sensai_model_ready", "1 while a model version takes requests",
                            ["model", "version"], registry=r)
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
-                                "reason (max_requests, loop_lag, max_receiving, queue_full, "
-                                "no_slot_before_deadline, slow_body)", ["reason"], registry=r)
+                                "reason (max_requests, waited, loop_lag, queue_full, "
+                                "max_receiving, slow_body)", ["reason"], registry=r)
         self.rejected_connections = Counter(
             "sensai_rejected_connections", "connections refused before any request, by reason "
-            "(max_connections, header_too_large, head_timeout)", ["reason"], registry=r)
+            "(max_connections, max_connections_per_client, evicted, evicted_idle, "
+            "header_too_large, head_timeout)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r)
         self.predictor_limit = Gauge("sensai_predictor_limit", "requests the predictor takes at "
