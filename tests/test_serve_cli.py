@@ -129,19 +129,24 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
     assert f"on {url}" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, env", [(["--gateway-replicas", "2"], {}),
-                                       ([], {"SENSAI_GATEWAY_CPUS": "0.5"})])
-def test_the_gateway_processes_are_the_serve_applications_setting(tiny_artifact, capsys,
-                                                                  monkeypatch, argv, env):
-    """Several gateway processes are the Serve application's ingress replicas: the backends that
-    serve from ``sensai serve``'s own process refuse the setting in one line."""
+@pytest.mark.parametrize("argv, env, fragment", [
+    ([], {"SENSAI_GATEWAY_CPUS": "0.5"}, "applies to --backend ray-serve only"),
+    (["--gateway-replicas", "2", "--backend", "ray"], {},
+     "--gateway-replicas does not apply to --backend ray"),
+    (["--gateway-replicas", "2", "--backend", "triton"], {},
+     "--gateway-replicas does not apply to --backend triton")])
+def test_gateway_settings_a_backend_cannot_honour_are_refused(tiny_artifact, capsys, monkeypatch,
+                                                              argv, env, fragment):
+    """CPUs reserved per gateway are the Serve application's; several gateway processes need
+    workers they can share (device processes, or Serve's replicas): the other backends refuse in
+    one line."""
     from sensai.cli import main
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert main(["serve", str(tiny_artifact), *argv]) == 2
     err = capsys.readouterr().err
-    assert "applies to --backend ray-serve only" in err and "Traceback" not in err
+    assert fragment in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 

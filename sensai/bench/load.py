@@ -37,8 +37,9 @@ from sensai.serving.launch.build import free_ports
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
-from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds, phase_report,
-                            process_cores, rss_growth, scrape_metrics, server_view)
+from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
+                            phase_report, process_cores, rss_growth, scrape_metrics, server_cpu,
+                            server_split, server_view, worker_pids)
 from .load_report import plot, render_markdown
 from .machine import peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss
 from .robust import offline_reference
@@ -300,13 +301,19 @@ class LoadRun:
         scrape = scrape_metrics if self.metrics else lambda url: None
         before = scrape(self.gateway.url)
         pid = self.gateway.serving_pid
+        tree_of = getattr(self.gateway, "pid", None)
+        workers = worker_pids(self.gateway.url) if tree_of is not None else set()
+        split_before = server_cpu(tree_of, workers)
         cpu, threads, t_cpu = machine_cpu_seconds(), process_cpu_seconds(pid), time.monotonic()
         outs = self.drive(name, plans, seconds)
         elapsed = time.monotonic() - t_cpu
         busy = busy_cores(cpu, elapsed)
+        threads_after, split_after = process_cpu_seconds(pid), server_cpu(tree_of, workers)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
         rep["machine_busy_cores"] = busy
-        rep["gateway_cpu"] = process_cores(threads, process_cpu_seconds(pid), elapsed)
+        rep["gateway_cpu"] = process_cores(threads, threads_after, elapsed)
+        rep["server_cpu"] = server_split(split_before, split_after, elapsed,
+                                         rep["throughput_rps"])
         rep["duration_s"] = seconds
         rep["server"] = server_view(before, scrape(self.gateway.url))
         ok = rep["latency_ok_ms"]

@@ -15,7 +15,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from .client import HttpClientProcess
-from .machine import descendant_pids, process_rss_bytes
+from .machine import descendant_pids, process_cpu_seconds, process_rss_bytes
 from .stats import summarize
 
 PREDICT_ROUTE = "/v1/predict"
@@ -94,6 +94,49 @@ def process_cores(before: tuple[float, dict[int, float]] | None,
     process = max(after[0] - before[0], sum(used))
     return {"process_cores": round(process / seconds, 3),
             "busiest_thread_cores": round(max(used, default=0.0) / seconds, 3)}
+
+
+def worker_pids(url: str) -> set[int]:
+    """The processes of the gateway's subnet workers, as ``GET /v1/models`` reports them:
+    device processes (several gateway processes), worker processes (``--backend processes``);
+    none where the workers are threads of the gateway."""
+    try:
+        info = httpx.get(f"{url}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return set()
+    gateway = info.get("pid")
+    workers = (info.get("predictor") or {}).get("workers") or []
+    return {w["pid"] for w in workers if isinstance(w.get("pid"), int) and w["pid"] != gateway}
+
+
+def server_cpu(tree_of: int | None, workers: set[int]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of every process of the server under ``tree_of`` (``sensai serve``),
+    split into its subnet ``workers`` and the ``rest`` (gateway processes, and the parent that
+    watches them)."""
+    out: dict[str, dict[int, float]] = {"rest": {}, "workers": {}}
+    if tree_of is None:
+        return out
+    for pid in [tree_of, *descendant_pids(tree_of)]:
+        got = process_cpu_seconds(pid)
+        if got is not None:
+            out["workers" if pid in workers else "rest"][pid] = got[0]
+    return out
+
+
+def server_split(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
+                 seconds: float, answers_per_s: float) -> dict[str, Any] | None:
+    """The server's cores over a phase, split as :func:`server_cpu` splits them, and each part's
+    CPU milliseconds per answer (a process that started during the phase counts from zero)."""
+    if seconds <= 0 or not after["rest"]:
+        return None
+    out: dict[str, Any] = {}
+    for part, name in (("rest", "gateway"), ("workers", "workers")):
+        used = sum(cpu - before[part].get(pid, 0.0) for pid, cpu in after[part].items())
+        out[f"{name}_processes"] = len(after[part])
+        out[f"{name}_cores"] = round(used / seconds, 3)
+        out[f"{name}_ms_per_answer"] = (round(used * 1e3 / (answers_per_s * seconds), 3)
+                                        if answers_per_s > 0 else None)
+    return out
 
 
 def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,

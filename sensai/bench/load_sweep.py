@@ -249,7 +249,7 @@ def run_load_sweep(
                     "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
                     "batch_delay_us": gs.batch_delay_us,
                     "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
-                    "device": gs.device},
+                    "device": gs.device, "gateway_processes": gs.gateway_processes()},
         "gateway_env": gateway_env, "config_env": CONFIG_ENV,
     }
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,

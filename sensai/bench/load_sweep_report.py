@@ -11,7 +11,8 @@ from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_fig
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
-                "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)"]
+                "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)",
+                "server CPU ms/answer: gateways (workers)"]
 OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
                    "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
                    "p99 ms (503)", "other", "client cores", "machine busy cores",
@@ -29,7 +30,18 @@ def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
-            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r)]
+            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r)]
+
+
+def cpu_per_answer(r: dict) -> str:
+    """The server's CPU per answer over a level: its gateway processes' (and its parent's),
+    and its subnet workers' where they are processes of their own."""
+    c = r.get("server_cpu")
+    if not c or c.get("gateway_ms_per_answer") is None:
+        return "-"
+    workers = c.get("workers_ms_per_answer") if c.get("workers_processes") else None
+    return fmt(c["gateway_ms_per_answer"], 3) + (
+        f" ({fmt(workers, 3)})" if workers is not None else " (in the gateway)")
 
 
 def full_gcs(r: dict) -> str:
@@ -131,7 +143,12 @@ def render_markdown(result: dict) -> str:
         "under load: near 1.00, one core is its ceiling).  The configurations "
         "run one after another, so what else ran on the machine may differ between them (that "
         "column shows it).  Full GCs: the collector's full collections in the gateway's process "
-        "during the level and the time they stopped it (its `/metrics`).",
+        "during the level and the time they stopped it (its `/metrics`).  Server CPU per "
+        "answer: the CPU time of every process of `sensai serve` over the level per 200 "
+        "answered, split into its subnet workers' processes (device processes with several "
+        "gateway processes, in brackets) and the rest (the gateway processes, and the parent "
+        "that watches them); \"in the gateway\": the workers are threads of the gateway's "
+        "process, so its figure holds the subnets' compute.",
         "",
         "## Targets",
         "",

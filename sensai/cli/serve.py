@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from sensai.errors import SensaiError
@@ -242,6 +244,9 @@ def cmd_serve(args) -> int:
         return serve_on_ray_serve(args, settings)
     faults = injected_faults(args.inject_delay, workers)
     check_gateway_host(settings)
+    processes = settings.gateway_processes()
+    if processes > 1:
+        return serve_fleet(args, settings, faults, processes)
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -279,6 +284,9 @@ def serve_repository(args, settings: GatewaySettings) -> int:
                           "updates an application in place)")
     if args.inject_delay:
         raise SensaiError("--inject-delay applies to one artifact, not a repository")
+    if (settings.gateway_replicas or 1) > 1:
+        raise SensaiError(f"--gateway-replicas {settings.gateway_replicas}: a model repository "
+                          "is served by one gateway process")
     repo = Path(args.artifact)
     if not model_names(repo) and settings.model_control == "none":
         raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"
@@ -306,6 +314,35 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     return 0
 
 
+def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
+    """``processes`` gateway processes on the port over device processes, until SIGINT or
+    SIGTERM."""
+    from sensai.serving.launch.fleet import Fleet
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    fleet = Fleet(args.artifact, settings, processes=processes, faults=faults)
+    watcher = None
+    try:
+        fleet.start()
+        print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
+              f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device processes, "
+              f"{processes} gateway processes) on {endpoints(settings, fleet.port)}\nplacement:"
+              f"\n{plan_table(fleet)}", file=sys.stderr)
+        watcher = threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch")
+        watcher.start()
+        stop.wait()
+    finally:
+        fleet.stop()
+    return 0
+
+
+def plan_table(fleet) -> str:
+    return "\n".join(f"  {d.name}: " + ", ".join(spec.name for _, spec in d.hosted)
+                     + f"  [device {d.device}]" for d in fleet.device_plans)
+
+
 def check_gateway_host(settings: GatewaySettings) -> None:
     """What can be refused before any worker starts, in one line."""
     if settings.grpc_port:
@@ -314,8 +351,8 @@ def check_gateway_host(settings: GatewaySettings) -> None:
         keep_cores_awake("on").release()
 
 
-def endpoints(settings: GatewaySettings) -> str:
-    return f"http://{settings.host}:{settings.port}" + (
+def endpoints(settings: GatewaySettings, port: int | None = None) -> str:
+    return f"http://{settings.host}:{settings.port if port is None else port}" + (
         f" and gRPC port {settings.grpc_port}" if settings.grpc_port is not None else "")
 
 

@@ -53,21 +53,24 @@ class Batching:
 @dataclass(frozen=True, slots=True)
 class BatchCounts:
     """A worker's batching so far (since it started): the batches it ran (a run alone counts
-    as a batch of one), the requests they held, the most requests in one, and how many requests
-    were held back waiting for company (never any when the delay is 0)."""
+    as a batch of one), the requests they held, the most requests in one, how many requests
+    were held back waiting for company (never any when the delay is 0), and the batches that
+    held requests of more than one gateway process (a device process's)."""
 
     batches: int = 0
     requests: int = 0
     largest: int = 0
     held: int = 0
+    mixed: int = 0
 
     def __add__(self, other: "BatchCounts") -> "BatchCounts":
         return BatchCounts(self.batches + other.batches, self.requests + other.requests,
-                           max(self.largest, other.largest), self.held + other.held)
+                           max(self.largest, other.largest), self.held + other.held,
+                           self.mixed + other.mixed)
 
     def as_dict(self) -> dict:
         return {"batches": self.batches, "requests": self.requests, "largest": self.largest,
-                "held": self.held}
+                "held": self.held, "mixed": self.mixed}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ is documented in deploy/README.md ("Settings"; a test keeps the two in step).
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 from pydantic import Field, ValidationError, field_validator
@@ -24,6 +25,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # How a subnet runs: see serving/workers/runners.py (auto picks per device).
 RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
 ENV_PREFIX = "SENSAI_"
+# Backends whose workers can run in device processes shared by several gateway processes, and
+# the automatic count of those: a gateway process wants a core of its own, the device processes
+# and the clients of the machine the rest.
+FLEET_BACKENDS = ("local", "processes")
+AUTO_GATEWAYS_FROM = 4
+AUTO_GATEWAYS_MAX = 8
 
 
 class GatewaySettings(BaseSettings):
@@ -105,9 +112,13 @@ class GatewaySettings(BaseSettings):
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
     ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
                                    "an even share when the cluster has fewer)")
-    gateway_replicas: int = Field(1, ge=1, description="ray-serve: gateway processes, the "
-                                  "Serve application's ingress replicas, sharing the port on a "
-                                  "node")
+    gateway_replicas: int | None = Field(
+        None, ge=1, description="gateway processes sharing the port; local and processes "
+                                "backends: with more than one, each subnet runs in a device "
+                                "process that batches the rows of all of them (default: 1 on "
+                                "fewer than 4 cores, else half the cores, at most 8; 1 when "
+                                "serving a model repository); ray-serve: the Serve "
+                                "application's ingress replicas on a node (default 1)")
     gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
                                        "replica (default: 1, or a worker's share when that is "
                                        "less)")
@@ -176,6 +187,17 @@ class GatewaySettings(BaseSettings):
         defaults = type(self).model_fields
         return next((f for f in fields if getattr(self, f) != defaults[f].default), None)
 
+    def gateway_processes(self, cores: int | None = None) -> int:
+        """Gateway processes sharing the port: as set, else chosen from ``cores`` (default:
+        the cores this process may run on) where the backend runs its workers in device
+        processes, else 1."""
+        if self.gateway_replicas is not None:
+            return self.gateway_replicas
+        if self.backend not in FLEET_BACKENDS:
+            return 1
+        cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        return 1 if cores < AUTO_GATEWAYS_FROM else min(AUTO_GATEWAYS_MAX, cores // 2)
+
     def backlog(self) -> int:
         return self.listen_backlog if self.listen_backlog is not None else self.max_requests
 
@@ -187,12 +209,13 @@ class GatewaySettings(BaseSettings):
 # refused before anything starts (Ray, Triton, workers), never ignored.
 ONE_MODEL_PER_SUBNET = ("Triton runs one model per subnet, and this needs workers that host "
                         "several; use the local, processes or ray backend")
-SERVE_ONLY = {f: "the other backends serve from this process" for f in
-              ("gateway_replicas", "gateway_cpus")}
+SERVE_ONLY = {"gateway_cpus": "the other backends do not reserve CPUs for a gateway"}
+ONE_GATEWAY = {"gateway_replicas": "each gateway process would start workers of its own; use the "
+                                   "local or processes backend, or ray-serve"}
 NOT_ON = {
-    "local": SERVE_ONLY, "processes": SERVE_ONLY, "ray": SERVE_ONLY,
-    "triton": {**SERVE_ONLY, "redundancy": ONE_MODEL_PER_SUBNET, "vote": ONE_MODEL_PER_SUBNET,
-               "hedge_ms": ONE_MODEL_PER_SUBNET},
+    "local": SERVE_ONLY, "processes": SERVE_ONLY, "ray": {**SERVE_ONLY, **ONE_GATEWAY},
+    "triton": {**SERVE_ONLY, **ONE_GATEWAY, "redundancy": ONE_MODEL_PER_SUBNET,
+               "vote": ONE_MODEL_PER_SUBNET, "hedge_ms": ONE_MODEL_PER_SUBNET},
     "ray-serve": {
         "grpc_port": "the Serve ingress has no gRPC server",
         "spread_cores": "it moves the local backend's worker threads",

@@ -260,7 +260,7 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     admission = Admission(settings)
     gw = Gateway(models, settings, models.metrics, admission, version)
     # Read when scraped: the limit changes once a window at most, not with every request.
-    models.metrics.predictor_limit.set_function(lambda: admission.predictor.limit)
+    models.metrics.follow(models.metrics.predictor_limit, lambda: admission.predictor.limit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

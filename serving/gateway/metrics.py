@@ -1,9 +1,24 @@
-"""Prometheus metrics of one gateway (own registry, so several gateways can live in one process)."""
+"""Prometheus metrics of one gateway (own registry, so several gateways can live in one process).
+
+Where several gateway processes serve one port (:mod:`~sensai.serving.launch.fleet`), each is
+started with ``PROMETHEUS_MULTIPROC_DIR`` set (prometheus_client's multiprocess mode): every
+value lives in a file of that directory, and ``/metrics`` from any process renders the sums over
+all of them - the whole server, whichever process answers.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+import threading
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+FOLLOW_S = 0.5  # how often a followed value is copied into a shared gauge
 
 # Latency buckets wide enough for a small subnet on a fast device at one end and a request near
 # its deadline at the other.
@@ -17,6 +32,10 @@ class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self.shared_dir = os.environ.get(SHARED_DIR_ENV)
+        if self.shared_dir:
+            # Before any metric is made: each makes its value with the class set now.
+            values.ValueClass = values.MultiProcessValue()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("sensai_requests", "HTTP requests by route and status",
@@ -25,7 +44,8 @@ class GatewayMetrics:
                                          ["route"], buckets=BUCKETS, registry=r)
         self.errors = Counter("sensai_request_errors", "requests answered with an error, by reason",
                               ["route", "status", "reason"], registry=r)
-        self.inflight = Gauge("sensai_inflight_requests", "requests being served", registry=r)
+        self.inflight = Gauge("sensai_inflight_requests", "requests being served", registry=r,
+                              multiprocess_mode="livesum")
         # Per model version: a gateway may serve several (:mod:`.served`).
         self.predict_seconds = Histogram("sensai_predict_seconds",
                                          "time in the predictor (fan-out + merge)",
@@ -39,7 +59,7 @@ class GatewayMetrics:
         self.images = Counter("sensai_images", "images (batch rows) predicted",
                               ["model", "version"], registry=r)
         self.ready = Gauge("sensai_model_ready", "1 while a model version takes requests",
-                           ["model", "version"], registry=r)
+                           ["model", "version"], registry=r, multiprocess_mode="livemax")
         self.rejected = Counter("sensai_rejected", "requests turned away before any work, by "
                                 "reason (max_requests, waited, loop_lag, queue_full, "
                                 "max_receiving, slow_body)", ["reason"], registry=r)
@@ -48,9 +68,10 @@ class GatewayMetrics:
             "(max_connections, max_connections_per_client, evicted, evicted_idle, "
             "header_too_large, head_timeout)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
-                             registry=r)
+                             registry=r, multiprocess_mode="livesum")
         self.predictor_limit = Gauge("sensai_predictor_limit", "requests the predictor takes at "
-                                     "once now (adaptive, at most max_predictions)", registry=r)
+                                     "once now (adaptive, at most max_predictions)", registry=r,
+                                     multiprocess_mode="livesum")
         self.gc_full = Histogram("sensai_gc_full_collection_seconds",
                                  "the collector's full collections in the gateway's process "
                                  "(every request in flight waits for them)",
@@ -94,5 +115,23 @@ class GatewayMetrics:
             metric.remove(*labels)
             del self._children[key]
 
+    def follow(self, gauge: Gauge, value: Callable[[], float]) -> None:
+        """``gauge`` reads ``value()``: when scraped, or where the values are shared (read from
+        files, not from this process) copied in every FOLLOW_S by a thread."""
+        if not self.shared_dir:
+            gauge.set_function(value)
+            return
+
+        def copy() -> None:
+            while True:
+                gauge.set(value())
+                time.sleep(FOLLOW_S)
+
+        threading.Thread(target=copy, daemon=True, name="sensai-metrics-follow").start()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared_dir:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        MultiProcessCollector(every, path=self.shared_dir)
+        return generate_latest(every)

@@ -179,10 +179,10 @@ def build_app(args: dict) -> serve.Application:
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
     else:  # validated before any cluster exists (serve build, tests): assume enough
-        cpus = (s.ray_cpus or 1.0) * (n + s.gateway_replicas)
+        cpus = (s.ray_cpus or 1.0) * (n + s.gateway_processes())
         gpus = float(n) if s.device.startswith("cuda") else 0.0
     base, threads = actor_resources(n, cpus, gpus, device=s.device, cpus=s.ray_cpus,
-                                    others=s.gateway_replicas)
+                                    others=s.gateway_processes())
     per_worker = [base] * n
     nodes = alive_nodes() if ray.is_initialized() else []
     if len(nodes) > 1:
@@ -197,7 +197,7 @@ def build_app(args: dict) -> serve.Application:
     gateway_cpus = s.gateway_cpus if s.gateway_cpus is not None else min(1.0, base["num_cpus"])
     # The workers are shared: each gateway process admits its part of what they may hold, or
     # N processes would queue N times as much on them.
-    s = s.model_copy(update={"max_predictions": -(-s.max_predictions // s.gateway_replicas)})
+    s = s.model_copy(update={"max_predictions": -(-s.max_predictions // s.gateway_processes())})
     # Serve's proxy must shed what the ingress would refuse anyway, and before it costs the
     # hop to the ingress: under overload that hop, not the subnets, is what saturates first.
     # So the ingress takes what the gateway's admission can hold - the predictor's requests
@@ -205,7 +205,7 @@ def build_app(args: dict) -> serve.Application:
     # short queue in front of it, refusing the rest at once with a 503.
     most = min(s.max_requests, 2 * s.max_predictions + HEALTH_HEADROOM)
     return ServeIngress.options(
-        num_replicas=s.gateway_replicas, ray_actor_options={"num_cpus": gateway_cpus},
+        num_replicas=s.gateway_processes(), ray_actor_options={"num_cpus": gateway_cpus},
         max_ongoing_requests=most, max_queued_requests=PROXY_QUEUE,
         backpressure_config={"status_code": 503, "retry_after_s": 1},
         # Serve's access log line per request costs the ingress's one event loop as much as a

@@ -68,8 +68,10 @@ def stackable(a: Run, b: Run) -> bool:
 
 class WorkerCore:
     def __init__(self, runners: Mapping[int, Runner], *, delay: DelaySpec | None = None,
-                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None):
+                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
+                 origin: Callable[[int], int] | None = None):
         self.runners = dict(runners)
+        self.origin = origin  # request -> who sent it, where several do (a device process)
         self.delay, self.corrupt = delay, bool(corrupt)
         self.batching = batching or Batching()
         self.counts = BatchCounts()
@@ -262,5 +264,7 @@ class WorkerCore:
                 continue
             batch, held, ahead = self.gather(msg, runs)
             n = len(batch)
-            self.counts = self.counts + BatchCounts(1, n, n, held)
+            mixed = self.origin is not None and n > 1 and len(
+                {self.origin(m.req) for m in batch}) > 1
+            self.counts = self.counts + BatchCounts(1, n, n, held, int(mixed))
             self.run(batch, emit)

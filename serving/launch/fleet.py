@@ -1,0 +1,350 @@
+"""One host's server as several processes: gateway processes that share the port, device processes
+that run the subnets for all of them (``sensai serve`` with ``gateway_replicas`` above 1 on the
+local or processes backend).
+
+This process (the *parent*) only starts and watches.  It works out the serving plan once, starts a
+device process per GPU that hosts workers (per worker on CPUs: each its own cores) and waits for
+their subnets to load, then starts the gateway processes: each parses HTTP and gRPC, decodes and
+admits on its own event loop and core, and binds the port itself (SO_REUSEPORT: the kernel
+spreads the connections).  A gateway process imports no torch: its predictor reaches the device
+processes over :mod:`~sensai.serving.transports.devices`.  A dead process is started again - a
+gateway costs only its own requests in flight, a device process those it held in every gateway
+(whose supervisors mark its workers down and up again, as for any worker).  What one process
+admits is its share of the server's ``max_requests`` and ``max_connections``, and up to
+``max_predictions`` in its predictor (its own adaptive limit); ``/metrics`` from any of them sums
+all (prometheus_client's multiprocess files in this server's private directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from sensai.artifact import load_artifact
+from sensai.errors import SensaiError
+
+from ..core.faults import Faults
+from ..core.messages import Fault
+from ..core.settings import GatewaySettings
+from ..engine.plan import LOAD_TIMEOUT_S, ServingPlan, class_parallel_plan
+from ..engine.predictor import ClassParallelPredictor
+from ..gateway.app import create_app
+from ..gateway.metrics import SHARED_DIR_ENV
+from ..gateway.server import listening_socket, uvicorn_config
+from ..transports.devices import Devices
+from ..workers.device import DevicePlan, device_main, die_with_parent, hosted_of
+
+log = logging.getLogger(__name__)
+
+# Split between the gateway processes.  Not max_predictions: the device processes batch what
+# every gateway hands them, and the kernel spreads connections unevenly, so a share of it would
+# refuse requests at a load the server takes (each process's adaptive limit still bounds it).
+SHARED_LIMITS = ("max_requests", "max_connections")
+GATEWAY_START_S = 120.0
+MAX_BACKOFF_S = 30.0
+STABLE_S = 10.0  # a process that lived this long restarts without waiting
+
+
+def share(settings: GatewaySettings, n: int) -> GatewaySettings:
+    """The settings of one of ``n`` gateway processes: its part of the server's limits."""
+    return settings.model_copy(update={f: -(-getattr(settings, f) // n) for f in SHARED_LIMITS})
+
+
+def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dict[int, str]]:
+    """The device processes of ``plan``'s workers - one per GPU that hosts workers, one per CPU
+    worker - and the socket of each worker's."""
+    by_key: dict[str, list[int]] = {}
+    for w, wp in enumerate(plan.workers):
+        device = wp.specs[0].device if wp.specs else "cpu"
+        key = device if device.startswith("cuda") else f"worker-{w}"
+        by_key.setdefault(key, []).append(w)
+    devices, addresses = [], {}
+    for d, (key, workers) in enumerate(by_key.items()):
+        first = plan.workers[workers[0]]
+        address = str(folder / f"device-{d}.sock")
+        devices.append(DevicePlan(
+            name=f"device_{d}" + (f" ({key})" if key.startswith("cuda") else ""),
+            address=address,
+            hosted=hosted_of([plan.workers[i].groups for i in workers],
+                             [plan.workers[i].specs for i in workers]),
+            batching=plan.batching, fault=Fault(first.delay, first.corrupt),
+            seed=plan.seed + workers[0]))
+        addresses.update({w: address for w in workers})
+    return devices, addresses
+
+
+@dataclass
+class GatewayPlan:
+    """What a gateway process needs (picklable): the artifact, the plan (its share of the
+    limits), where each worker's device process listens, and this server's folder."""
+
+    index: int
+    artifact_dir: str
+    plan: ServingPlan
+    addresses: dict[int, str]
+    host: str
+    port: int
+    metrics_dir: str
+    slots_per_worker: int
+
+
+def gateway_main(gp: GatewayPlan, report) -> None:
+    """Body of a gateway process: its predictor over the device processes, its app, uvicorn on
+    its own socket of the shared port; ``("ready", pid)`` or ``("failed", why)`` on ``report``,
+    then serve until SIGTERM (graceful)."""
+    import uvicorn  # the gateway's own; the parent needs none of it
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
+    os.environ[SHARED_DIR_ENV] = gp.metrics_dir
+    settings = gp.plan.settings
+    try:
+        artifact = load_artifact(gp.artifact_dir)
+        transport = Devices(gp.addresses, row_shape=tuple(artifact.spec.input_shape),
+                            slots_per_worker=gp.slots_per_worker, gateway=gp.index,
+                            load_timeout_s=gp.plan.load_timeout_s)
+        predictor = ClassParallelPredictor(artifact, gp.plan, transport)
+        sock = listening_socket(gp.host, gp.port, shared=True)
+    except BaseException as e:
+        report.send(("failed", str(e) if isinstance(e, SensaiError)
+                     else f"{type(e).__name__}: {e}"))
+        return
+    app = create_app(predictor, settings)
+    server = uvicorn.Server(uvicorn_config(app, host=gp.host, port=gp.port,
+                                           log_level=settings.log_level, graceful_s=10.0))
+
+    @contextlib.contextmanager
+    def sigterm_only():
+        old = signal.signal(signal.SIGTERM, server.handle_exit)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, old)
+
+    server.capture_signals = sigterm_only
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        failed = getattr(app.state, "startup_error", None)
+        report.send(("ready", os.getpid()) if server.started else
+                    ("failed", f"the gateway did not start: {failed or 'uvicorn ended'}"))
+
+    threading.Thread(target=announce, daemon=True, name="sensai-announce").start()
+    server.run(sockets=[sock])
+
+
+class Member:
+    """One process of the fleet: what starts it again, and its restarts."""
+
+    def __init__(self, name: str, target, args: tuple, role: str):
+        self.name, self.target, self.args, self.role = name, target, args, role
+        self.process: multiprocessing.Process | None = None
+        self.pid: int | None = None
+        self.started_at = 0.0
+        self.restarts = 0
+        self.attempt = 0
+        self.due: float | None = None  # when a dead one is started again
+
+    def start(self, ctx) -> object:
+        """Spawn it; returns the end of its report pipe."""
+        rx, tx = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=self.target, args=(*self.args, tx),
+                                   name=f"sensai-{self.name}", daemon=False)
+        self.process.start()
+        tx.close()
+        self.pid = self.process.pid
+        self.started_at = time.monotonic()
+        return rx
+
+    def describe(self) -> dict:
+        return {"name": self.name, "role": self.role, "pid": self.pid, "restarts": self.restarts,
+                "alive": bool(self.process is not None and self.process.is_alive())}
+
+
+def await_report(member: Member, rx, timeout: float) -> None:
+    """Block until ``member`` says it is ready; :class:`SensaiError` with its reason if not."""
+    if not rx.poll(timeout):
+        raise SensaiError(f"{member.name} did not start within {timeout:g} s")
+    try:
+        what, detail = rx.recv()
+    except (EOFError, OSError):
+        member.process.join(1.0)
+        raise SensaiError(f"{member.name} died while starting (exit code "
+                          f"{member.process.exitcode})") from None
+    finally:
+        rx.close()
+    if what != "ready":
+        raise SensaiError(f"{member.name}: {detail}")
+
+
+class Fleet:
+    """``artifact_dir`` served by ``processes`` gateway processes over device processes (see the
+    module); :meth:`start` blocks until all are up, :meth:`watch` restarts the dead until
+    :meth:`stop`."""
+
+    def __init__(self, artifact_dir: str | Path, settings: GatewaySettings, *,
+                 processes: int, faults: Faults | None = None, seed: int = 0):
+        if processes < 1:
+            raise SensaiError("a server needs at least one gateway process")
+        self.artifact_dir = str(Path(artifact_dir).resolve())
+        self.settings = settings
+        self.processes = processes
+        self.faults, self.seed = faults, seed
+        self.ctx = multiprocessing.get_context("spawn")
+        self.folder: Path | None = None
+        self.port_holder: socket.socket | None = None
+        self.device_plans: list[DevicePlan] = []
+        self.devices: list[Member] = []
+        self.gateways: list[Member] = []
+        self.plan: ServingPlan | None = None
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        return self.port_holder.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    def start(self) -> "Fleet":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        s = self.settings
+        artifact = load_artifact(self.artifact_dir)  # fails fast with one line
+        self.plan = class_parallel_plan(artifact, s, faults=self.faults, seed=self.seed)
+        self.folder = Path(tempfile.mkdtemp(prefix="sensai-serve-"))
+        (self.folder / "metrics").mkdir()
+        # Holds the port (bound, never listening: it takes no connection) from now until the
+        # end, so a restarted gateway gets it back, and port 0 becomes a number.
+        try:
+            self.port_holder = listening_socket(s.host, s.port, shared=True)
+        except OSError as e:
+            raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
+                              f"({e.strerror or e})") from None
+        self.device_plans, addresses = device_plans(self.plan, self.folder)
+        self.devices = [Member(p.name, device_main, (p,), "device") for p in self.device_plans]
+        waiting = [(m, m.start(self.ctx)) for m in self.devices]
+        for m, rx in waiting:
+            await_report(m, rx, self.plan.load_timeout_s)
+        shares = share(s, self.processes).model_copy(update={"port": self.port})
+        gateway_plan = ServingPlan(shares, self.plan.workers, self.plan.placement,
+                                   seed=self.plan.seed)
+        self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
+            i, self.artifact_dir, gateway_plan, addresses, s.host, self.port,
+            str(self.folder / "metrics"), 2 * s.max_predictions),), "gateway")
+            for i in range(self.processes)]
+        waiting = [(m, m.start(self.ctx)) for m in self.gateways]
+        for m, rx in waiting:
+            await_report(m, rx, GATEWAY_START_S)
+        log.info("%d gateway processes and %d device processes up on %s", self.processes,
+                 len(self.devices), self.url)
+
+    # -- watching
+
+    def members(self) -> list[Member]:
+        return self.devices + self.gateways
+
+    def watch(self) -> None:
+        """Start the dead again (backing off when one keeps dying) until :meth:`stop`."""
+        while not self.stopping.is_set():
+            with self.lock:
+                live = {m.process.sentinel: m for m in self.members()
+                        if m.process is not None and m.due is None}
+            ready = wait(list(live), timeout=0.2) if live else time.sleep(0.2) or []
+            now = time.monotonic()
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                for sentinel in ready:
+                    self.died(live[sentinel], now)
+                for m in self.members():
+                    if m.due is not None and now >= m.due:
+                        self.restart(m)
+
+    def died(self, m: Member, now: float) -> None:
+        m.process.join(1.0)
+        code = m.process.exitcode
+        if m.role == "gateway":
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(m.pid, str(self.folder / "metrics"))
+        m.attempt = 0 if now - m.started_at > STABLE_S else m.attempt + 1
+        wait_s = 0.0 if m.attempt == 0 else min(MAX_BACKOFF_S, 0.5 * 2 ** m.attempt)
+        m.due = now + wait_s
+        log.error("%s (pid %s) ended with %s; starting it again%s", m.name, m.pid,
+                  f"signal {-code}" if code is not None and code < 0 else f"exit code {code}",
+                  f" in {wait_s:g} s" if wait_s else "")
+
+    def restart(self, m: Member) -> None:
+        m.due = None
+        m.restarts += 1
+        rx = m.start(self.ctx)
+        # Its report is not waited for here: a gateway's own supervisor reconnects to a device
+        # process when it answers, and a gateway takes connections once it listens.
+        threading.Thread(target=self.reported, args=(m, rx), daemon=True,
+                         name=f"sensai-{m.name}-start").start()
+
+    def reported(self, m: Member, rx) -> None:
+        try:
+            await_report(m, rx, LOAD_TIMEOUT_S if m.role == "device" else GATEWAY_START_S)
+            log.info("%s is back (pid %s, restart %d)", m.name, m.pid, m.restarts)
+        except SensaiError as e:
+            log.error("%s", e)
+            if m.process is not None and m.process.is_alive():
+                m.process.kill()
+
+    def describe(self) -> dict:
+        with self.lock:
+            return {"gateway_processes": self.processes, "url": self.url,
+                    "processes": [m.describe() for m in self.members()]}
+
+    # -- stopping
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Gateways first (each drains its requests), then the device processes."""
+        self.stopping.set()
+        with self.lock:
+            for group in (self.gateways, self.devices):
+                for m in group:
+                    if m.process is not None and m.process.is_alive():
+                        m.process.terminate()
+                deadline = time.monotonic() + timeout_s
+                for m in group:
+                    if m.process is None:
+                        continue
+                    m.process.join(max(0.1, deadline - time.monotonic()))
+                    if m.process.is_alive():
+                        m.process.kill()
+                        m.process.join(5.0)
+        if self.port_holder is not None:
+            self.port_holder.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> "Fleet":
+        self.start()
+        threading.Thread(target=self.watch, daemon=True, name="sensai-fleet-watch").start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,340 @@
+"""Workers in device processes shared by several gateway processes (``sensai serve`` with more than
+one gateway process, :mod:`~sensai.serving.launch.fleet`).
+
+The device processes are the server's, not this gateway's: its parent starts them and restarts a
+dead one.  A worker here is a :class:`DeviceWorker` over this gateway's :class:`DeviceLink` to the
+device process that hosts the worker's groups (workers on one GPU share one device process, and so
+one link).  *Starting* a worker is connecting the link (again, after a death: dialing until the
+parent's new device process answers); *killing* it ends the device process, which every gateway
+sees.  Requests travel as :mod:`~sensai.serving.workers.devicewire` frames, their rows through this
+gateway's shared-memory slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from sensai.errors import SensaiError
+
+from ..core.messages import BatchCounts, Done, Fault, Output, Run, RunFailed, Skip
+from ..workers import devicewire as w
+from .base import TOKENS, Capabilities, Incarnation, Sink, WorkerHandle
+
+log = logging.getLogger(__name__)
+
+DIAL_RETRY_S = 0.05
+READY_TIMEOUT_S = 30.0
+
+
+class DeviceLink:
+    """This gateway's connection to one device process, shared by the workers it hosts: the
+    slots, the requests in flight on it (by wire id), and the incarnations of the workers that
+    wait on it or run over it."""
+
+    def __init__(self, address: str, *, slots: int, row_shape: tuple[int, ...]):
+        self.address = address
+        self.slots = w.Slots(slots, 1, row_shape)
+        self.lock = threading.Lock()  # the connection, the maps, the slots, a frame's send
+        self.sock: socket.socket | None = None
+        self.info: dict | None = None  # the device's READY
+        self.attached: dict[int, tuple[DeviceWorker, Incarnation]] = {}
+        self.pending: dict[int, tuple[DeviceWorker, int, int]] = {}  # wire -> handle, req, slot
+        self.wires: dict[tuple[int, int], int] = {}  # (worker, req) -> wire
+        self.ids = itertools.count(1)
+        self.pongs: dict[int, threading.Event] = {}
+        self.dialing = False
+        self.closed = False
+
+    # -- connection
+
+    def attach(self, handle: "DeviceWorker", inc: Incarnation, timeout: float) -> None:
+        """``handle``'s new incarnation runs over this link: ready at once when it is connected,
+        else once a dial (started here if none is under way) connects."""
+        with self.lock:
+            self.attached[handle.index] = (handle, inc)
+            if self.sock is not None:
+                self.ready(handle, inc)
+                return
+            if self.dialing:
+                return
+            self.dialing = True
+        threading.Thread(target=self.dial, args=(timeout,), daemon=True,
+                         name=f"sensai-dial-{os.path.basename(self.address)}").start()
+
+    def ready(self, handle: "DeviceWorker", inc: Incarnation) -> None:
+        info = self.info or {}
+        handle.pid, handle.device = info.get("pid"), info.get("device", handle.device)
+        handle.runtime = info.get("runtime", handle.runtime)
+        inc.ready.set()
+
+    def dial(self, timeout: float) -> None:
+        deadline, why = time.monotonic() + timeout, "no device process answered"
+        sock = None
+        while not self.closed and time.monotonic() < deadline:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.address)
+                hello = w.control(w.HELLO, self.slots.describe())
+                socket.send_fds(sock, [hello], [self.slots.fd])
+                sock.settimeout(READY_TIMEOUT_S)
+                f = sock.makefile("rb", buffering=256 * 1024)
+                kind, body = w.read_frame(f)
+                if kind != w.READY:
+                    raise w.WireError(f"the device process answered a hello with kind {kind}")
+                info = w.parse_control(body)
+                sock.settimeout(None)
+                break
+            except (OSError, EOFError, w.WireError) as e:
+                why = f"{type(e).__name__}: {e}"
+                sock.close()
+                sock = None
+                time.sleep(DIAL_RETRY_S)
+        with self.lock:
+            self.dialing = False
+            waiting = list(self.attached.values())
+            if sock is not None and not self.closed:
+                self.sock, self.info = sock, info
+                for handle, inc in waiting:
+                    self.ready(handle, inc)
+            else:
+                if sock is not None:
+                    sock.close()
+                for _, inc in waiting:
+                    inc.error = f"cannot reach its device process at {self.address} ({why})"
+                    inc.ready.set()
+                return
+        threading.Thread(target=self.read, args=(sock, f), daemon=True,
+                         name=f"sensai-read-{os.path.basename(self.address)}").start()
+
+    def read(self, sock: socket.socket, f) -> None:
+        detail = "its device process hung up"
+        try:
+            while True:
+                kind, body = w.read_frame(f)
+                self.handle(kind, body)
+        except (OSError, EOFError):
+            pass
+        except w.WireError as e:
+            detail = f"its device process broke the protocol ({e})"
+        finally:
+            with self.lock:
+                if self.sock is sock:
+                    self.sock = None
+                lost, self.attached = list(self.attached.values()), {}
+                self.pending.clear()
+                self.wires.clear()
+                self.slots.free = list(range(self.slots.count - 1, -1, -1))
+            sock.close()
+            for handle, inc in lost:
+                if not inc.ready.is_set():
+                    inc.error = detail
+                    inc.ready.set()
+                handle.sink.exited(handle.index, inc.number, detail)
+
+    def handle(self, kind: int, body: memoryview) -> None:
+        if kind == w.OUTPUT:
+            wire, group, ms, _ = w.OUTPUT_HEAD.unpack_from(body)
+            out = np.array(w.array_of(body, w.OUTPUT_HEAD.size))
+            to = self.pending.get(wire)
+            if to is not None:
+                self.deliver(to[0], Output(to[1], group, out, ms))
+        elif kind == w.DONE:
+            wire, skipped, *counts = w.DONE_BODY.unpack_from(body)
+            with self.lock:
+                to = self.pending.pop(wire, None)
+                if to is not None:
+                    self.wires.pop((to[0].index, to[1]), None)
+                    if to[2] >= 0:
+                        self.slots.free.append(to[2])
+            if to is not None:
+                self.deliver(to[0], Done(to[1], skipped, BatchCounts(*counts)))
+        elif kind == w.FAILED:
+            wire, group = w.FAILED_HEAD.unpack_from(body)
+            to = self.pending.get(wire)
+            if to is not None:
+                self.deliver(to[0], RunFailed(to[1], group,
+                                              bytes(body[w.FAILED_HEAD.size:]).decode(
+                                                  errors="replace")))
+        elif kind == w.PONG:
+            answered = self.pongs.get(w.TOKEN.unpack_from(body)[0])
+            if answered is not None:
+                answered.set()
+        else:
+            raise w.WireError(f"a frame of kind {kind}")
+
+    def deliver(self, handle: "DeviceWorker", event) -> None:
+        entry = self.attached.get(handle.index)
+        if entry is not None:
+            handle.sink.deliver(handle.index, entry[1].number, event)
+
+    # -- to the device
+
+    def send(self, handle: "DeviceWorker", msg) -> None:
+        kind = type(msg)
+        with self.lock:
+            sock = self.sock
+            if sock is None or handle.index not in self.attached:
+                return  # down: the pool has been or will be told
+            if kind is Run:
+                data = self.run_frame(handle, msg)
+            elif kind is Skip:
+                wire = self.wires.get((handle.index, msg.req))
+                if wire is None:
+                    return
+                groups = () if msg.groups is None else msg.groups
+                data = w.frame(w.SKIP, w.SKIP_HEAD.pack(
+                    wire, w.EVERY if msg.groups is None else len(groups)), w.groups_bytes(groups))
+            elif kind is Fault:
+                data = w.control(w.FAULT, {"delay": None if msg.delay is None else str(msg.delay),
+                                           "corrupt": bool(msg.corrupt), "seed": msg.seed})
+            else:
+                raise TypeError(f"a {kind.__name__} for a device process")
+            try:
+                sock.sendall(data)
+            except OSError:
+                pass  # the reader sees the end and reports it
+
+    def run_frame(self, handle: "DeviceWorker", run: Run) -> bytes:
+        """``run`` as a frame, its rows in a free slot when they fit one (call holding
+        ``lock``)."""
+        wire = next(self.ids)
+        x, slots = run.x, self.slots
+        head = (wire, -1, len(x), run.hedge_s, run.primaries, len(run.groups))
+        if slots.free and slots.fits(x):
+            slot = slots.free.pop()
+            slots.put(slot, x)
+            data = w.frame(w.RUN, w.RUN_HEAD.pack(wire, slot, *head[2:]),
+                           w.groups_bytes(run.groups))
+        else:
+            slot = -1
+            data = w.frame(w.RUN, w.RUN_HEAD.pack(*head), w.groups_bytes(run.groups),
+                           w.array_bytes(np.asarray(x)))
+        self.pending[wire] = (handle, run.req, slot)
+        self.wires[(handle.index, run.req)] = wire
+        return data
+
+    def ping(self, timeout: float) -> bool:
+        token = next(TOKENS)
+        answered = threading.Event()
+        self.pongs[token] = answered
+        try:
+            with self.lock:
+                if self.sock is None:
+                    return False
+                try:
+                    self.sock.sendall(w.frame(w.PING, w.TOKEN.pack(token)))
+                except OSError:
+                    return False
+            return answered.wait(timeout)
+        finally:
+            self.pongs.pop(token, None)
+
+    def detach(self, handle: "DeviceWorker") -> None:
+        """``handle`` is stopped for good; the last one out hangs up."""
+        with self.lock:
+            self.attached.pop(handle.index, None)
+            last = not self.attached
+            sock = self.sock if last else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.closed = True
+        with self.lock:
+            sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class DeviceWorker(WorkerHandle):
+    transport = "devices"
+
+    def __init__(self, *args, link: DeviceLink, load_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.link = link
+        self.load_timeout_s = load_timeout_s
+        self.inc: Incarnation | None = None
+
+    def start(self) -> None:
+        self.generation += 1
+        self.inc = Incarnation(self.generation)
+        self.link.attach(self, self.inc, self.load_timeout_s)
+
+    def wait_ready(self, timeout: float) -> None:
+        self.wait_loaded(self.inc, timeout)
+
+    def send(self, msg) -> None:
+        self.link.send(self, msg)
+
+    def probe(self, timeout: float) -> bool:
+        return self.link.ping(timeout)
+
+    def kill(self) -> int | None:
+        """End the device process (every gateway's link to it ends; the server restarts it)."""
+        pid = self.pid
+        if pid is None:
+            return None
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.link.detach(self)
+
+    def where(self) -> dict:
+        return {**super().where(), "device_process": self.link.address}
+
+
+class Devices:
+    """The transport of a gateway process: worker ``w`` reached at ``addresses[w]`` (workers
+    with one address share one device process and one link)."""
+
+    name = "devices"
+    capabilities = Capabilities()
+
+    def __init__(self, addresses: Mapping[int, str], *, row_shape: Sequence[int],
+                 slots_per_worker: int, gateway: int = 0, load_timeout_s: float = 600.0):
+        self.addresses = dict(addresses)
+        self.gateway = gateway
+        self.load_timeout_s = load_timeout_s
+        sharing: dict[str, int] = {}
+        for a in self.addresses.values():
+            sharing[a] = sharing.get(a, 0) + 1
+        self.links = {a: DeviceLink(a, slots=n * slots_per_worker, row_shape=tuple(row_shape))
+                      for a, n in sharing.items()}
+
+    def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
+               ) -> DeviceWorker:
+        if index not in self.addresses:
+            raise SensaiError(f"no device process for worker {index}")
+        return DeviceWorker(index, groups, specs, sink,
+                            link=self.links[self.addresses[index]],
+                            load_timeout_s=self.load_timeout_s, **options)
+
+    def healthy(self) -> bool:
+        return True
+
+    def describe(self) -> dict:
+        return {"kind": "devices", "gateway_process": self.gateway,
+                "device_processes": len(self.links)}
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()

@@ -1,0 +1,266 @@
+"""A device process: every subnet that lives on one device (a GPU, or one CPU worker's cores), fed
+by every gateway process of the server at once.
+
+It builds its runners, listens on a Unix socket, and serves each gateway that connects
+(:mod:`.devicewire`: the gateway's slots in shared memory, small frames on the socket).  The runs
+of all gateways go onto one queue, so the one in-worker loop (:class:`~.loop.WorkerCore`) batches
+whatever is waiting from any of them - a request alone still never waits for company - and runs
+the device's subnets one after another from one thread.  Each connection gets back exactly its own
+requests' outputs and Done.  A gateway that breaks the protocol is hung up on; the others go on.
+The process ends when its parent says so (SIGTERM), or dies with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+from sensai.errors import SensaiError
+
+from ..core.faults import parse_delay
+from ..core.messages import BatchCounts, Batching, Done, Fault, Output, Run, RunFailed, Skip
+from . import devicewire as w
+from .loop import Stop, WorkerCore
+from .runners import RunnerSpec
+
+PR_SET_PDEATHSIG = 1
+CONN_BITS = 56  # a run's id here: the connection's number above, the gateway's wire id below
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device process: its name, the socket it listens on, the (group, recipe) pairs it
+    hosts, the faults injected into it, its batching and its fault sampler's seed."""
+
+    name: str
+    address: str
+    hosted: tuple[tuple[int, RunnerSpec], ...]
+    batching: Batching
+    fault: Fault = Fault()
+    seed: int = 0
+
+    @property
+    def device(self) -> str:
+        return self.hosted[0][1].device if self.hosted else "cpu"
+
+
+class Link:
+    """One gateway's connection, seen from the device process."""
+
+    def __init__(self, number: int, sock: socket.socket, slots: w.MappedSlots):
+        self.number = number
+        self.sock = sock
+        self.slots = slots
+        self.lock = threading.Lock()
+        self.open = True
+
+    def send(self, data: bytes) -> None:
+        with self.lock:
+            if not self.open:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.open = False  # the gateway is gone; its reader sees it and ends
+
+    def close(self) -> None:
+        self.open = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class DeviceServer:
+    """The device process's body once its runners are built (see :func:`device_main`)."""
+
+    def __init__(self, plan: DevicePlan, runners: dict, listener: socket.socket,
+                 runtime: str | None):
+        self.plan = plan
+        self.listener = listener
+        self.ready = w.control(w.READY, {"pid": os.getpid(), "device": plan.device,
+                                         "runtime": runtime})
+        self.links: dict[int, Link] = {}
+        self.links_lock = threading.Lock()
+        self.numbers = iter(range(1, 1 << 62))
+        self.runs: queue.SimpleQueue = queue.SimpleQueue()
+        self.core = WorkerCore(runners, delay=plan.fault.delay, corrupt=plan.fault.corrupt,
+                               seed=plan.seed, batching=plan.batching, origin=self.origin)
+
+    @staticmethod
+    def origin(req: int) -> int:
+        return req >> CONN_BITS
+
+    def serve(self) -> None:
+        """Compute on this thread; accept and read gateways on others.  Returns when the
+        listening socket is closed."""
+        threading.Thread(target=self.accept, daemon=True, name="sensai-device-accept").start()
+        self.core.serve(self.runs, self.emit)
+
+    def accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                self.runs.put(Stop())
+                return
+            threading.Thread(target=self.read, args=(sock,), daemon=True,
+                             name="sensai-device-link").start()
+
+    def emit(self, event) -> None:
+        """An event of the core, to the connection its request came on."""
+        link = self.links.get(event.req >> CONN_BITS)
+        if link is None:
+            return
+        wire = event.req & ((1 << CONN_BITS) - 1)
+        kind = type(event)
+        if kind is Output:
+            out = event.output
+            link.send(w.frame(w.OUTPUT, w.OUTPUT_HEAD.pack(wire, event.group, event.ms, 0),
+                              w.array_bytes(out)))
+        elif kind is Done:
+            c = event.counts or BatchCounts()
+            link.send(w.frame(w.DONE, w.DONE_BODY.pack(wire, event.skipped, c.batches,
+                                                        c.requests, c.largest, c.held, c.mixed)))
+        elif kind is RunFailed:
+            link.send(w.frame(w.FAILED, w.FAILED_HEAD.pack(wire, event.group),
+                              event.error.encode()[:4000]))
+
+    def read(self, sock: socket.socket) -> None:
+        """One gateway's connection: its hello (and slots), then its frames until it hangs up or
+        breaks the protocol."""
+        link = None
+        try:
+            sock.settimeout(10.0)
+            data, fds, _, _ = socket.recv_fds(sock, 64 * 1024, 1)
+            sock.settimeout(None)
+            if len(data) < w.FRAME.size or len(fds) != 1:
+                raise w.WireError("a connection that did not start with a hello and its slots")
+            n, kind = w.FRAME.unpack_from(data)
+            if kind != w.HELLO or n != len(data) - w.FRAME.size:
+                raise w.WireError("a connection that did not start with a hello")
+            slots = w.MappedSlots(fds[0], w.parse_control(memoryview(data)[w.FRAME.size:]))
+            with self.links_lock:
+                link = Link(next(self.numbers), sock, slots)
+                self.links[link.number] = link
+            link.send(self.ready)
+            self.frames(link, sock.makefile("rb", buffering=256 * 1024))
+        except (OSError, EOFError, w.WireError):
+            pass
+        finally:
+            if link is not None:
+                with self.links_lock:
+                    self.links.pop(link.number, None)
+                link.close()
+            sock.close()
+
+    def frames(self, link: Link, f) -> None:
+        base, runs, core = link.number << CONN_BITS, self.runs, self.core
+        while True:
+            kind, body = w.read_frame(f)
+            if kind == w.RUN:
+                if len(body) < w.RUN_HEAD.size:
+                    raise w.WireError("a short run")
+                wire, slot, rows, hedge_s, primaries, n = w.RUN_HEAD.unpack_from(body)
+                groups, at = w.groups_of(body, w.RUN_HEAD.size, n)
+                if any(g not in core.runners for g in groups) or primaries > n:
+                    raise w.WireError(f"a run of groups {groups} this device does not host")
+                if slot < 0:
+                    x = w.array_of(body, at)
+                else:
+                    if at != len(body):
+                        raise w.WireError("a slotted run with bytes after its header")
+                    x = link.slots.rows(slot, rows)
+                runs.put(Run(base | wire, x, groups, primaries, float(hedge_s)))
+            elif kind == w.SKIP:
+                if len(body) < w.SKIP_HEAD.size:
+                    raise w.WireError("a short skip")
+                wire, n = w.SKIP_HEAD.unpack_from(body)
+                groups = None if n == w.EVERY else w.groups_of(body, w.SKIP_HEAD.size, n)[0]
+                core.skip(Skip(base | wire, groups))
+            elif kind == w.PING:
+                token = bytes(body[:w.TOKEN.size])
+                runs.put(Stop(reply=partial(link.send, w.frame(w.PONG, token))))
+            elif kind == w.FAULT:
+                msg = w.parse_control(body)
+                delay = msg.get("delay")
+                try:
+                    core.fault(Fault(parse_delay(delay) if delay else None,
+                                     bool(msg.get("corrupt")), msg.get("seed")))
+                except SensaiError as e:
+                    raise w.WireError(str(e)) from None
+            else:
+                raise w.WireError(f"a frame of kind {kind}")
+
+
+def listen(address: str) -> socket.socket:
+    """The device's Unix socket at ``address`` (a stale one from a dead predecessor replaced)."""
+    try:
+        os.unlink(address)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(address)
+    sock.listen(256)
+    return sock
+
+
+def die_with_parent() -> None:
+    """This process gets SIGTERM when the thread that started it ends (Linux ``prctl``), so a
+    server killed outright leaves no process of its own behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the parent's stop() is all there is
+        pass
+
+
+def device_main(plan: DevicePlan, report) -> None:
+    """Body of a device process: build the runners, listen, say so on ``report`` (a pipe to the
+    parent: ``("ready", pid)`` or ``("failed", why)``), then serve until SIGTERM."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
+    try:
+        runners = {g: spec.build() for g, spec in plan.hosted}
+        listener = listen(plan.address)
+    except BaseException as e:
+        report.send(("failed", str(e) if isinstance(e, SensaiError)
+                     else f"{type(e).__name__}: {e}"))
+        return
+    runtime = next(iter(runners.values())).runtime if runners else None
+    server = DeviceServer(plan, runners, listener, runtime)
+    signal.signal(signal.SIGTERM, lambda *_: stop(server))
+    report.send(("ready", os.getpid()))
+    report.close()
+    # The main thread only waits (in short joins, so the SIGTERM handler runs at once).
+    computing = threading.Thread(target=server.serve, daemon=True, name="sensai-device-runs")
+    computing.start()
+    while computing.is_alive():
+        computing.join(0.5)
+
+
+def stop(server: DeviceServer) -> None:
+    server.core.skip_all()
+    try:
+        server.listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    server.listener.close()
+    server.runs.put(Stop())
+
+
+def hosted_of(groups_per_worker: Sequence[Sequence[int]], specs_per_worker: Sequence[Sequence]
+              ) -> tuple[tuple[int, RunnerSpec], ...]:
+    """The (group, recipe) pairs of several workers on one device, each group once."""
+    seen: dict[int, RunnerSpec] = {}
+    for groups, specs in zip(groups_per_worker, specs_per_worker):
+        for g, spec in zip(groups, specs):
+            seen.setdefault(g, spec)
+    return tuple(seen.items())
+

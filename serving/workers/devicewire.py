@@ -1,0 +1,196 @@
+"""The wire between gateway processes and a device process: binary frames on a Unix socket, the
+image rows in shared memory.
+
+Each gateway process that talks to a device process opens one connection to it and hands it, with
+its first frame (:data:`HELLO`, the file descriptor travelling as ``SCM_RIGHTS``), a memfd of
+``slots`` fixed slots, each ``slot_bytes`` long: room for ``slot_rows`` rows of the model's input
+shape in float32.  A request's rows go into a free slot of the gateway's and only a small header
+crosses the socket (the socket's readiness is the doorbell); a request that does not fit a slot
+(a larger v2 batch, another dtype) or finds every slot taken sends its rows inline after the header
+instead.  Outputs (a few floats per row) always travel inline.  No frame is pickled: a frame is
+``u32 length | u8 kind | body``, its body fixed fields (:mod:`struct`) and, for the rare control
+frames, JSON.
+
+The device process trusts nothing in a frame: a slot index, row count or shape that does not fit
+the slots it was handed, or a frame of an unknown kind, ends that connection
+(:class:`WireError`), never a read outside the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from typing import BinaryIO
+
+import numpy as np
+
+# Gateway -> device.
+HELLO, RUN, SKIP, PING, FAULT = 1, 2, 3, 4, 5
+# Device -> gateway.
+READY, OUTPUT, FAILED, DONE, PONG = 10, 11, 12, 13, 14
+
+FRAME = struct.Struct("<IB")  # body length, kind
+RUN_HEAD = struct.Struct("<QiIfBB")  # wire id, slot (-1: inline), rows, hedge_s, primaries, groups
+SKIP_HEAD = struct.Struct("<QH")  # wire id, groups (EVERY: the whole request)
+TOKEN = struct.Struct("<Q")
+OUTPUT_HEAD = struct.Struct("<QHfB")  # wire id, group, compute ms, ndim
+DONE_BODY = struct.Struct("<QIQQQQQ")  # wire id, skipped, batches, requests, largest, held, mixed
+FAILED_HEAD = struct.Struct("<QH")  # wire id, group
+EVERY = 0xFFFF
+MAX_FRAME = 1 << 30  # a length beyond this is a corrupt stream, not a request
+MAX_GROUPS = 4096
+# Inline rows: the dtypes a row may have (code -> dtype), and their codes.
+DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.uint8),
+          3: np.dtype(np.float16), 4: np.dtype(np.int64), 5: np.dtype(np.int32)}
+CODES = {dt: code for code, dt in DTYPES.items()}
+
+
+class WireError(Exception):
+    """A frame that breaks the protocol: the connection it came on is ended."""
+
+
+def frame(kind: int, *parts: bytes) -> bytes:
+    body = b"".join(parts)
+    return FRAME.pack(len(body), kind) + body
+
+
+def read_frame(f: BinaryIO) -> tuple[int, memoryview]:
+    """The next frame's kind and body; EOFError when the peer hung up."""
+    head = f.read(FRAME.size)
+    if len(head) < FRAME.size:
+        raise EOFError
+    n, kind = FRAME.unpack(head)
+    if n > MAX_FRAME:
+        raise WireError(f"a frame of {n} bytes")
+    body = f.read(n)
+    if len(body) < n:
+        raise EOFError
+    return kind, memoryview(body)
+
+
+def control(kind: int, payload: dict) -> bytes:
+    return frame(kind, json.dumps(payload).encode())
+
+
+def parse_control(body: memoryview) -> dict:
+    try:
+        out = json.loads(bytes(body))
+    except ValueError as e:
+        raise WireError(f"unreadable control frame ({e})") from None
+    if not isinstance(out, dict):
+        raise WireError("a control frame that is not an object")
+    return out
+
+
+def groups_bytes(groups) -> bytes:
+    return struct.pack(f"<{len(groups)}H", *groups)
+
+
+def groups_of(body: memoryview, at: int, n: int) -> tuple[tuple[int, ...], int]:
+    end = at + 2 * n
+    if n > MAX_GROUPS or end > len(body):
+        raise WireError("a frame shorter than its groups")
+    return struct.unpack_from(f"<{n}H", body, at), end
+
+
+def array_bytes(x: np.ndarray) -> bytes:
+    """``x`` inline: dtype code, ndim, dims, then its bytes (C order)."""
+    code = CODES.get(x.dtype)
+    if code is None:
+        raise TypeError(f"rows of dtype {x.dtype} cannot travel to a device process")
+    return (struct.pack(f"<BB{x.ndim}I", code, x.ndim, *x.shape)
+            + np.ascontiguousarray(x).tobytes())
+
+
+def array_of(body: memoryview, at: int) -> np.ndarray:
+    """The inline array at ``at`` of ``body`` (a copy of nothing: a view of the frame)."""
+    if at + 2 > len(body):
+        raise WireError("a frame shorter than its array")
+    code, ndim = body[at], body[at + 1]
+    dtype = DTYPES.get(code)
+    if dtype is None or ndim > 8:
+        raise WireError(f"an array of dtype code {code} and {ndim} dimensions")
+    dims_end = at + 2 + 4 * ndim
+    if dims_end > len(body):
+        raise WireError("a frame shorter than its array")
+    shape = struct.unpack_from(f"<{ndim}I", body, at + 2)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if dims_end + n != len(body):
+        raise WireError(f"an array of shape {shape} in {len(body) - dims_end} bytes")
+    return np.frombuffer(body, dtype=dtype, count=n // dtype.itemsize,
+                         offset=dims_end).reshape(shape)
+
+
+class Slots:
+    """A gateway's slots for one device process: a memfd of ``count`` slots of ``slot_bytes``,
+    mapped here (and, through the descriptor, in the device process)."""
+
+    def __init__(self, count: int, slot_rows: int, row_shape: tuple[int, ...]):
+        self.count, self.slot_rows, self.row_shape = count, slot_rows, tuple(row_shape)
+        self.row_items = int(np.prod(self.row_shape, dtype=np.int64))
+        self.slot_bytes = slot_rows * self.row_items * 4
+        self.fd = os.memfd_create("sensai-slots", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(1, count * self.slot_bytes))
+        self.map = mmap.mmap(self.fd, max(1, count * self.slot_bytes))
+        self.free = list(range(count - 1, -1, -1))
+
+    def fits(self, x: np.ndarray) -> bool:
+        return (x.dtype == np.float32 and x.ndim == len(self.row_shape) + 1
+                and x.shape[1:] == self.row_shape and 0 < len(x) <= self.slot_rows)
+
+    def put(self, slot: int, x: np.ndarray) -> None:
+        view = np.frombuffer(self.map, dtype=np.float32, count=x.size,
+                             offset=slot * self.slot_bytes)
+        view[:] = x.reshape(-1)
+
+    def describe(self) -> dict:
+        return {"slots": self.count, "slot_rows": self.slot_rows, "slot_bytes": self.slot_bytes,
+                "row_shape": list(self.row_shape)}
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a view still points into it; the mapping goes with the process
+            pass
+        os.close(self.fd)
+
+
+class MappedSlots:
+    """The device process's view of a gateway's slots: checked against the geometry the gateway
+    declared, and every read bounded by it."""
+
+    def __init__(self, fd: int, hello: dict):
+        try:
+            self.count = int(hello["slots"])
+            self.slot_rows = int(hello["slot_rows"])
+            self.row_shape = tuple(int(d) for d in hello["row_shape"])
+            self.slot_bytes = int(hello["slot_bytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"a hello without its slots' geometry ({e})") from None
+        self.row_items = int(np.prod(self.row_shape, dtype=np.int64))
+        if (self.count < 0 or self.slot_rows < 1 or any(d < 1 for d in self.row_shape)
+                or self.slot_bytes != self.slot_rows * self.row_items * 4):
+            raise WireError(f"slots of an impossible geometry {hello}")
+        size = os.fstat(fd).st_size
+        if size < self.count * self.slot_bytes:
+            raise WireError(f"{self.count} slots of {self.slot_bytes} bytes in a mapping of "
+                            f"{size}")
+        # Writable: a runner may hand the rows to a library that wants a writable buffer.
+        self.map = mmap.mmap(fd, max(1, size))
+        os.close(fd)
+
+    def rows(self, slot: int, n: int) -> np.ndarray:
+        """Slot ``slot``'s first ``n`` rows, a view of the shared mapping."""
+        if not 0 <= slot < self.count or not 0 < n <= self.slot_rows:
+            raise WireError(f"rows {n} of slot {slot}: there are {self.count} slots of "
+                            f"{self.slot_rows} rows")
+        return np.frombuffer(self.map, dtype=np.float32, count=n * self.row_items,
+                             offset=slot * self.slot_bytes).reshape((n, *self.row_shape))
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass

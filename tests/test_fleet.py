@@ -1,0 +1,219 @@
+"""``sensai serve ART --gateway-replicas 2``: two gateway processes sharing one port over device
+processes, all real (the CLI, spawned processes, HTTP on 127.0.0.1, real images).  Every answer
+equals offline evaluation whichever gateway took it; rows from both gateways are batched together
+in one device process; a killed gateway process costs only its own requests and comes back; a
+killed device process is started again and the gateways reconnect; ``/metrics`` from either
+gateway counts the requests of both; the gateways import no torch; a device process hangs up on a
+gateway that breaks the slots' bounds and serves the others; a v2 batch larger than a slot travels inline and is answered right."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from sensai.data import normalize
+from sensai.serving.workers import devicewire as w
+from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
+                           stop_server, wait_for_server, wait_until)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_artifact_g2):
+    """The CLI with two gateway processes; a worker holds a request up to 20 ms for company, so
+    concurrent requests from both gateways meet in one batch."""
+    port = free_port()
+    env = {**os.environ, "SENSAI_DEADLINE_S": "20", "SENSAI_BATCH_DELAY_US": "20000"}
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
+                         "--gateway-replicas", "2", "--device", "cpu", "--port", str(port),
+                         "--log-level", "warning"], env=env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(proc, url, timeout_s=180)
+        yield proc, url
+        assert stop_server(proc) == 0
+        err = proc.stderr.read().decode()
+        assert "2 gateway processes" in err and "Traceback" not in err, err[-3000:]
+
+
+def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:
+    """One request on a connection of its own (the kernel picks the gateway per connection)."""
+    with httpx.Client(timeout=60) as c:
+        return c.request(method, f"{url}{path}", **kw)
+
+
+def gateway_pids(url: str, n: int = 40) -> set[int]:
+    return {fresh(url, "GET", "/v1/models").json()["pid"] for _ in range(n)}
+
+
+def device_pids(url: str) -> set[int]:
+    info = fresh(url, "GET", "/v1/models").json()
+    return {wk["pid"] for wk in info["predictor"]["workers"]}
+
+
+def predict(url: str, image) -> tuple[int, dict]:
+    r = fresh(url, "POST", "/v1/predict", params={"top_k": 10}, content=png(image))
+    return r.status_code, r.json()
+
+
+def scores(body: dict) -> np.ndarray:
+    out = np.zeros(len(body["predictions"]), dtype=np.float32)
+    for p in body["predictions"]:
+        out[p["index"]] = p["score"]
+    return out
+
+
+def test_both_gateways_answer_as_offline_evaluation_and_batch_together(
+        fleet, tiny_artifact_g2, fmnist_test, fmnist_spec):
+    _, url = fleet
+    _, images, _ = sample_images(fmnist_test, 16)
+    expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
+    pids = gateway_pids(url)
+    assert len(pids) == 2  # both processes take connections on the one port
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda img: predict(url, img), images))
+    for (status, body), want in zip(answers, expected):
+        assert status == 200, body
+        np.testing.assert_allclose(scores(body), want, atol=1e-4)
+    workers = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"]
+    # A device process counts its batches over every gateway: some held rows of both.
+    assert any(wk["batching"]["mixed"] > 0 for wk in workers), workers
+    assert all(wk["batching"]["largest"] > 1 for wk in workers)
+
+
+def test_the_gateways_import_no_torch(fleet):
+    _, url = fleet
+    for pid in gateway_pids(url):
+        maps = open(f"/proc/{pid}/maps").read()
+        assert "libtorch" not in maps and "onnxruntime" not in maps
+    for pid in device_pids(url):
+        assert "onnxruntime" in open(f"/proc/{pid}/maps").read()
+
+
+def test_metrics_from_either_gateway_add_up_over_both(fleet, fmnist_test):
+    _, url = fleet
+    _, images, _ = sample_images(fmnist_test, 4)
+
+    def predicted() -> float:
+        text = fresh(url, "GET", "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("sensai_requests_total{")
+                   and 'route="/v1/predict"' in line and 'status="200"' in line)
+
+    before = predicted()
+    for _ in range(5):
+        for img in images:
+            assert predict(url, img)[0] == 200
+    for _ in range(6):  # whichever process answers the scrape counts all 20
+        assert predicted() == before + 20
+
+
+def test_a_killed_gateway_costs_only_its_own_requests_and_comes_back(fleet, fmnist_test):
+    _, url = fleet
+    _, images, _ = sample_images(fmnist_test, 1)
+    victim = min(gateway_pids(url))
+    os.kill(victim, signal.SIGKILL)
+    # The other process answers meanwhile: a connection the kernel gave the dead one is refused
+    # at connect (nothing was sent on it), so a client retries only those.
+    ok = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, _ = predict(url, images[0])
+        except httpx.ConnectError:
+            continue
+        assert status == 200
+        ok += 1
+        pids = gateway_pids(url, 10)
+        if victim not in pids and len(pids) == 2:
+            break
+    assert ok > 0
+    wait_until(lambda: len(gateway_pids(url, 20) - {victim}) == 2, 60,
+               "a new gateway process on the port")
+
+
+def test_a_killed_device_process_is_started_again(fleet, fmnist_test):
+    _, url = fleet
+    _, images, _ = sample_images(fmnist_test, 1)
+    victim = min(device_pids(url))
+    os.kill(victim, signal.SIGKILL)
+
+    def recovered() -> bool:
+        try:
+            return (victim not in device_pids(url) and all(
+                predict(url, images[0])[0] == 200 for _ in range(4)))
+        except httpx.HTTPError:
+            return False
+
+    wait_until(recovered, 90, "the device process to be started again", period_s=0.5)
+    for wk in fresh(url, "GET", "/v1/models").json()["predictor"]["workers"]:
+        assert wk["state"] == "up"
+
+
+def test_a_v2_batch_larger_than_a_slot_is_answered_right(fleet, tiny_artifact_g2, fmnist_test,
+                                                          fmnist_spec):
+    _, url = fleet
+    _, images, _ = sample_images(fmnist_test, 12)
+    x = normalize(images, fmnist_spec).numpy().astype(np.float32)
+    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                        "data": x.reshape(-1).tolist()}]}
+    r = fresh(url, "POST", "/v2/models/sensai/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    got = np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+    np.testing.assert_allclose(got, offline_scores(tiny_artifact_g2, images, fmnist_spec),
+                               atol=1e-4)
+
+
+def hello(sock: socket.socket, slots: int) -> None:
+    fd = os.memfd_create("test-slots")
+    os.ftruncate(fd, slots * 28 * 28 * 4)
+    socket.send_fds(sock, [w.control(w.HELLO, {"slots": slots, "slot_rows": 1,
+                                               "row_shape": [1, 28, 28],
+                                               "slot_bytes": 28 * 28 * 4})], [fd])
+    os.close(fd)
+    kind, _ = w.read_frame(sock.makefile("rb"))
+    assert kind == w.READY
+
+
+@pytest.mark.parametrize("slot, rows", [(5, 1), (0, 2), (-1, 3)])
+def test_a_device_process_hangs_up_on_a_run_outside_its_slots(fleet, fmnist_test, slot, rows):
+    """Slot 5 of 2, two rows in a one-row slot, inline rows that are not there: the device
+    process ends that connection, reads nothing outside the mapping, and serves the gateways."""
+    _, url = fleet
+    address = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"][0]["device_process"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(address)
+        hello(sock, 2)
+        sock.sendall(w.frame(w.RUN, w.RUN_HEAD.pack(1, slot, rows, 0.0, 1, 1),
+                             w.groups_bytes((0,))))
+        sock.settimeout(30)
+        assert sock.recv(1) == b""  # hung up on, nothing answered
+    _, images, _ = sample_images(fmnist_test, 1)
+    assert predict(url, images[0])[0] == 200
+
+
+def test_a_hello_that_claims_more_slots_than_mapped_is_refused(fleet):
+    _, url = fleet
+    address = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"][0]["device_process"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(address)
+        fd = os.memfd_create("test-slots")
+        os.ftruncate(fd, mmap.PAGESIZE)  # far less than 1,000 slots
+        socket.send_fds(sock, [w.control(w.HELLO, {"slots": 1000, "slot_rows": 1,
+                                                   "row_shape": [1, 28, 28],
+                                                   "slot_bytes": 28 * 28 * 4})], [fd])
+        os.close(fd)
+        sock.settimeout(30)
+        assert sock.recv(1) == b""
+    assert json.loads(fresh(url, "GET", "/v2/health/ready").text or "{}") is not None
