@@ -33,14 +33,15 @@ pytestmark = pytest.mark.slow
 def fleet(tiny_artifact_g2):
     """The CLI with two gateway processes; a worker holds a request up to 20 ms for company, so
     concurrent requests from both gateways meet in one batch."""
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     env = {**os.environ, "SENSAI_DEADLINE_S": "20", "SENSAI_BATCH_DELAY_US": "20000"}
     with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
                          "--gateway-replicas", "2", "--device", "cpu", "--port", str(port),
-                         "--log-level", "warning"], env=env) as proc:
+                         "--grpc-port", str(grpc_port), "--log-level", "warning"],
+                        env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=180)
-        yield proc, url
+        yield proc, url, grpc_port
         assert stop_server(proc) == 0
         err = proc.stderr.read().decode()
         assert "2 gateway processes" in err and "Traceback" not in err, err[-3000:]
@@ -75,11 +76,13 @@ def scores(body: dict) -> np.ndarray:
 
 def test_both_gateways_answer_as_offline_evaluation_and_batch_together(
         fleet, tiny_artifact_g2, fmnist_test, fmnist_spec):
-    _, url = fleet
+    _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 16)
     expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
     pids = gateway_pids(url)
     assert len(pids) == 2  # both processes take connections on the one port
+    transport = fresh(url, "GET", "/v1/models").json()["predictor"]["transport"]
+    assert transport["gateway_processes"] == 2 and transport["device_processes"] == 2
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda img: predict(url, img), images))
     for (status, body), want in zip(answers, expected):
@@ -91,8 +94,26 @@ def test_both_gateways_answer_as_offline_evaluation_and_batch_together(
     assert all(wk["batching"]["largest"] > 1 for wk in workers)
 
 
+def test_both_gateways_serve_kserve_v2_over_grpc_on_one_port(fleet, tiny_artifact_g2,
+                                                            fmnist_test, fmnist_spec):
+    import tritonclient.grpc as grpcclient
+
+    _, _, grpc_port = fleet
+    _, images, _ = sample_images(fmnist_test, 4)
+    x = normalize(images, fmnist_spec).numpy().astype(np.float32)
+    expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
+    for _ in range(6):  # a channel each: the kernel spreads them over both processes
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("sensai", [tensor])
+        name = result.get_response().outputs[0].name
+        np.testing.assert_allclose(result.as_numpy(name), expected, atol=1e-4)
+        client.close()
+
+
 def test_the_gateways_import_no_torch(fleet):
-    _, url = fleet
+    _, url, _ = fleet
     for pid in gateway_pids(url):
         maps = open(f"/proc/{pid}/maps").read()
         assert "libtorch" not in maps and "onnxruntime" not in maps
@@ -101,7 +122,7 @@ def test_the_gateways_import_no_torch(fleet):
 
 
 def test_metrics_from_either_gateway_add_up_over_both(fleet, fmnist_test):
-    _, url = fleet
+    _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 4)
 
     def predicted() -> float:
@@ -119,7 +140,7 @@ def test_metrics_from_either_gateway_add_up_over_both(fleet, fmnist_test):
 
 
 def test_a_killed_gateway_costs_only_its_own_requests_and_comes_back(fleet, fmnist_test):
-    _, url = fleet
+    _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 1)
     victim = min(gateway_pids(url))
     os.kill(victim, signal.SIGKILL)
@@ -143,7 +164,7 @@ def test_a_killed_gateway_costs_only_its_own_requests_and_comes_back(fleet, fmni
 
 
 def test_a_killed_device_process_is_started_again(fleet, fmnist_test):
-    _, url = fleet
+    _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 1)
     victim = min(device_pids(url))
     os.kill(victim, signal.SIGKILL)
@@ -162,7 +183,7 @@ def test_a_killed_device_process_is_started_again(fleet, fmnist_test):
 
 def test_a_v2_batch_larger_than_a_slot_is_answered_right(fleet, tiny_artifact_g2, fmnist_test,
                                                           fmnist_spec):
-    _, url = fleet
+    _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 12)
     x = normalize(images, fmnist_spec).numpy().astype(np.float32)
     body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
@@ -190,7 +211,7 @@ def hello(sock: socket.socket, slots: int) -> None:
 def test_a_device_process_hangs_up_on_a_run_outside_its_slots(fleet, fmnist_test, slot, rows):
     """Slot 5 of 2, two rows in a one-row slot, inline rows that are not there: the device
     process ends that connection, reads nothing outside the mapping, and serves the gateways."""
-    _, url = fleet
+    _, url, _ = fleet
     address = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"][0]["device_process"]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(address)
@@ -204,7 +225,7 @@ def test_a_device_process_hangs_up_on_a_run_outside_its_slots(fleet, fmnist_test
 
 
 def test_a_hello_that_claims_more_slots_than_mapped_is_refused(fleet):
-    _, url = fleet
+    _, url, _ = fleet
     address = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"][0]["device_process"]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(address)

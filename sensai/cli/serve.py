@@ -117,8 +117,11 @@ def register(sub) -> None:
                    help="ray backend: CPUs per worker actor (default: 1, or an even share that "
                         "fits the cluster)")
     p.add_argument("--gateway-replicas", type=int, default=None, metavar="N",
-                   help="ray-serve backend: gateway processes (the application's ingress "
-                        "replicas, sharing --port) (default: 1)")
+                   help="gateway processes sharing --port; local and processes backends: "
+                        "above 1 the subnets run in device processes (one per GPU, one per "
+                        "CPU worker) that batch for all of them (default: half the cores, at "
+                        "most 8, 1 below 4 cores or for a repository); ray-serve: the "
+                        "application's ingress replicas (default: 1)")
     p.add_argument("--gateway-cpus", type=float, default=None,
                    help="ray-serve backend: CPUs per gateway process (default: 1, or a "
                         "worker's share when that is less)")

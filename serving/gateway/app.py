@@ -246,11 +246,14 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
 
 
 def create_app(served: Predictor | ServedModels, settings: GatewaySettings | None = None, *,
-               close_predictor: bool = True, own_port: bool = False) -> FastAPI:
+               close_predictor: bool = True, own_port: bool = False,
+               shared_ports: bool = False) -> FastAPI:
     """The gateway for one predictor (served as version 1 of its name) or for a table of
     models; ``close_predictor``: close what it serves when the app shuts down; ``own_port``:
     its lifespan also serves it on ``settings.host:port`` (:class:`~.server.EmbeddedServer`,
-    for a host such as Serve's ingress replica, which runs the app behind a proxy)."""
+    for a host such as Serve's ingress replica, which runs the app behind a proxy);
+    ``shared_ports``: one of several gateway processes of a server, so its gRPC port is shared
+    with theirs (SO_REUSEPORT)."""
     settings = settings or GatewaySettings()
     models = served if isinstance(served, ServedModels) else ServedModels.of(served, settings)
     try:
@@ -281,8 +284,8 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
                 from .grpc_server import GrpcServer  # grpc and tritonclient: only when asked
 
                 try:
-                    grpc = app.state.grpc = await GrpcServer(gw).start(settings.host,
-                                                                        settings.grpc_port)
+                    grpc = app.state.grpc = await GrpcServer(gw).start(
+                        settings.host, settings.grpc_port, shared=shared_ports)
                 except BaseException as e:
                     app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
                     raise

@@ -338,11 +338,13 @@ class GrpcServer:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
-    async def start(self, host: str, port: int) -> "GrpcServer":
+    async def start(self, host: str, port: int, *, shared: bool = False) -> "GrpcServer":
+        """``shared``: the port is shared with the other gateway processes of one server
+        (SO_REUSEPORT), whose parent checked it was free."""
         limit = self.gw.settings.max_body_bytes
         # SO_REUSEPORT (gRPC's default on Linux) would let a second server share a busy port.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                          ("grpc.so_reuseport", 0)])
+                                          ("grpc.so_reuseport", int(shared))])
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gw), server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

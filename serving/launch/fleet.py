@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -90,6 +91,7 @@ class GatewayPlan:
     limits), where each worker's device process listens, and this server's folder."""
 
     index: int
+    processes: int
     artifact_dir: str
     plan: ServingPlan
     addresses: dict[int, str]
@@ -113,6 +115,7 @@ def gateway_main(gp: GatewayPlan, report) -> None:
         artifact = load_artifact(gp.artifact_dir)
         transport = Devices(gp.addresses, row_shape=tuple(artifact.spec.input_shape),
                             slots_per_worker=gp.slots_per_worker, gateway=gp.index,
+                            gateways=gp.processes,
                             load_timeout_s=gp.plan.load_timeout_s)
         predictor = ClassParallelPredictor(artifact, gp.plan, transport)
         sock = listening_socket(gp.host, gp.port, shared=True)
@@ -120,7 +123,7 @@ def gateway_main(gp: GatewayPlan, report) -> None:
         report.send(("failed", str(e) if isinstance(e, SensaiError)
                      else f"{type(e).__name__}: {e}"))
         return
-    app = create_app(predictor, settings)
+    app = create_app(predictor, settings, shared_ports=True)
     server = uvicorn.Server(uvicorn_config(app, host=gp.host, port=gp.port,
                                            log_level=settings.log_level, graceful_s=10.0))
 
@@ -137,12 +140,18 @@ def gateway_main(gp: GatewayPlan, report) -> None:
     def announce() -> None:
         while not server.started and not server.should_exit:
             time.sleep(0.01)
-        failed = getattr(app.state, "startup_error", None)
-        report.send(("ready", os.getpid()) if server.started else
-                    ("failed", f"the gateway did not start: {failed or 'uvicorn ended'}"))
+        if server.started:
+            report.send(("ready", os.getpid()))
 
     threading.Thread(target=announce, daemon=True, name="sensai-announce").start()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit when the app's startup failed
+        pass
+    if not server.started:
+        failed = getattr(app.state, "startup_error", None)
+        report.send(("failed", f"the gateway did not start: {failed or 'uvicorn ended'}"))
+        sys.exit(3)
 
 
 class Member:
@@ -250,7 +259,7 @@ class Fleet:
         gateway_plan = ServingPlan(shares, self.plan.workers, self.plan.placement,
                                    seed=self.plan.seed)
         self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
-            i, self.artifact_dir, gateway_plan, addresses, s.host, self.port,
+            i, self.processes, self.artifact_dir, gateway_plan, addresses, s.host, self.port,
             str(self.folder / "metrics"), 2 * s.max_predictions),), "gateway")
             for i in range(self.processes)]
         waiting = [(m, m.start(self.ctx)) for m in self.gateways]

@@ -303,16 +303,17 @@ class DeviceWorker(WorkerHandle):
 
 
 class Devices:
-    """The transport of a gateway process: worker ``w`` reached at ``addresses[w]`` (workers
-    with one address share one device process and one link)."""
+    """The transport of gateway process ``gateway`` of ``gateways``: worker ``w`` reached at
+    ``addresses[w]`` (workers with one address share one device process and one link)."""
 
     name = "devices"
     capabilities = Capabilities()
 
     def __init__(self, addresses: Mapping[int, str], *, row_shape: Sequence[int],
-                 slots_per_worker: int, gateway: int = 0, load_timeout_s: float = 600.0):
+                 slots_per_worker: int, gateway: int = 0, gateways: int = 1,
+                 load_timeout_s: float = 600.0):
         self.addresses = dict(addresses)
-        self.gateway = gateway
+        self.gateway, self.gateways = gateway, gateways
         self.load_timeout_s = load_timeout_s
         sharing: dict[str, int] = {}
         for a in self.addresses.values():
@@ -333,7 +334,7 @@ class Devices:
 
     def describe(self) -> dict:
         return {"kind": "devices", "gateway_process": self.gateway,
-                "device_processes": len(self.links)}
+                "gateway_processes": self.gateways, "device_processes": len(self.links)}
 
     def close(self) -> None:
         for link in self.links.values():

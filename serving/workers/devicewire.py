@@ -19,6 +19,7 @@ the slots it was handed, or a frame of an unknown kind, ends that connection
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -116,7 +117,7 @@ def array_of(body: memoryview, at: int) -> np.ndarray:
     if dims_end > len(body):
         raise WireError("a frame shorter than its array")
     shape = struct.unpack_from(f"<{ndim}I", body, at + 2)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize
     if dims_end + n != len(body):
         raise WireError(f"an array of shape {shape} in {len(body) - dims_end} bytes")
     return np.frombuffer(body, dtype=dtype, count=n // dtype.itemsize,
