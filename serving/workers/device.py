@@ -60,6 +60,15 @@ class Link:
         self.slots = slots
         self.lock = threading.Lock()
         self.open = True
+        self.queued: list[bytes] = []  # the computing thread's frames, sent by flush()
+
+    def queue(self, data: bytes) -> None:
+        self.queued.append(data)
+
+    def flush(self) -> None:
+        if self.queued:
+            data, self.queued = b"".join(self.queued), []
+            self.send(data)
 
     def send(self, data: bytes) -> None:
         with self.lock:
@@ -92,7 +101,8 @@ class DeviceServer:
         self.numbers = iter(range(1, 1 << 62))
         self.runs: queue.SimpleQueue = queue.SimpleQueue()
         self.core = WorkerCore(runners, delay=plan.fault.delay, corrupt=plan.fault.corrupt,
-                               seed=plan.seed, batching=plan.batching, origin=self.origin)
+                               seed=plan.seed, batching=plan.batching, origin=self.origin,
+                               flush=self.flush)
 
     @staticmethod
     def origin(req: int) -> int:
@@ -114,8 +124,14 @@ class DeviceServer:
             threading.Thread(target=self.read, args=(sock,), daemon=True,
                              name="sensai-device-link").start()
 
+    def flush(self) -> None:
+        """Send what the core emitted since the last flush, one write per connection."""
+        for link in list(self.links.values()):
+            link.flush()
+
     def emit(self, event) -> None:
-        """An event of the core, to the connection its request came on."""
+        """An event of the core, queued for the connection its request came on (the core
+        flushes after each group and each batch)."""
         link = self.links.get(event.req >> CONN_BITS)
         if link is None:
             return
@@ -123,15 +139,15 @@ class DeviceServer:
         kind = type(event)
         if kind is Output:
             out = event.output
-            link.send(w.frame(w.OUTPUT, w.OUTPUT_HEAD.pack(wire, event.group, event.ms, 0),
-                              w.array_bytes(out)))
+            link.queue(w.frame(w.OUTPUT, w.OUTPUT_HEAD.pack(wire, event.group, event.ms, 0),
+                               w.array_bytes(out)))
         elif kind is Done:
             c = event.counts or BatchCounts()
-            link.send(w.frame(w.DONE, w.DONE_BODY.pack(wire, event.skipped, c.batches,
-                                                        c.requests, c.largest, c.held, c.mixed)))
+            link.queue(w.frame(w.DONE, w.DONE_BODY.pack(wire, event.skipped, c.batches,
+                                                         c.requests, c.largest, c.held, c.mixed)))
         elif kind is RunFailed:
-            link.send(w.frame(w.FAILED, w.FAILED_HEAD.pack(wire, event.group),
-                              event.error.encode()[:4000]))
+            link.queue(w.frame(w.FAILED, w.FAILED_HEAD.pack(wire, event.group),
+                               event.error.encode()[:4000]))
 
     def read(self, sock: socket.socket) -> None:
         """One gateway's connection: its hello (and slots), then its frames until it hangs up or

@@ -69,9 +69,13 @@ def stackable(a: Run, b: Run) -> bool:
 class WorkerCore:
     def __init__(self, runners: Mapping[int, Runner], *, delay: DelaySpec | None = None,
                  corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
-                 origin: Callable[[int], int] | None = None):
+                 origin: Callable[[int], int] | None = None,
+                 flush: Callable[[], None] | None = None):
         self.runners = dict(runners)
         self.origin = origin  # request -> who sent it, where several do (a device process)
+        # Called once a group's events, and once a batch's Dones, are all emitted: where emit
+        # only queues (a device process), that is when they leave, together.
+        self.flush = flush or (lambda: None)
         self.delay, self.corrupt = delay, bool(corrupt)
         self.batching = batching or Batching()
         self.counts = BatchCounts()
@@ -211,10 +215,13 @@ class WorkerCore:
             if live:
                 for event in self.results(g, [m.req for m in live], [m.x for m in live]):
                     emit(event)
+                if j + 1 < len(first.groups):
+                    self.flush()
         counts = self.counts
         for m, n in zip(batch, skipped):
             self.end(m.req)
             emit(Done(m.req, n, counts))
+        self.flush()
 
     def gather(self, first: Run, runs: "queue.SimpleQueue") -> tuple[list[Run], int, object]:
         """``first`` and the runs queued behind it that can share its batch; how many of them
