@@ -19,8 +19,13 @@
 #   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU;
 #   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray);
 #   3. under load: `sensai bench-load --sweep` of the decomposed artifact and of the original
-#      behind the same gateway (closed loops at 1-64 in flight, then an overload), KServe v2
-#      tensors from client processes of its own;
+#      behind the same gateway, KServe v2 tensors from four client processes on four cores of
+#      their own (the server on the others), twice:
+#      with the automatic count of gateway processes (OUT/load: closed loops at 1-64 in flight,
+#      then an overload), then with one (OUT/load-n1, SENSAI_GATEWAY_REPLICAS=1: a shorter
+#      sweep, 1 4 16 64 in flight and no overload, so the two still fit the 9 minutes); the
+#      machine's cores go to the log, the GPU's busy share (nvidia-smi, every 0.5 s) to
+#      OUT/<sweep>/gpu-util.csv;
 #   4. bench single device, model parallel and class parallel on CUDA graphs, in process and
 #      through the real gateway over HTTP (PNG upload, KServe v2 tensor);
 #   5. the GPU tests (tests/test_graphs.py);
@@ -28,7 +33,8 @@
 #      (1 training epoch on a few hundred images, --policy keep, no retraining);
 #   7. steps 4 and 6 on eager torch;
 #   8. one table: OUT/gpu-check.md (bench.json / bench.md of every run under OUT/<run>/, and the
-#      sweep's OUT/load/load.md).
+#      sweeps' OUT/load/load.md and OUT/load-n1/load.md); a step skipped or failed is a line of
+#      it, so the table comes whatever ran.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -120,6 +126,7 @@ if (( TINY )); then
     BENCH=(--images 8 --warmup 2 --rounds 1 --concurrency 2 --requests 8)
     LOAD=(--configs class-parallel single --levels 1 2 --level-seconds 1 --warmup-seconds 1
           --overload-seconds 1 --images 8)
+    LOAD_N1=("${LOAD[@]}")
     PER_CLASS=6
 else
     DEVICE=cuda RUNTIMES="cuda-graph torch" MODEL=vgg16_bn SIZE=224
@@ -128,8 +135,13 @@ else
     BENCH=(--images 200)
     # Batching against none was measured on an H100 once (BENCHMARKS.md); leaving it out lets
     # the batch-1 bench start before the deadline on a machine as slow as that one.
+    # Four client processes on four cores of their own, the server on the others.
     LOAD=(--configs class-parallel single --levels 1 2 4 8 16 32 64
-          --level-seconds 2 --overload-seconds 5)
+          --level-seconds 2 --overload-seconds 5 --clients 4 --client-cores 4)
+    # One gateway process, against the automatic count: four levels, a shorter warm-up and no
+    # overload (about half a minute less than the first sweep), so that both fit the 9 minutes.
+    LOAD_N1=(--configs class-parallel single --levels 1 4 16 64 --level-seconds 2
+             --warmup-seconds 2 --overload-seconds 0 --clients 4 --client-cores 4)
     PER_CLASS=30
 fi
 STRATS=(--strategies single model-parallel class-parallel)
@@ -140,9 +152,29 @@ step train "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" "${TRAIN[@
 step decompose "${SENSAI[@]}" decompose --model-dir "$OUT/models/$MODEL" --groups 2 \
     --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g2"
 
-# --- 3: under load (the gateway picks the device itself: --device auto).
-step load-sweep "${SENSAI[@]}" bench-load "$OUT/models/${MODEL}_g2" --out "$OUT/load" --sweep \
-    --transport http-v2 "${LOAD[@]}" --no-progress
+# --- 3: under load (the gateway picks the device itself: --device auto), with the automatic
+# count of gateway processes (1 under 4 cores, else half the cores, at most 8), then with one.
+# load_sweep NAME DIR ARGS...: one sweep into DIR, the GPU's utilisation sampled meanwhile.
+say "cores: $(nproc) usable (nproc), $(nproc --all) in all"
+load_sweep() {
+    local name=$1 dir=$2 smi=; shift 2
+    mkdir -p "$dir"
+    if (( $(date +%s) - T0 <= DEADLINE_S )) && command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 \
+            >"$dir/gpu-util.csv" 2>>"$LOG" &
+        smi=$!
+    fi
+    step "$name" "${SENSAI[@]}" bench-load "$OUT/models/${MODEL}_g2" --out "$dir" --sweep \
+        --transport http-v2 "$@" --no-progress
+    local rc=$?
+    if [[ -n $smi ]]; then
+        kill "$smi" 2>/dev/null
+        wait "$smi" 2>/dev/null
+    fi
+    return $rc
+}
+load_sweep load-sweep "$OUT/load" "${LOAD[@]}"
+load_sweep load-sweep-n1 "$OUT/load-n1" "${LOAD_N1[@]}" --env SENSAI_GATEWAY_REPLICAS=1
 
 # bench_flagship RUNTIME, bench_224 RUNTIME: the latency comparison, in process and through the
 # real gateway.

@@ -5,14 +5,20 @@
 
 ``report`` reads every ``bench.json`` under CHECK_DIR (one per artifact and runtime), prints one
 table (p50/p99 per strategy and transport, each subnet's CUDA-graph replay, the accuracy and the
-targets), appends the load sweep's own report (CHECK_DIR/load/load.md) and writes it all to
-CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json.
+targets), then one line per load sweep (CHECK_DIR/load: the automatic count of gateway
+processes; CHECK_DIR/load-n1: one) with the GPU's mean busy share over it (its gpu-util.csv, from
+nvidia-smi) and the machine's cores, appends each sweep's own report (load.md) and writes it all
+to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json.  Whatever is missing (a step skipped past
+the deadline or failed, as gpu-check.log says) is a row or a line of the table, never an error:
+the table always comes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -51,41 +57,220 @@ def rows_of(path: Path, run: dict) -> list[list[str]]:
     return rows
 
 
+# The sweeps of step 3: folder, step name (in gpu-check.log), label.
+SWEEPS = (("load", "load-sweep", "gateway processes: auto"),
+          ("load-n1", "load-sweep-n1", "gateway processes: 1"))
+BENCH_HEADER = ["run", "model", "input", "runtime", "strategy", "transport", "p50 ms", "p99 ms",
+                "graph replay ms (slowest worker)", "top-1 (bench images)"]
+SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at in flight",
+                "p50 ms", "p99 ms", "overload goodput 200/s", "client cores",
+                "machine busy cores", "GPU busy (mean, max)"]
+STEP_LINE = re.compile(r"^\[gpu-check \d+s\] (\S+): (SKIPPED .*|FAILED .*|done in .*)$")
+CORES_LINE = re.compile(r"^\[gpu-check \d+s\] cores: (\d+) usable \(nproc\), (\d+) in all")
+
+
+def read_log(check: Path) -> tuple[dict[str, str], dict | None]:
+    """gpu-check.log's last word on each step (``done in 12 s``, ``SKIPPED (past ...)``,
+    ``FAILED after ...``) and the cores it recorded; nothing where there is no log."""
+    steps, cores = {}, None
+    try:
+        lines = (check / "gpu-check.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return steps, cores
+    for line in lines:
+        if m := STEP_LINE.match(line):
+            steps[m.group(1)] = m.group(2)
+        elif m := CORES_LINE.match(line):
+            cores = {"usable": int(m.group(1)), "all": int(m.group(2)), "source": "gpu-check.log"}
+    return steps, cores
+
+
+def machine_cores(logged: dict | None) -> dict:
+    """The cores gpu-check.sh recorded (nproc), else this process's."""
+    if logged:
+        return logged
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"usable": usable, "all": os.cpu_count(), "source": "this process"}
+
+
+def why_missing(step: str, steps: dict[str, str], what: str) -> str:
+    """Why ``what`` is not there, as the log tells it."""
+    status = steps.get(step)
+    if status is None:
+        return f"not run: no {what}, and gpu-check.log has no word of {step}"
+    if status.startswith("SKIPPED"):
+        return f"skipped {status[len('SKIPPED '):]}"
+    if status.startswith("FAILED"):
+        return f"failed {status[len('FAILED '):]}"
+    return f"{step} {status} but wrote no {what}"
+
+
+def gpu_util(path: Path) -> dict | None:
+    """nvidia-smi's utilization.gpu samples (one percentage a line, one line per GPU per
+    sample): their mean and maximum; None where the file is absent (no nvidia-smi)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    values = []
+    for line in text.splitlines():
+        try:
+            values.append(float(line.rsplit(",", 1)[-1].strip().rstrip("%").strip()))
+        except ValueError:
+            continue  # [N/A], a header, a message
+    if not values:
+        return {"samples": 0, "mean_pct": None, "max_pct": None, "csv": str(path)}
+    return {"samples": len(values), "mean_pct": round(sum(values) / len(values), 1),
+            "max_pct": max(values), "csv": str(path)}
+
+
+def util_text(util: dict | None) -> str:
+    if util is None:
+        return "-"
+    if not util["samples"]:
+        return "- (no samples)"
+    return f"{util['mean_pct']:.0f} % ({util['max_pct']:.0f} %)"
+
+
+def sweep_rows(label_: str, result: dict, util: dict | None) -> list[list[str]]:
+    """One row per configuration of a sweep: its best closed-loop level and its overload."""
+    processes = str(((result.get("settings") or {}).get("gateway") or {})
+                    .get("gateway_processes", "-"))
+    rows = []
+    for key, c in (result.get("configs") or {}).items():
+        if "levels" not in c:
+            rows.append([label_, processes, f"{key}: not run, {c.get('skipped', 'no levels')}",
+                         *["-"] * 7, util_text(util)])
+            continue
+        best = max(c["levels"], key=lambda r: r.get("throughput_rps") or 0.0, default=None)
+        o = c.get("overload") or {}
+        lat = (best or {}).get("latency_ok_ms") or {}
+        rows.append([label_, processes, key,
+                     fmt(best and best.get("throughput_rps"), 1),
+                     fmt(best and best.get("concurrency")), fmt(lat.get("p50")),
+                     fmt(lat.get("p99")),
+                     fmt(o.get("goodput_rps"), 1) if "goodput_rps" in o else
+                     ("- (" + o["skipped"] + ")" if "skipped" in o else "-"),
+                     fmt(best and best.get("client_cores")),
+                     fmt(best and best.get("machine_busy_cores")), util_text(util)])
+    return rows
+
+
+def demoted(md: str, title_prefix: str) -> str:
+    """A sweep's load.md one heading level down, so that it sits under the check's own title,
+    its title prefixed with which sweep it is."""
+    out, titled = [], False
+    for line in md.splitlines(keepends=True):
+        if line.startswith("#"):
+            if not titled and line.startswith("# "):
+                line = f"# {title_prefix}: {line[2:]}"
+                titled = True
+            line = "#" + line
+        out.append(line)
+    return "".join(out)
+
+
 def report(check: Path) -> int:
+    if not check.is_dir():
+        print(f"no folder {check}", file=sys.stderr)
+        return 2
+    steps, logged_cores = read_log(check)
+    cores = machine_cores(logged_cores)
+    rows, notes, summary, missing = [], [], [], []
     runs = sorted(check.glob("*/bench.json"))
-    sweep = check / "load" / "load.md"
-    if not runs and not sweep.is_file():
-        print(f"no bench.json or load/load.md under {check}", file=sys.stderr)
-        return 1
-    rows, notes, summary = [], [], []
     for path in runs:
-        run = json.loads(path.read_text())
-        rows += rows_of(path, run)
-        acc, shrink = run.get("accuracy", {}), run.get("shrink", {})
-        gpus = run["machine"].get("gpus") or []
+        try:
+            run = json.loads(path.read_text())
+            run_rows = rows_of(path, run)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            rows.append([path.parent.name, f"unreadable bench.json: {type(e).__name__}: {e}",
+                         *["-"] * (len(BENCH_HEADER) - 2)])
+            missing.append({"part": path.parent.name, "why": f"unreadable bench.json: {e}"})
+            continue
+        rows += run_rows
+        acc, shrink = run.get("accuracy") or {}, run.get("shrink") or {}
+        gpus = (run.get("machine") or {}).get("gpus") or []
         card = gpus[0]["name"] if gpus and isinstance(gpus[0], dict) else (gpus or ["cpu"])[0]
         notes.append(f"- {path.parent.name}: {card}; original top-1 "
                      f"{fmt(acc.get('original_top1'), 4)}, decomposed "
                      f"{fmt(acc.get('decomposed_top1'), 4)}; largest subnet "
                      f"{fmt(shrink.get('params_ratio'), 1)}x fewer params; command: "
                      f"`{run.get('command')}`")
-        for c in all_checks(run.get("targets", {})):
+        try:
+            checks = all_checks(run.get("targets") or {})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            checks = []
+        for c in checks:
             notes.append(f"  - target {c['name']}: {c['rule']} ({c.get('transport')}): "
                          f"{fmt(c['value'], 4)} -> {c['status'].upper()}")
         summary.append({"run": path.parent.name, "bench_json": str(path), "card": card,
                         "accuracy": acc, "shrink": shrink, "targets": run.get("targets")})
-    table = md_table(["run", "model", "input", "runtime", "strategy", "transport", "p50 ms",
-                      "p99 ms", "graph replay ms (slowest worker)", "top-1 (bench images)"],
-                     rows)
-    text = "# gpu-check\n\n" + table + "\n\n" + "\n".join(notes) + "\n"
-    if sweep.is_file():
-        # One level down, so the sweep's sections sit under the check's own title.
-        text += "\n" + "".join("#" + line if line.startswith("#") else line
-                               for line in sweep.read_text().splitlines(keepends=True))
+    # The bench steps that left no bench.json (bench-fmnist-torch writes fmnist_torch/).
+    have = {p.parent.name for p in runs}
+    for step in (s for s in steps if s.startswith("bench-")):
+        run_dir = step[len("bench-"):].replace("-", "_", 1)
+        if run_dir not in have:
+            why = why_missing(step, steps, "bench.json")
+            rows.append([run_dir, why, *["-"] * (len(BENCH_HEADER) - 2)])
+            missing.append({"part": run_dir, "step": step, "why": why})
+    if not rows:
+        rows.append(["-", f"not run: no bench.json under {check}, and gpu-check.log has no "
+                     "word of a bench step",
+                     *["-"] * (len(BENCH_HEADER) - 2)])
+        missing.append({"part": "bench", "why": "no bench.json"})
+
+    sweep_table, sweeps, appendix = [], [], []
+    for folder, step, label_ in SWEEPS:
+        d = check / folder
+        util = gpu_util(d / "gpu-util.csv")
+        entry = {"label": label_, "dir": str(d), "step": step, "gpu_util": util,
+                 "load_json": None, "status": steps.get(step)}
+        result = None
+        try:
+            result = json.loads((d / "load.json").read_text())
+        except (OSError, ValueError) as e:
+            if (d / "load.json").is_file():
+                entry["why"] = f"unreadable load.json: {e}"
+        if isinstance(result, dict):
+            entry["load_json"] = str(d / "load.json")
+            entry["gateway_processes"] = (((result.get("settings") or {}).get("gateway") or {})
+                                          .get("gateway_processes"))
+            try:
+                sweep_table += sweep_rows(label_, result, util)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                sweep_table.append([label_, "-", f"unreadable load.json: {type(e).__name__}: {e}",
+                                    *["-"] * 7, util_text(util)])
+        else:
+            why = entry.get("why") or why_missing(step, steps, "load.json")
+            entry["why"] = why
+            sweep_table.append([label_, "-", why, *["-"] * 7, util_text(util)])
+            missing.append({"part": folder, "step": step, "why": why})
+        if (d / "load.md").is_file():
+            appendix.append(demoted((d / "load.md").read_text(errors="replace"), label_))
+        sweeps.append(entry)
+
+    failed = [f"- {name}: {why_missing(name, steps, 'output')}" for name, status in steps.items()
+              if not status.startswith("done")]
+    text = ("# gpu-check\n\n" + md_table(BENCH_HEADER, rows) + "\n\n"
+            + "".join(n + "\n" for n in notes)
+            + "\n## Under load\n\n"
+            f"Cores: {fmt(cores['usable'])} usable (nproc), {fmt(cores['all'])} in all "
+            f"(from {cores['source']}).  Each sweep: `sensai bench-load --sweep` of the "
+            "decomposed artifact (class-parallel) and of the original behind the same gateway "
+            "(single); best closed-loop level by 200/s; GPU busy: nvidia-smi's utilization.gpu "
+            "every 0.5 s over the whole step (the gateways' start-ups included; - where nvidia-smi "
+            "is not there or the step did not start).\n\n"
+            + md_table(SWEEP_HEADER, sweep_table) + "\n"
+            + ("\nSteps skipped or failed:\n\n" + "\n".join(failed) + "\n" if failed else ""))
+    for part in appendix:
+        text += "\n" + part
     write_text_atomic(check / "gpu-check.md", text)
     write_json_atomic(check / "gpu-check.json",
-                      {"runs": summary, "load_json": str(sweep.with_suffix(".json"))
-                       if sweep.is_file() else None})
+                      {"runs": summary, "load_json": sweeps[0]["load_json"], "sweeps": sweeps,
+                       "cores": cores, "steps": steps, "missing": missing})
     print(text)
     return 0
 

@@ -9,6 +9,7 @@ never a timing or a target's verdict (the CPU is shared): the targets must be re
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -154,3 +155,36 @@ def test_bad_sweep_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, ca
     assert fragment in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("sensai bench-load: error:")
     assert not out.exists()
+
+
+def test_pinned_clients_and_a_server_of_two_gateway_processes(tiny_artifact_g2, tmp_path):
+    """``--client-cores 1``: the clients on the last core, the gateway - two gateway processes
+    over device processes - on the rest; the server's CPU per answer is split between the
+    gateways and the device processes, and every answer agrees with offline evaluation."""
+    from sensai.bench.load import LoadOptions
+    from sensai.bench.load_sweep import run_load_sweep
+
+    options = LoadOptions(deadline_s=5.0, images=8, progress=False, command="test",
+                          client_cores=1, env={"SENSAI_GATEWAY_REPLICAS": "2"})
+    result = run_load_sweep(tiny_artifact_g2, tmp_path, options, configs=["class-parallel"],
+                            levels=[4], level_s=1.0, warmup_s=0.5, overload_s=0.0)
+    c = result["configs"]["class-parallel"]
+    assert result["settings"]["clients_on_cores"] == [max(os.sched_getaffinity(0))]
+    assert result["settings"]["gateway"]["gateway_processes"] == 2
+    assert c["server"]["command"].startswith("SENSAI_GATEWAY_REPLICAS=2 taskset --cpu-list ")
+    level = c["levels"][0]
+    assert level["wrong"] == 0 and level["ok"] == level["requests"] > 0
+    split = level["server_cpu"]
+    assert split["workers_processes"] == 2 and split["gateway_processes"] >= 3  # + the parent
+    assert split["gateway_ms_per_answer"] > 0 and split["workers_ms_per_answer"] > 0
+
+
+def test_client_cores_that_leave_the_server_none_are_refused_in_one_line(tiny_artifact, capsys):
+    from sensai.cli import main
+
+    n = len(os.sched_getaffinity(0))
+    assert main(["bench-load", str(tiny_artifact), "--out", "unused", "--sweep",
+                 "--client-cores", str(n)]) == 2
+    err = capsys.readouterr().err
+    assert f"--client-cores {n}: must be between 1 and {n - 1}" in err
+    assert len(err.strip().splitlines()) == 1

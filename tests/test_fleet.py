@@ -238,3 +238,22 @@ def test_a_hello_that_claims_more_slots_than_mapped_is_refused(fleet):
         sock.settimeout(30)
         assert sock.recv(1) == b""
     assert json.loads(fresh(url, "GET", "/v2/health/ready").text or "{}") is not None
+
+
+def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, fmnist_test):
+    """The fleet in process, its defaults: one request at a time over two gateway processes,
+    and no device process ever held one back waiting for others (``held`` stays 0) - only what
+    is already waiting is batched."""
+    from sensai.serving.core.settings import GatewaySettings
+    from sensai.serving.launch.fleet import Fleet
+
+    _, images, _ = sample_images(fmnist_test, 8)
+    with Fleet(tiny_artifact_g2, GatewaySettings(port=0, device="cpu", log_level="warning"),
+               processes=2) as server:
+        for img in images:
+            assert predict(server.url, img)[0] == 200
+        workers = fresh(server.url, "GET", "/v1/models").json()["predictor"]["workers"]
+        assert sum(wk["batching"]["requests"] for wk in workers) >= len(images)
+        assert all(wk["batching"]["held"] == 0 for wk in workers)
+        assert {m["role"] for m in server.describe()["processes"]} == {"gateway", "device"}
+    assert all(m.process.exitcode is not None for m in server.members())

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import multiprocessing as mp
+import os
 import struct
 import time
 from typing import Any, Awaitable, Callable
@@ -498,9 +499,12 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
 
 
 def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,
-           shape: list[int] | None = None) -> None:
+           shape: list[int] | None = None, cores: list[int] | None = None) -> None:
     """Body of the client process: answer the benchmark's requests until told to close;
-    ``stop`` (an event) set ends a closed-loop phase early."""
+    ``stop`` (an event) set ends a closed-loop phase early; ``cores``: the only cores it runs
+    on (None: any)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     client = _Client(pngs, tensors, shape)
     try:
         while True:
@@ -535,12 +539,12 @@ class HttpClientProcess:
     bytes of shape ``shape`` (``http-v2``, ``grpc``)."""
 
     def __init__(self, pngs: list[bytes], tensors: list[bytes] | None = None,
-                 shape: list[int] | None = None):
+                 shape: list[int] | None = None, *, cores: list[int] | None = None):
         ctx = mp.get_context("spawn")  # never fork a process holding Ray, torch or uvicorn threads
         self._conn, child = ctx.Pipe()
         self._stop = ctx.Event()
         self.process = ctx.Process(target=_serve,
-                                   args=(child, self._stop, list(pngs), tensors, shape),
+                                   args=(child, self._stop, list(pngs), tensors, shape, cores),
                                    daemon=True, name="sensai-bench-client")
         self.process.start()
         child.close()

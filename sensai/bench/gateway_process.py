@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 
+from sensai.errors import SensaiError
 from sensai.serving.launch import child
 
 
@@ -38,8 +40,9 @@ class GatewayProcess:
 
     def __init__(self, artifact: Path, *, port: int, backend: str | None,
                  deadline_s: float | None, env: dict[str, str], log_path: Path,
-                 args: Sequence[str] = ()):
+                 args: Sequence[str] = (), cores: list[int] | None = None):
         self.url = f"http://127.0.0.1:{port}"
+        self.cores = cores
         self.argv = [sys.executable, "-m", "sensai", "serve", str(artifact), "--host",
                      "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         if backend is not None:
@@ -63,11 +66,18 @@ class GatewayProcess:
     def command(self) -> str:
         """The gateway's command line, with the environment variables set for it."""
         env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-        return " ".join([*env, shlex.join(["sensai", *self.argv[3:]])])
+        pin = ["taskset", "--cpu-list", ",".join(map(str, self.cores))] if self.cores else []
+        return " ".join([*env, shlex.join([*pin, "sensai", *self.argv[3:]])])
 
     def launch(self) -> None:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([*child.death_guard("TERM"), *self.argv],
+        # On its cores from its first instruction (and so every process it starts).
+        pin = (["taskset", "--cpu-list", ",".join(map(str, self.cores))]
+               if self.cores and shutil.which("taskset") else [])
+        if self.cores and not pin:
+            raise SensaiError("--client-cores needs taskset (util-linux) to keep the gateway off "
+                              "the clients' cores")
+        self.proc = subprocess.Popen([*child.death_guard("TERM"), *pin, *self.argv],
                                      stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=os.environ | self.env,
                                      start_new_session=True)

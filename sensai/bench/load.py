@@ -41,7 +41,8 @@ from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_se
                             phase_report, process_cores, rss_growth, scrape_metrics, server_cpu,
                             server_split, server_view, worker_pids)
 from .load_report import plot, render_markdown
-from .machine import peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss
+from .machine import (peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss,
+                      split_cores)
 from .robust import offline_reference
 from .stats import summarize
 from .targets import evaluate_load_targets
@@ -76,7 +77,9 @@ class LoadOptions:
     ``SENSAI_*``; unset ones from this environment as for ``sensai serve``) and how long it may
     take to start; the ``clients`` processes sharing the load, the overload's multiple of the
     measured throughput and whether its clients honour Retry-After (``retry_after``), the test
-    images; the run's ``command`` and progress bar."""
+    images; the run's ``command`` and progress bar.  ``client_cores``: the clients run on the
+    last this many cores this process may use and the gateway on the others (0: both
+    anywhere)."""
 
     backend: str | None = None
     deadline_s: float | None = None
@@ -85,6 +88,7 @@ class LoadOptions:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 180.0
     clients: int = 2
+    client_cores: int = 0
     overload_factor: float = 4.0
     retry_after: bool = True
     images: int = 200
@@ -103,6 +107,7 @@ class LoadOptions:
             numbers=(*numbers, ("--overload-factor", self.overload_factor, False),
                      ("--startup-timeout", self.startup_timeout_s, False)),
             choices=choices)
+        split_cores(self.client_cores)  # one line now when it cannot be done
         if not Path("/proc/self/status").is_file():
             raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
                               "/proc: Linux only")
@@ -151,7 +156,12 @@ class LoadOptions:
                 args: Sequence[str] = ()) -> GatewayProcess:
         """``sensai serve ROOT`` with these options, on a free port (not yet started)."""
         return GatewayProcess(root, port=free_ports(1)[0], backend=self.backend,
-                              deadline_s=self.deadline_s, env=env, log_path=log_path, args=args)
+                              deadline_s=self.deadline_s, env=env, log_path=log_path, args=args,
+                              cores=split_cores(self.client_cores)[0])
+
+    def client(self, *args) -> HttpClientProcess:
+        """A client process (:class:`HttpClientProcess` of ``args``) on the clients' cores."""
+        return HttpClientProcess(*args, cores=split_cores(self.client_cores)[1])
 
 
 def request_timeout(gs: GatewaySettings) -> float:
@@ -467,7 +477,7 @@ def run_load_bench(
         with sigterm_as_exit():
             bar.set_description("starting the gateway")
             gateway.launch()
-            procs = [HttpClientProcess(imgs.pngs) for _ in range(clients)]
+            procs = [options.client(imgs.pngs) for _ in range(clients)]
             gateway.wait_ready(options.startup_timeout_s)
             run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
                           timeout_s=timeout_s, sample_s=sample_s, bar=bar,
@@ -491,7 +501,7 @@ def run_load_bench(
                 result["health_after"] = run.health()
                 if burst_s > 0:
                     png, image = burst_image(artifact, spec, gs)
-                    procs.append(HttpClientProcess([png]))
+                    procs.append(options.client([png]))
                     result["burst"] = run.burst(procs[-1], image, burst_concurrency, burst_s)
             else:
                 phases["overload"] = {"skipped": "the soak answered no request, so there is no "

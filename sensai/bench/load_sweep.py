@@ -28,6 +28,7 @@ from .gateway_process import served, sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
 from .load import LoadOptions, LoadRun, overload_cap, request_timeout
 from .load_single import original_as_artifact
+from .machine import split_cores
 from .load_sweep_report import plot, render_markdown
 from .names import SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S
 from .peers import MODEL as PEER_MODEL
@@ -243,6 +244,7 @@ def run_load_sweep(
         "overload_retry_after": "honoured" if options.retry_after else "ignored",
         "noop_concurrency": NOOP_CONCURRENCY,
         "clients": options.clients, "images": len(imgs), "seed": options.seed,
+        "clients_on_cores": split_cores(options.client_cores)[1],
         "transport": transport, "request_timeout_s": request_timeout(gs),
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
                     "max_predictions": gs.max_predictions,
@@ -260,7 +262,7 @@ def run_load_sweep(
     procs: list[HttpClientProcess] = []
     try:
         with sigterm_as_exit():
-            procs = [HttpClientProcess(imgs.pngs, tensors, [1, *spec.input_shape])
+            procs = [options.client(imgs.pngs, tensors, [1, *spec.input_shape])
                      for _ in range(options.clients)]
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
                           warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,

@@ -24,6 +24,7 @@ import onnxruntime as ort
 import torch
 
 from sensai.cores import usable_cores
+from sensai.errors import SensaiError
 
 log = logging.getLogger(__name__)
 
@@ -257,3 +258,15 @@ class MemoryProbe:
                            else "process lifetime (peak reset unavailable)"),
             "cuda": self.cuda.growth_mb() if exc[0] is None else {},
         }
+
+
+def split_cores(client_cores: int) -> tuple[list[int] | None, list[int] | None]:
+    """The cores this process may use split in two: the server's (all but the last
+    ``client_cores``) and the clients' (those); (None, None) for 0 (nobody pinned)."""
+    if client_cores == 0:
+        return None, None
+    usable = sorted(os.sched_getaffinity(0))
+    if not 0 < client_cores < len(usable):
+        raise SensaiError(f"--client-cores {client_cores}: must be between 1 and "
+                          f"{len(usable) - 1} (this process may use {len(usable)} cores), or 0")
+    return usable[:-client_cores], usable[-client_cores:]

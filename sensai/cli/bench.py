@@ -297,6 +297,10 @@ def load_args(p) -> None:
                    help="soak (and warm-up): requests always in flight (default: %(default)s)")
     p.add_argument("--clients", type=int, default=2,
                    help="client processes sharing the load (default: %(default)s)")
+    p.add_argument("--client-cores", type=int, default=0, metavar="K",
+                   help="the client processes on the last K usable cores, the gateway and "
+                        "every process it starts on the others (taskset); 0: both anywhere "
+                        "(default: %(default)s)")
     p.add_argument("--warmup-seconds", type=float, default=None,
                    help="warm-up at the soak's concurrency, not counted (default: 30; with "
                         f"--sweep {SWEEP_WARMUP_S:g} per configuration, at 16 in flight)")
@@ -362,7 +366,7 @@ def cmd_bench_load(args) -> int:
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env),
         startup_timeout_s=args.startup_timeout, clients=args.clients,
-        overload_factor=args.overload_factor, retry_after=not args.ignore_retry_after,
+        client_cores=args.client_cores, overload_factor=args.overload_factor, retry_after=not args.ignore_retry_after,
         images=args.images, data_dir=args.data_dir,
         seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)
