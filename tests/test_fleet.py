@@ -4,7 +4,9 @@ equals offline evaluation whichever gateway took it; rows from both gateways are
 in one device process; a killed gateway process costs only its own requests and comes back; a
 killed device process is started again and the gateways reconnect; ``/metrics`` from either
 gateway counts the requests of both; the gateways import no torch; a device process hangs up on a
-gateway that breaks the slots' bounds and serves the others; a v2 batch larger than a slot travels inline and is answered right."""
+gateway that breaks the slots' bounds and serves the others; a v2 batch larger than a slot
+travels inline and is answered right; gRPC on the shared port; by default no request is held back
+for company."""
 
 from __future__ import annotations
 

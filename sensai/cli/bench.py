@@ -366,7 +366,8 @@ def cmd_bench_load(args) -> int:
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
         max_predictions=args.max_predictions, env=parse_env(args.env),
         startup_timeout_s=args.startup_timeout, clients=args.clients,
-        client_cores=args.client_cores, overload_factor=args.overload_factor, retry_after=not args.ignore_retry_after,
+        client_cores=args.client_cores, overload_factor=args.overload_factor,
+        retry_after=not args.ignore_retry_after,
         images=args.images, data_dir=args.data_dir,
         seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)

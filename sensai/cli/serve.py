@@ -326,15 +326,13 @@ def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     fleet = Fleet(args.artifact, settings, processes=processes, faults=faults)
-    watcher = None
     try:
         fleet.start()
         print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
               f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device processes, "
               f"{processes} gateway processes) on {endpoints(settings, fleet.port)}\nplacement:"
               f"\n{plan_table(fleet)}", file=sys.stderr)
-        watcher = threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch")
-        watcher.start()
+        threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch").start()
         stop.wait()
     finally:
         fleet.stop()

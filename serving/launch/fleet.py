@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # refuse requests at a load the server takes (each process's adaptive limit still bounds it).
 SHARED_LIMITS = ("max_requests", "max_connections")
 GATEWAY_START_S = 120.0
+# A gateway's slots per worker and request its predictor may hold: a request that timed out
+# keeps its slot until the device process is done with it, and the next one needs its own.
+SLOTS_PER_PREDICTION = 2
 MAX_BACKOFF_S = 30.0
 STABLE_S = 10.0  # a process that lived this long restarts without waiting
 
@@ -87,18 +90,16 @@ def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dic
 
 @dataclass
 class GatewayPlan:
-    """What a gateway process needs (picklable): the artifact, the plan (its share of the
-    limits), where each worker's device process listens, and this server's folder."""
+    """What a gateway process needs (picklable): which of how many it is, the artifact, the plan
+    (its share of the limits, the port), where each worker's device process listens, and the
+    folder of the server's metrics."""
 
     index: int
     processes: int
     artifact_dir: str
     plan: ServingPlan
     addresses: dict[int, str]
-    host: str
-    port: int
     metrics_dir: str
-    slots_per_worker: int
 
 
 def gateway_main(gp: GatewayPlan, report) -> None:
@@ -114,17 +115,18 @@ def gateway_main(gp: GatewayPlan, report) -> None:
     try:
         artifact = load_artifact(gp.artifact_dir)
         transport = Devices(gp.addresses, row_shape=tuple(artifact.spec.input_shape),
-                            slots_per_worker=gp.slots_per_worker, gateway=gp.index,
+                            slots_per_worker=SLOTS_PER_PREDICTION * settings.max_predictions,
+                            gateway=gp.index,
                             gateways=gp.processes,
                             load_timeout_s=gp.plan.load_timeout_s)
         predictor = ClassParallelPredictor(artifact, gp.plan, transport)
-        sock = listening_socket(gp.host, gp.port, shared=True)
+        sock = listening_socket(settings.host, settings.port, shared=True)
     except BaseException as e:
         report.send(("failed", str(e) if isinstance(e, SensaiError)
                      else f"{type(e).__name__}: {e}"))
         return
     app = create_app(predictor, settings, shared_ports=True)
-    server = uvicorn.Server(uvicorn_config(app, host=gp.host, port=gp.port,
+    server = uvicorn.Server(uvicorn_config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, graceful_s=10.0))
 
     @contextlib.contextmanager
@@ -255,13 +257,11 @@ class Fleet:
         waiting = [(m, m.start(self.ctx)) for m in self.devices]
         for m, rx in waiting:
             await_report(m, rx, self.plan.load_timeout_s)
-        shares = share(s, self.processes).model_copy(update={"port": self.port})
-        gateway_plan = ServingPlan(shares, self.plan.workers, self.plan.placement,
-                                   seed=self.plan.seed)
+        gateway_plan = replace(self.plan, settings=share(s, self.processes).model_copy(
+            update={"port": self.port}))
         self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
-            i, self.processes, self.artifact_dir, gateway_plan, addresses, s.host, self.port,
-            str(self.folder / "metrics"), 2 * s.max_predictions),), "gateway")
-            for i in range(self.processes)]
+            i, self.processes, self.artifact_dir, gateway_plan, addresses,
+            str(self.folder / "metrics")),), "gateway") for i in range(self.processes)]
         waiting = [(m, m.start(self.ctx)) for m in self.gateways]
         for m, rx in waiting:
             await_report(m, rx, GATEWAY_START_S)

@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -315,9 +316,7 @@ class Devices:
         self.addresses = dict(addresses)
         self.gateway, self.gateways = gateway, gateways
         self.load_timeout_s = load_timeout_s
-        sharing: dict[str, int] = {}
-        for a in self.addresses.values():
-            sharing[a] = sharing.get(a, 0) + 1
+        sharing = Counter(self.addresses.values())
         self.links = {a: DeviceLink(a, slots=n * slots_per_worker, row_shape=tuple(row_shape))
                       for a, n in sharing.items()}
 

@@ -13,6 +13,7 @@ The process ends when its parent says so (SIGTERM), or dies with it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import queue
 import signal
@@ -98,7 +99,7 @@ class DeviceServer:
                                          "runtime": runtime})
         self.links: dict[int, Link] = {}
         self.links_lock = threading.Lock()
-        self.numbers = iter(range(1, 1 << 62))
+        self.numbers = itertools.count(1)
         self.runs: queue.SimpleQueue = queue.SimpleQueue()
         self.core = WorkerCore(runners, delay=plan.fault.delay, corrupt=plan.fault.corrupt,
                                seed=plan.seed, batching=plan.batching, origin=self.origin,

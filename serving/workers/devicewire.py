@@ -150,12 +150,6 @@ class Slots:
         return {"slots": self.count, "slot_rows": self.slot_rows, "slot_bytes": self.slot_bytes,
                 "row_shape": list(self.row_shape)}
 
-    def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:  # a view still points into it; the mapping goes with the process
-            pass
-        os.close(self.fd)
 
 
 class MappedSlots:
@@ -190,8 +184,3 @@ class MappedSlots:
         return np.frombuffer(self.map, dtype=np.float32, count=n * self.row_items,
                              offset=slot * self.slot_bytes).reshape((n, *self.row_shape))
 
-    def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:
-            pass
