@@ -90,10 +90,12 @@ def test_both_gateways_answer_as_offline_evaluation_and_batch_together(
     for (status, body), want in zip(answers, expected):
         assert status == 200, body
         np.testing.assert_allclose(scores(body), want, atol=1e-4)
-    workers = fresh(url, "GET", "/v1/models").json()["predictor"]["workers"]
-    # A device process counts its batches over every gateway: some held rows of both.
-    assert any(wk["batching"]["mixed"] > 0 for wk in workers), workers
-    assert all(wk["batching"]["largest"] > 1 for wk in workers)
+    # A device process counts its batches over every gateway (each gateway knows the counts as
+    # of its own last request there): some held rows of both.
+    views = [fresh(url, "GET", "/v1/models").json()["predictor"]["workers"] for _ in range(20)]
+    assert any(wk["batching"]["mixed"] > 0 for v in views for wk in v), views[0]
+    for w in range(2):
+        assert max(v[w]["batching"]["largest"] for v in views) > 1
 
 
 def test_both_gateways_serve_kserve_v2_over_grpc_on_one_port(fleet, tiny_artifact_g2,
@@ -254,8 +256,12 @@ def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, f
                processes=2) as server:
         for img in images:
             assert predict(server.url, img)[0] == 200
-        workers = fresh(server.url, "GET", "/v1/models").json()["predictor"]["workers"]
-        assert sum(wk["batching"]["requests"] for wk in workers) >= len(images)
-        assert all(wk["batching"]["held"] == 0 for wk in workers)
+        # A gateway knows a device process's counters as of the last request it sent there:
+        # the one that took the last request knows every one of them.
+        views = [fresh(server.url, "GET", "/v1/models").json()["predictor"]["workers"]
+                 for _ in range(20)]
+        for w in range(2):
+            assert max(v[w]["batching"]["requests"] for v in views) == len(images)
+        assert all(wk["batching"]["held"] == 0 for v in views for wk in v)
         assert {m["role"] for m in server.describe()["processes"]} == {"gateway", "device"}
     assert all(m.process.exitcode is not None for m in server.members())
