@@ -18,6 +18,8 @@
 # $SENSAI_GPU_CHECK_DEADLINE_S seconds, default 480, so that the table comes within 9 minutes):
 #   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU;
 #   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray);
+#   2b. the sensAI paper's regime: decompose it into subnets 20x smaller (--shrink 20) at G=2
+#      and at G=10, each cut off after $SENSAI_GPU_CHECK_OFFLINE_S seconds (default 150);
 #   3. under load: `sensai bench-load --sweep` of the decomposed artifact and of the original
 #      behind the same gateway, KServe v2 tensors from four client processes on four cores of
 #      their own (the server on the others), twice:
@@ -33,8 +35,9 @@
 #      (1 training epoch on a few hundred images, --policy keep, no retraining);
 #   7. steps 4 and 6 on eager torch;
 #   8. one table: OUT/gpu-check.md (bench.json / bench.md of every run under OUT/<run>/, and the
-#      sweeps' OUT/load/load.md and OUT/load-n1/load.md); a step skipped or failed is a line of
-#      it, so the table comes whatever ran.
+#      sweeps' OUT/load/load.md and OUT/load-n1/load.md, and the offline work: each training's
+#      and decomposition's time, images/s and accuracy beside the original's); a step skipped or
+#      failed is a line of it, so the table comes whatever ran.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -151,6 +154,13 @@ step train "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" "${TRAIN[@
     --device "$DEVICE" --out "$OUT/models/$MODEL"
 step decompose "${SENSAI[@]}" decompose --model-dir "$OUT/models/$MODEL" --groups 2 \
     --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g2"
+# --- 2b: subnets 20x smaller, at G=2 and G=10; capped, so a slow one cannot take the rest.
+OFFLINE_S=${SENSAI_GPU_CHECK_OFFLINE_S:-150}
+for G in 2 10; do
+    step "decompose-x20-g$G" timeout "$OFFLINE_S" "${SENSAI[@]}" decompose \
+        --model-dir "$OUT/models/$MODEL" --groups "$G" --shrink 20 --device "$DEVICE" --no-ray \
+        "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g${G}_x20"
+done
 
 # --- 3: under load (the gateway picks the device itself: --device auto), with the automatic
 # count of gateway processes (1 under 4 cores, else half the cores, at most 8), then with one.

@@ -8,7 +8,8 @@ table (p50/p99 per strategy and transport, each subnet's CUDA-graph replay, the 
 targets), then one line per load sweep (CHECK_DIR/load: the automatic count of gateway
 processes; CHECK_DIR/load-n1: one) with the GPU's mean busy share over it (its gpu-util.csv, from
 nvidia-smi) and the machine's cores, appends each sweep's own report (load.md) and writes it all
-to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json.  Whatever is missing (a step skipped past
+to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json, with a last table of the offline work
+(every training and decomposition under CHECK_DIR/models: seconds, images/s, accuracy).  Whatever is missing (a step skipped past
 the deadline or failed, as gpu-check.log says) is a row or a line of the table, never an error:
 the table always comes.
 """
@@ -65,6 +66,8 @@ BENCH_HEADER = ["run", "model", "input", "runtime", "strategy", "transport", "p5
 SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at in flight",
                 "p50 ms", "p99 ms", "overload goodput 200/s", "client cores",
                 "machine busy cores", "GPU busy (mean, max)"]
+OFFLINE_HEADER = ["model", "work", "seconds", "images/s", "top-1", "original top-1", "points",
+                  "largest subnet (params, MACs)"]
 STEP_LINE = re.compile(r"^\[gpu-check \d+s\] (\S+): (SKIPPED .*|FAILED .*|done in .*)$")
 CORES_LINE = re.compile(r"^\[gpu-check \d+s\] cores: (\d+) usable \(nproc\), (\d+) in all")
 
@@ -173,6 +176,51 @@ def demoted(md: str, title_prefix: str) -> str:
     return "".join(out)
 
 
+def offline_rows(models: Path) -> list[list[str]]:
+    """One row per training (its model.json) and per decomposition (its manifest.json) under
+    ``models``: time, images per second and accuracy, a decomposition's beside its original's."""
+    rows = []
+    for path in sorted(models.glob("*/model.json")):
+        try:
+            rec = json.loads(path.read_text())
+            t = rec.get("train") or {}
+            history = t.get("history") or []
+            per_epoch = t.get("images_per_epoch")
+            images = per_epoch * len(history) if per_epoch else None
+            rows.append([path.parent.name, f"train {t.get('completed_epochs')} epochs",
+                         fmt(t.get("seconds"), 1),
+                         fmt(images / t["seconds"], 0) if images and t.get("seconds") else "-",
+                         fmt(rec.get("test_top1"), 4), "-", "-", "-"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            rows.append([path.parent.name, f"unreadable model.json: {type(e).__name__}", "-", "-",
+                         "-", "-", "-", "-"])
+    for path in sorted(models.glob("*/manifest.json")):
+        try:
+            m = json.loads(path.read_text())
+            stages = m.get("stages") or {}
+            seconds = sum(v.get("seconds", 0) for v in stages.values())
+            retrained = sum(int(v.get("samples", 0))
+                            for v in ((m.get("retrain") or {}).get("subnets") or {}).values())
+            retrain_s = (stages.get("retrain") or {}).get("seconds")
+            ev, src = m.get("evaluation") or {}, m.get("source") or {}
+            subnets = m.get("subnets") or []
+            shrink = (min(src["params"] / s_["params"] for s_ in subnets),
+                      min(src["flops"] / s_["flops"] for s_ in subnets)) if subnets else None
+            pruning = m.get("pruning") or {}
+            rows.append([path.parent.name,
+                         f"decompose G={len(m.get('groups') or [])}, {pruning.get('kind')} "
+                         f"{fmt(pruning.get('shrink'), 0)}",
+                         f"{fmt(seconds, 1)} (retrain {fmt(retrain_s, 1)})",
+                         fmt(retrained / retrain_s, 0) if retrained and retrain_s else "-",
+                         fmt(ev.get("decomposed_top1"), 4), fmt(ev.get("original_top1"), 4),
+                         fmt(ev.get("delta_points"), 2),
+                         f"{shrink[0]:.1f}x, {shrink[1]:.1f}x fewer" if shrink else "-"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+            rows.append([path.parent.name, f"unreadable manifest.json: {type(e).__name__}", "-",
+                         "-", "-", "-", "-", "-"])
+    return rows
+
+
 def report(check: Path) -> int:
     if not check.is_dir():
         print(f"no folder {check}", file=sys.stderr)
@@ -254,6 +302,7 @@ def report(check: Path) -> int:
 
     failed = [f"- {name}: {why_missing(name, steps, 'output')}" for name, status in steps.items()
               if not status.startswith("done")]
+    offline = offline_rows(check / "models")
     text = ("# gpu-check\n\n" + md_table(BENCH_HEADER, rows) + "\n\n"
             + "".join(n + "\n" for n in notes)
             + "\n## Under load\n\n"
@@ -264,13 +313,17 @@ def report(check: Path) -> int:
             "every 0.5 s over the whole step (the gateways' start-ups included; - where nvidia-smi "
             "is not there or the step did not start).\n\n"
             + md_table(SWEEP_HEADER, sweep_table) + "\n"
+            + "\n## Offline: training and decomposition\n\n"
+            + (md_table(OFFLINE_HEADER, offline) if offline else
+               f"No model.json or manifest.json under {check / 'models'}.") + "\n"
             + ("\nSteps skipped or failed:\n\n" + "\n".join(failed) + "\n" if failed else ""))
     for part in appendix:
         text += "\n" + part
     write_text_atomic(check / "gpu-check.md", text)
     write_json_atomic(check / "gpu-check.json",
                       {"runs": summary, "load_json": sweeps[0]["load_json"], "sweeps": sweeps,
-                       "cores": cores, "steps": steps, "missing": missing})
+                       "cores": cores, "steps": steps, "missing": missing,
+                       "offline": [dict(zip(OFFLINE_HEADER, r)) for r in offline]})
     print(text)
     return 0
 

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -73,6 +73,10 @@ CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 AUTO_TOTAL_SAMPLES = 600_000
 AUTO_MIN_SAMPLES = 20_000
 
+# Knobs whose default changed after artifacts were made without recording them: such an
+# artifact was made with these values (not today's defaults), so re-running it is a new run.
+RECORDED_BEFORE = {"channel_multiple": 1}
+
 
 @dataclass(frozen=True)
 class DecomposeConfig:
@@ -99,6 +103,7 @@ class DecomposeConfig:
     prune_steps: int = 1  # > 1: iterative prune -> retrain (pruning.iterative)
     prune_residual: bool = False
     min_channels: int = 2
+    channel_multiple: int = 8
     zero_threshold: float = 0.005
     stats_per_class: int = 500
     # grouping (t-SNE off: on fmnist_cnn its 2-D class centroids paired Pullover with Bag and
@@ -154,6 +159,8 @@ class DecomposeConfig:
             raise SensaiError(f"--zero-threshold must be >= 0, got {self.zero_threshold}")
         if self.min_channels < 1:
             raise SensaiError(f"--min-channels must be at least 1, got {self.min_channels}")
+        if self.channel_multiple < 1:
+            raise SensaiError(f"--channel-multiple must be at least 1, got {self.channel_multiple}")
         if self.stats_per_class < 1:
             raise SensaiError(f"--stats-per-class must be at least 1, got {self.stats_per_class}")
         if self.features_per_class < 2:
@@ -179,6 +186,7 @@ class DecomposeConfig:
         return PruningPolicy(kind=self.policy, theta1=self.theta1, theta2=self.theta2,
                              keep_fraction=self.keep_fraction, params_fraction=self.params_fraction,
                              min_channels=self.min_channels, shrink=self.shrink,
+                             channel_multiple=self.channel_multiple,
                              allocation=self.allocation)
 
     def retrain_settings(self, n_groups: int):
@@ -411,18 +419,21 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
               force: bool = False, eval_limit: int | None = None,
               retrain_fn: Callable | None = None,
               ray_address: str | None = None,
-              trust_code: bool = False) -> DecompositionManifest:
+              trust_code: bool = False, compile_: bool = False) -> DecompositionManifest:
     """Decompose the model saved in ``model_dir`` into ``groups`` subnets written to ``out_dir``.
 
-    ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: one GPU per task when the
-    cluster has GPUs, chosen by Ray).  ``workers``: subnets retrained at the same time (default:
-    one per GPU, else one per CPU core).  ``use_ray=False`` retrains one after another in this
-    process, as does a machine without Ray; ``ray_address`` names a Ray cluster to retrain on
+    ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: a GPU per task when the
+    cluster has GPUs, chosen by Ray, or a share of one when more tasks run at once than there are
+    GPUs).  ``workers``: subnets retrained at the same time (default: on GPUs every subnet, else
+    one per CPU core).  ``use_ray=False`` retrains in this process: on a GPU ``workers`` at once
+    (a thread and a CUDA stream each), on the CPU one after another, as does a machine without
+    Ray; ``ray_address`` names a Ray cluster to retrain on
     (default: ``RAY_ADDRESS``, else a local instance).  ``trust_code``: the model may be a
     ``package.module:factory`` to import (the operator's consent).  ``eval_limit`` evaluates on
     a stratified subset of the test split.  ``retrain_fn`` replaces
     :func:`pruning.retrain.retrain_state` for in-process runs (same signature), e.g. for a custom
-    training loop.
+    training loop.  ``compile_`` runs each retraining step through ``torch.compile`` (how the
+    subnets are trained, not what they learn: not one of the artifact's settings).
     Raises :class:`SensaiError` for bad input before any long work, and :class:`RetrainFailed`
     (after saving every other subnet) when some subnets could not be retrained.
     """
@@ -442,14 +453,17 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     spec = _resolve_spec(record, data_dir)
     policy = config.pruning_policy()
     schedule = step_policies(policy, config.prune_steps)  # [policy] unless iterative
-    retrain_settings = config.retrain_settings(n_groups)
+    retrain_settings = replace(config.retrain_settings(n_groups), compile=compile_)
     layout = Layout(out_dir)
     fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
                    "dataset": spec.name, "classes": list(spec.classes), "groups": n_groups,
                    "config": config.to_dict()}
-    prepare_out(layout, fingerprint, force, DecomposeConfig().to_dict())
+    prepare_out(layout, fingerprint, force, {**DecomposeConfig().to_dict(), **RECORDED_BEFORE})
     if workers is None:
-        workers = (torch.cuda.device_count() if dev.type == "cuda" else usable_cores()) or 1
+        # On GPUs every subnet at once (several share a GPU: one small subnet leaves it idle
+        # most of the time); on CPUs one per core.
+        workers = (max(torch.cuda.device_count(), n_groups) if dev.type == "cuda"
+                   else usable_cores()) or 1
     stages = Stages(layout.stages)
     example = torch.zeros(1, *spec.input_shape)
     orig_params = count_params(model)
@@ -588,7 +602,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
                                ray_address)
                 else:
                     run_in_process(jobs(), retrain_fn or retrain_state, str(dev), bar, on_done,
-                                   failures)
+                                   failures, at_once=min(workers, len(todo))
+                                   if dev.type == "cuda" else 1)
     stages.run("retrain", time.perf_counter() - t0, bool(todo), done=not failures)
     if failures:
         done = n_groups - len(failures)

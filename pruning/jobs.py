@@ -10,9 +10,13 @@ images of every subnet (done / total, images/s, time left).  In process, the tra
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 import time
-from typing import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Iterator
 
 from tqdm.auto import tqdm
 
@@ -97,18 +101,66 @@ def ray_or_in_process(address: str | None) -> bool:
 
 
 def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str,
-                   progress: RetrainProgress, on_done: Callable, failures: dict[int, str]) -> None:
-    for job in jobs:
+                   progress: RetrainProgress, on_done: Callable, failures: dict[int, str],
+                   at_once: int = 1) -> None:
+    """Retrain the jobs in this process, ``at_once`` at a time: one after another by default;
+    more at once (a thread each, and on CUDA a stream each) share one GPU, whose kernels from
+    the several subnets then overlap where one small subnet alone leaves it idle."""
+    lock = threading.Lock()  # the bar and the files of finished subnets, one thread at a time
+
+    def one(job: dict) -> None:
         g = job.pop("index")
+
+        def report(n: int) -> None:
+            with lock:
+                progress.report(g, n)
+
         try:
-            state, metrics = retrain_fn(**job, device=device,
-                                        progress=lambda n, g=g: progress.report(g, n))
+            with stream_for(device, at_once > 1):
+                state, metrics = retrain_fn(**job, device=device, progress=report)
         except Exception as e:  # one subnet's failure must not lose the others
             log.error("retraining subnet %d failed: %s", g, e)
-            failures[g] = f"{type(e).__name__}: {e}"
+            with lock:
+                failures[g] = f"{type(e).__name__}: {e}"
         else:
-            on_done(g, state, metrics)
-        progress.subnet_finished()
+            with lock:
+                on_done(g, state, metrics)
+        with lock:
+            progress.subnet_finished()
+
+    if at_once <= 1:
+        for job in jobs:
+            one(job)
+        return
+    with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="retrain") as pool:
+        running: set[Future] = set()
+        for job in jobs:  # the jobs come one at a time: at most at_once are in memory
+            if len(running) >= at_once:
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # what on_done raised (a full disk) stops the run, as in series
+            running.add(pool.submit(one, job))
+        for f in running:
+            f.result()
+
+
+def stream_for(device: str, own: bool) -> ContextManager:
+    """A CUDA stream of the thread's own when ``own`` and ``device`` is CUDA, so subnets trained
+    side by side are not ordered one behind the other on the default stream."""
+    if not (own and device.startswith("cuda")):
+        return nullcontext()
+    import torch
+
+    return torch.cuda.stream(torch.cuda.Stream(torch.device(device)))
+
+
+def gpu_share(cluster_gpus: float, at_once: int) -> float:
+    """The GPUs one retraining task asks Ray for so that ``at_once`` tasks run together: a whole
+    GPU each while there are enough, else an equal share of them (at least the 1/10,000 that Ray
+    resolves)."""
+    if cluster_gpus >= at_once:
+        return 1.0
+    return max(1e-4, math.floor(cluster_gpus / max(1, at_once) * 1e4) / 1e4)
 
 
 def retrain_on_node(board, subnet: int, **job) -> tuple[dict, dict]:
@@ -141,8 +193,10 @@ def run_on_ray(jobs: Iterator[dict], workers: int, device: str, progress: Retrai
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
         if device != "cpu" and gpus >= 1:
-            # The task sees only the GPU Ray gave it, so "cuda" there is always the right one.
-            options, task_device, threads = {"num_gpus": 1, "num_cpus": 1}, "cuda", None
+            # The task sees only the GPU Ray gave it, so "cuda" there is always the right one;
+            # with more subnets at once than GPUs, several tasks share one (a process each).
+            options = {"num_gpus": gpu_share(gpus, workers), "num_cpus": 1}
+            task_device, threads = "cuda", None
         else:
             if device.startswith("cuda"):
                 raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")

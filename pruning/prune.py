@@ -205,7 +205,9 @@ class PruningPolicy:
     ``shrink``: the largest keep fraction whose subnet has at most ``1 / shrink`` of the original
     parameters *and* at most ``1 / shrink`` of its multiply-accumulates; ``allocation`` says how
     that fraction is shared out over the layers.
-    No layer ever drops below ``min_channels``.
+    No layer ever drops below ``min_channels``.  A layer that keeps at least ``channel_multiple``
+    channels by ``keep``, ``params`` or ``shrink`` keeps a multiple of it (or all of them): the
+    widths GPU tensor cores and CPU vector units are built for, so no lane computes padding.
     """
 
     kind: Literal["threshold", "keep", "params", "shrink"] = "keep"
@@ -216,6 +218,7 @@ class PruningPolicy:
     min_channels: int = 2
     shrink: float | None = None
     allocation: str = "uniform"
+    channel_multiple: int = 1
 
     def __post_init__(self):
         if self.kind not in POLICY_KINDS:
@@ -241,10 +244,29 @@ class PruningPolicy:
         if (not isinstance(self.min_channels, (int, np.integer)) or isinstance(self.min_channels, bool)
                 or self.min_channels < 1):
             raise ValueError(f"min_channels must be a positive integer, got {self.min_channels!r}")
+        if (not isinstance(self.channel_multiple, (int, np.integer))
+                or isinstance(self.channel_multiple, bool) or self.channel_multiple < 1):
+            raise ValueError(f"channel_multiple must be a positive integer, got "
+                             f"{self.channel_multiple!r}")
+
+    def allowed(self, n: int, channels: int) -> int:
+        """``n`` kept channels of ``channels`` as this policy rounds them: down to a multiple of
+        ``channel_multiple`` once there are that many (never below the floor, all kept stays
+        all).  Only grows with ``n``, which the budget search relies on."""
+        m = self.channel_multiple
+        if n >= channels or n < m:
+            return n
+        return max(m * (n // m), min(self.min_channels, channels))
+
+    def next_width(self, n: int, channels: int) -> int:
+        """The next width above ``n`` that :meth:`allowed` can give (at most ``channels``)."""
+        m = self.channel_multiple
+        return min(channels, n + 1 if n + 1 < m else m * (n // m + 1))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["min_channels"] = int(d["min_channels"])
+        d["channel_multiple"] = int(d["channel_multiple"])
         return d
 
     @classmethod
@@ -322,7 +344,7 @@ def select_channels(layers: Sequence[PrunableLayer], stats: Mapping[str, Channel
             if frac is None or not 0.0 <= frac <= 1.0:
                 raise ValueError(f"keep fraction of {layer.conv!r} must be in [0, 1], got {frac}")
             # The epsilon stops float noise (0.3 * 10 = 3.0000000000000004) from adding a channel.
-            n = min(c, max(floor, math.ceil(frac * c - 1e-9)))
+            n = policy.allowed(min(c, max(floor, math.ceil(frac * c - 1e-9))), c)
             kept = order[:n]
         keep[layer.conv] = np.sort(np.asarray(kept, dtype=np.int64))
     return keep
@@ -495,7 +517,7 @@ def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
             hi = mid
     best = trial(lo)
     if policy.kind == "shrink":
-        best = _fill(layers, stats, best, measured, budget, weights)
+        best = _fill(layers, stats, best, measured, budget, weights, policy)
     (params, macs), pruned, keep = best
     log.info("%s policy: level %.4f -> %d params (budget %.0f), %s MACs (budget %s)", policy.kind,
              lo, params, budget.params, macs, budget.macs)
@@ -503,13 +525,15 @@ def prune_to_policy(model: nn.Module, layers: Sequence[PrunableLayer],
 
 
 def _fill(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats], best: tuple,
-          measured: Callable, budget: SizeBudget, weights: Mapping[str, float]) -> tuple:
-    """Spend what the bisection left of the budget one channel at a time, so it is met as tightly
-    as whole channels allow: a narrow layer's ceil(f * C) moves in big steps (one channel of 16 is
-    6%), which leaves up to a whole step of every budget unused.
+          measured: Callable, budget: SizeBudget, weights: Mapping[str, float],
+          policy: PruningPolicy) -> tuple:
+    """Spend what the bisection left of the budget one width step at a time (a channel, or the
+    policy's channel multiple), so it is met as tightly as the allowed widths allow: a narrow
+    layer's ceil(f * C) moves in big steps (one channel of 16 is 6%), which leaves up to a whole
+    step of every budget unused.
 
-    The layer furthest below its share (kept / (C x weight)) gets the next channel; a layer that
-    cannot take one more never can later, as sizes only grow.
+    The layer furthest below its share (kept / (C x weight)) grows next; a layer that cannot
+    grow any more never can later, as sizes only grow.
     """
     keep = dict(best[2])
     open_ = {layer.conv: layer for layer in layers if len(keep[layer.conv]) < layer.channels}
@@ -517,7 +541,8 @@ def _fill(layers: Sequence[PrunableLayer], stats: Mapping[str, ChannelStats], be
         conv = min(open_, key=lambda c: (len(keep[c]) / (open_[c].channels * max(weights[c], 1e-9)),
                                          c))
         layer = open_[conv]
-        grown = {**keep, conv: np.sort(channel_ranking(layer, stats)[:len(keep[conv]) + 1])}
+        width = policy.next_width(len(keep[conv]), layer.channels)
+        grown = {**keep, conv: np.sort(channel_ranking(layer, stats)[:width])}
         candidate = measured(grown)
         if budget.fits(candidate[0]):
             keep, best = grown, candidate

@@ -28,15 +28,19 @@ import torch
 from torch import nn
 
 from sensai.checkpoint import build_from_weights
-from sensai.data import DatasetSpec, normalize
+from sensai.data import DatasetSpec
 from sensai.errors import SensaiError
-from sensai.learning import augment, fast_layout
+from sensai.feed import DeviceImages, to_device
+from sensai.learning import (StepLosses, fast_layout, mixed_precision, optimizer_options,
+                             step_model, tune_for)
 from sensai.models import classifier_layer, count_params, select_device
 
 from .iterative import group_images, prune_further
 from .prune import PruningPolicy
 
 log = logging.getLogger(__name__)
+
+READ_EVERY = 50  # steps between the loop's checks that the loss is finite (each waits for it)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class RetrainSettings:
     hard_negatives: float = 0.0  # share of negatives drawn by how much the teacher confuses them
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
     seed: int = 0
+    compile: bool = False  # the step through torch.compile (how it runs, not what it learns)
 
     def validate(self) -> "RetrainSettings":
         if self.epochs < 0:
@@ -188,31 +193,36 @@ def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: 
     return np.concatenate([rest, mine], axis=1).astype(np.float32)
 
 
-def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
-                  targets: np.ndarray, spec: DatasetSpec, settings: RetrainSettings, *,
-                  binary: bool, device: torch.device, soft: np.ndarray | None = None,
+def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
+                  targets: np.ndarray, settings: RetrainSettings, *,
+                  binary: bool, soft: np.ndarray | None = None,
                   progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """Fine-tune ``model`` in place on ``images[positions]`` with ``targets``, in the given order.
+    """Fine-tune ``model`` in place on ``images[positions]`` with ``targets``, in the given order,
+    on the device that holds ``images``.
 
-    ``images`` is uint8 ``[M, C, H, W]`` (the distinct images the plan uses; ``positions`` index
-    into it, so repeated positives are not copied).  One epoch is ``settings.samples`` items.
+    ``images`` holds the distinct images the plan uses (``positions`` index into it, so repeated
+    positives are not copied).  One epoch is ``settings.samples`` items.
     ``soft`` (``[M, outputs]``, see :func:`soft_targets`) is needed when ``settings.distill > 0``:
     the loss is then ``(1 - distill) * hard + distill * soft``, both with the same class weights.
     ``progress`` is called after every step with the number of items trained on so far.
     Returns training metrics; raises :class:`SensaiError` if the loss stops being finite.
     """
     settings.validate()
+    device = images.device
     n = len(positions)
     if n != len(targets):
         raise ValueError("positions and targets differ in length")
+    tune_for(device)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     if settings.optimizer == "adam":
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=settings.lr,
-                                                       weight_decay=settings.weight_decay)
+                                                       weight_decay=settings.weight_decay,
+                                                       **optimizer_options(device))
     else:
         opt = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                              nesterov=settings.momentum > 0, weight_decay=settings.weight_decay)
+                              nesterov=settings.momentum > 0, weight_decay=settings.weight_decay,
+                              **optimizer_options(device))
     # Each class of the group weighs as much as all negatives together (sensAI's rebalancing);
     # with the default equal-count sampling these weights are all 1.
     n_targets = 2 if binary else classifier_layer(model)[1].out_features
@@ -226,7 +236,7 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
             # A NaN target turns the first loss into NaN and reads as divergence; say what it is.
             raise ValueError("soft targets are not all finite (teacher logits missing for some "
                              "images)")
-        soft_t = torch.as_tensor(np.asarray(soft, dtype=np.float32))
+        soft_d = to_device(torch.as_tensor(np.asarray(soft, dtype=np.float32)), device)
 
     def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         w = weights[y]
@@ -259,49 +269,48 @@ def retrain_model(model: nn.Module, images: torch.Tensor, positions: np.ndarray,
             return settings.lr * (step + 1) / warm
         return 0.5 * settings.lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
 
+    def check(losses: StepLosses) -> None:
+        bad = losses.check()
+        if bad is not None:
+            raise SensaiError(f"retraining diverged (the loss stopped being finite at step {bad}); "
+                              "lower --lr")
+
     gen = torch.Generator().manual_seed(settings.seed)
-    positions_t = torch.from_numpy(np.asarray(positions, dtype=np.int64))
-    targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64))
+    targets_d = to_device(torch.from_numpy(np.asarray(targets, dtype=np.int64)), device)
     t0 = time.perf_counter()
-    running, seen, recent = 0.0, 0, []
+    losses = StepLosses(total_steps, device)
+    seen = 0
     with fast_layout(model, device) as layout:
-        for step, s in enumerate(range(0, n, settings.batch_size)):
+        forward = step_model(model, settings.compile)
+        for step, b in enumerate(images.epoch(positions, settings.batch_size,
+                                              generator=gen if settings.flip else None)):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            x = images[positions_t[s:s + settings.batch_size]]
-            if settings.flip:
-                x = augment(x, gen)
-            x = layout(normalize(x.to(device), spec))
-            y = targets_t[s:s + settings.batch_size].to(device)
-            q = (soft_t[positions_t[s:s + settings.batch_size]].to(device) if distill > 0
-                 else None)
-            loss = loss_of(model(x), y, q)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise SensaiError(f"retraining diverged (loss {value} at step {step + 1}); "
-                                  "lower --lr")
+            with mixed_precision(device):
+                out = forward(layout(b.x))
+            loss = loss_of(out.float(), targets_d[b.rows], soft_d[b.positions] if distill > 0
+                           else None)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            running += value * len(y)
-            seen += len(y)
-            recent.append(value)
+            losses.add(loss, b.size)
+            seen += b.size
+            if (step + 1) % READ_EVERY == 0:  # the only host waits inside the loop
+                check(losses)
             if progress is not None:
                 progress(seen)
-    calibrated = recalibrate_batchnorm(model, images, positions_t, spec, device,
-                                       batch_size=settings.batch_size)
+    check(losses)
+    calibrated = recalibrate_batchnorm(model, images, positions, batch_size=settings.batch_size)
     model.eval()
-    tail = recent[-max(1, len(recent) // 10):]
-    return {"samples": int(seen), "steps": len(recent), "mean_loss": running / max(1, seen),
-            "final_loss": float(np.mean(tail)) if tail else float("nan"),
+    return {"samples": int(seen), "steps": len(losses), "mean_loss": losses.mean(),
+            "final_loss": losses.tail_mean(0.1),
             "seconds": round(time.perf_counter() - t0, 3), "device": str(device),
             "bn_calibration_images": calibrated}
 
 
 @torch.no_grad()
-def recalibrate_batchnorm(model: nn.Module, images: torch.Tensor, positions: torch.Tensor,
-                          spec: DatasetSpec, device: torch.device, *, batch_size: int = 128,
-                          max_images: int = 2048) -> int:
+def recalibrate_batchnorm(model: nn.Module, images: DeviceImages, positions: np.ndarray, *,
+                          batch_size: int = 128, max_images: int = 2048) -> int:
     """Recompute every batch norm's running mean/var for the current weights.
 
     Pruning removes inputs of the next layers, so the running statistics inherited from the full
@@ -316,14 +325,14 @@ def recalibrate_batchnorm(model: nn.Module, images: torch.Tensor, positions: tor
         return 0
     saved = [(m, m.momentum) for m in bns]
     modes = {m: m.training for m in model.modules()}
-    chosen = positions[:max_images]
+    chosen = np.asarray(positions)[:max_images]
     try:
         for m in bns:
             m.reset_running_stats()
             m.momentum = None
         model.train()
-        for s in range(0, len(chosen), batch_size):
-            model(normalize(images[chosen[s:s + batch_size]].to(device), spec))
+        for b in images.epoch(chosen, batch_size):
+            model(b.x)
     finally:
         for m, momentum in saved:
             m.momentum = momentum
@@ -359,6 +368,7 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
                                trust_code=trust_code)
     spec_o, settings_o = DatasetSpec.from_dict(spec), RetrainSettings(**settings)
     images_t = torch.from_numpy(np.ascontiguousarray(images))
+    held = DeviceImages(images_t, spec_o, dev)
     positions, targets = np.asarray(positions), np.asarray(targets)
     if schedule and prune is None:
         raise ValueError("an iterative schedule needs the pruning settings (prune=...)")
@@ -372,8 +382,8 @@ def retrain_state(arch: str, num_outputs: int, in_channels: int, state: dict[str
                                   PruningPolicy.from_dict(schedule[i - 1]), prune["reference"],
                                   residual=bool(prune["residual"]),
                                   zero_threshold=float(prune["zero_threshold"]))
-        step = retrain_model(model, images_t, positions[part], targets[part], spec_o, settings_o,
-                             binary=binary, device=dev, soft=soft,
+        step = retrain_model(model, held, positions[part], targets[part], settings_o,
+                             binary=binary, soft=soft,
                              progress=None if progress is None else
                              lambda n, before=before: progress(before + n))
         before += len(part)

@@ -6,8 +6,8 @@ both use these, so they live in the core rather than in either stage.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 import torch
@@ -32,11 +32,12 @@ def fast_layout(model: nn.Module, device: torch.device
                 ) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     """Run ``model`` in the memory layout its convolutions run fastest in on ``device``:
     channels-last on CPUs (oneDNN's own layout: no reorder of every activation on the way into
-    and out of each convolution), the default elsewhere.  Yields what puts a batch in that
-    layout; the model is back in the default layout afterwards, for saving, pruning and export.
+    and out of each convolution) and on CUDA (the layout of cuDNN's tensor-core kernels, which
+    bf16 runs on), the default elsewhere.  Yields what puts a batch in that layout; the model is
+    back in the default layout afterwards, for saving, pruning and export.
     Nested (an evaluation inside training), the outer block keeps the layout."""
     params = list(model.parameters())
-    if device.type != "cpu" or any(is_lazy(p) for p in params):  # lazy: no shape to lay out yet
+    if device.type not in ("cpu", "cuda") or any(is_lazy(p) for p in params):  # lazy: no shape
         yield lambda x: x
         return
 
@@ -51,6 +52,77 @@ def fast_layout(model: nn.Module, device: torch.device
         yield to_layout
     finally:
         model.to(memory_format=torch.contiguous_format)
+
+
+def mixed_precision(device: torch.device) -> ContextManager:
+    """Where training runs in bf16: on CUDA (tensor cores; bf16 keeps fp32's range, so no loss
+    scaling), never on the CPU (most have no bf16 arithmetic and would emulate it)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def tune_for(device: torch.device) -> None:
+    """Let cuDNN pick the fastest convolution algorithms for the shapes it meets (the training
+    shapes repeat every step, so the search pays back at once)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def optimizer_options(device: torch.device) -> dict:
+    """One fused kernel per optimizer step on CUDA instead of a few per parameter."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def step_model(model: nn.Module, compile_: bool) -> nn.Module:
+    """What a training step calls: ``model`` itself, or with ``compile_`` the same module
+    through ``torch.compile`` (Inductor fuses each batch norm and ReLU with their neighbours, so
+    a step launches fewer kernels; the parameters stay the model's own).  The first step of each
+    batch shape compiles, for tens of seconds: worth it for long runs only."""
+    return torch.compile(model) if compile_ else model
+
+
+class StepLosses:
+    """Every step's loss, kept on the device so a step never waits for the host to read it.
+
+    :meth:`check` reads the steps recorded since the last check (one host wait per call, made
+    every so many steps) and says whether they were all finite; :meth:`values` reads them all.
+    """
+
+    def __init__(self, steps: int, device: torch.device) -> None:
+        self.losses = torch.zeros(max(1, steps), dtype=torch.float32, device=device)
+        self.sizes: list[int] = []
+        self.checked = 0
+
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        self.losses[len(self.sizes)] = loss.detach().float()
+        self.sizes.append(size)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def check(self) -> int | None:
+        """The first step (1-based) since the last check whose loss is not finite, else None."""
+        end = len(self.sizes)
+        part = self.losses[self.checked:end].cpu().numpy()
+        start, self.checked = self.checked, end
+        bad = np.flatnonzero(~np.isfinite(part))
+        return start + int(bad[0]) + 1 if len(bad) else None
+
+    def values(self) -> np.ndarray:
+        return self.losses[:len(self.sizes)].cpu().numpy().astype(np.float64)
+
+    def mean(self) -> float:
+        """The loss averaged over items (a short last batch weighs less)."""
+        if not self.sizes:
+            return float("nan")
+        sizes = np.asarray(self.sizes, dtype=np.float64)
+        return float((self.values() * sizes).sum() / sizes.sum())
+
+    def tail_mean(self, share: float = 0.1) -> float:
+        """Mean loss of the last ``share`` of the steps (at least one)."""
+        v = self.values()
+        return float(v[-max(1, int(len(v) * share)):].mean()) if len(v) else float("nan")
 
 
 @torch.no_grad()

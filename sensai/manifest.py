@@ -74,8 +74,9 @@ class TrainInfo(_Frozen):
     batch_size: int
     seed: int
     train_limit: int | None = None
+    images_per_epoch: int | None = None  # None: recorded before it was
     device: str
-    seconds: float
+    seconds: float  # training steps only (not the evaluations after each epoch)
     history: list[dict[str, float]] = Field(default_factory=list)
 
 

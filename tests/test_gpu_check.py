@@ -40,9 +40,22 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert json.loads((out / "gpu-check.json").read_text())["runs"]
     # Each step is timed in the log; the GPU tests are not run on a CPU.
     log = (out / "gpu-check.log").read_text()
-    for step in ("train:", "decompose:", "load-sweep:", "load-sweep-n1:", "train-224:",
-                 "decompose-224:", "report:"):
+    for step in ("train:", "decompose:", "decompose-x20-g2:", "decompose-x20-g10:",
+                 "load-sweep:", "load-sweep-n1:", "train-224:", "decompose-224:", "report:"):
         assert f"{step} done in" in log
+    # The offline work: the training, and each decomposition beside the original's accuracy,
+    # the 20x ones at G=2 and G=10 at least 20x smaller.
+    offline = {r["model"]: r for r in json.loads((out / "gpu-check.json").read_text())["offline"]}
+    assert offline["fmnist_cnn"]["work"] == "train 1 epochs"
+    assert float(offline["fmnist_cnn"]["images/s"].replace(",", "")) > 0
+    for name, groups in (("fmnist_cnn_g2", 2), ("fmnist_cnn_g2_x20", 2), ("fmnist_cnn_g10_x20", 10)):
+        row = offline[name]
+        assert row["work"].startswith(f"decompose G={groups}, shrink")
+        assert 0 < float(row["top-1"]) <= 1 and 0 < float(row["original top-1"]) <= 1
+        assert float(row["images/s"].replace(",", "")) > 0
+    assert offline["fmnist_cnn_g10_x20"]["work"] == "decompose G=10, shrink 20"
+    assert float(offline["fmnist_cnn_g10_x20"]["largest subnet (params, MACs)"].split("x")[0]) >= 20
+    assert "## Offline: training and decomposition" in table and "| fmnist_cnn_g10_x20 |" in table
     assert "cores: " in log
     # The load sweeps, with the automatic count of gateway processes and with one: both
     # configurations at every level, answered right, in the table.

@@ -305,6 +305,44 @@ def test_shrink_budget_met_exactly_on_params_and_macs(name, residual, shrink, al
     assert pruned(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
+def test_channel_multiple_widths():
+    p = PruningPolicy("shrink", shrink=10, channel_multiple=8)
+    # Below the multiple any width; from it on, multiples; all kept stays all; the floor holds.
+    assert [p.allowed(n, 64) for n in (1, 2, 7, 8, 15, 16, 63, 64)] == [1, 2, 7, 8, 8, 16, 56, 64]
+    assert p.allowed(19, 20) == 16 and p.allowed(20, 20) == 20
+    assert PruningPolicy(channel_multiple=8, min_channels=10).allowed(12, 64) == 10
+    assert [p.next_width(n, 20) for n in (1, 6, 7, 8, 15, 16)] == [2, 7, 8, 16, 16, 20]
+    assert PruningPolicy().allowed(13, 64) == 13 and PruningPolicy().next_width(13, 64) == 14
+    widths = [p.allowed(n, 100) for n in range(101)]
+    assert widths == sorted(widths)  # the budget search needs widths that only grow
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="channel_multiple"):
+            PruningPolicy(channel_multiple=bad)
+
+
+@pytest.mark.parametrize("name,shrink", [("fmnist_cnn", 10), ("vgg11_bn", 20), ("resnet20", 4)])
+def test_shrink_budget_met_in_multiples_of_8(name, shrink):
+    """Widths a tensor core or a vector unit takes whole, and the budget still spent as tightly
+    as such widths allow: no layer can grow by one more step."""
+    model = _random_model(name)
+    layers = find_prunable(model, X1)
+    stats = _random_stats(layers)
+    params, macs = _size(model)
+    policy = PruningPolicy("shrink", shrink=shrink, channel_multiple=8)
+    pruned, keep = prune_to_policy(model, layers, stats, policy, X1)
+    p, m = _size(pruned)
+    assert params / p >= shrink and macs / m >= shrink
+    for l in layers:
+        n = len(keep[l.conv])
+        assert n < 8 or n % 8 == 0 or n == l.channels, (l.conv, n)
+        if n < l.channels:
+            grown = {**keep, l.conv: np.sort(channel_ranking(l, stats)[:policy.next_width(
+                n, l.channels)])}
+            gp, gm = _size(prune_model(model, grown, X1))
+            assert gp > params / shrink or gm > macs / shrink, l.conv
+    assert pruned(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
 def test_apoz_allocation_gives_a_mostly_dead_layer_less_room():
     """The per-layer budget follows the group's statistics: a layer three quarters of whose
     channels never fire on the group's images keeps a smaller share than under uniform."""

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -123,3 +124,16 @@ def test_pickled_module_is_refused(tmp_path, capsys):
     rc = main(["import", "--model", "fmnist_cnn", "--weights", str(tmp_path / "whole_model.pt"),
                "--no-eval", "--out", str(tmp_path / "x")])
     assert rc == 2 and "weights_only=True" in capsys.readouterr().err
+
+
+def test_training_that_diverges_stops_in_one_line(tmp_path, capsys):
+    """The loss is read every 50 steps, not every step; a run that blows up still stops at the
+    next read, with one line saying what to do, and leaves no model behind."""
+    rc = main(["train", "--lr", "1e12", "--train-limit", "1000", "--batch-size", "16",
+               "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert re.search(r"training diverged \(the loss stopped being finite at step \d+ of the "
+                     r"epoch\); lower --lr", last), last
+    assert not (tmp_path / "x" / "model.json").exists()

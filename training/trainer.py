@@ -8,24 +8,29 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from sensai.checkpoint import load_state_strict, load_weights, save_weights
-from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize, stratified_subset
+from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batches, normalize,
+                         stratified_subset)
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import atomic_path, write_json_atomic
 from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo,
                              save_model_record)
-from sensai.learning import augment, fast_layout, predict_logits, top1
+from sensai.feed import DeviceImages, to_device
+from sensai.learning import (StepLosses, augment, fast_layout, mixed_precision, optimizer_options,
+                             predict_logits, step_model, top1, tune_for)
 from sensai.models import count_params, create_model
 
 log = logging.getLogger(__name__)
 
 STATE_WEIGHTS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
+READ_EVERY = 50  # steps between the loop's reads of the losses (each makes the host wait)
 
 
 def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict) -> None:
@@ -52,6 +57,13 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
     return meta
 
 
+def _check_finite(losses: StepLosses) -> None:
+    bad = losses.check()
+    if bad is not None:
+        raise SensaiError(f"training diverged (the loss stopped being finite at step {bad} of the "
+                          "epoch); lower --lr")
+
+
 def check_warmup(warmup: float) -> None:
     if not 0 <= warmup < 1:
         raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
@@ -73,11 +85,13 @@ def train(
     train_limit: int | None = None,
     device: torch.device = torch.device("cpu"),
     resume: bool = True,
+    compile_: bool = False,
 ) -> ModelRecord:
     """Train ``model_name`` on ``train_set``; writes ``model.safetensors`` + ``model.json``.
 
     After each epoch the weights and optimiser state are saved, so an interrupted run continues
-    from its last finished epoch when called again with the same settings.
+    from its last finished epoch when called again with the same settings.  ``compile_`` runs
+    the step through ``torch.compile`` (see :func:`sensai.learning.step_model`).
     """
     if epochs < 1:
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
@@ -90,7 +104,7 @@ def train(
     # The caller names the architecture itself: its consent to import a factory.
     model = create_model(model_name, spec.num_classes, spec.in_channels, trust_code=True).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
-                          weight_decay=weight_decay)
+                          weight_decay=weight_decay, **optimizer_options(device))
     indices = stratified_subset(train_set.labels, train_limit, seed)
     steps_per_epoch = math.ceil(len(indices) / batch_size)
     total_steps = epochs * steps_per_epoch
@@ -122,32 +136,52 @@ def train(
 
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(seed)
+    tune_for(device)
+    # In-memory splits go to the device once; a folder of files is read batch by batch.
+    held = DeviceImages(train_set.images, spec, device) if isinstance(train_set, TensorImages) else None
+    labels = to_device(torch.from_numpy(train_set.labels), device)
+
+    def batches(epoch: int):
+        order_seed = seed * 1000 + epoch
+        if held is not None:
+            # The order iterate_batches(shuffle=True) gives, the flips augment() draws.
+            order = np.random.default_rng(order_seed).permutation(indices)
+            for b in held.epoch(order, batch_size, generator=gen):
+                yield b.x, labels[b.positions], b.size
+            return
+        for x, y in iterate_batches(train_set, batch_size, indices=indices, shuffle=True,
+                                    seed=order_seed):
+            yield normalize(augment(x, gen).to(device), spec), y.to(device), len(y)
+
     with fast_layout(model, device) as layout:
+        forward = step_model(model, compile_)
         for epoch in range(start_epoch, epochs):
             gen.manual_seed(seed * 1000 + epoch)
             model.train()
             t0 = time.perf_counter()
-            running, seen = 0.0, 0
+            losses = StepLosses(steps_per_epoch, device)
             bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
                        unit="img", leave=False)
-            for i, (x, y) in enumerate(iterate_batches(train_set, batch_size, indices=indices,
-                                                        shuffle=True, seed=seed * 1000 + epoch)):
+            for i, (x, y, size) in enumerate(batches(epoch)):
                 for g in opt.param_groups:
                     g["lr"] = lr_at(epoch * steps_per_epoch + i)
-                x = layout(normalize(augment(x, gen).to(device), spec))
-                loss = loss_fn(model(x), y.to(device))
+                with mixed_precision(device):
+                    loss = loss_fn(forward(layout(x)), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                running += loss.item() * len(y)
-                seen += len(y)
-                bar.update(len(y))
-                bar.set_postfix(loss=f"{running / seen:.3f}")
+                losses.add(loss, size)
+                bar.update(size)
+                if (i + 1) % READ_EVERY == 0:  # the only host waits inside an epoch
+                    _check_finite(losses)
+                    bar.set_postfix(loss=f"{losses.mean():.3f}")
             bar.close()
+            _check_finite(losses)
             seconds += time.perf_counter() - t0
+            mean_loss = losses.mean()
             acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
-            history.append({"epoch": epoch + 1, "loss": running / max(1, seen), "test_top1": acc})
-            log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, running / max(1, seen), acc)
+            history.append({"epoch": epoch + 1, "loss": mean_loss, "test_top1": acc})
+            log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, mean_loss, acc)
             _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
                                               seconds=seconds))
 
@@ -159,7 +193,8 @@ def train(
         test_top1=final_acc,
         train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, warmup=warmup,
                         batch_size=batch_size,
-                        seed=seed, train_limit=train_limit, device=str(device), seconds=round(seconds, 2),
+                        seed=seed, train_limit=train_limit, images_per_epoch=len(indices),
+                        device=str(device), seconds=round(seconds, 2),
                         history=history),
     )
     save_model_record(out, record)

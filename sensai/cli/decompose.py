@@ -73,6 +73,10 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
                         "additions (sensAI prunes only inside blocks; default: off)")
     g.add_argument("--min-channels", type=int, default=d.min_channels,
                    help="never keep fewer channels in a layer (default: %(default)s)")
+    g.add_argument("--channel-multiple", type=int, default=d.channel_multiple,
+                   help="a pruned layer keeping at least this many channels keeps a multiple of "
+                        "it, the widths GPU tensor cores and CPU vector units work in "
+                        "(default: %(default)s; 1 = any width)")
     g.add_argument("--zero-threshold", type=float, default=d.zero_threshold,
                    help="|activation| counted as zero for APoZ (default: %(default)s)")
     g.add_argument("--stats-per-class", type=int, default=d.stats_per_class,
@@ -109,10 +113,14 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
     g.add_argument("--workers", type=int, default=None,
-                   help="subnets retrained at once (default: one per GPU, else one per CPU core)")
+                   help="subnets retrained at once (default: on GPUs all of them, sharing "
+                        "the GPUs; on CPUs one per core)")
+    g.add_argument("--compile", action="store_true",
+                   help="run each retraining step through torch.compile (fewer, fused kernels; "
+                        "each subnet compiles for tens of seconds first)")
     g.add_argument("--no-ray", action="store_true",
-                   help="retrain the subnets one after another in this process (what a "
-                        "machine without Ray does)")
+                   help="retrain the subnets in this process: on a GPU --workers at once, on "
+                        "the CPU one after another (what a machine without Ray does)")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: RAY_ADDRESS, "
                         "else a local instance)")
@@ -136,7 +144,7 @@ def cmd_decompose(args) -> int:
         theta2=args.theta2, params_fraction=args.params_fraction, shrink=args.shrink,
         allocation=args.allocation, prune_steps=args.prune_steps,
         prune_residual=args.prune_residual,
-        min_channels=args.min_channels,
+        min_channels=args.min_channels, channel_multiple=args.channel_multiple,
         zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
         use_tsne=args.tsne, features_per_class=args.features_per_class,
         retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
@@ -146,6 +154,7 @@ def cmd_decompose(args) -> int:
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=args.workers,
+                         compile_=args.compile,
                          use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit,
                          ray_address=args.ray_address, trust_code=args.trust_model_code)
     ev = manifest.evaluation

@@ -44,6 +44,9 @@ def register(sub) -> None:
     p.add_argument("--train-limit", type=int, default=None,
                    help="train on at most this many images (stratified), for quick runs")
     p.add_argument("--no-resume", action="store_true", help="ignore an unfinished run in --out")
+    p.add_argument("--compile", action="store_true",
+                   help="run the training step through torch.compile (fewer, fused kernels; "
+                        "compiling takes tens of seconds first)")
     add_device_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_train)
@@ -84,7 +87,8 @@ def cmd_train(args) -> int:
     record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
                    lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-                   train_limit=args.train_limit, device=device, resume=not args.no_resume)
+                   train_limit=args.train_limit, device=device, resume=not args.no_resume,
+                   compile_=args.compile)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
           f"{Path(args.out) / 'model.json'}")
