@@ -269,12 +269,6 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
             return settings.lr * (step + 1) / warm
         return 0.5 * settings.lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
 
-    def check(losses: StepLosses) -> None:
-        bad = losses.check()
-        if bad is not None:
-            raise SensaiError(f"retraining diverged (the loss stopped being finite at step {bad}); "
-                              "lower --lr")
-
     gen = torch.Generator().manual_seed(settings.seed)
     targets_d = to_device(torch.from_numpy(np.asarray(targets, dtype=np.int64)), device)
     t0 = time.perf_counter()
@@ -296,10 +290,10 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
             losses.add(loss, b.size)
             seen += b.size
             if (step + 1) % READ_EVERY == 0:  # the only host waits inside the loop
-                check(losses)
+                losses.stop_if_diverged("retraining")
             if progress is not None:
                 progress(seen)
-    check(losses)
+    losses.stop_if_diverged("retraining")
     calibrated = recalibrate_batchnorm(model, images, positions, batch_size=settings.batch_size)
     model.eval()
     return {"samples": int(seen), "steps": len(losses), "mean_loss": losses.mean(),

@@ -16,6 +16,7 @@ from torch.nn.parameter import is_lazy
 from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
+from sensai.errors import SensaiError
 
 
 def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -108,6 +109,13 @@ class StepLosses:
         start, self.checked = self.checked, end
         bad = np.flatnonzero(~np.isfinite(part))
         return start + int(bad[0]) + 1 if len(bad) else None
+
+    def stop_if_diverged(self, what: str) -> None:
+        """:meth:`check`, raising the one-line :class:`SensaiError` a user acts on."""
+        bad = self.check()
+        if bad is not None:
+            raise SensaiError(f"{what} diverged (the loss stopped being finite at step {bad}); "
+                              "lower --lr")
 
     def values(self) -> np.ndarray:
         return self.losses[:len(self.sizes)].cpu().numpy().astype(np.float64)

@@ -134,6 +134,6 @@ def test_training_that_diverges_stops_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert re.search(r"training diverged \(the loss stopped being finite at step \d+ of the "
-                     r"epoch\); lower --lr", last), last
+    assert re.search(r"training \(epoch 1\) diverged \(the loss stopped being finite at step "
+                     r"\d+\); lower --lr", last), last
     assert not (tmp_path / "x" / "model.json").exists()

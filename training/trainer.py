@@ -57,13 +57,6 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
     return meta
 
 
-def _check_finite(losses: StepLosses) -> None:
-    bad = losses.check()
-    if bad is not None:
-        raise SensaiError(f"training diverged (the loss stopped being finite at step {bad} of the "
-                          "epoch); lower --lr")
-
-
 def check_warmup(warmup: float) -> None:
     if not 0 <= warmup < 1:
         raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
@@ -138,8 +131,10 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     tune_for(device)
     # In-memory splits go to the device once; a folder of files is read batch by batch.
-    held = DeviceImages(train_set.images, spec, device) if isinstance(train_set, TensorImages) else None
-    labels = to_device(torch.from_numpy(train_set.labels), device)
+    held = labels = None
+    if isinstance(train_set, TensorImages):
+        held = DeviceImages(train_set.images, spec, device)
+        labels = to_device(torch.from_numpy(train_set.labels), device)
 
     def batches(epoch: int):
         order_seed = seed * 1000 + epoch
@@ -173,10 +168,10 @@ def train(
                 losses.add(loss, size)
                 bar.update(size)
                 if (i + 1) % READ_EVERY == 0:  # the only host waits inside an epoch
-                    _check_finite(losses)
+                    losses.stop_if_diverged(f"training (epoch {epoch + 1})")
                     bar.set_postfix(loss=f"{losses.mean():.3f}")
             bar.close()
-            _check_finite(losses)
+            losses.stop_if_diverged(f"training (epoch {epoch + 1})")
             seconds += time.perf_counter() - t0
             mean_loss = losses.mean()
             acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
