@@ -156,11 +156,13 @@ def stream_for(device: str, own: bool) -> ContextManager:
 
 def gpu_share(cluster_gpus: float, at_once: int) -> float:
     """The GPUs one retraining task asks Ray for so that ``at_once`` tasks run together: a whole
-    GPU each while there are enough, else an equal share of them (at least the 1/10,000 that Ray
-    resolves)."""
+    GPU each while there are enough, else the share of one GPU that lets the tasks on the
+    busiest GPU fit (a task never spans GPUs: 3 tasks on 2 GPUs get half of one each), rounded
+    down to the 1/10,000 that Ray resolves."""
     if cluster_gpus >= at_once:
         return 1.0
-    return max(1e-4, math.floor(cluster_gpus / max(1, at_once) * 1e4) / 1e4)
+    per_gpu = math.ceil(at_once / max(1.0, math.floor(cluster_gpus)))
+    return max(1e-4, math.floor(1e4 / per_gpu) / 1e4)
 
 
 def retrain_on_node(board, subnet: int, **job) -> tuple[dict, dict]:

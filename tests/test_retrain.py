@@ -133,6 +133,8 @@ def test_gpu_share_lets_every_subnet_run_at_once():
 
     assert gpu_share(1, 1) == 1.0 and gpu_share(4, 2) == 1.0 and gpu_share(2, 2) == 1.0
     assert gpu_share(1, 2) == 0.5 and gpu_share(1, 10) == 0.1 and gpu_share(2, 10) == 0.2
+    # A task never spans GPUs: three on two share them two and one, half a GPU each.
+    assert gpu_share(2, 3) == 0.5 and gpu_share(4, 6) == 0.5
     # Ray resolves 1/10,000 of a GPU: shares are rounded down to that, so they always fit.
     assert gpu_share(1, 3) == 0.3333 and 3 * gpu_share(1, 3) <= 1
     assert gpu_share(1, 100_000) == 1e-4
