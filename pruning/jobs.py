@@ -21,6 +21,7 @@ from typing import Callable, ContextManager, Iterator
 from tqdm.auto import tqdm
 
 from sensai.errors import SensaiError
+from sensai.models import device_for_worker
 from sensai.optional import installed, require
 from sensai.raycluster import connect, error_text
 
@@ -104,11 +105,12 @@ def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str,
                    progress: RetrainProgress, on_done: Callable, failures: dict[int, str],
                    at_once: int = 1) -> None:
     """Retrain the jobs in this process, ``at_once`` at a time: one after another by default;
-    more at once (a thread each, and on CUDA a stream each) share one GPU, whose kernels from
-    the several subnets then overlap where one small subnet alone leaves it idle."""
+    more at once run a thread each, and on CUDA a stream each on the GPUs in turn (``cuda``
+    with two GPUs: jobs 0, 2, 4... on the first), so the subnets on one GPU overlap their
+    kernels where one small subnet alone leaves it idle."""
     lock = threading.Lock()  # the bar and the files of finished subnets, one thread at a time
 
-    def one(job: dict) -> None:
+    def one(job: dict, device: str) -> None:
         g = job.pop("index")
 
         def report(n: int) -> None:
@@ -130,16 +132,16 @@ def run_in_process(jobs: Iterator[dict], retrain_fn: Callable, device: str,
 
     if at_once <= 1:
         for job in jobs:
-            one(job)
+            one(job, device)
         return
     with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="retrain") as pool:
         running: set[Future] = set()
-        for job in jobs:  # the jobs come one at a time: at most at_once are in memory
+        for k, job in enumerate(jobs):  # one at a time: at most at_once are in memory
             if len(running) >= at_once:
                 done, running = wait(running, return_when=FIRST_COMPLETED)
                 for f in done:
                     f.result()  # what on_done raised (a full disk) stops the run, as in series
-            running.add(pool.submit(one, job))
+            running.add(pool.submit(one, job, device_for_worker(k, device)))
         for f in running:
             f.result()
 
