@@ -40,8 +40,6 @@ from .prune import PruningPolicy
 
 log = logging.getLogger(__name__)
 
-READ_EVERY = 50  # steps between the loop's checks that the loss is finite (each waits for it)
-
 
 @dataclass(frozen=True)
 class RetrainSettings:
@@ -289,7 +287,7 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
             opt.step()
             losses.add(loss, b.size)
             seen += b.size
-            if (step + 1) % READ_EVERY == 0:  # the only host waits inside the loop
+            if losses.read_due():  # the only host waits inside the loop
                 losses.stop_if_diverged("retraining")
             if progress is not None:
                 progress(seen)

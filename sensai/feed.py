@@ -25,6 +25,12 @@ def flips(n: int, generator: torch.Generator) -> torch.Tensor:
     return torch.rand(n, generator=generator) < 0.5
 
 
+def mirror(images: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """``images`` with the rows where ``flip`` is true mirrored left to right; no data-dependent
+    branch, so on a device the host never waits for it."""
+    return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without the host waiting for the copy (pinned first on CUDA)."""
     if device.type == "cuda":
@@ -56,11 +62,11 @@ class DeviceImages:
         return len(self.images)
 
     def input(self, positions: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
-        """Network input for ``images[positions]``, mirrored where ``flip``: the operations of
-        ``augment`` then ``normalize``, with no data-dependent branch (so no host wait)."""
+        """Network input for ``images[positions]``, mirrored where ``flip``: ``augment`` then
+        ``normalize``, with the normalisation's constants made once, on the device."""
         x = self.images[positions]
         if flip is not None:
-            x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
+            x = mirror(x, flip)
         return (x.to(torch.float32).div_(255.0) - self.mean) / self.std
 
     def epoch(self, positions: np.ndarray | torch.Tensor, batch_size: int, *,

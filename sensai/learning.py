@@ -17,15 +17,12 @@ from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
+from sensai.feed import flips, mirror
 
 
 def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Random horizontal flips of a uint8 batch (cheap, and right for clothes and CIFAR objects)."""
-    flip = torch.rand(images.shape[0], generator=generator) < 0.5
-    if flip.any():
-        images = images.clone()
-        images[flip] = images[flip].flip(-1)
-    return images
+    return mirror(images, flips(images.shape[0], generator))
 
 
 @contextmanager
@@ -87,8 +84,11 @@ class StepLosses:
     """Every step's loss, kept on the device so a step never waits for the host to read it.
 
     :meth:`check` reads the steps recorded since the last check (one host wait per call, made
-    every so many steps) and says whether they were all finite; :meth:`values` reads them all.
+    when :meth:`read_due` says) and says whether they were all finite; :meth:`values` reads
+    them all.
     """
+
+    READ_EVERY = 50  # steps between reads: each makes the host wait for the device
 
     def __init__(self, steps: int, device: torch.device) -> None:
         self.losses = torch.zeros(max(1, steps), dtype=torch.float32, device=device)
@@ -101,6 +101,10 @@ class StepLosses:
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def read_due(self) -> bool:
+        """Whether the loop should read the losses now (every ``READ_EVERY`` steps)."""
+        return len(self.sizes) % self.READ_EVERY == 0
 
     def check(self) -> int | None:
         """The first step (1-based) since the last check whose loss is not finite, else None."""

@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 STATE_WEIGHTS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
-READ_EVERY = 50  # steps between the loop's reads of the losses (each makes the host wait)
 
 
 def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict) -> None:
@@ -167,7 +166,7 @@ def train(
                 opt.step()
                 losses.add(loss, size)
                 bar.update(size)
-                if (i + 1) % READ_EVERY == 0:  # the only host waits inside an epoch
+                if losses.read_due():  # the only host waits inside an epoch
                     losses.stop_if_diverged(f"training (epoch {epoch + 1})")
                     bar.set_postfix(loss=f"{losses.mean():.3f}")
             bar.close()
