@@ -5,13 +5,19 @@
 
 ``report`` reads every ``bench.json`` under CHECK_DIR (one per artifact and runtime), prints one
 table (p50/p99 per strategy and transport, each subnet's CUDA-graph replay, the accuracy and the
-targets), then one line per load sweep (CHECK_DIR/load: the automatic count of gateway
-processes; CHECK_DIR/load-n1: one) with the GPU's mean busy share over it (its gpu-util.csv, from
-nvidia-smi) and the machine's cores, appends each sweep's own report (load.md) and writes it all
-to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json, with a last table of the offline work
-(every training and decomposition under CHECK_DIR/models: seconds, images/s, accuracy).  Whatever is missing (a step skipped past
-the deadline or failed, as gpu-check.log says) is a row or a line of the table, never an error:
-the table always comes.
+targets), then the load sweeps of gpu-check.sh's step 3 (CHECK_DIR/load: the automatic count of
+gateway processes, the GPU waited for by spinning; CHECK_DIR/load-sleep: the same, waited for by
+sleeping; CHECK_DIR/load-n1: one gateway process): one row per sweep and configuration (its best
+closed-loop level, its overload, the GPU's mean busy share over the whole step from its
+gpu-util.csv, nvidia-smi's, and the machine's cores), then one row per closed-loop level of every
+sweep and configuration (answers/s, p50/p99, each subnet's rows per batch, the device processes'
+and the gateways' CPU per answer, the GPU's busy share over that level), appends each sweep's own
+report (load.md) and writes it all to CHECK_DIR/gpu-check.md and CHECK_DIR/gpu-check.json (the
+per-level rows as data under ``levels``), with a last table of the offline work (every training
+and decomposition under CHECK_DIR/models: seconds, images/s, accuracy).  Whatever is missing (a
+step skipped past the deadline, cut at its cap or failed, as gpu-check.log says; a figure an
+older bench-load did not record) is a row, a line or a "-" of the table, never an error: the
+table always comes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import re
 import sys
 from pathlib import Path
 
+from sensai.bench.load_measures import gpu_busy
 from sensai.bench.names import label
 from sensai.bench.render import fmt, md_table
 from sensai.bench.targets import all_checks
@@ -58,14 +65,18 @@ def rows_of(path: Path, run: dict) -> list[list[str]]:
     return rows
 
 
-# The sweeps of step 3: folder, step name (in gpu-check.log), label.
+# The sweeps of step 3, in the order they run: folder, step name (in gpu-check.log), label.
 SWEEPS = (("load", "load-sweep", "gateway processes: auto"),
+          ("load-sleep", "load-sweep-sleep", "gateway processes: auto, GPU wait: sleep"),
           ("load-n1", "load-sweep-n1", "gateway processes: 1"))
 BENCH_HEADER = ["run", "model", "input", "runtime", "strategy", "transport", "p50 ms", "p99 ms",
                 "graph replay ms (slowest worker)", "top-1 (bench images)"]
 SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at in flight",
                 "p50 ms", "p99 ms", "overload goodput 200/s", "client cores",
                 "machine busy cores", "GPU busy (mean, max)"]
+LEVEL_HEADER = ["sweep", "configuration", "gpu_wait", "in flight", "answers/s", "p50 ms", "p99 ms",
+                "rows per batch (each subnet)", "device processes CPU ms/answer",
+                "gateways CPU ms/answer", "GPU busy (mean)"]
 OFFLINE_HEADER = ["model", "work", "seconds", "images/s", "top-1", "original top-1", "points",
                   "largest subnet (params, MACs)"]
 STEP_LINE = re.compile(r"^\[gpu-check \d+s\] (\S+): (SKIPPED .*|FAILED .*|done in .*)$")
@@ -112,22 +123,14 @@ def why_missing(step: str, steps: dict[str, str], what: str) -> str:
 
 
 def gpu_util(path: Path) -> dict | None:
-    """nvidia-smi's utilization.gpu samples (one percentage a line, one line per GPU per
-    sample): their mean and maximum; None where the file is absent (no nvidia-smi)."""
+    """nvidia-smi's utilization.gpu samples in ``path`` (gpu-check.sh's, over a whole step):
+    how many, their mean and maximum, and the file; None where the file is absent (no
+    nvidia-smi)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return None
-    values = []
-    for line in text.splitlines():
-        try:
-            values.append(float(line.rsplit(",", 1)[-1].strip().rstrip("%").strip()))
-        except ValueError:
-            continue  # [N/A], a header, a message
-    if not values:
-        return {"samples": 0, "mean_pct": None, "max_pct": None, "csv": str(path)}
-    return {"samples": len(values), "mean_pct": round(sum(values) / len(values), 1),
-            "max_pct": max(values), "csv": str(path)}
+    return {**gpu_busy(text), "csv": str(path)}
 
 
 def util_text(util: dict | None) -> str:
@@ -160,6 +163,71 @@ def sweep_rows(label_: str, result: dict, util: dict | None) -> list[list[str]]:
                      fmt(best and best.get("client_cores")),
                      fmt(best and best.get("machine_busy_cores")), util_text(util)])
     return rows
+
+
+def level_data(folder: str, gpu_wait, key: str, r: dict) -> dict:
+    """One closed-loop level of a sweep's configuration, as gpu-check.json records it: None
+    where load.json has no such figure (an older bench-load, no nvidia-smi, no batching)."""
+    lat = r.get("latency_ok_ms") or {}
+    cpu = r.get("server_cpu") or {}
+    busy = r.get("gpu_busy") or {}
+    batching = r.get("batching") or []
+    return {"sweep": folder, "configuration": key, "gpu_wait": gpu_wait,
+            "in_flight": r.get("concurrency"), "answers_per_s": r.get("throughput_rps"),
+            "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"),
+            "rows_per_batch": [{"subnet": w.get("name"), "rows_per_batch": w.get("rows_per_batch"),
+                                "batches": w.get("batches"), "requests": w.get("requests"),
+                                "rows": w.get("rows")}
+                               for w in batching if isinstance(w, dict)] or None,
+            "device_processes": cpu.get("workers_processes"),
+            # Where the subnets run inside the gateways, there are no device processes to count.
+            "device_cpu_ms_per_answer": (cpu.get("workers_ms_per_answer")
+                                         if cpu.get("workers_processes") else None),
+            "gateway_cpu_ms_per_answer": cpu.get("gateway_ms_per_answer"),
+            "gpu_busy_mean_pct": busy.get("mean_pct"), "gpu_busy_samples": busy.get("samples")}
+
+
+def level_cells(d: dict) -> list[str]:
+    """A level's row of gpu-check.md."""
+    per = d.get("rows_per_batch")
+    device = d.get("device_cpu_ms_per_answer")
+    busy = d.get("gpu_busy_mean_pct")
+    return [d["sweep"], d["configuration"], fmt(d.get("gpu_wait")), fmt(d.get("in_flight")),
+            fmt(d.get("answers_per_s"), 1), fmt(d.get("p50_ms")), fmt(d.get("p99_ms")),
+            " / ".join(fmt(w["rows_per_batch"], 1) for w in per) if per else "-",
+            fmt(device, 3) if device is not None else
+            ("- (in the gateways)" if d.get("device_processes") == 0 else "-"),
+            fmt(d.get("gateway_cpu_ms_per_answer"), 3),
+            "-" if busy is None else f"{busy:.0f} %"]
+
+
+def level_rows(folder: str, result: dict) -> tuple[list[list[str]], list[dict]]:
+    """A row per closed-loop level of every configuration of a sweep (a configuration that did
+    not run, or a level load.json cannot tell, is a row saying so), and the same as data."""
+    gpu_wait = ((result.get("settings") or {}).get("gateway") or {}).get("gpu_wait")
+    cells, data = [], []
+    for key, c in (result.get("configs") or {}).items():
+        if not isinstance(c, dict) or not isinstance(c.get("levels"), list):
+            why = (c.get("skipped") if isinstance(c, dict) else None) or "no levels"
+            cells.append([folder, f"{key}: not run, {why}", fmt(gpu_wait),
+                          *["-"] * (len(LEVEL_HEADER) - 3)])
+            data.append({"sweep": folder, "configuration": key, "gpu_wait": gpu_wait,
+                         "why": f"not run, {why}"})
+            continue
+        for r in c["levels"]:
+            try:
+                d = level_data(folder, gpu_wait, key, r)
+                row = level_cells(d)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                why = f"unreadable level: {type(e).__name__}: {e}"
+                cells.append([folder, f"{key}: {why}", fmt(gpu_wait),
+                              *["-"] * (len(LEVEL_HEADER) - 3)])
+                data.append({"sweep": folder, "configuration": key, "gpu_wait": gpu_wait,
+                             "why": why})
+                continue
+            cells.append(row)
+            data.append(d)
+    return cells, data
 
 
 def demoted(md: str, title_prefix: str) -> str:
@@ -270,7 +338,7 @@ def report(check: Path) -> int:
                      *["-"] * (len(BENCH_HEADER) - 2)])
         missing.append({"part": "bench", "why": "no bench.json"})
 
-    sweep_table, sweeps, appendix = [], [], []
+    sweep_table, sweeps, appendix, level_table, levels = [], [], [], [], []
     for folder, step, label_ in SWEEPS:
         d = check / folder
         util = gpu_util(d / "gpu-util.csv")
@@ -291,10 +359,24 @@ def report(check: Path) -> int:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 sweep_table.append([label_, "-", f"unreadable load.json: {type(e).__name__}: {e}",
                                     *["-"] * 7, util_text(util)])
+            try:
+                cells, data = level_rows(folder, result)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                why = f"unreadable load.json: {type(e).__name__}: {e}"
+                cells, data = [[folder, why, *["-"] * (len(LEVEL_HEADER) - 2)]], \
+                    [{"sweep": folder, "why": why}]
+            if not cells:
+                cells, data = [[folder, "load.json has no configurations",
+                                *["-"] * (len(LEVEL_HEADER) - 2)]], \
+                    [{"sweep": folder, "why": "load.json has no configurations"}]
+            level_table += cells
+            levels += data
         else:
             why = entry.get("why") or why_missing(step, steps, "load.json")
             entry["why"] = why
             sweep_table.append([label_, "-", why, *["-"] * 7, util_text(util)])
+            level_table.append([folder, why, *["-"] * (len(LEVEL_HEADER) - 2)])
+            levels.append({"sweep": folder, "why": why})
             missing.append({"part": folder, "step": step, "why": why})
         if (d / "load.md").is_file():
             appendix.append(demoted((d / "load.md").read_text(errors="replace"), label_))
@@ -308,11 +390,19 @@ def report(check: Path) -> int:
             + "\n## Under load\n\n"
             f"Cores: {fmt(cores['usable'])} usable (nproc), {fmt(cores['all'])} in all "
             f"(from {cores['source']}).  Each sweep: `sensai bench-load --sweep` of the "
-            "decomposed artifact (class-parallel) and of the original behind the same gateway "
-            "(single); best closed-loop level by 200/s; GPU busy: nvidia-smi's utilization.gpu "
-            "every 0.5 s over the whole step (the gateways' start-ups included; - where nvidia-smi "
-            "is not there or the step did not start).\n\n"
+            "decomposed artifact (class-parallel), in the first beside the original behind the "
+            "same gateway (single); best closed-loop level by 200/s; GPU busy: nvidia-smi's "
+            "utilization.gpu every 0.5 s over the whole step (the gateways' start-ups included; - "
+            "where nvidia-smi is not there or the step did not start).\n\n"
             + md_table(SWEEP_HEADER, sweep_table) + "\n"
+            + "\n### Each level\n\n"
+            "Sweep: its folder under the check (load: gateway processes auto; load-sleep: the "
+            "same, the GPU waited for by sleeping; load-n1: one gateway process).  Rows per batch: "
+            "each subnet's (device process's) rows over its batches during the level; CPU "
+            "ms/answer: the device processes' and the gateways' CPU time over the level per "
+            "answer; GPU busy: nvidia-smi's utilization.gpu over the level, sampled every 0.2 s "
+            "(- where a figure was not recorded).\n\n"
+            + md_table(LEVEL_HEADER, level_table) + "\n"
             + "\n## Offline: training and decomposition\n\n"
             + (md_table(OFFLINE_HEADER, offline) if offline else
                f"No model.json or manifest.json under {check / 'models'}.") + "\n"
@@ -322,6 +412,7 @@ def report(check: Path) -> int:
     write_text_atomic(check / "gpu-check.md", text)
     write_json_atomic(check / "gpu-check.json",
                       {"runs": summary, "load_json": sweeps[0]["load_json"], "sweeps": sweeps,
+                       "levels": levels,
                        "cores": cores, "steps": steps, "missing": missing,
                        "offline": [dict(zip(OFFLINE_HEADER, r)) for r in offline]})
     print(text)

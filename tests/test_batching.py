@@ -25,7 +25,7 @@ from sensai.serving.core.messages import Batching, Done, Output, Run, RunFailed,
 from sensai.serving.core.settings import GatewaySettings, load_settings
 from sensai.serving.launch.build import build_predictor
 from sensai.serving.launch.triton_repo import export_triton_repo
-from sensai.serving.workers.loop import Stop, WorkerCore
+from sensai.serving.workers.loop import Stop, WorkerCore, per_request
 from sensai.serving.workers.runners import runner_specs
 from tests.helpers import (local_ray, offline_scores, predict_all, sample_images, start_gateway,
                            wait_until)
@@ -76,7 +76,7 @@ def serve_queued(core: WorkerCore, runs) -> list:
     for r in [*runs, Stop()]:
         q.put(r)
     events = []
-    core.serve(q, events.append)
+    core.serve(q, per_request(events.append))
     return events
 
 
@@ -122,8 +122,9 @@ def test_skipped_malformed_and_failing_requests_leave_their_batch_mates_unharmed
             Run(5, x[5:6, :, :27, :27], (0, 1), 2),  # a wrong shape: cannot be stacked
             Run(6, x[6:7], (0, 1), 2)]
     events = serve_queued(core, runs)
-    # Batch 1-4 without the skipped 2 fails on 3, then runs one by one; 5 alone; 6 alone.
-    assert rec[0].calls == [3, 1, 1, 1, 1, 1]
+    # One batch: 1, 3, 4 and 6 without the skipped 2 stacked, 5 (rows of another shape) in a
+    # call of its own; the stack fails on 3, so its requests run again one by one.
+    assert rec[0].calls == [4, 1, 1, 1, 1, 1]
     for req, i in ((1, 0), (4, 4), (6, 6)):
         got = outputs_of(events, req)
         for g in (0, 1):
@@ -134,7 +135,8 @@ def test_skipped_malformed_and_failing_requests_leave_their_batch_mates_unharmed
     assert not outputs_of(events, 2)
     assert {e.req: e.skipped for e in events if type(e) is Done} == \
         {1: 0, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0}
-    assert core.counts.largest == 4 and core.counts.held == 0
+    assert core.counts.largest == 6 and core.counts.held == 0
+    assert core.group_counts[0].largest == 4  # the stack of 1, 3, 4 and 6
 
 
 def test_a_lone_run_waits_for_company_only_when_a_delay_is_set(runners, images):
@@ -150,8 +152,8 @@ def test_a_lone_run_waits_for_company_only_when_a_delay_is_set(runners, images):
     assert (len(batch), held, ahead) == (1, 1, None)  # it waited, and nobody came
     q.put(Run(2, x[1:2], (0, 1), 2))
     q.put(Stop())
-    core.run(batch, events.append)
-    core.serve(q, events.append)
+    core.run(batch, per_request(events.append))
+    core.serve(q, per_request(events.append))
     assert [e.req for e in events if type(e) is Done] == [1, 2]
 
 
@@ -238,7 +240,12 @@ def test_a_failing_or_expiring_request_fails_alone(tiny_artifact, images, reques
         good = res[:8] + res[10:]
         for i, p in zip([*range(8), *range(9, 16)], good):
             np.testing.assert_allclose(p.scores[0], images["offline"][i], atol=ATOL)
-        c = batching(pred, 16 + 1)
+        # A subnet counts the requests it computed: the expired one only where its skip came
+        # too late.
+        wait_until(lambda: pred.pool.counters()["batching"]["requests"] >= 5 * 16, 30,
+                   "the workers' counters")
+        c = pred.pool.counters()["batching"]
+        assert 5 * 16 <= c["requests"] <= 5 * 17
         assert c["largest"] > 1 and c["held"] > 0  # they did share batches
     finally:
         pred.shutdown()

@@ -22,8 +22,11 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import device_for_worker, select_device
 from sensai.raycluster import LOOPBACK, cluster_resources
-from sensai.serving.engine.plan import worker_devices
+from sensai.serving.core.settings import CPU_BATCH_ROWS, GPU_BATCH_ROWS, GatewaySettings
+from sensai.serving.engine.plan import class_parallel_plan, worker_devices
+from sensai.serving.launch.fleet import device_plans
 from sensai.serving.transports.ray_actors import actor_class, actor_resources
+from sensai.serving.workers.graphs import buckets_up_to
 from sensai.serving.workers.runners import runner_specs
 
 FAKE_GPUS = 4
@@ -83,6 +86,35 @@ def test_cuda_without_a_gpu_is_a_one_line_error(gpus, tiny_artifact):
                                               r"cuda or cuda:N\)$"):
             select_device(device)
     assert device_for_worker(4, "cpu") == "cpu"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_device_processes_are_one_per_gpu_with_gpu_sized_batches(gpus, tiny_artifact, tmp_path,
+                                                                 n):
+    """Several gateway processes: the subnets of one GPU share its device process, which
+    batches up to the GPU's default rows with CUDA graphs up to that size; on CPUs each worker
+    has its own, batching the CPU's default; the simulated GPU holds every subnet in one."""
+    gpus(n)
+    artifact = load_artifact(tiny_artifact)
+    g = len(artifact.subnets)
+    plan = class_parallel_plan(artifact, GatewaySettings(device="auto"))
+    devices, addresses = device_plans(plan, tmp_path)
+    assert [p.device for p in devices] == [f"cuda:{i}" for i in range(n)]
+    assert [sorted(gr for gr, _ in p.hosted) for p in devices] == \
+        [[w for w in range(g) if w % n == i] for i in range(n)]
+    assert len(set(addresses.values())) == n and len(addresses) == g
+    assert plan.batching.max_rows == GPU_BATCH_ROWS
+    assert {spec.batch_rows for p in devices for _, spec in p.hosted} == {GPU_BATCH_ROWS}
+    assert buckets_up_to(GPU_BATCH_ROWS)[-1] == GPU_BATCH_ROWS
+    sim = class_parallel_plan(artifact, GatewaySettings(device="cpu", runtime="sim"))
+    devices, _ = device_plans(sim, tmp_path)
+    assert len(devices) == 1 and len(devices[0].hosted) == g
+    assert sim.batching.max_rows == GPU_BATCH_ROWS
+    cpu = class_parallel_plan(artifact, GatewaySettings(device="cpu"))
+    devices, _ = device_plans(cpu, tmp_path)
+    assert len(devices) == g and cpu.batching.max_rows == CPU_BATCH_ROWS
+    fixed = class_parallel_plan(artifact, GatewaySettings(device="auto", batch_max_rows=16))
+    assert fixed.batching.max_rows == 16
 
 
 @pytest.fixture(scope="module")

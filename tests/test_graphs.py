@@ -15,7 +15,8 @@ from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.core.errors import GraphCaptureError
 from sensai.serving.workers.graphs import (GraphRunner, bucket_for,
                                            buckets_up_to, check_buckets)
-from sensai.serving.workers.runners import TorchRunner, resolve_runtime, runner_specs, torch_runner
+from sensai.serving.workers.runners import (TorchRunner, launch, resolve_runtime, runner_specs,
+                                            torch_runner, wait_all)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -70,6 +71,28 @@ def test_static_buffers_answer_like_eager(subnet, fmnist_test, batch):
     assert not np.allclose(again[0], got[0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert runner.replay_ms(repeats=3) > 0
+
+
+def test_launches_stage_several_requests_into_one_bucket_and_answer_each(subnet, fmnist_test):
+    """A batch given as several requests' rows is staged into the bucket in order (one pass);
+    two launches of one bucket in a row each get their own rows back (the first is read out
+    before the second overwrites the pinned buffers); wait_all waits for all at once."""
+    model, shape = subnet
+    runner = GraphRunner(model, device="cpu", input_shape=shape, buckets=(1, 4),
+                         capture=eager_capture, name="g0")
+    x = np.stack([fmnist_test[i][0].numpy() for i in range(4)]).astype(np.float32)
+    want = TorchRunner(model, device="cpu").run(x)
+    first = launch(runner, [x[0:1], x[1:3]])  # 3 rows: bucket 4
+    second = launch(runner, [x[3:4], x[0:1], x[2:3]])  # bucket 4 again
+    wait_all([first, second])
+    np.testing.assert_allclose(first.result(), want[0:3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second.result(), want[[3, 0, 2]], rtol=1e-5, atol=1e-5)
+    wrong = launch(runner, [x[:, :, :27, :27]])
+    with pytest.raises(ValueError):
+        wrong.result()
+    big = launch(runner, [x, x[:2]])  # more rows than the largest bucket: in chunks
+    np.testing.assert_allclose(big.result(), np.concatenate([want, want[:2]]), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_capture_failure_is_one_clear_error(subnet):

@@ -71,6 +71,37 @@ def test_the_gate_is_fifo_refuses_beyond_its_line_and_passes_places_on():
     asyncio.run(go())
 
 
+def test_a_share_of_the_places_with_the_whole_line():
+    """One of several gateway processes: two places of its own, a line of eight (the server's):
+    ten requests admitted, the eleventh refused; once the line stands and overflows, only a
+    free place admits."""
+    lim = AdaptiveLimit(2, None, line=8)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        far = loop.time() + 60
+        places = [place(lim) for _ in range(10)]
+        assert all(p is not None for p in places) and place(lim) is None
+        for p in places[:2]:
+            await lim.acquire(p, far)
+        waiters = [asyncio.ensure_future(lim.acquire(p, far)) for p in places[2:]]
+        await asyncio.sleep(STANDING_S * 1.5)
+        assert lim.active == 2 and lim.waiting == 8
+        assert place(lim) is None and lim.standing  # stood and overflowed
+        lim.release(places[0], answered=True)  # a place frees up, taken by the line's first
+        await asyncio.sleep(0)
+        assert lim.active == 2 and place(lim) is None  # no room: the line must drain first
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        for p in places[1:3]:
+            lim.release(p, answered=True)
+        assert lim.active == 0 and lim.waiting == 0
+        assert place(lim) is not None  # a free place admits, standing or not
+
+    asyncio.run(go())
+
+
 def test_a_waiter_that_leaves_takes_no_place_with_it():
     """One waiter's deadline passes, another is cancelled just as its place is granted, a third
     request fails before it ever asks for its place: none keeps one, and the next gets in."""

@@ -22,11 +22,11 @@ from typing import Any, Sequence
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.models import select_device
-from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.settings import MODEL_RUNTIMES, GatewaySettings
 from sensai.serving.core.wakeup import check_mode, keep_cores_awake
 from sensai.serving.gateway.server import run_like_the_gateway
 from sensai.serving.launch.tritonserver import TRITON_HINT, find_tritonserver
-from sensai.serving.workers.runners import RUNTIMES, resolve_runtime, runner_specs
+from sensai.serving.workers.runners import resolve_runtime, runner_specs
 
 from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
@@ -58,7 +58,7 @@ def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requ
               ("--requests", requests, 1), ("--threads", threads, 1), ("--rounds", rounds, 1),
               ("isolated_images", isolated_images, 0)),
         choices=(("strategy", strategies, STRATEGIES), ("transports", transports, TRANSPORTS),
-                 ("runtime", [runtime], RUNTIMES), ("backend", backends, BENCH_BACKENDS),
+                 ("runtime", [runtime], MODEL_RUNTIMES), ("backend", backends, BENCH_BACKENDS),
                  ("peer", peers or [PEERS[0]], PEERS)))
     if len(set(backends)) < len(backends):
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")

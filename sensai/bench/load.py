@@ -37,9 +37,9 @@ from sensai.serving.launch.build import free_ports
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
-from .load_measures import (RssSampler, busy_cores, check_health, machine_cpu_seconds,
-                            phase_report, process_cores, rss_growth, scrape_metrics, server_cpu,
-                            server_split, server_view, worker_pids)
+from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health,
+                            machine_cpu_seconds, phase_report, process_cores, rss_growth,
+                            scrape_metrics, server_cpu, server_split, server_view, worker_pids)
 from .load_report import plot, render_markdown
 from .machine import (peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss,
                       split_cores)
@@ -164,6 +164,12 @@ class LoadOptions:
         return HttpClientProcess(*args, cores=split_cores(self.client_cores)[1])
 
 
+def reference_runtime(gs: GatewaySettings) -> str:
+    """How offline evaluation computes the answers to check: as the gateway does where it
+    simulates a GPU (the sim runtime answers from its inputs, not the model), else the model."""
+    return "sim" if gs.runtime == "sim" else "auto"
+
+
 def request_timeout(gs: GatewaySettings) -> float:
     """How long a client waits for an answer: past the gateway's own deadline and body
     timeout, so the gateway's answer (a 503) is what the client sees, not its own timeout."""
@@ -232,7 +238,7 @@ def burst_image(artifact, spec, gs: GatewaySettings) -> tuple[bytes, dict[str, A
     Image.new("RGBA", (side, side), (200, 100, 50, 255)).save(buf, "PNG")
     png = buf.getvalue()
     x = decode_image(png, spec, pixels, budget)
-    expected = int(offline_reference(artifact, [x]).argmax(1)[0])
+    expected = int(offline_reference(artifact, [x], runtime=reference_runtime(gs)).argmax(1)[0])
     return png, {"width": side, "height": side, "mode": "RGBA", "png_bytes": len(png),
                  "decoded_bytes": side * side * 4, "expected": expected}
 
@@ -314,13 +320,18 @@ class LoadRun:
         tree_of = getattr(self.gateway, "pid", None)
         workers = worker_pids(self.gateway.url) if tree_of is not None else set()
         split_before = server_cpu(tree_of, workers)
+        gpu = GpuSampler()
+        gpu.start()
         cpu, threads, t_cpu = machine_cpu_seconds(), process_cpu_seconds(pid), time.monotonic()
         outs = self.drive(name, plans, seconds)
         elapsed = time.monotonic() - t_cpu
         busy = busy_cores(cpu, elapsed)
+        gpu_busy = gpu.stop()
         threads_after, split_after = process_cpu_seconds(pid), server_cpu(tree_of, workers)
         rep = phase_report(outs, t0=self.t0, bin_s=self.sample_s)
         rep["machine_busy_cores"] = busy
+        if gpu_busy is not None:
+            rep["gpu_busy"] = gpu_busy
         rep["gateway_cpu"] = process_cores(threads, threads_after, elapsed)
         rep["server_cpu"] = server_split(split_before, split_after, elapsed,
                                          rep["throughput_rps"])
@@ -444,7 +455,8 @@ def run_load_bench(
 
     clients, overload_factor = options.clients, options.overload_factor
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs,
+                                                  runtime=reference_runtime(gs)).argmax(1)]
     timeout_s = request_timeout(gs)
     settings = {
         "backend": gs.backend, "concurrency": concurrency, "clients": clients,

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from collections import Counter
 from typing import Any, Sequence
@@ -54,6 +57,58 @@ class RssSampler:
         self.samples.append(s)
         self.next_due = now + self.period_s
         return s
+
+
+def gpu_busy(text: str) -> dict[str, Any]:
+    """nvidia-smi's utilization.gpu samples (one percentage a line, one line per GPU per
+    sample): how many, their mean and maximum."""
+    values = []
+    for line in text.splitlines():
+        try:
+            values.append(float(line.rsplit(",", 1)[-1].strip().rstrip("%").strip()))
+        except ValueError:
+            continue  # [N/A], a header, a message
+    if not values:
+        return {"samples": 0, "mean_pct": None, "max_pct": None}
+    return {"samples": len(values), "mean_pct": round(sum(values) / len(values), 1),
+            "max_pct": max(values)}
+
+
+class GpuSampler:
+    """The GPU's busy share over a phase: nvidia-smi sampling every ``period_ms`` between
+    :meth:`start` and :meth:`stop` (None where there is no nvidia-smi)."""
+
+    def __init__(self, period_ms: int = 200):
+        self.period_ms = period_ms
+        self.exe = shutil.which("nvidia-smi")
+        self.proc: subprocess.Popen | None = None
+        self.file = None
+
+    def start(self) -> None:
+        if self.exe is None:
+            return
+        self.file = tempfile.TemporaryFile(mode="w+")
+        try:
+            self.proc = subprocess.Popen(
+                [self.exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-lms", str(self.period_ms)], stdout=self.file, stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+
+    def stop(self) -> dict[str, Any] | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        self.file.seek(0)
+        text = self.file.read()
+        self.file.close()
+        return gpu_busy(text)
 
 
 def machine_cpu_seconds() -> float | None:

@@ -26,7 +26,7 @@ from sensai.errors import CheckpointError, SensaiError
 from .client import HttpClientProcess
 from .gateway_process import served, sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
-from .load import LoadOptions, LoadRun, overload_cap, request_timeout
+from .load import LoadOptions, LoadRun, overload_cap, reference_runtime, request_timeout
 from .load_single import original_as_artifact
 from .machine import split_cores
 from .load_sweep_report import plot, render_markdown
@@ -104,12 +104,40 @@ def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
     return row
 
 
-def batching_counters(url: str) -> list[dict] | None:
+COUNTERS = ("batches", "requests", "rows", "largest", "held", "mixed")
+
+
+def batching_counters(url: str, asks: int = 1) -> list[dict] | None:
     """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
-    workers do not batch, as the Ray Serve application's replicas may not)."""
-    workers = (served(url).get("predictor") or {}).get("workers") or []
-    return [{"name": w.get("name"), **w["batching"]} for w in workers
-            if isinstance(w, dict) and w.get("batching")] or None
+    workers do not batch, as the Ray Serve application's replicas may not).  With several
+    gateway processes each knows a device process's counters as of its own last request there:
+    ``asks`` questions on connections of their own (the kernel spreads them), the largest
+    figure of each kept."""
+    best: dict[str, dict] = {}
+    for _ in range(max(1, asks)):
+        workers = (served(url).get("predictor") or {}).get("workers") or []
+        for w in workers:
+            if not (isinstance(w, dict) and w.get("batching")):
+                continue
+            seen = best.setdefault(w.get("name"), {"name": w.get("name"), **w["batching"]})
+            for k in COUNTERS:
+                seen[k] = max(seen.get(k) or 0, w["batching"].get(k) or 0)
+    return list(best.values()) or None
+
+
+def rows_per_batch(before: list[dict] | None, after: list[dict] | None) -> list[dict] | None:
+    """Each worker's (subnet's) batches over a level: rows, requests and batches, and rows per
+    batch (from its counters before and after)."""
+    if not after:
+        return None
+    was = {w["name"]: w for w in before or []}
+    out = []
+    for w in after:
+        b = was.get(w["name"], {})
+        d = {k: (w.get(k) or 0) - (b.get(k) or 0) for k in ("batches", "requests", "rows")}
+        d["rows_per_batch"] = round(d["rows"] / d["batches"], 2) if d["batches"] > 0 else None
+        out.append({"name": w["name"], **d})
+    return out
 
 
 class Sweep:
@@ -134,8 +162,15 @@ class Sweep:
         rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
         if self.warmup_s > 0:
             run.closed(f"{key}: warm-up", self.warmup_s)
-        rep["levels"] = [level_row(run.closed(f"{key}: {c} in flight", self.level_s, c),
-                                   self.usable_cores) for c in self.levels]
+        asks = 2 * self.gs.gateway_processes()
+        rep["levels"] = []
+        for c in self.levels:
+            before = batching_counters(server.url, asks) if gateway else None
+            row = level_row(run.closed(f"{key}: {c} in flight", self.level_s, c),
+                            self.usable_cores)
+            if gateway:
+                row["batching"] = rows_per_batch(before, batching_counters(server.url, asks))
+            rep["levels"].append(row)
         noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
                        timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
                        progress=self.progress, request={"transport": "live"}, metrics=False)
@@ -153,7 +188,7 @@ class Sweep:
             rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
                                "no closed loop answered, so there is no rate to multiply"}
         if gateway:
-            rep["batching"] = batching_counters(server.url)
+            rep["batching"] = batching_counters(server.url, asks)
         return rep
 
     def gateway(self, key: str, root: Path, env: dict[str, str],
@@ -227,6 +262,9 @@ def run_load_sweep(
             for key in {"single", "triton"} & set(configs):
                 results[key] = {"label": CONFIG_LABELS[key],
                                 "skipped": f"needs the original model: {e}"}
+    if "triton" in configs and "triton" not in results and gs.runtime == "sim":
+        results["triton"] = {"label": CONFIG_LABELS["triton"],
+                             "skipped": "the sim runtime simulates sensai's own workers only"}
     if "triton" in configs and "triton" not in results:
         reason = unavailable("triton")
         if reason:
@@ -234,8 +272,10 @@ def run_load_sweep(
                                  "skipped": " ".join(reason.split())}
     transport = sweep_transport(configs, transport, "triton" not in results)
 
-    expected = [int(i) for i in offline_reference(artifact, imgs.xs).argmax(1)]
-    expected_original = ([int(i) for i in offline_reference(original, imgs.xs).argmax(1)]
+    reference = reference_runtime(gs)
+    expected = [int(i) for i in offline_reference(artifact, imgs.xs, runtime=reference).argmax(1)]
+    expected_original = ([int(i) for i in offline_reference(original, imgs.xs,
+                                                            runtime=reference).argmax(1)]
                          if original is not None else None)
     settings = {
         "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
@@ -251,6 +291,8 @@ def run_load_sweep(
                     "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
                     "batch_delay_us": gs.batch_delay_us,
                     "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "sim_launch_ms": gs.sim_launch_ms if gs.runtime == "sim" else None,
+                    "gpu_wait": gs.gpu_wait,
                     "device": gs.device, "gateway_processes": gs.gateway_processes()},
         "gateway_env": gateway_env, "config_env": CONFIG_ENV,
     }

@@ -12,7 +12,8 @@ from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_fig
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
                 "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)",
-                "server CPU ms/answer: gateways (workers)"]
+                "server CPU ms/answer: gateways (workers)", "rows per batch (each subnet)",
+                "GPU busy"]
 OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
                    "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
                    "p99 ms (503)", "other", "client cores", "machine busy cores",
@@ -30,7 +31,20 @@ def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
-            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r)]
+            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r),
+            rows_per_batch(r), gpu_busy(r)]
+
+
+def rows_per_batch(r: dict) -> str:
+    """Each worker's (subnet's) rows per batch over a level."""
+    per = [w.get("rows_per_batch") for w in r.get("batching") or []]
+    return " / ".join(fmt(v) for v in per) if per else "-"
+
+
+def gpu_busy(r: dict) -> str:
+    """The GPU's mean busy share over a level (nvidia-smi), where there is one."""
+    g = r.get("gpu_busy")
+    return "-" if not g or g.get("mean_pct") is None else f"{g['mean_pct']:.0f} %"
 
 
 def cpu_per_answer(r: dict) -> str:
@@ -148,7 +162,13 @@ def render_markdown(result: dict) -> str:
         "answered, split into its subnet workers' processes (device processes with several "
         "gateway processes, in brackets) and the rest (the gateway processes, and the parent "
         "that watches them); \"in the gateway\": the workers are threads of the gateway's "
-        "process, so its figure holds the subnets' compute.",
+        "process, so its figure holds the subnets' compute.  Rows per batch: each subnet's "
+        "image rows over its batches during the level (from the workers' counters before and "
+        "after it; a device process's as its gateway processes last heard them).  GPU busy: "
+        "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one)."
+        + (f"  The sim runtime: a simulated GPU, {g['sim_launch_ms']:g} ms per launch whatever "
+           "its rows; answers checked against the simulation's own offline."
+           if g.get("runtime") == "sim" else ""),
         "",
         "## Targets",
         "",

@@ -34,11 +34,11 @@ from sensai.raycluster import alive_nodes, local_raylet_pid
 from sensai.serving.core.errors import ServingError
 from sensai.serving.core.faults import parse_delay
 from sensai.serving.core.placement import check_redundancy
-from sensai.serving.core.settings import GatewaySettings, load_settings
+from sensai.serving.core.settings import MODEL_RUNTIMES, GatewaySettings, load_settings
 from sensai.serving.engine.predictor import ClassParallelPredictor
 from sensai.serving.gateway.server import run_like_the_gateway
 from sensai.serving.launch.build import build_predictor
-from sensai.serving.workers.runners import RUNTIMES, runner_specs
+from sensai.serving.workers.runners import runner_specs
 
 from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
                       progress_bar, quiet_gc)
@@ -73,7 +73,7 @@ def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay
         numbers=(*(("--hedge-ms", h, True) for h in hedges),
                  ("--interval-ms", interval_ms, True)),
         choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], ROBUST_BACKENDS),
-                 ("runtime", [runtime], RUNTIMES)))
+                 ("runtime", [runtime], MODEL_RUNTIMES)))
     parse_delay(delay)
     for name, v in (("--straggler", straggler), ("--victim", victim)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:

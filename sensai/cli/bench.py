@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
-from sensai.serving.core.settings import RUNTIMES
+from sensai.serving.core.settings import MODEL_RUNTIMES, RUNTIMES
 from sensai.serving.core.wakeup import MODES
 
 from .train import add_device_arg
@@ -115,7 +115,7 @@ def _worker_args(p) -> None:
                         "reported")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every worker's runner (default: %(default)s)")
-    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
+    p.add_argument("--runtime", choices=MODEL_RUNTIMES, default="auto",
                    help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where a "
                         "network cannot be captured); torch: eager (default: %(default)s)")
     add_device_arg(p)
@@ -293,6 +293,13 @@ def load_args(p) -> None:
     p.add_argument("--env", action="append", default=[], metavar="SENSAI_NAME=VALUE",
                    help="another gateway setting for the gateway's environment, e.g. "
                         "SENSAI_REDUNDANCY=1 (repeatable)")
+    p.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="the gateway's runtime, as 'sensai serve --runtime' (SENSAI_RUNTIME); "
+                        "sim: a simulated GPU (a fixed time per launch, every subnet in one "
+                        "device process), every answer checked against the simulation's own "
+                        "(default: the gateway's, auto)")
+    p.add_argument("--sim-launch-ms", type=float, default=None, metavar="MS",
+                   help="--runtime sim: the time per launch (SENSAI_SIM_LAUNCH_MS; default: 0.3)")
     p.add_argument("--concurrency", "-c", type=int, default=16,
                    help="soak (and warm-up): requests always in flight (default: %(default)s)")
     p.add_argument("--clients", type=int, default=2,
@@ -364,7 +371,10 @@ def cmd_bench_load(args) -> int:
 
     options = LoadOptions(
         backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
-        max_predictions=args.max_predictions, env=parse_env(args.env),
+        max_predictions=args.max_predictions, env=parse_env(args.env) | {
+            name: str(value) for name, value in (("SENSAI_RUNTIME", args.runtime),
+                                                 ("SENSAI_SIM_LAUNCH_MS", args.sim_launch_ms))
+            if value is not None},
         startup_timeout_s=args.startup_timeout, clients=args.clients,
         client_cores=args.client_cores, overload_factor=args.overload_factor,
         retry_after=not args.ignore_retry_after,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from sensai.errors import SensaiError
+from sensai.serving.core.settings import MODEL_RUNTIMES
 from sensai.serving.core.wakeup import keep_cores_awake
 
 from .serve import add_host_args, add_runtime_args, setting_flags, settings_from
@@ -34,7 +35,7 @@ def add_predict_args(p) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help=f"send the image this many more times (after {WARMUP} warm-up requests, "
                         "as sensai bench) and print latency percentiles to stderr")
-    add_runtime_args(p)
+    add_runtime_args(p, MODEL_RUNTIMES)
     add_host_args(p)
     p.set_defaults(func=cmd_predict, flags=setting_flags(p), warmup=WARMUP)
 

@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import (BACKENDS, LOG_LEVELS, RUNTIMES, GatewaySettings,
-                                          load_settings)
+from sensai.serving.core.settings import (BACKENDS, GPU_WAITS, LOG_LEVELS, RUNTIMES,
+                                          GatewaySettings, load_settings)
 from sensai.serving.core.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ REPOSITORY_RAY_SHARE = 0.5
 # still apply; ``setting_flags`` reads the flag of each field back from the parser.
 
 
-def add_runtime_args(p: argparse.ArgumentParser) -> None:
+def add_runtime_args(p: argparse.ArgumentParser, runtimes=RUNTIMES) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="where the workers run: local (threads of this process, the default), "
                         "processes (one per worker), ray (actors on a Ray cluster), triton (a "
@@ -42,9 +42,19 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
                         "(default: auto)")
-    p.add_argument("--runtime", choices=RUNTIMES, default=None,
+    p.add_argument("--runtime", choices=runtimes, default=None,
                    help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where a "
-                        "network cannot be captured); torch: eager (default: auto)")
+                        "network cannot be captured); torch: eager"
+                        + ("; sim: a simulated GPU, a fixed time per launch whatever the rows "
+                           "(--sim-launch-ms), every subnet in one device process, answers "
+                           "that are not the model's: for measuring the serving path"
+                           if "sim" in runtimes else "") + " (default: auto)")
+    if "sim" in runtimes:
+        p.add_argument("--sim-launch-ms", dest="sim_launch_ms", type=float, default=None,
+                       metavar="MS", help="--runtime sim: time per launch (default: 0.3)")
+    p.add_argument("--gpu-wait", dest="gpu_wait", choices=GPU_WAITS, default=None,
+                   help="how a worker waits for its GPU's batch: spin (answers sooner, keeps "
+                        "a core busy) or sleep (default: spin)")
     p.add_argument("--threads", dest="threads_per_worker", type=int, default=None, metavar="N",
                    help="intra-op threads per subnet (default: 1)")
     p.add_argument("--trust-model-code", action="store_true", default=None,
@@ -133,7 +143,9 @@ def register(sub) -> None:
         "batching", "A worker runs the requests it finds waiting as one batch "
                     "(deploy/README.md, 'Micro-batching').")
     g.add_argument("--batch-max-rows", dest="batch_max_rows", type=int, default=None,
-                   metavar="N", help="most image rows in one batch (1: no batching; default: 8)")
+                   metavar="N", help="most image rows of one subnet in one batch (1: no "
+                                     "batching; default: 8 on CPUs, 128 on GPUs and --runtime "
+                                     "sim)")
     g.add_argument("--batch-delay-us", dest="batch_delay_us", type=float, default=None,
                    metavar="US", help="how long a request may wait for company (default: 0, "
                                       "only what is queued already is batched)")

@@ -6,11 +6,15 @@ compute these groups of a request, or none of it), :class:`Fault` (fault injecti
 :class:`Ping`, :class:`Shutdown`; when it starts, its :class:`Batching`.  From a worker:
 :class:`Output`, :class:`RunFailed`, :class:`Done` (the request's run is over, with the worker's
 :class:`BatchCounts`), :class:`Pong`, and while starting :class:`Ready` or :class:`StartFailed`.
+Inside a worker the loop speaks per batch - :class:`Outputs` (one launch's rows for many
+requests) and :class:`Dones` - which :func:`each` splits into the per-request events where a
+transport carries those.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -52,25 +56,27 @@ class Batching:
 
 @dataclass(frozen=True, slots=True)
 class BatchCounts:
-    """A worker's batching so far (since it started): the batches it ran (a run alone counts
-    as a batch of one), the requests they held, the most requests in one, how many requests
-    were held back waiting for company (never any when the delay is 0), and the batches that
-    held requests of more than one gateway process (a device process's)."""
+    """A worker's batching so far (since it started), as one subnet saw it: the batches it ran
+    (a run alone counts as a batch of one), the requests they held and their image rows, the
+    most requests in one; and of the worker's loop, how many requests were held back waiting
+    for company (never any when the delay is 0), and the batches that held requests of more
+    than one gateway process (a device process's)."""
 
     batches: int = 0
     requests: int = 0
     largest: int = 0
     held: int = 0
     mixed: int = 0
+    rows: int = 0
 
     def __add__(self, other: "BatchCounts") -> "BatchCounts":
         return BatchCounts(self.batches + other.batches, self.requests + other.requests,
                            max(self.largest, other.largest), self.held + other.held,
-                           self.mixed + other.mixed)
+                           self.mixed + other.mixed, self.rows + other.rows)
 
     def as_dict(self) -> dict:
         return {"batches": self.batches, "requests": self.requests, "largest": self.largest,
-                "held": self.held, "mixed": self.mixed}
+                "held": self.held, "mixed": self.mixed, "rows": self.rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,50 @@ class Done:
     req: int
     skipped: int
     counts: BatchCounts | None = None  # the worker's batching, as of this request's batch
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """One launch of group ``group``: requests ``reqs`` in order, ``sizes[i]`` rows each, their
+    rows stacked in ``out``; ``ms``: the launch's time in the worker."""
+
+    group: int
+    reqs: Sequence[int]
+    out: np.ndarray
+    sizes: Sequence[int]
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dones:
+    """Requests ``reqs`` are over in this worker, ``skipped[i]`` of their groups skipped.
+    ``counts``: each subnet's batching (group -> counts) as of their batch; a request's Done
+    carries its first group's (``firsts[i]``)."""
+
+    reqs: Sequence[int]
+    skipped: Sequence[int]
+    firsts: Sequence[int]
+    counts: Mapping[int, BatchCounts]
+
+
+def each(event) -> Iterator["Output | RunFailed | Done"]:
+    """A loop's event as the per-request events a transport carries."""
+    kind = type(event)
+    if kind is Outputs:
+        group, out, ms = event.group, event.out, event.ms
+        if len(event.reqs) == 1:
+            yield Output(event.reqs[0], group, out, ms)
+            return
+        at = 0
+        for req, n in zip(event.reqs, event.sizes):
+            yield Output(req, group, out[at:at + n], ms)
+            at += n
+    elif kind is Dones:
+        counts = event.counts
+        for req, skipped, first in zip(event.reqs, event.skipped, event.firsts):
+            yield Done(req, skipped, counts.get(first))
+    else:
+        yield event
 
 
 @dataclass(frozen=True, slots=True)

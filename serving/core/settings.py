@@ -22,8 +22,15 @@ from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# How a subnet runs: see serving/workers/runners.py (auto picks per device).
-RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")
+# How a subnet runs: see serving/workers/runners.py (auto picks per device; sim: a simulated GPU).
+MODEL_RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")  # those that compute the model
+RUNTIMES = (*MODEL_RUNTIMES, "sim")
+GPU_WAITS = ("spin", "sleep")
+# The most rows of a worker's batch by default: on a CPU a batch costs in proportion to its rows,
+# so a few amortise the per-call overhead; on a GPU (and its simulation) a launch costs about the
+# same up to a few hundred rows, so the batch holds whatever waits.
+CPU_BATCH_ROWS = 8
+GPU_BATCH_ROWS = 128
 ENV_PREFIX = "SENSAI_"
 # Backends whose workers can run in device processes shared by several gateway processes, and
 # the automatic count of those: a gateway process wants a core of its own, the device processes
@@ -91,9 +98,12 @@ class GatewaySettings(BaseSettings):
         None, gt=0, description="while the event loop runs this late, new requests get 503 at "
                                 "once (default: a quarter of the deadline, at most 0.25 s)")
     max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
-    batch_max_rows: int = Field(8, ge=1, description="most image rows a worker runs as one batch "
-                                "of the requests it finds waiting (1: one request at a time; "
-                                "a larger v2 batch still runs whole, alone)")
+    batch_max_rows: int | None = Field(
+        None, ge=1, description="most image rows a worker runs as one batch of each subnet, of "
+                                "the requests it finds waiting (1: one request at a time; a "
+                                "larger v2 batch still runs whole, alone; default: "
+                                f"{CPU_BATCH_ROWS} on CPUs, {GPU_BATCH_ROWS} on GPUs and the "
+                                "sim runtime)")
     batch_delay_us: float = Field(0.0, ge=0, description="how long a worker may hold a request "
                                   "back waiting for company (0: it batches only what is queued "
                                   "already, a request alone never waits)")
@@ -107,6 +117,12 @@ class GatewaySettings(BaseSettings):
     runtime: str = Field("auto", pattern=f"^({'|'.join(RUNTIMES)})$",
                          description="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    gpu_wait: str = Field("spin", pattern=f"^({'|'.join(GPU_WAITS)})$",
+                          description="how a worker waits for its GPU's batch: spin (answers "
+                                      "sooner, keeps a core busy) or sleep (leaves the core to "
+                                      "others); either holds no interpreter lock")
+    sim_launch_ms: float = Field(0.3, ge=0, description="--runtime sim: the simulated GPU's time "
+                                 "per launch, whatever its rows")
     trust_model_code: bool = Field(False, description="allow the torch runtime to import an "
                                    "architecture the manifest names as package.module:factory")
     ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
@@ -234,6 +250,12 @@ PROXY_HELD = {
 # The backends whose workers take injected faults (tests, benchmark): Triton owns its model
 # instances, and a Serve application's replicas are built from its arguments alone.
 FAULTS_ON = ("local", "processes", "ray")
+
+
+def default_batch_rows(device: str, runtime: str) -> int:
+    """The most rows of a batch on ``device`` with (resolved) ``runtime`` by default."""
+    gpu_like = str(device).startswith("cuda") or runtime == "sim"
+    return GPU_BATCH_ROWS if gpu_like else CPU_BATCH_ROWS
 
 
 def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None = None, *,

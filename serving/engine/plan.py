@@ -22,7 +22,7 @@ from sensai.models import device_for_worker
 from ..core.faults import DelaySpec, Faults
 from ..core.messages import Batching
 from ..core.placement import Placement
-from ..core.settings import GatewaySettings
+from ..core.settings import CPU_BATCH_ROWS, GatewaySettings, default_batch_rows
 from ..workers.runners import RunnerSpec, runner_specs
 
 # How long a worker may take to load its subnets, and to answer a health probe after a restart.
@@ -61,7 +61,12 @@ class ServingPlan:
 
     def __post_init__(self) -> None:
         s = self.settings
-        object.__setattr__(self, "batching", Batching(s.batch_max_rows, s.batch_delay_us))
+        rows = s.batch_max_rows
+        if rows is None:  # the default of the device the workers run on
+            first = next((spec for wp in self.workers for spec in wp.specs), None)
+            rows = (default_batch_rows(first.device, first.resolved_runtime()) if first
+                    else CPU_BATCH_ROWS)
+        object.__setattr__(self, "batching", Batching(rows, s.batch_delay_us))
 
     @property
     def hang_timeout_s(self) -> float | None:
@@ -80,7 +85,8 @@ def subnet_specs(artifact: Artifact, settings: GatewaySettings, *, device: str |
     backend fixes instead, e.g. the CPU where the worker picks its own device)."""
     return runner_specs(artifact, device=device or settings.device,
                         runtime=runtime or settings.runtime, threads=settings.threads_per_worker,
-                        trust_code=settings.trust_model_code, batch_rows=settings.batch_max_rows)
+                        trust_code=settings.trust_model_code, batch_rows=settings.batch_max_rows,
+                        gpu_wait=settings.gpu_wait, sim_launch_ms=settings.sim_launch_ms)
 
 
 def class_parallel_plan(artifact: Artifact, settings: GatewaySettings, *,

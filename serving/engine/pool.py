@@ -90,6 +90,9 @@ class WorkerPool:
                 w.busy_since = now
             w.pending[run.req] = now
         w.handle.send(run)
+        sent = getattr(self.transport, "sent", None)  # optional, see Transport
+        if sent is not None:
+            sent()
         return True
 
     def busy_with(self, req: int, workers: Sequence[Worker]) -> list[Worker]:

@@ -83,6 +83,7 @@ class ClassParallelPredictor:
                              f"{len(self.groups)}")
         self.transport = transport
         self._wake_order = getattr(transport, "wake_order", None)  # optional, see Transport
+        self._sent = getattr(transport, "sent", None)  # optional, see Transport
         self.deadline_s = plan.settings.deadline_s
         self.hedge_s = plan.settings.hedge_ms / 1e3
         self.hosts = [list(h) for h in self.placement.hosts]
@@ -137,6 +138,8 @@ class ClassParallelPredictor:
             for w in (req.dispatched if order is None else order(req.dispatched)):
                 groups, primaries = self._runs[w.index]
                 w.handle.send(Run(req.id, x, groups, primaries, self.hedge_s))
+            if self._sent is not None:
+                self._sent()
             if not finished:
                 await req.future
         finally:

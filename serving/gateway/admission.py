@@ -83,9 +83,11 @@ class Ticket:
 class Admission:
     """The bounds of ``settings`` (``max_requests``, ``max_predictions``, ``latency_target_s``,
     ``body_timeout_s``, ``max_loop_lag_s``, ``deadline_s``) for one gateway's event loop;
-    ``decode_slots``: decoding threads (default: one per usable core)."""
+    ``decode_slots``: decoding threads (default: one per usable core); ``line``: how many
+    requests may wait for the predictor (see :class:`~.limit.AdaptiveLimit`)."""
 
-    def __init__(self, settings: GatewaySettings, *, decode_slots: int | None = None):
+    def __init__(self, settings: GatewaySettings, *, decode_slots: int | None = None,
+                 line: int | None = None):
         s = settings
         self.max_requests = s.max_requests
         self.max_receiving = max(1, s.max_requests // 2)
@@ -94,7 +96,7 @@ class Admission:
         self.requests = 0
         self.receiving = 0
         self.target_s = s.latency_target_s if s.latency_target_s is not None else s.deadline_s / 4
-        self.predictor = AdaptiveLimit(s.max_predictions, self.target_s)
+        self.predictor = AdaptiveLimit(s.max_predictions, self.target_s, line)
         self.decoding = asyncio.Semaphore(decode_slots or usable_cores())
         self.decode_waiting = 0
         self.max_lag_s = (s.max_loop_lag_s if s.max_loop_lag_s is not None

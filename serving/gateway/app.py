@@ -247,20 +247,21 @@ def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = 
 
 def create_app(served: Predictor | ServedModels, settings: GatewaySettings | None = None, *,
                close_predictor: bool = True, own_port: bool = False,
-               shared_ports: bool = False) -> FastAPI:
+               shared_ports: bool = False, line: int | None = None) -> FastAPI:
     """The gateway for one predictor (served as version 1 of its name) or for a table of
     models; ``close_predictor``: close what it serves when the app shuts down; ``own_port``:
     its lifespan also serves it on ``settings.host:port`` (:class:`~.server.EmbeddedServer`,
     for a host such as Serve's ingress replica, which runs the app behind a proxy);
     ``shared_ports``: one of several gateway processes of a server, so its gRPC port is shared
-    with theirs (SO_REUSEPORT)."""
+    with theirs (SO_REUSEPORT); ``line``: how many requests may wait for the predictor (see
+    :class:`~.limit.AdaptiveLimit`; default: as many as it holds)."""
     settings = settings or GatewaySettings()
     models = served if isinstance(served, ServedModels) else ServedModels.of(served, settings)
     try:
         version = package_version("sensai")
     except PackageNotFoundError:
         version = "0"
-    admission = Admission(settings)
+    admission = Admission(settings, line=line)
     gw = Gateway(models, settings, models.metrics, admission, version)
     # Read when scraped: the limit changes once a window at most, not with every request.
     models.metrics.follow(models.metrics.predictor_limit, lambda: admission.predictor.limit)

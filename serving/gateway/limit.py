@@ -58,11 +58,14 @@ class Place:
 class AdaptiveLimit:
     """The gate (see the module docstring).  ``most``: the largest limit (and the first);
     ``target_s``: the latency target, from a request's first byte to its answer; ``None`` keeps
-    the limit at ``most``."""
+    the limit at ``most``.  ``line``: how many may wait for a place while no line stands
+    (default: as many as the limit lets in; one of several gateway processes sharing their
+    workers waits for its small share of places in a line as long as a lone gateway's)."""
 
-    def __init__(self, most: int, target_s: float | None):
+    def __init__(self, most: int, target_s: float | None, line: int | None = None):
         self.most = int(most)
         self.limit = self.most
+        self.line = None if line is None else max(1, int(line))
         self.target_s = target_s
         self.window_s = max(MIN_WINDOW_S, target_s or 0.0)
         self.active = 0  # requests in the predictor
@@ -88,7 +91,8 @@ class AdaptiveLimit:
         """Whether a request admitted now would get a place (nothing is taken)."""
         if self._standing(now):
             return self.active + self.reserved < self.limit
-        return self.active + self.reserved < 2 * self.limit
+        return self.active + self.reserved < self.limit + (
+            self.limit if self.line is None else self.line)
 
     def _standing(self, now: float) -> bool:
         if self.standing:

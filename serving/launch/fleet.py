@@ -10,9 +10,10 @@ spreads the connections).  A gateway process imports no torch: its predictor rea
 processes over :mod:`~sensai.serving.transports.devices`.  A dead process is started again - a
 gateway costs only its own requests in flight, a device process those it held in every gateway
 (whose supervisors mark its workers down and up again, as for any worker).  What one process
-admits is its share of the server's ``max_requests`` and ``max_connections``, and up to
-``max_predictions`` in its predictor (its own adaptive limit); ``/metrics`` from any of them sums
-all (prometheus_client's multiprocess files in this server's private directory).
+admits is its share of the server's ``max_requests``, ``max_connections`` and
+``max_predictions`` (the ceiling of its own adaptive limit), with a line as long as the whole
+server's; ``/metrics`` from any of them sums all (prometheus_client's multiprocess files in this
+server's private directory).
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ from ..workers.device import DevicePlan, device_main, die_with_parent, hosted_of
 
 log = logging.getLogger(__name__)
 
-# Split between the gateway processes.  Not max_predictions: the device processes batch what
-# every gateway hands them, and the kernel spreads connections unevenly, so a share of it would
-# refuse requests at a load the server takes (each process's adaptive limit still bounds it).
-SHARED_LIMITS = ("max_requests", "max_connections")
+# Split between the gateway processes.  max_predictions too: the device processes hold what
+# every gateway hands them, so the server's requests in its predictors stay what one gateway
+# would hold, and what is admitted is what the devices drain within the latency it brings.  The
+# kernel spreads connections unevenly, so a gateway's line keeps the whole server's length (a
+# crowd that stands is never refused for want of places elsewhere); under overload the line
+# stands and each gateway admits only to a free place of its own (see gateway/limit.py).
+SHARED_LIMITS = ("max_requests", "max_connections", "max_predictions")
 GATEWAY_START_S = 120.0
 # A gateway's slots per worker and request its predictor may hold: a request that timed out
 # keeps its slot until the device process is done with it, and the next one needs its own.
@@ -65,20 +69,29 @@ def share(settings: GatewaySettings, n: int) -> GatewaySettings:
     return settings.model_copy(update={f: -(-getattr(settings, f) // n) for f in SHARED_LIMITS})
 
 
+def device_key(w: int, specs) -> str:
+    """Which device process worker ``w`` (of runner recipes ``specs``) runs in: its GPU's, the
+    simulated GPU's (the sim runtime: all subnets in one, as on one GPU), else its own."""
+    spec = specs[0] if specs else None
+    if spec is not None and spec.resolved_runtime() == "sim":
+        return "sim"
+    if spec is not None and spec.device.startswith("cuda"):
+        return spec.device
+    return f"worker-{w}"
+
+
 def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dict[int, str]]:
-    """The device processes of ``plan``'s workers - one per GPU that hosts workers, one per CPU
-    worker - and the socket of each worker's."""
+    """The device processes of ``plan``'s workers - one per GPU that hosts workers (one for the
+    simulated GPU), one per CPU worker - and the socket of each worker's."""
     by_key: dict[str, list[int]] = {}
     for w, wp in enumerate(plan.workers):
-        device = wp.specs[0].device if wp.specs else "cpu"
-        key = device if device.startswith("cuda") else f"worker-{w}"
-        by_key.setdefault(key, []).append(w)
+        by_key.setdefault(device_key(w, wp.specs), []).append(w)
     devices, addresses = [], {}
     for d, (key, workers) in enumerate(by_key.items()):
         first = plan.workers[workers[0]]
         address = str(folder / f"device-{d}.sock")
         devices.append(DevicePlan(
-            name=f"device_{d}" + (f" ({key})" if key.startswith("cuda") else ""),
+            name=f"device_{d}" + ("" if key.startswith("worker-") else f" ({key})"),
             address=address,
             hosted=hosted_of([plan.workers[i].groups for i in workers],
                              [plan.workers[i].specs for i in workers]),
@@ -100,6 +113,7 @@ class GatewayPlan:
     plan: ServingPlan
     addresses: dict[int, str]
     metrics_dir: str
+    line: int  # how many may wait for its predictor: the server's max_predictions
 
 
 def gateway_main(gp: GatewayPlan, report) -> None:
@@ -125,7 +139,7 @@ def gateway_main(gp: GatewayPlan, report) -> None:
         report.send(("failed", str(e) if isinstance(e, SensaiError)
                      else f"{type(e).__name__}: {e}"))
         return
-    app = create_app(predictor, settings, shared_ports=True)
+    app = create_app(predictor, settings, shared_ports=True, line=gp.line)
     server = uvicorn.Server(uvicorn_config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, graceful_s=10.0))
 
@@ -261,7 +275,8 @@ class Fleet:
             update={"port": self.port}))
         self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
             i, self.processes, self.artifact_dir, gateway_plan, addresses,
-            str(self.folder / "metrics")),), "gateway") for i in range(self.processes)]
+            str(self.folder / "metrics"), s.max_predictions),), "gateway")
+            for i in range(self.processes)]
         waiting = [(m, m.start(self.ctx)) for m in self.gateways]
         for m, rx in waiting:
             await_report(m, rx, GATEWAY_START_S)

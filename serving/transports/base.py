@@ -166,3 +166,8 @@ class Transport(Protocol):
     # Optional: ``wake_order(workers) -> workers``, the order in which the predictor hands a
     # request's runs to its workers (threads: see :class:`~.spread.CoreSpread`).  Transports
     # without it get the workers' own order.
+    #
+    # Optional: ``sent()``, called once a request's runs are all handed to :meth:`send`; a
+    # transport that has it may hold runs until then and send them together (device processes:
+    # one write per device process and request, however many of its workers the request
+    # needs).

@@ -23,7 +23,7 @@ from sensai.errors import SensaiError
 
 from ..core.messages import (Done, Fault, Output, Ping, Pong, Ready, Run, RunFailed, Shutdown, Skip,
                              StartFailed)
-from ..workers.loop import Stop, WorkerCore
+from ..workers.loop import Stop, WorkerCore, per_request
 from .base import TOKENS, Incarnation, WorkerHandle
 
 HANDSHAKE_S = 5.0  # a client that has not proved the key by then is hung up on
@@ -43,7 +43,7 @@ def serve_connection(rx: Connection, tx: Connection, core: WorkerCore, ready: Re
                 pass  # the gateway hung up: the loop below sees it and ends
 
     runs: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=core.serve, args=(runs, emit), daemon=True,
+    threading.Thread(target=core.serve, args=(runs, per_request(emit)), daemon=True,
                      name="sensai-worker-runs").start()
     try:
         emit(ready)

@@ -54,6 +54,7 @@ class DeviceLink:
         self.pongs: dict[int, threading.Event] = {}
         self.dialing = False
         self.closed = False
+        self.outbox: list[bytes] = []  # runs held until their request's runs are all out
 
     # -- connection
 
@@ -133,6 +134,7 @@ class DeviceLink:
                 lost, self.attached = list(self.attached.values()), {}
                 self.pending.clear()
                 self.wires.clear()
+                self.outbox = []
                 self.slots.free = list(range(self.slots.count - 1, -1, -1))
             sock.close()
             for handle, inc in lost:
@@ -142,22 +144,40 @@ class DeviceLink:
                 handle.sink.exited(handle.index, inc.number, detail)
 
     def handle(self, kind: int, body: memoryview) -> None:
-        if kind == w.OUTPUT:
-            wire, group, ms, _ = w.OUTPUT_HEAD.unpack_from(body)
-            out = np.array(w.array_of(body, w.OUTPUT_HEAD.size))
-            to = self.pending.get(wire)
-            if to is not None:
-                self.deliver(to[0], Output(to[1], group, out, ms))
-        elif kind == w.DONE:
-            wire, skipped, *counts = w.DONE_BODY.unpack_from(body)
-            with self.lock:
-                to = self.pending.pop(wire, None)
+        if kind == w.OUTPUTS:
+            group, ms, wires, sizes, out = w.parse_outputs(body)
+            out = np.array(out)  # the frame's bytes are read-only; one copy for all requests
+            pending = self.pending
+            if len(wires) == 1:
+                to = pending.get(int(wires[0]))
                 if to is not None:
-                    self.wires.pop((to[0].index, to[1]), None)
-                    if to[2] >= 0:
-                        self.slots.free.append(to[2])
-            if to is not None:
-                self.deliver(to[0], Done(to[1], skipped, BatchCounts(*counts)))
+                    self.deliver(to[0], Output(to[1], group, out, ms))
+                return
+            at = 0
+            for wire, n in zip(wires.tolist(), sizes.tolist()):
+                to = pending.get(wire)
+                if to is not None:
+                    self.deliver(to[0], Output(to[1], group, out[at:at + n], ms))
+                at += n
+        elif kind == w.DONES:
+            wires, skipped, counts = w.parse_dones(body)
+            ended = []
+            with self.lock:
+                pending, free = self.pending, self.slots.free
+                for wire, n in zip(wires.tolist(), skipped.tolist()):
+                    to = pending.pop(wire, None)
+                    if to is not None:
+                        self.wires.pop((to[0].index, to[1]), None)
+                        if to[2] >= 0:
+                            free.append(to[2])
+                        ended.append((to[0], to[1], n))
+            made: dict[int, BatchCounts | None] = {}
+            for handle, req, n in ended:
+                first = handle.groups[0] if handle.groups else -1
+                if first not in made:
+                    c = counts.get(first)
+                    made[first] = BatchCounts(*c) if c is not None else None
+                self.deliver(handle, Done(req, n, made[first]))
         elif kind == w.FAILED:
             wire, group = w.FAILED_HEAD.unpack_from(body)
             to = self.pending.get(wire)
@@ -180,14 +200,17 @@ class DeviceLink:
     # -- to the device
 
     def send(self, handle: "DeviceWorker", msg) -> None:
+        """``msg`` to the device process: a Run waits in the outbox for :meth:`push` (the
+        request's other runs join it), anything else leaves at once, after the outbox."""
         kind = type(msg)
         with self.lock:
             sock = self.sock
             if sock is None or handle.index not in self.attached:
                 return  # down: the pool has been or will be told
             if kind is Run:
-                data = self.run_frame(handle, msg)
-            elif kind is Skip:
+                self.outbox.append(self.run_frame(handle, msg))
+                return
+            if kind is Skip:
                 wire = self.wires.get((handle.index, msg.req))
                 if wire is None:
                     return
@@ -199,6 +222,22 @@ class DeviceLink:
                                            "corrupt": bool(msg.corrupt), "seed": msg.seed})
             else:
                 raise TypeError(f"a {kind.__name__} for a device process")
+            if self.outbox:
+                data, self.outbox = b"".join((*self.outbox, data)), []
+            try:
+                sock.sendall(data)
+            except OSError:
+                pass  # the reader sees the end and reports it
+
+    def push(self) -> None:
+        """Send the runs held in the outbox, in one write."""
+        with self.lock:
+            if not self.outbox:
+                return
+            data, self.outbox = b"".join(self.outbox), []
+            sock = self.sock
+            if sock is None:
+                return
             try:
                 sock.sendall(data)
             except OSError:
@@ -327,6 +366,12 @@ class Devices:
         return DeviceWorker(index, groups, specs, sink,
                             link=self.links[self.addresses[index]],
                             load_timeout_s=self.load_timeout_s, **options)
+
+    def sent(self) -> None:
+        """A request's runs are all handed out: each device process's leave together."""
+        for link in self.links.values():
+            if link.outbox:
+                link.push()
 
     def healthy(self) -> bool:
         return True

@@ -29,7 +29,7 @@ from typing import Sequence
 from sensai.errors import SensaiError
 
 from ..core.messages import Done, Fault, Output, Run, Skip
-from ..workers.loop import Stop, WorkerCore
+from ..workers.loop import Stop, WorkerCore, per_request
 from .base import Capabilities, Incarnation, Sink, WorkerHandle
 from .spread import CoreSpread
 
@@ -94,7 +94,7 @@ class ThreadWorker(WorkerHandle):
         else:
             emit = deliver
         try:
-            inc.core.serve(inc.runs, emit, alive=lambda: not inc.abandoned)
+            inc.core.serve(inc.runs, per_request(emit), alive=lambda: not inc.abandoned)
         except BaseException as e:  # a bug in the loop: the worker is dead, say why
             detail = f"its thread failed: {type(e).__name__}: {e}"
         finally:

@@ -2,10 +2,19 @@
 by every gateway process of the server at once.
 
 It builds its runners, listens on a Unix socket, and serves each gateway that connects
-(:mod:`.devicewire`: the gateway's slots in shared memory, small frames on the socket).  The runs
-of all gateways go onto one queue, so the one in-worker loop (:class:`~.loop.WorkerCore`) batches
-whatever is waiting from any of them - a request alone still never waits for company - and runs
-the device's subnets one after another from one thread.  Each connection gets back exactly its own
+(:mod:`.devicewire`: the gateway's slots in shared memory, small frames on the socket).  Three
+kinds of thread share the work:
+
+* one *reader* reads every gateway's socket (a selector over all of them): whatever has arrived,
+  in bulk, parsed frame by frame into runs on one queue, skips applied at once;
+* the *computing* thread runs the one in-worker loop (:class:`~.loop.WorkerCore`): it takes
+  everything that waits, from every gateway, and computes each subnet once for all the rows that
+  need it, all the device's subnets launched before one wait (a request alone still never waits
+  for company); while the device computes, the reader gathers the next batch;
+* a short-lived thread per new connection reads its hello (a silent client holds up no one).
+
+What the loop answers leaves per batch: one frame per subnet with every request's rows, and one
+frame with the Dones, for each gateway (one write each).  Each connection gets back exactly its own
 requests' outputs and Done.  A gateway that breaks the protocol is hung up on; the others go on.
 The process ends when its parent says so (SIGTERM), or dies with it.
 """
@@ -16,6 +25,7 @@ import ctypes
 import itertools
 import os
 import queue
+import selectors
 import signal
 import socket
 import threading
@@ -23,16 +33,21 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
+import numpy as np
+
 from sensai.errors import SensaiError
 
 from ..core.faults import parse_delay
-from ..core.messages import BatchCounts, Batching, Done, Fault, Output, Run, RunFailed, Skip
+from ..core.messages import Batching, Dones, Fault, Outputs, Run, RunFailed, Skip
 from . import devicewire as w
 from .loop import Stop, WorkerCore
 from .runners import RunnerSpec
 
 PR_SET_PDEATHSIG = 1
 CONN_BITS = 56  # a run's id here: the connection's number above, the gateway's wire id below
+WIRE_MASK = (1 << CONN_BITS) - 1
+READ_BYTES = 256 * 1024  # a connection's read buffer (grown for a larger frame)
+HELLO_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,15 +68,19 @@ class DevicePlan:
 
 
 class Link:
-    """One gateway's connection, seen from the device process."""
+    """One gateway's connection, seen from the device process: its slots, what the reader has
+    of its stream, and what the computing thread queued for it."""
 
     def __init__(self, number: int, sock: socket.socket, slots: w.MappedSlots):
         self.number = number
+        self.base = number << CONN_BITS
         self.sock = sock
         self.slots = slots
         self.lock = threading.Lock()
         self.open = True
         self.queued: list[bytes] = []  # the computing thread's frames, sent by flush()
+        self.buf = bytearray(READ_BYTES)
+        self.have = 0  # bytes of buf read and not yet parsed
 
     def queue(self, data: bytes) -> None:
         self.queued.append(data)
@@ -78,7 +97,7 @@ class Link:
             try:
                 self.sock.sendall(data)
             except OSError:
-                self.open = False  # the gateway is gone; its reader sees it and ends
+                self.open = False  # the gateway is gone; the reader sees it and drops it
 
     def close(self) -> None:
         self.open = False
@@ -104,6 +123,9 @@ class DeviceServer:
         self.core = WorkerCore(runners, delay=plan.fault.delay, corrupt=plan.fault.corrupt,
                                seed=plan.seed, batching=plan.batching, origin=self.origin,
                                flush=self.flush)
+        self.selector = selectors.DefaultSelector()
+        self.doorbell, self.ring = socket.socketpair()  # wakes the reader for a new link
+        self.joining: queue.SimpleQueue = queue.SimpleQueue()
 
     @staticmethod
     def origin(req: int) -> int:
@@ -113,7 +135,10 @@ class DeviceServer:
         """Compute on this thread; accept and read gateways on others.  Returns when the
         listening socket is closed."""
         threading.Thread(target=self.accept, daemon=True, name="sensai-device-accept").start()
+        threading.Thread(target=self.read, daemon=True, name="sensai-device-read").start()
         self.core.serve(self.runs, self.emit)
+
+    # -- connections
 
     def accept(self) -> None:
         while True:
@@ -122,40 +147,13 @@ class DeviceServer:
             except OSError:
                 self.runs.put(Stop())
                 return
-            threading.Thread(target=self.read, args=(sock,), daemon=True,
-                             name="sensai-device-link").start()
+            threading.Thread(target=self.greet, args=(sock,), daemon=True,
+                             name="sensai-device-hello").start()
 
-    def flush(self) -> None:
-        """Send what the core emitted since the last flush, one write per connection."""
-        for link in list(self.links.values()):
-            link.flush()
-
-    def emit(self, event) -> None:
-        """An event of the core, queued for the connection its request came on (the core
-        flushes after each group and each batch)."""
-        link = self.links.get(event.req >> CONN_BITS)
-        if link is None:
-            return
-        wire = event.req & ((1 << CONN_BITS) - 1)
-        kind = type(event)
-        if kind is Output:
-            out = event.output
-            link.queue(w.frame(w.OUTPUT, w.OUTPUT_HEAD.pack(wire, event.group, event.ms, 0),
-                               w.array_bytes(out)))
-        elif kind is Done:
-            c = event.counts or BatchCounts()
-            link.queue(w.frame(w.DONE, w.DONE_BODY.pack(wire, event.skipped, c.batches,
-                                                         c.requests, c.largest, c.held, c.mixed)))
-        elif kind is RunFailed:
-            link.queue(w.frame(w.FAILED, w.FAILED_HEAD.pack(wire, event.group),
-                               event.error.encode()[:4000]))
-
-    def read(self, sock: socket.socket) -> None:
-        """One gateway's connection: its hello (and slots), then its frames until it hangs up or
-        breaks the protocol."""
-        link = None
+    def greet(self, sock: socket.socket) -> None:
+        """A new connection's hello and slots; then it is the reader's."""
         try:
-            sock.settimeout(10.0)
+            sock.settimeout(HELLO_S)
             data, fds, _, _ = socket.recv_fds(sock, 64 * 1024, 1)
             sock.settimeout(None)
             if len(data) < w.FRAME.size or len(fds) != 1:
@@ -164,57 +162,170 @@ class DeviceServer:
             if kind != w.HELLO or n != len(data) - w.FRAME.size:
                 raise w.WireError("a connection that did not start with a hello")
             slots = w.MappedSlots(fds[0], w.parse_control(memoryview(data)[w.FRAME.size:]))
-            with self.links_lock:
-                link = Link(next(self.numbers), sock, slots)
-                self.links[link.number] = link
-            link.send(self.ready)
-            self.frames(link, sock.makefile("rb", buffering=256 * 1024))
         except (OSError, EOFError, w.WireError):
-            pass
-        finally:
-            if link is not None:
-                with self.links_lock:
-                    self.links.pop(link.number, None)
-                link.close()
             sock.close()
+            return
+        with self.links_lock:
+            link = Link(next(self.numbers), sock, slots)
+            self.links[link.number] = link
+        link.send(self.ready)
+        self.joining.put(link)
+        try:
+            self.ring.send(b"\0")
+        except OSError:
+            pass
 
-    def frames(self, link: Link, f) -> None:
-        base, runs, core = link.number << CONN_BITS, self.runs, self.core
+    def drop(self, link: Link) -> None:
+        with self.links_lock:
+            self.links.pop(link.number, None)
+        try:
+            self.selector.unregister(link.sock)
+        except (KeyError, ValueError):
+            pass
+        link.close()
+        link.sock.close()
+
+    # -- reading (the reader thread)
+
+    def read(self) -> None:
+        self.selector.register(self.doorbell, selectors.EVENT_READ, None)
         while True:
-            kind, body = w.read_frame(f)
-            if kind == w.RUN:
-                if len(body) < w.RUN_HEAD.size:
-                    raise w.WireError("a short run")
-                wire, slot, rows, hedge_s, primaries, n = w.RUN_HEAD.unpack_from(body)
-                groups, at = w.groups_of(body, w.RUN_HEAD.size, n)
-                if any(g not in core.runners for g in groups) or primaries > n:
-                    raise w.WireError(f"a run of groups {groups} this device does not host")
-                if slot < 0:
-                    x = w.array_of(body, at)
-                else:
-                    if at != len(body):
-                        raise w.WireError("a slotted run with bytes after its header")
-                    x = link.slots.rows(slot, rows)
-                runs.put(Run(base | wire, x, groups, primaries, float(hedge_s)))
-            elif kind == w.SKIP:
-                if len(body) < w.SKIP_HEAD.size:
-                    raise w.WireError("a short skip")
-                wire, n = w.SKIP_HEAD.unpack_from(body)
-                groups = None if n == w.EVERY else w.groups_of(body, w.SKIP_HEAD.size, n)[0]
-                core.skip(Skip(base | wire, groups))
-            elif kind == w.PING:
-                token = bytes(body[:w.TOKEN.size])
-                runs.put(Stop(reply=partial(link.send, w.frame(w.PONG, token))))
-            elif kind == w.FAULT:
-                msg = w.parse_control(body)
-                delay = msg.get("delay")
+            for key, _ in self.selector.select():
+                link = key.data
+                if link is None:
+                    self.doorbell.recv(4096)
+                    while not self.joining.empty():
+                        joined = self.joining.get_nowait()
+                        self.selector.register(joined.sock, selectors.EVENT_READ, joined)
+                    continue
                 try:
-                    core.fault(Fault(parse_delay(delay) if delay else None,
-                                     bool(msg.get("corrupt")), msg.get("seed")))
-                except SensaiError as e:
-                    raise w.WireError(str(e)) from None
+                    self.take(link)
+                except (OSError, EOFError, w.WireError):
+                    self.drop(link)
+
+    def take(self, link: Link) -> None:
+        """What has arrived on ``link``, every whole frame of it handled."""
+        buf = link.buf
+        got = link.sock.recv_into(memoryview(buf)[link.have:], 0, socket.MSG_DONTWAIT)
+        if got == 0:
+            raise EOFError
+        end = link.have + got
+        at, view = 0, memoryview(buf)
+        head = w.FRAME.size
+        while end - at >= head:
+            n, kind = w.FRAME.unpack_from(buf, at)
+            if n > w.MAX_FRAME:
+                raise w.WireError(f"a frame of {n} bytes")
+            if end - at - head < n:
+                if head + n > len(buf):  # a frame larger than the buffer: room for it
+                    grown = bytearray(head + n)
+                    grown[:end - at] = buf[at:end]
+                    link.buf, link.have = grown, end - at
+                    return
+                break
+            self.frame(link, kind, view[at + head:at + head + n])
+            at += head + n
+        left = end - at
+        if at and left:
+            buf[:left] = buf[at:end]
+        link.have = left
+
+    def frame(self, link: Link, kind: int, body: memoryview) -> None:
+        core = self.core
+        if kind == w.RUN:
+            if len(body) < w.RUN_HEAD.size:
+                raise w.WireError("a short run")
+            wire, slot, rows, hedge_s, primaries, n = w.RUN_HEAD.unpack_from(body)
+            groups, at = w.groups_of(body, w.RUN_HEAD.size, n)
+            runners = core.runners
+            if primaries > n or any(g not in runners for g in groups):
+                raise w.WireError(f"a run of groups {groups} this device does not host")
+            if slot < 0:
+                x = np.array(w.array_of(body, at))  # the read buffer is reused: a copy
             else:
-                raise w.WireError(f"a frame of kind {kind}")
+                if at != len(body):
+                    raise w.WireError("a slotted run with bytes after its header")
+                x = link.slots.rows(slot, rows)
+            self.runs.put(Run(link.base | wire, x, groups, primaries, hedge_s))
+        elif kind == w.SKIP:
+            if len(body) < w.SKIP_HEAD.size:
+                raise w.WireError("a short skip")
+            wire, n = w.SKIP_HEAD.unpack_from(body)
+            groups = None if n == w.EVERY else w.groups_of(body, w.SKIP_HEAD.size, n)[0]
+            core.skip(Skip(link.base | wire, groups))
+        elif kind == w.PING:
+            token = bytes(body[:w.TOKEN.size])
+            self.runs.put(Stop(reply=partial(link.send, w.frame(w.PONG, token))))
+        elif kind == w.FAULT:
+            msg = w.parse_control(body)
+            delay = msg.get("delay")
+            try:
+                core.fault(Fault(parse_delay(delay) if delay else None,
+                                 bool(msg.get("corrupt")), msg.get("seed")))
+            except SensaiError as e:
+                raise w.WireError(str(e)) from None
+        else:
+            raise w.WireError(f"a frame of kind {kind}")
+
+    # -- answering (the computing thread)
+
+    def flush(self) -> None:
+        """Send what the core emitted since the last flush, one write per connection."""
+        for link in list(self.links.values()):
+            link.flush()
+
+    def emit(self, event) -> None:
+        """An event of the loop, queued for the connections its requests came on (the loop
+        flushes after the own groups and after each batch)."""
+        kind = type(event)
+        if kind is Outputs:
+            self.outputs(event)
+        elif kind is Dones:
+            self.dones(event)
+        elif kind is RunFailed:
+            link = self.links.get(event.req >> CONN_BITS)
+            if link is not None:
+                link.queue(w.frame(w.FAILED, w.FAILED_HEAD.pack(event.req & WIRE_MASK,
+                                                                event.group),
+                                   event.error.encode()[:4000]))
+
+    def per_link(self, reqs: Sequence[int]) -> list[tuple[Link, list[int] | None, list[int]]]:
+        """``reqs`` split by the connection they came on: (link, their places in ``reqs`` or
+        None for all, their wire ids)."""
+        first = reqs[0] >> CONN_BITS
+        if len(reqs) == 1 or all(r >> CONN_BITS == first for r in reqs):
+            link = self.links.get(first)
+            return [] if link is None else [(link, None, [r & WIRE_MASK for r in reqs])]
+        places: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            places.setdefault(r >> CONN_BITS, []).append(i)
+        out = []
+        for c, mine in places.items():
+            link = self.links.get(c)
+            if link is not None:
+                out.append((link, mine, [reqs[i] & WIRE_MASK for i in mine]))
+        return out
+
+    def outputs(self, event: Outputs) -> None:
+        out, sizes = event.out, event.sizes
+        for link, mine, wires in self.per_link(event.reqs):
+            if mine is None:
+                part, n = out, sizes
+            else:
+                n = [sizes[i] for i in mine]
+                if len(out) == len(sizes):  # a row each
+                    part = out[mine]
+                else:
+                    at = np.cumsum([0, *sizes])
+                    part = out[np.concatenate([np.arange(at[i], at[i + 1]) for i in mine])]
+            link.queue(w.outputs_frame(event.group, event.ms, wires, n, part))
+
+    def dones(self, event: Dones) -> None:
+        skipped = event.skipped
+        c = self.core.counts
+        for link, mine, wires in self.per_link(event.reqs):
+            link.queue(w.dones_frame(wires, skipped if mine is None else
+                                     [skipped[i] for i in mine], c.held, c.mixed, event.counts))
 
 
 def listen(address: str) -> socket.socket:
@@ -280,4 +391,3 @@ def hosted_of(groups_per_worker: Sequence[Sequence[int]], specs_per_worker: Sequ
         for g, spec in zip(groups, specs):
             seen.setdefault(g, spec)
     return tuple(seen.items())
-

@@ -7,9 +7,11 @@ its first frame (:data:`HELLO`, the file descriptor travelling as ``SCM_RIGHTS``
 shape in float32.  A request's rows go into a free slot of the gateway's and only a small header
 crosses the socket (the socket's readiness is the doorbell); a request that does not fit a slot
 (a larger v2 batch, another dtype) or finds every slot taken sends its rows inline after the header
-instead.  Outputs (a few floats per row) always travel inline.  No frame is pickled: a frame is
-``u32 length | u8 kind | body``, its body fixed fields (:mod:`struct`) and, for the rare control
-frames, JSON.
+instead.  Outputs (a few floats per row) always travel inline, a whole launch's at once: one
+:data:`OUTPUTS` frame per subnet and batch carries every request's rows for this gateway, one
+:data:`DONES` frame per batch ends them, with each subnet's batching counters.  No frame is
+pickled: a frame is ``u32 length | u8 kind | body``, its body fixed fields (:mod:`struct`), arrays
+of them, and, for the rare control frames, JSON.
 
 The device process trusts nothing in a frame: a slot index, row count or shape that does not fit
 the slots it was handed, or a frame of an unknown kind, ends that connection
@@ -23,21 +25,28 @@ import math
 import mmap
 import os
 import struct
-from typing import BinaryIO
+from array import array
+from typing import TYPE_CHECKING, BinaryIO, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..core.messages import BatchCounts
 
 # Gateway -> device.
 HELLO, RUN, SKIP, PING, FAULT = 1, 2, 3, 4, 5
 # Device -> gateway.
-READY, OUTPUT, FAILED, DONE, PONG = 10, 11, 12, 13, 14
+READY, FAILED, PONG, OUTPUTS, DONES = 10, 12, 14, 15, 16
 
 FRAME = struct.Struct("<IB")  # body length, kind
 RUN_HEAD = struct.Struct("<QiIfBB")  # wire id, slot (-1: inline), rows, hedge_s, primaries, groups
 SKIP_HEAD = struct.Struct("<QH")  # wire id, groups (EVERY: the whole request)
 TOKEN = struct.Struct("<Q")
-OUTPUT_HEAD = struct.Struct("<QHfB")  # wire id, group, compute ms, ndim
-DONE_BODY = struct.Struct("<QIQQQQQ")  # wire id, skipped, batches, requests, largest, held, mixed
+# Then: wire ids (u64) and rows (u32) of each request, then the stacked rows as an inline array.
+OUTPUTS_HEAD = struct.Struct("<HfI")  # group, compute ms, requests
+# Then: each group's counters (GROUP_COUNTS), then wire ids (u64) and skipped groups (u32).
+DONES_HEAD = struct.Struct("<IHQQ")  # requests, groups, held, mixed
+GROUP_COUNTS = struct.Struct("<HQQQQ")  # group, batches, requests, largest, rows
 FAILED_HEAD = struct.Struct("<QH")  # wire id, group
 EVERY = 0xFFFF
 MAX_FRAME = 1 << 30  # a length beyond this is a corrupt stream, not a request
@@ -94,6 +103,59 @@ def groups_of(body: memoryview, at: int, n: int) -> tuple[tuple[int, ...], int]:
     if n > MAX_GROUPS or end > len(body):
         raise WireError("a frame shorter than its groups")
     return struct.unpack_from(f"<{n}H", body, at), end
+
+
+def outputs_frame(group: int, ms: float, wires: Sequence[int], sizes: Sequence[int],
+                  out: np.ndarray) -> bytes:
+    """One launch's rows for the requests ``wires`` of one gateway (``sizes`` rows each)."""
+    return frame(OUTPUTS, OUTPUTS_HEAD.pack(group, ms, len(wires)), array("Q", wires).tobytes(),
+                 array("I", sizes).tobytes(), array_bytes(out))
+
+
+def parse_outputs(body: memoryview) -> tuple[int, float, np.ndarray, np.ndarray, np.ndarray]:
+    """An :data:`OUTPUTS` frame: group, ms, wire ids, rows per request, and the stacked rows
+    (checked against each other)."""
+    if len(body) < OUTPUTS_HEAD.size:
+        raise WireError("a short outputs frame")
+    group, ms, n = OUTPUTS_HEAD.unpack_from(body)
+    at = OUTPUTS_HEAD.size
+    if at + 12 * n > len(body):
+        raise WireError("an outputs frame shorter than its requests")
+    wires = np.frombuffer(body, dtype=np.uint64, count=n, offset=at)
+    sizes = np.frombuffer(body, dtype=np.uint32, count=n, offset=at + 8 * n)
+    out = array_of(body, at + 12 * n)
+    if n > 1 and (out.ndim < 1 or int(sizes.sum()) != len(out)):
+        raise WireError(f"outputs of {n} requests in {out.shape[:1]} rows")
+    return group, ms, wires, sizes, out
+
+
+def dones_frame(wires: Sequence[int], skipped: Sequence[int], held: int, mixed: int,
+                counts: Mapping[int, "BatchCounts"]) -> bytes:
+    """The end of requests ``wires`` of one gateway, with every subnet's counters."""
+    return frame(DONES, DONES_HEAD.pack(len(wires), len(counts), held, mixed),
+                 b"".join(GROUP_COUNTS.pack(g, c.batches, c.requests, c.largest, c.rows)
+                          for g, c in counts.items()),
+                 array("Q", wires).tobytes(), array("I", skipped).tobytes())
+
+
+def parse_dones(body: memoryview) -> tuple[np.ndarray, np.ndarray, dict[int, tuple]]:
+    """A :data:`DONES` frame: wire ids, skipped groups, and group -> (batches, requests,
+    largest, held, mixed, rows)."""
+    if len(body) < DONES_HEAD.size:
+        raise WireError("a short dones frame")
+    n, ngroups, held, mixed = DONES_HEAD.unpack_from(body)
+    at = DONES_HEAD.size
+    if at + GROUP_COUNTS.size * ngroups + 12 * n != len(body):
+        raise WireError(f"a dones frame of {n} requests and {ngroups} groups in {len(body)} "
+                        "bytes")
+    counts = {}
+    for _ in range(ngroups):
+        g, batches, requests, largest, rows = GROUP_COUNTS.unpack_from(body, at)
+        counts[g] = (batches, requests, largest, held, mixed, rows)
+        at += GROUP_COUNTS.size
+    wires = np.frombuffer(body, dtype=np.uint64, count=n, offset=at)
+    skipped = np.frombuffer(body, dtype=np.uint32, count=n, offset=at + 8 * n)
+    return wires, skipped, counts
 
 
 def array_bytes(x: np.ndarray) -> bytes:
@@ -175,12 +237,14 @@ class MappedSlots:
         # Writable: a runner may hand the rows to a library that wants a writable buffer.
         self.map = mmap.mmap(fd, max(1, size))
         os.close(fd)
+        self.array = np.frombuffer(self.map, dtype=np.float32,
+                                   count=self.count * self.slot_rows * self.row_items).reshape(
+            (self.count, self.slot_rows, *self.row_shape))
 
     def rows(self, slot: int, n: int) -> np.ndarray:
         """Slot ``slot``'s first ``n`` rows, a view of the shared mapping."""
         if not 0 <= slot < self.count or not 0 < n <= self.slot_rows:
             raise WireError(f"rows {n} of slot {slot}: there are {self.count} slots of "
                             f"{self.slot_rows} rows")
-        return np.frombuffer(self.map, dtype=np.float32, count=n * self.row_items,
-                             offset=slot * self.slot_bytes).reshape((n, *self.row_shape))
+        return self.array[slot, :n]
 

@@ -1,14 +1,21 @@
 """What every worker does with a request, whatever transport carries it: the one in-worker loop.
 
-A worker hosts the runners of its groups.  :meth:`WorkerCore.serve` takes the runs waiting on its
-queue together as one batch (:class:`~sensai.serving.core.messages.Batching`: at most ``max_rows``
-image rows; by default only what is queued already, so a request alone never waits for company)
-and computes its groups in order - its own first, then its copies of other workers' groups -
-each group once for the whole batch, the requests' rows stacked in arrival order.  Each request
-gets exactly its own rows back, sent as soon as they are computed, and its
-:class:`~sensai.serving.core.messages.Done` after its last group.  A batch costs the runner one call
-where its requests one by one cost one each (and a small CNN's call is mostly overhead), so
-batching lifts what a worker answers per second exactly when requests queue.
+A worker hosts the runners of its groups (a device process: every subnet of one GPU).
+:meth:`WorkerCore.serve` takes the runs waiting on its queue together as one batch
+(:class:`~sensai.serving.core.messages.Batching`: at most ``max_rows`` image rows of any subnet;
+by default only what is queued already, so a request alone never waits for company), whatever
+groups they ask for and in whatever order they came, and computes each group once for all the
+rows that need it: its own groups first, every one launched before any is waited for
+(:func:`~.runners.launch`, :func:`~.runners.wait_all`: on a GPU each subnet on its own stream,
+one wait for all), then the copies of other workers' groups.  Each request gets exactly its own
+rows back, sent as soon as its group is computed (:class:`~sensai.serving.core.messages.Outputs`,
+one per launch), and its Done after its last group
+(:class:`~sensai.serving.core.messages.Dones`, one per batch); transports that carry
+per-request events split them (:func:`~sensai.serving.core.messages.each`).  While a GPU
+computes one batch, the next gathers on the queue, so batches grow with the load by themselves.
+A batch costs each runner one call where its requests one by one cost one each (and a small
+CNN's call is mostly overhead), so batching lifts what a worker answers per second exactly
+when requests queue.
 
 Everything else keeps its meaning per request inside a batch.  Each request first sleeps its
 injected delay (fault injection; none by default).  Before a copy the worker may wait up to
@@ -17,13 +24,13 @@ injected delay (fault injection; none by default).  Before a copy the worker may
 needed. A request skipped meanwhile (answered elsewhere, cancelled, expired) leaves the batch before
 its rows are computed.  A request whose input cannot be stacked with the others' runs in a batch of
 its own, and when a batch's run fails its requests are run again one by one: only a request that
-fails alone fails.  Skips can arrive at any time from another thread; they are applied under a
-condition variable the waits sleep on.
+fails alone fails, and one subnet failing fails only its own answers.  Skips can arrive at any
+time from another thread; they are applied under a condition variable the waits sleep on.
 
-Thread and process workers, and Ray actors over their socket, feed :meth:`WorkerCore.serve` a
-queue of :class:`~sensai.serving.core.messages.Run` messages; Ray Serve replicas call
-:meth:`WorkerCore.compute` once per (request, group), unbatched, and :meth:`WorkerCore.begin` /
-:meth:`WorkerCore.end` around a request.
+Thread and process workers, device processes, and Ray actors over their socket, feed
+:meth:`WorkerCore.serve` a queue of :class:`~sensai.serving.core.messages.Run` messages; Ray Serve
+replicas call :meth:`WorkerCore.compute` once per (request, group), unbatched, and
+:meth:`WorkerCore.begin` / :meth:`WorkerCore.end` around a request.
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..core.faults import DelaySpec, corrupt_output
-from ..core.messages import BatchCounts, Batching, Done, Fault, Output, Run, RunFailed, Skip
-from .runners import Runner
+from ..core.messages import (BatchCounts, Batching, Dones, Fault, Output, Outputs, Run, RunFailed,
+                             Skip, each)
+from .runners import Runner, launch, wait_all
 
 EVERY = "every"  # a skip of every group of a request (Skip.groups is None)
 MEMORY = 4096  # requests a worker remembers skips for (a late Skip must find its request)
@@ -58,12 +66,18 @@ def rows(run: Run) -> int | None:
     return len(x) if getattr(x, "ndim", 0) >= 1 else None
 
 
-def stackable(a: Run, b: Run) -> bool:
-    """Whether ``b`` can share ``a``'s batch: the same groups to compute the same way, and
-    inputs that stack (same row shape and type)."""
-    return (a.groups == b.groups and a.primaries == b.primaries and a.hedge_s == b.hedge_s
-            and getattr(b.x, "ndim", 0) == a.x.ndim and b.x.shape[1:] == a.x.shape[1:]
-            and b.x.dtype == a.x.dtype)
+def row_kind(x: np.ndarray) -> tuple:
+    """What rows must share to be stacked: their shape and type."""
+    return x.shape[1:], x.dtype
+
+
+def per_request(emit: Callable[[object], None]) -> Callable[[object], None]:
+    """An emitter of the loop's batch events for a transport that carries per-request ones."""
+    def split(event) -> None:
+        for one in each(event):
+            emit(one)
+
+    return split
 
 
 class WorkerCore:
@@ -73,12 +87,13 @@ class WorkerCore:
                  flush: Callable[[], None] | None = None):
         self.runners = dict(runners)
         self.origin = origin  # request -> who sent it, where several do (a device process)
-        # Called once a group's events, and once a batch's Dones, are all emitted: where emit
-        # only queues (a device process), that is when they leave, together.
+        # Called once the own groups' events, and once a batch's Dones, are all emitted: where
+        # emit only queues (a device process), that is when they leave, together.
         self.flush = flush or (lambda: None)
         self.delay, self.corrupt = delay, bool(corrupt)
         self.batching = batching or Batching()
-        self.counts = BatchCounts()
+        self.counts = BatchCounts()  # the loop's batches of runs
+        self.group_counts = {g: BatchCounts() for g in self.runners}  # each subnet's launches
         self.rng = random.Random(seed)
         self.cv = threading.Condition()
         self.skips: OrderedDict[int, set[int] | str] = OrderedDict()
@@ -135,13 +150,13 @@ class WorkerCore:
                 self.cv.wait_for(lambda: self.closing or self.skips.get(req) is EVERY,
                                  timeout=d)
 
-    def hedge(self, reqs: Sequence[int], group: int, hedge_s: float) -> None:
-        """Wait until ``group`` of every one of ``reqs`` is answered elsewhere, for at most
-        ``hedge_s`` from each request's first copy."""
+    def hedge(self, waits: Sequence[tuple[int, int, float]]) -> None:
+        """Wait until every ``(request, group, hedge_s)`` of ``waits`` is answered elsewhere,
+        for at most ``hedge_s`` from each request's first copy."""
         with self.cv:
             now = time.perf_counter()
-            until = max(self.hedge_until.setdefault(r, now + hedge_s) for r in reqs)
-            self.cv.wait_for(lambda: all(self.skipped(r, group) for r in reqs),
+            until = max(self.hedge_until.setdefault(r, now + h) for r, _, h in waits)
+            self.cv.wait_for(lambda: all(self.skipped(r, g) for r, g, _ in waits),
                              timeout=max(0.0, until - time.perf_counter()))
 
     def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
@@ -149,43 +164,24 @@ class WorkerCore:
         """Group ``group`` of request ``req`` alone: its output, a failure, or None when
         skipped."""
         if copy and hedge_s > 0:
-            self.hedge((req,), group, hedge_s)
+            self.hedge(((req, group, hedge_s),))
         # Without a hedge wait no lock: the skip may land an instant later either way, and
         # right after a wake-up every lock taken on the request's path costs (cold caches).
         if self.skipped(req, group):
             return None
-        return next(self.results(group, (req,), (x,)))
+        event = self.alone(group, req, x)
+        return event if type(event) is RunFailed else Output(req, group, event.out, event.ms)
 
-    def results(self, group: int, reqs: Sequence[int], xs: Sequence[np.ndarray]
-                ) -> Iterator[Output | RunFailed]:
-        """Group ``group`` of requests ``reqs`` (inputs ``xs``, stackable), in one runner call:
-        each request's output of its own rows (or its failure), yielded as soon as computed."""
-        runner, corrupt = self.runners[group], self.corrupt
-        if len(xs) > 1:
-            sizes = [len(x) for x in xs]
-            t0 = time.perf_counter()
-            try:
-                out = np.asarray(runner.run(np.concatenate(xs)), dtype=np.float32)
-            except Exception:
-                out = None
-            if out is not None and out.ndim >= 1 and len(out) == sum(sizes):
-                ms = (time.perf_counter() - t0) * 1e3
-                for r, part in zip(reqs, np.split(out, np.cumsum(sizes)[:-1])):
-                    yield Output(r, group, corrupt_output(part) if corrupt else part, ms)
-                return
-            # The batch failed (or answered other rows than it was given): each request again
-            # on its own, so that only one that fails alone fails, with its own error.
-            for r, x in zip(reqs, xs):
-                yield from self.results(group, (r,), (x,))
-            return
+    def alone(self, group: int, req: int, x: np.ndarray) -> Outputs | RunFailed:
+        """Group ``group`` of one request, in a runner call of its own."""
         t0 = time.perf_counter()
         try:
-            out = np.asarray(runner.run(xs[0]), dtype=np.float32)
+            out = np.asarray(self.runners[group].run(x), dtype=np.float32)
         except Exception as e:  # one subnet failing must not take the worker down
-            yield RunFailed(reqs[0], group, f"{type(e).__name__}: {e}")
-            return
+            return RunFailed(req, group, f"{type(e).__name__}: {e}")
         ms = (time.perf_counter() - t0) * 1e3
-        yield Output(reqs[0], group, corrupt_output(out) if corrupt else out, ms)
+        return Outputs(group, (req,), corrupt_output(out) if self.corrupt else out,
+                       (len(out) if out.ndim else 1,), ms)
 
     def end(self, req: int) -> None:
         if req not in self.skips and req not in self.hedge_until:
@@ -197,45 +193,129 @@ class WorkerCore:
     # -- batches of requests
 
     def run(self, batch: Sequence[Run], emit: Callable[[object], None]) -> None:
-        """All of a batch of stackable runs: each group's outputs (or failures) as soon as the
-        group's rows are computed, then each request's :class:`Done`."""
-        for m in batch:
-            self.begin(m.req)
-        first = batch[0]
+        """All of a batch of runs: its own groups launched together, their outputs (or
+        failures) once computed; then the copies, after their hedge; then the Dones."""
+        if self.delay is not None:
+            for m in batch:
+                self.begin(m.req)
+        own: dict[int, list[int]] = {}
+        copies: dict[int, list[int]] = {}
+        for i, m in enumerate(batch):
+            groups = m.groups
+            if len(groups) == 1 and m.primaries == 1:  # a worker's own group alone: the usual
+                own.setdefault(groups[0], []).append(i)
+                continue
+            p = m.primaries
+            for j, g in enumerate(groups):
+                (own if j < p else copies).setdefault(g, []).append(i)
         skipped = [0] * len(batch)
-        for j, g in enumerate(first.groups):
-            if j >= first.primaries and first.hedge_s > 0:
-                self.hedge([m.req for m in batch], g, first.hedge_s)
-            live = []
-            for i, m in enumerate(batch):
-                if self.skipped(m.req, g):
-                    skipped[i] += 1
-                else:
-                    live.append(m)
-            if live:
-                for event in self.results(g, [m.req for m in live], [m.x for m in live]):
-                    emit(event)
-                if j + 1 < len(first.groups):
-                    self.flush()
-        counts = self.counts
-        for m, n in zip(batch, skipped):
-            self.end(m.req)
-            emit(Done(m.req, n, counts))
+        self.launch(own, batch, skipped, emit)
+        if copies:
+            self.flush()
+            waits = [(batch[i].req, g, batch[i].hedge_s) for g, idx in copies.items()
+                     for i in idx if batch[i].hedge_s > 0]
+            if waits:
+                self.hedge(waits)
+            self.launch(copies, batch, skipped, emit)
+        if self.skips or self.hedge_until:
+            for m in batch:
+                self.end(m.req)
+        core = self.counts
+        counts = {g: BatchCounts(c.batches, c.requests, c.largest, core.held, core.mixed, c.rows)
+                  for g, c in self.group_counts.items()}
+        emit(Dones([m.req for m in batch], skipped, [m.groups[0] if m.groups else -1
+                                                     for m in batch], counts))
         self.flush()
 
+    def launch(self, tasks: Mapping[int, list[int]], batch: Sequence[Run], skipped: list[int],
+               emit: Callable[[object], None]) -> None:
+        """Each group of ``tasks`` (group -> its runs' places in ``batch``) on the rows of its
+        runs not skipped: every launch made before any is waited for, then emitted."""
+        launched = []
+        some_skipped = self.skips or self.closing
+        for g, places in tasks.items():
+            if some_skipped:
+                live = []
+                for i in places:
+                    if self.skipped(batch[i].req, g):
+                        skipped[i] += 1
+                    else:
+                        live.append(batch[i])
+                if not live:
+                    continue
+            else:
+                live = [batch[i] for i in places]
+            runner = self.runners[g]
+            if len(live) > 1 and len({row_kind(m.x) for m in live}) > 1:
+                kinds: dict[tuple, list[Run]] = {}
+                for m in live:
+                    kinds.setdefault(row_kind(m.x), []).append(m)
+                parts = list(kinds.values())
+            else:
+                parts = [live]
+            for runs in parts:
+                t0 = time.perf_counter()
+                one = launch(runner, [m.x for m in runs])
+                # A runner that computed as it launched (CPUs) took its own time; the others
+                # are done when the wait below is.
+                took = time.perf_counter() - t0 if type(one).waits is None else None
+                launched.append((g, runs, one, t0, took))
+        if not launched:
+            return
+        wait_all([one for _, _, one, _, _ in launched])
+        done = time.perf_counter()
+        for g, runs, one, t0, took in launched:
+            self.answer(g, runs, one, ((done - t0) if took is None else took) * 1e3, emit)
+
+    def answer(self, g: int, runs: Sequence[Run], one, ms: float,
+               emit: Callable[[object], None]) -> None:
+        """Emit launch ``one`` of group ``g`` for ``runs``: each request's rows, or (when the
+        batch failed, or answered other rows than it was given) each request again alone, so
+        that only one that fails alone fails, with its own error."""
+        try:
+            out, error = np.asarray(one.result(), dtype=np.float32), None
+        except Exception as e:
+            out, error = None, e
+        n = len(runs)
+        if n == 1:
+            m = runs[0]
+            self.count(g, 1, len(m.x) if getattr(m.x, "ndim", 0) else 1)
+            if error is not None:
+                emit(RunFailed(m.req, g, f"{type(error).__name__}: {error}"))
+            else:
+                emit(Outputs(g, (m.req,), corrupt_output(out) if self.corrupt else out,
+                             (len(out) if out.ndim else 1,), ms))
+            return
+        sizes = [len(m.x) for m in runs]  # several runs: each has rows (gather saw to it)
+        total = sum(sizes)
+        self.count(g, n, total)
+        if error is None and out.ndim >= 1 and len(out) == total:
+            emit(Outputs(g, [m.req for m in runs], corrupt_output(out) if self.corrupt else out,
+                         sizes, ms))
+            return
+        for m in runs:
+            emit(self.alone(g, m.req, m.x))
+
+    def count(self, g: int, requests: int, rows: int) -> None:
+        c = self.group_counts[g]
+        self.group_counts[g] = BatchCounts(c.batches + 1, c.requests + requests,
+                                           max(c.largest, requests), 0, 0, c.rows + rows)
+
     def gather(self, first: Run, runs: "queue.SimpleQueue") -> tuple[list[Run], int, object]:
-        """``first`` and the runs queued behind it that can share its batch; how many of them
-        were held back waiting for company; and the message taken that ends the batch (None:
-        none taken)."""
+        """``first`` and the runs queued behind it that fit its batch (at most ``max_rows``
+        rows of any group); how many of them were held back waiting for company; and the
+        message taken that ends the batch (None: none taken)."""
         most, delay_us = self.batching.max_rows, self.batching.delay_us
-        batch, n = [first], rows(first)
+        batch = [first]
+        n = rows(first)
         if n is None:
             return batch, 0, None
+        filled = dict.fromkeys(first.groups, n)  # rows per group
         held, deadline = 0, None
-        while n < most:
+        while True:
             if not runs.empty():  # the one reader: what is there stays there
                 msg = runs.get_nowait()
-            elif delay_us <= 0:
+            elif delay_us <= 0 or min(filled.values()) >= most:
                 break
             else:
                 now = time.perf_counter()
@@ -248,17 +328,28 @@ class WorkerCore:
                     msg = runs.get(timeout=deadline - now)
                 except queue.Empty:
                     break
-            if type(msg) is not Run or not stackable(first, msg) or n + rows(msg) > most:
+            if type(msg) is not Run or getattr(msg.x, "ndim", 0) < 1:
                 return batch, held, msg
+            k, groups = len(msg.x), msg.groups
+            if len(groups) == 1:  # the usual: one group
+                now_filled = filled.get(groups[0], 0) + k
+                if now_filled > most:
+                    return batch, held, msg
+                filled[groups[0]] = now_filled
+            else:
+                if any(filled.get(g, 0) + k > most for g in groups):
+                    return batch, held, msg
+                for g in groups:
+                    filled[g] = filled.get(g, 0) + k
             batch.append(msg)
-            n += rows(msg)
+
         return batch, held, None
 
     def serve(self, runs: "queue.SimpleQueue", emit: Callable[[object], None],
               alive: Callable[[], bool] = lambda: True) -> None:
         """Runs from ``runs``, in batches of what is waiting, until a :class:`Stop` without a
         reply, or ``alive()`` turns false (the worker was given up on: nothing more is
-        emitted)."""
+        emitted).  ``emit`` gets the loop's batch events (:func:`per_request` splits them)."""
         ahead = None  # taken from the queue while gathering, but not part of that batch
         while True:
             msg, ahead = (runs.get() if ahead is None else ahead), None
@@ -273,5 +364,6 @@ class WorkerCore:
             n = len(batch)
             mixed = self.origin is not None and n > 1 and len(
                 {self.origin(m.req) for m in batch}) > 1
-            self.counts = self.counts + BatchCounts(1, n, n, held, int(mixed))
+            self.counts = self.counts + BatchCounts(
+                1, n, n, held, int(mixed), sum(rows(m) or 1 for m in batch))
             self.run(batch, emit)

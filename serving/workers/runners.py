@@ -7,8 +7,14 @@ benchmark goes through a runner, so the strategies compare like with like.
   CNNs, see BENCHMARKS.md), CUDA execution provider on a GPU when that provider is installed.
 * :class:`TorchRunner` - torch eager.
 * :class:`~sensai.serving.workers.graphs.GraphRunner` - torch replayed from CUDA graphs: the default
-  on
-  CUDA devices, falling back to eager (with a warning) where a network cannot be captured.
+  on CUDA devices, falling back to eager (with a warning) where a network cannot be captured.
+* :class:`~sensai.serving.workers.sim.SimRunner` - a simulated GPU (``--runtime sim``): a fixed
+  time per launch whatever the rows, for measuring the serving path without one.
+
+Besides ``run``, a runner may :meth:`~Runner.launch` a batch given as the requests' parts and
+return before its device is done (CUDA graphs, the simulated GPU); :func:`launch` gives every
+runner that interface (the others compute then and there), and :func:`wait_all` waits once for
+a batch's launches on all of a device's runners.
 
 A :class:`RunnerSpec` is the picklable recipe of one runner (for worker processes and Ray actors):
 it is built where the runner will live, and checks the file it loads against the manifest's hash
@@ -30,11 +36,51 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
 from ..core.errors import GraphCaptureError
-from ..core.settings import RUNTIMES
+from ..core.settings import RUNTIMES, default_batch_rows
 from .graphs import GraphRunner, buckets_up_to
+from .sim import SimRunner
 
 log = logging.getLogger(__name__)
 
+
+
+class Computed:
+    """A launch that computed as it was made: its output, or the error it raised."""
+
+    __slots__ = ("out", "error")
+    waits = None
+
+    def __init__(self, out: np.ndarray | None = None, error: Exception | None = None):
+        self.out, self.error = out, error
+
+    def result(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        return self.out
+
+
+def launch(runner: "Runner", parts: Sequence[np.ndarray]):
+    """``runner`` started on ``parts`` stacked in order: a launch whose ``result()`` is the
+    output (or raises the runner's error).  A runner's own ``launch`` may return before the
+    device is done; a runner without one computes now."""
+    own = getattr(runner, "launch", None)
+    try:
+        if own is not None:
+            return own(parts)
+        return Computed(runner.run(parts[0] if len(parts) == 1 else np.concatenate(parts)))
+    except Exception as e:  # a subnet failing is its requests' failure, not the worker's
+        return Computed(error=e)
+
+
+def wait_all(launches) -> None:
+    """Wait for every one of ``launches``: once per kind of device (see :func:`launch`)."""
+    kinds: dict = {}
+    for one in launches:
+        waits = type(one).waits
+        if waits is not None:
+            kinds.setdefault(waits, []).append(one)
+    for waits, those in kinds.items():
+        waits(those)
 
 
 def resolve_runtime(runtime: str, device: str, *, has_onnx: bool = True) -> str:
@@ -48,7 +94,7 @@ def resolve_runtime(runtime: str, device: str, *, has_onnx: bool = True) -> str:
 
 
 def torch_runner(model, *, device: str, runtime: str, name: str, input_shape: Sequence[int],
-                 batch_rows: int = 1) -> "Runner":
+                 batch_rows: int = 1, gpu_wait: str = "spin") -> "Runner":
     """The torch network as the runtime asks: CUDA graphs, one per batch-size bucket up to
     ``batch_rows`` (``auto`` on a GPU falls back to eager, with a warning, when capture fails;
     an explicit ``cuda-graph`` fails instead) or eager."""
@@ -57,7 +103,7 @@ def torch_runner(model, *, device: str, runtime: str, name: str, input_shape: Se
         return TorchRunner(model, device=device, name=name)
     try:
         return GraphRunner(model, device=device, input_shape=input_shape, name=name,
-                           buckets=buckets_up_to(batch_rows))
+                           buckets=buckets_up_to(batch_rows), wait=gpu_wait)
     except GraphCaptureError as e:
         if runtime == "cuda-graph":
             raise CheckpointError(f"{e}; use --runtime torch") from None
@@ -71,6 +117,9 @@ class Runner(Protocol):
     runtime: str
 
     def run(self, x: np.ndarray) -> np.ndarray: ...
+
+    # Optional (see :func:`launch`): ``launch(parts)`` -> an object with ``result()``, whose
+    # class's ``waits(launches)`` waits for several at once.
 
 
 class OrtRunner:
@@ -171,6 +220,8 @@ class RunnerSpec:
     trust_code: bool = False
     warmup: bool = True
     batch_rows: int = 1  # the most rows its worker batches (CUDA graphs: one per bucket)
+    gpu_wait: str = "spin"  # how the host waits for a CUDA graph: spin or sleep
+    sim_launch_ms: float = 0.3  # the simulated GPU's time per launch
     # The files' contents (bytes, or Ray object refs to them) for workers that may not see the
     # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
     onnx_blob: Any = None
@@ -181,7 +232,11 @@ class RunnerSpec:
         return resolve_runtime(self.runtime, self.device, has_onnx=bool(self.onnx_path))
 
     def build(self) -> Runner:
-        if self.resolved_runtime() == "onnx":
+        if self.resolved_runtime() == "sim":
+            runner: Runner = SimRunner(input_shape=self.input_shape, num_outputs=self.num_outputs,
+                                       launch_ms=self.sim_launch_ms, name=self.name,
+                                       device=self.device, batch_rows=self.batch_rows)
+        elif self.resolved_runtime() == "onnx":
             if not self.onnx_path:
                 raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
             if self.onnx_blob is not None:
@@ -189,7 +244,7 @@ class RunnerSpec:
                                     f"ONNX file of {self.name} ({self.onnx_path})")
             else:
                 onnx = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
-            runner: Runner = OrtRunner(onnx, threads=self.threads, device=self.device,
+            runner = OrtRunner(onnx, threads=self.threads, device=self.device,
                                        name=self.name, num_outputs=self.num_outputs or None)
         else:
             # torch only on this branch: ONNX-only workers never import it.
@@ -201,7 +256,7 @@ class RunnerSpec:
                 torch.set_num_threads(max(1, self.threads))
             runner = torch_runner(self.torch_model(), device=self.device, runtime=self.runtime,
                                   name=self.name, input_shape=self.input_shape,
-                                  batch_rows=self.batch_rows)
+                                  batch_rows=self.batch_rows, gpu_wait=self.gpu_wait)
         if self.warmup:
             # The first run allocates buffers (and compiles kernels on GPUs); do it now so the
             # first request does not pay for it.
@@ -262,9 +317,11 @@ def fetch(blob) -> bytes:
 
 
 def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",
-                 threads: int = 1, trust_code: bool = False,
-                 batch_rows: int = 1) -> list[RunnerSpec]:
+                 threads: int = 1, trust_code: bool = False, batch_rows: int | None = 1,
+                 gpu_wait: str = "spin", sim_launch_ms: float = 0.3) -> list[RunnerSpec]:
     """One :class:`RunnerSpec` per subnet of an artifact, devices round robin over GPUs.
+    ``batch_rows``: the most rows a batch of its worker holds (None: the default of its device,
+    :func:`~sensai.serving.core.settings.default_batch_rows`).
 
     Refuses now, with one line, what would fail later: an unknown runtime, a missing file, and
     an architecture that names code when the torch runtime would import it without consent."""
@@ -280,8 +337,13 @@ def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "au
             device=str(device_for_worker(s.index, device)), runtime=runtime, threads=threads,
             onnx_path=str(s.onnx) if s.onnx else None, onnx_sha256=s.onnx_sha256, arch=m.model,
             num_outputs=s.num_outputs, in_channels=m.in_channels, weights_path=str(s.weights),
-            weights_sha256=s.weights_sha256, trust_code=trust_code, batch_rows=batch_rows)
-        if spec.resolved_runtime() == "onnx":
+            weights_sha256=s.weights_sha256, trust_code=trust_code, gpu_wait=gpu_wait,
+            sim_launch_ms=sim_launch_ms)
+        chosen = spec.resolved_runtime()
+        spec = replace(spec, batch_rows=batch_rows or default_batch_rows(spec.device, chosen))
+        if chosen == "sim":
+            pass  # a simulated GPU reads no file
+        elif chosen == "onnx":
             if not (s.onnx and s.onnx.is_file()):
                 raise CheckpointError(f"ONNX file {s.onnx} of {s.name} does not exist")
         else:

@@ -1,0 +1,244 @@
+"""Several subnets in one device process, as on one GPU: each subnet computed once per batch for
+every request that needs it, whatever order their runs came in and from whichever gateway.
+
+The in-worker loop is driven directly with the simulated GPU (:class:`SimRunner`: a fixed time per
+launch whatever the rows, the wait holding no interpreter lock) and with real ONNX subnets; then a
+real server - two gateway processes over one device process that hosts both subnets - answers 64
+requests in flight over HTTP on 127.0.0.1, every answer checked against offline evaluation, its
+batching read from its own counters.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from sensai.artifact import load_artifact
+from sensai.bench.robust import offline_reference
+from sensai.data import normalize
+from sensai.serving.core.messages import Batching, Done, Output, Run, RunFailed
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.launch import fleet as fleet_module
+from sensai.serving.launch.fleet import Fleet
+from sensai.serving.workers.loop import Stop, WorkerCore, per_request
+from sensai.serving.workers.runners import runner_specs
+from sensai.serving.workers.sim import SimRunner, sim_scores
+from tests.helpers import offline_scores, png, sample_images
+
+SHAPE = (1, 28, 28)
+
+
+def sims(launch_ms: float, groups=(0, 1), outputs: int = 6) -> dict[int, SimRunner]:
+    return {g: SimRunner(input_shape=SHAPE, num_outputs=outputs, launch_ms=launch_ms,
+                         name=f"subnet_{g:02d}", batch_rows=8) for g in groups}
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, *SHAPE)).astype(np.float32)
+
+
+def interleaved(x: np.ndarray) -> list[Run]:
+    """Each request's run for subnet 0, then for subnet 1, request after request: what a device
+    process hosting two workers' subnets gets from a gateway."""
+    return [Run(2 * i + g, x[i:i + 1], (g,), 1) for i in range(len(x)) for g in (0, 1)]
+
+
+def serve(core: WorkerCore, runs) -> list:
+    q = queue.SimpleQueue()
+    for r in [*runs, Stop()]:
+        q.put(r)
+    events = []
+    core.serve(q, per_request(events.append))
+    return events
+
+
+def test_interleaved_runs_of_two_subnets_batch_per_subnet():
+    x = rows(6)
+    core = WorkerCore(sims(0.0), batching=Batching(max_rows=8))
+    events = serve(core, interleaved(x))
+    # One batch: each subnet launched once for the six rows that need it.
+    assert core.counts.batches == 1 and core.counts.requests == 12
+    for g in (0, 1):
+        c = core.group_counts[g]
+        assert (c.batches, c.requests, c.rows, c.largest) == (1, 6, 6, 6)
+    outs = {(e.req, e.group): e.output for e in events if type(e) is Output}
+    for i in range(6):
+        for g in (0, 1):
+            np.testing.assert_array_equal(outs[2 * i + g, g], sim_scores(x[i:i + 1], 6))
+    dones = [e for e in events if type(e) is Done]
+    assert sorted(d.req for d in dones) == list(range(12))
+    # Each Done carries its own subnet's counters.
+    assert {d.counts.rows for d in dones} == {6}
+
+
+def test_a_subnet_is_capped_at_max_rows_and_the_rest_waits_for_the_next_batch():
+    core = WorkerCore(sims(0.0), batching=Batching(max_rows=4))
+    serve(core, interleaved(rows(10)))
+    for g in (0, 1):
+        c = core.group_counts[g]
+        assert (c.batches, c.rows, c.largest) == (3, 10, 4)  # 4 + 4 + 2 rows
+
+
+def test_two_subnets_launched_together_take_one_launch_not_two():
+    """The simulated GPU, 300 ms a launch: a batch of both subnets is done in about one launch's
+    time (each launched before either is waited for), where one after the other takes two."""
+    x = rows(4)
+    core = WorkerCore(sims(300.0), batching=Batching(max_rows=8))
+    t0 = time.perf_counter()
+    events = serve(core, interleaved(x))
+    took = time.perf_counter() - t0
+    assert 0.3 <= took < 0.55, took
+    assert all(0.3 * 1e3 <= e.ms < 0.55 * 1e3 for e in events if type(e) is Output)
+    one_by_one = sims(300.0)
+    t0 = time.perf_counter()
+    for g in (0, 1):
+        one_by_one[g].run(x)
+    assert time.perf_counter() - t0 >= 0.6
+
+
+def test_the_next_batch_gathers_while_the_device_computes():
+    """Runs that arrive while a batch's launch is under way (the waiting thread holds no
+    interpreter lock, so they are read meanwhile) all go in the next batch."""
+    x = rows(11)
+    core = WorkerCore(sims(200.0), batching=Batching(max_rows=16))
+    q = queue.SimpleQueue()
+    q.put(Run(0, x[0:1], (0,), 1))
+    events = []
+    loop = threading.Thread(target=core.serve, args=(q, per_request(events.append)))
+    loop.start()
+    time.sleep(0.05)  # the first launch is under way
+    spins = 0
+    t_end = time.perf_counter() + 0.1
+    while time.perf_counter() < t_end:  # pure Python while the device "computes"
+        spins += 1
+    for i in range(1, 11):
+        q.put(Run(i, x[i:i + 1], (0,), 1))
+    q.put(Stop())
+    loop.join(5)
+    assert spins > 10_000  # this thread ran meanwhile: the wait held no interpreter lock
+    c = core.group_counts[0]
+    assert (c.batches, c.requests, c.largest) == (2, 11, 10)
+    assert core.counts.held == 0  # nobody was held back for company
+
+
+def test_one_subnet_failing_fails_only_its_own_answers(tiny_artifact):
+    """A device's subnet 1 fails; subnet 0's answers to the same requests, in the same batch,
+    come as if nothing happened."""
+    spec = runner_specs(load_artifact(tiny_artifact), device="cpu", runtime="onnx")[0]
+    real = spec.build()
+
+    class Broken:
+        name, device, runtime = "subnet_01", "cpu", "onnx"
+
+        def run(self, x):
+            raise RuntimeError("device lost")
+
+    x = rows(5)
+    core = WorkerCore({0: real, 1: Broken()}, batching=Batching(max_rows=8))
+    events = serve(core, interleaved(x))
+    outs = {e.req: e.output for e in events if type(e) is Output}
+    failed = {e.req: e.error for e in events if type(e) is RunFailed}
+    assert sorted(outs) == [0, 2, 4, 6, 8] and sorted(failed) == [1, 3, 5, 7, 9]
+    assert all("device lost" in why for why in failed.values())
+    for i in range(5):
+        np.testing.assert_allclose(outs[2 * i], real.run(x[i:i + 1]), atol=1e-5)
+    assert core.group_counts[0].largest == 5
+
+
+# --------------------------------------------------------------------------------------------
+# A server: two gateway processes over one device process that hosts every subnet
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+    """Every worker in one device process, as on one GPU (the fleet is planned in this process,
+    so the plan's grouping can be the GPU's here on CPUs)."""
+    monkeypatch.setattr(fleet_module, "device_key", lambda w, specs: "one device")
+
+
+def many(url: str, images, concurrency: int) -> list[tuple[int, dict]]:
+    """Every image once, ``concurrency`` in flight, each on a connection of its own (the kernel
+    spreads them over the gateway processes)."""
+    def one(img):
+        with httpx.Client(timeout=60) as c:
+            r = c.post(f"{url}/v1/predict", params={"top_k": 10}, content=png(img))
+            return r.status_code, r.json()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, images))
+
+
+def scores(body: dict) -> np.ndarray:
+    out = np.zeros(len(body["predictions"]), dtype=np.float32)
+    for p in body["predictions"]:
+        out[p["index"]] = p["score"]
+    return out
+
+
+def counters(url: str) -> dict[str, dict]:
+    """Each worker's batching, the largest figure any gateway knows."""
+    best: dict[str, dict] = {}
+    for _ in range(20):
+        with httpx.Client(timeout=30) as c:
+            for w in c.get(f"{url}/v1/models").json()["predictor"]["workers"]:
+                seen = best.setdefault(w["name"], dict(w["batching"], pid=w["pid"]))
+                for k in ("batches", "requests", "rows", "largest", "held", "mixed"):
+                    seen[k] = max(seen[k], w["batching"][k])
+    return best
+
+
+@pytest.mark.slow
+def test_two_gateways_over_one_device_process_answer_as_offline_evaluation(
+        one_device, tiny_artifact, fmnist_test, fmnist_spec):
+    _, images, _ = sample_images(fmnist_test, 64, seed=3)
+    expected = offline_scores(tiny_artifact, images, fmnist_spec)
+    settings = GatewaySettings(port=0, device="cpu", log_level="warning", deadline_s=30)
+    with Fleet(tiny_artifact, settings, processes=2) as server:
+        devices = [m for m in server.describe()["processes"] if m["role"] == "device"]
+        assert len(devices) == 1  # all five subnets in one device process
+        for rounds in range(4):
+            answers = many(server.url, list(images) * 2, 64)
+            for i, (status, body) in enumerate(answers):
+                assert status == 200, body
+                np.testing.assert_allclose(scores(body), expected[i % len(images)], atol=1e-4)
+            got = counters(server.url)
+            if all(c["rows"] > c["batches"] for c in got.values()):
+                break
+        assert len({c["pid"] for c in got.values()}) == 1
+        # Every subnet ran more rows than batches: batched across requests and gateways, though
+        # each request's runs for the five subnets arrived one after another.
+        for name, c in got.items():
+            assert c["rows"] > c["batches"] and c["largest"] > 1, (name, c)
+        assert max(c["mixed"] for c in got.values()) > 0  # rows of both gateways in one batch
+        assert all(c["held"] == 0 for c in got.values())  # no request waited for company
+        assert all(c["max_rows"] == 8 for c in got.values())  # the CPU default
+
+
+@pytest.mark.slow
+def test_the_sim_runtime_puts_every_subnet_in_one_device_process(tiny_artifact_g2, fmnist_test,
+                                                                 fmnist_spec):
+    """``--runtime sim`` as a GPU's stand-in: one device process for both subnets, the GPU's
+    batch size, answers the simulation's own; a request alone is answered without waiting for
+    company."""
+    _, images, _ = sample_images(fmnist_test, 8, seed=4)
+    settings = GatewaySettings(port=0, device="cpu", runtime="sim", sim_launch_ms=1.0,
+                               log_level="warning")
+    art = load_artifact(tiny_artifact_g2)
+    with Fleet(tiny_artifact_g2, settings, processes=2) as server:
+        devices = [m for m in server.describe()["processes"] if m["role"] == "device"]
+        assert len(devices) == 1
+        for img in images:  # one at a time
+            status, body = many(server.url, [img], 1)[0]
+            assert status == 200
+            x = normalize(img[None], fmnist_spec).numpy()
+            want = offline_reference(art, [x], runtime="sim")[0]
+            np.testing.assert_allclose(scores(body), want, atol=1e-5)
+        got = counters(server.url)
+        assert all(c["max_rows"] == 128 and c["held"] == 0 for c in got.values())
+        assert all(c["requests"] == len(images) for c in got.values())
