@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from sensai.raycluster import connect
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway.app import create_app
 from sensai.serving.gateway.server import BackgroundServer
+from sensai.serving.workers.loop import Stop, per_request
 
 N_IMAGES = 24
 
@@ -90,6 +92,17 @@ def stop_server(proc, *, timeout_s: float = 60) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def serve_queued(core, runs) -> list:
+    """Put ``runs`` on a worker loop's queue (a :class:`WorkerCore`), then let it serve them
+    all: the per-request events it emitted."""
+    q = queue.SimpleQueue()
+    for r in [*runs, Stop()]:
+        q.put(r)
+    events = []
+    core.serve(q, per_request(events.append))
+    return events
 
 
 def predict_all(predictor, xs, **kw):

@@ -27,8 +27,8 @@ from sensai.serving.launch.build import build_predictor
 from sensai.serving.launch.triton_repo import export_triton_repo
 from sensai.serving.workers.loop import Stop, WorkerCore, per_request
 from sensai.serving.workers.runners import runner_specs
-from tests.helpers import (local_ray, offline_scores, predict_all, sample_images, start_gateway,
-                           wait_until)
+from tests.helpers import (local_ray, offline_scores, predict_all, sample_images, serve_queued,
+                           start_gateway, wait_until)
 
 N = 20  # two images per class
 # Answers after a trip through processes or Ray, batched or not, match offline evaluation (torch)
@@ -68,16 +68,6 @@ class Recorded:
 def runners(tiny_artifact):
     specs = runner_specs(load_artifact(tiny_artifact), device="cpu", runtime="onnx")
     return {g: specs[g].build() for g in (0, 1)}
-
-
-def serve_queued(core: WorkerCore, runs) -> list:
-    """Put ``runs`` on a worker's queue, then let it serve them all: what it emitted."""
-    q = queue.SimpleQueue()
-    for r in [*runs, Stop()]:
-        q.put(r)
-    events = []
-    core.serve(q, per_request(events.append))
-    return events
 
 
 def outputs_of(events, req):

@@ -188,3 +188,36 @@ def test_client_cores_that_leave_the_server_none_are_refused_in_one_line(tiny_ar
     err = capsys.readouterr().err
     assert f"--client-cores {n}: must be between 1 and {n - 1}" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_simulated_gpu_sweep_checks_every_answer_and_reports_each_subnets_batches(
+        tiny_artifact_g2, tmp_path, capsys):
+    """``sensai bench-load --runtime sim`` from the command line: two gateway processes over one
+    device process holding both subnets (as on one GPU), every answer checked against the
+    simulation's own offline (none wrong), each level's rows per batch of each subnet and the
+    device process's CPU per answer reported; Triton, which runs no simulation, is skipped with
+    its reason."""
+    from sensai.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["bench-load", str(tiny_artifact_g2), "--out", str(out), "--sweep",
+                 "--runtime", "sim", "--sim-launch-ms", "5", "--configs", "class-parallel",
+                 "triton", "--levels", "1", "8", "--level-seconds", "1", "--warmup-seconds",
+                 "0.5", "--overload-seconds", "0", "--images", "8", "--no-progress",
+                 "--env", "SENSAI_GATEWAY_REPLICAS=2"]) == 0
+    assert "rows per batch (each subnet)" in capsys.readouterr().out
+    result = json.loads((out / "load.json").read_text())
+    g = result["settings"]["gateway"]
+    assert g["runtime"] == "sim" and g["sim_launch_ms"] == 5.0
+    assert "simulates" in result["configs"]["triton"]["skipped"]
+    c = result["configs"]["class-parallel"]
+    for level in c["levels"]:
+        assert level["wrong"] == 0 and level["ok"] == level["requests"] > 0
+        assert len(level["batching"]) == 2  # one per subnet, both in the one device process
+        assert level["server_cpu"]["workers_processes"] == 1
+        assert level["server_cpu"]["workers_ms_per_answer"] > 0
+    one, eight = c["levels"]
+    assert all(w["rows_per_batch"] == 1.0 for w in one["batching"])
+    assert all(w["rows"] == w["requests"] > 0 for w in eight["batching"])
+    assert all(w["max_rows"] == 128 for w in c["batching"])  # a GPU's batches
+    assert "Rows per batch" in (out / "load.md").read_text()

@@ -29,7 +29,7 @@ from sensai.serving.launch.fleet import Fleet
 from sensai.serving.workers.loop import Stop, WorkerCore, per_request
 from sensai.serving.workers.runners import runner_specs
 from sensai.serving.workers.sim import SimRunner, sim_scores
-from tests.helpers import offline_scores, png, sample_images
+from tests.helpers import offline_scores, png, sample_images, serve_queued
 
 SHAPE = (1, 28, 28)
 
@@ -49,19 +49,10 @@ def interleaved(x: np.ndarray) -> list[Run]:
     return [Run(2 * i + g, x[i:i + 1], (g,), 1) for i in range(len(x)) for g in (0, 1)]
 
 
-def serve(core: WorkerCore, runs) -> list:
-    q = queue.SimpleQueue()
-    for r in [*runs, Stop()]:
-        q.put(r)
-    events = []
-    core.serve(q, per_request(events.append))
-    return events
-
-
 def test_interleaved_runs_of_two_subnets_batch_per_subnet():
     x = rows(6)
     core = WorkerCore(sims(0.0), batching=Batching(max_rows=8))
-    events = serve(core, interleaved(x))
+    events = serve_queued(core, interleaved(x))
     # One batch: each subnet launched once for the six rows that need it.
     assert core.counts.batches == 1 and core.counts.requests == 12
     for g in (0, 1):
@@ -79,7 +70,7 @@ def test_interleaved_runs_of_two_subnets_batch_per_subnet():
 
 def test_a_subnet_is_capped_at_max_rows_and_the_rest_waits_for_the_next_batch():
     core = WorkerCore(sims(0.0), batching=Batching(max_rows=4))
-    serve(core, interleaved(rows(10)))
+    serve_queued(core, interleaved(rows(10)))
     for g in (0, 1):
         c = core.group_counts[g]
         assert (c.batches, c.rows, c.largest) == (3, 10, 4)  # 4 + 4 + 2 rows
@@ -91,7 +82,7 @@ def test_two_subnets_launched_together_take_one_launch_not_two():
     x = rows(4)
     core = WorkerCore(sims(300.0), batching=Batching(max_rows=8))
     t0 = time.perf_counter()
-    events = serve(core, interleaved(x))
+    events = serve_queued(core, interleaved(x))
     took = time.perf_counter() - t0
     assert 0.3 <= took < 0.55, took
     assert all(0.3 * 1e3 <= e.ms < 0.55 * 1e3 for e in events if type(e) is Output)
@@ -141,7 +132,7 @@ def test_one_subnet_failing_fails_only_its_own_answers(tiny_artifact):
 
     x = rows(5)
     core = WorkerCore({0: real, 1: Broken()}, batching=Batching(max_rows=8))
-    events = serve(core, interleaved(x))
+    events = serve_queued(core, interleaved(x))
     outs = {e.req: e.output for e in events if type(e) is Output}
     failed = {e.req: e.error for e in events if type(e) is RunFailed}
     assert sorted(outs) == [0, 2, 4, 6, 8] and sorted(failed) == [1, 3, 5, 7, 9]

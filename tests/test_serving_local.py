@@ -123,7 +123,14 @@ def test_tritonclient_calls_the_gateway_v2_api(local_gateway, tiny_artifact, fmn
         assert {o["name"] for o in meta["outputs"]} == {"scores", "class_index"}
 
         _, images, _ = sample_images(fmnist_test, 5)
-        x = normalize(images, fmnist_spec).numpy()
+        # A client normalises its pixels with the values the metadata gives.
+        p = meta["parameters"]
+        assert p["input_layout"] == "NCHW"
+        mean = np.asarray(p["input_mean"], dtype=np.float32)[:, None, None]
+        std = np.asarray(p["input_std"], dtype=np.float32)[:, None, None]
+        pixels = images.numpy().astype(np.float32)  # uint8 [n, 1, 28, 28]
+        x = ((pixels * np.float32(p["input_scale"]) - mean) / std).astype(np.float32)
+        np.testing.assert_allclose(x, normalize(images, fmnist_spec).numpy(), atol=1e-5)
         expected = offline_scores(tiny_artifact, images, fmnist_spec)
         # Binary tensors both ways (tritonclient's default)...
         inp = tc.InferInput("input", list(x.shape), "FP32")

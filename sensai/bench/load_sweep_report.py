@@ -12,8 +12,8 @@ from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_fig
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
                 "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)",
-                "server CPU ms/answer: gateways (workers)", "rows per batch (each subnet)",
-                "GPU busy"]
+                "server CPU ms/answer: gateways (workers)", "gateways' CPU / the no-op's",
+                "rows per batch (each subnet)", "GPU busy"]
 OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
                    "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
                    "p99 ms (503)", "other", "client cores", "machine busy cores",
@@ -25,14 +25,23 @@ COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
           "single": "#55A868", "triton": "#C44E52"}
 
 
-def _row(label: str, transport: str, flight: str, r: dict) -> list[str]:
+def _row(label: str, transport: str, flight: str, r: dict, noop: dict | None = None
+         ) -> list[str]:
     lat = r["latency_ok_ms"]
     share = r.get("client_cpu_share")
     return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
             fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r),
-            rows_per_batch(r), gpu_busy(r)]
+            over_noop(r, noop), rows_per_batch(r), gpu_busy(r)]
+
+
+def over_noop(r: dict, noop: dict | None) -> str:
+    """The gateway processes' CPU per answer over a level against the same server's bare route
+    (``noop``): how far a prediction is from the least an answer costs them."""
+    mine = (r.get("server_cpu") or {}).get("gateway_ms_per_answer")
+    floor = ((noop or {}).get("server_cpu") or {}).get("gateway_ms_per_answer")
+    return f"{mine / floor:.1f}x" if mine and floor else "-"
 
 
 def rows_per_batch(r: dict) -> str:
@@ -69,8 +78,10 @@ def level_rows(result: dict) -> list[list[str]]:
     for key, c in result["configs"].items():
         if "levels" not in c:
             continue
-        rows += [_row(key, c["transport"], str(r["concurrency"]), r) for r in c["levels"]]
-        rows.append(_row(key, "GET /v2/health/live", str(c["noop"]["concurrency"]), c["noop"]))
+        rows += [_row(key, c["transport"], str(r["concurrency"]), r, c["noop"])
+                 for r in c["levels"]]
+        rows.append(_row(key, "GET /v2/health/live", str(c["noop"]["concurrency"]), c["noop"],
+                         c["noop"]))
     return rows
 
 
@@ -162,7 +173,8 @@ def render_markdown(result: dict) -> str:
         "answered, split into its subnet workers' processes (device processes with several "
         "gateway processes, in brackets) and the rest (the gateway processes, and the parent "
         "that watches them); \"in the gateway\": the workers are threads of the gateway's "
-        "process, so its figure holds the subnets' compute.  Rows per batch: each subnet's "
+        "process, so its figure holds the subnets' compute; beside it, the gateways' figure "
+        "over the bare route's (GET /v2/health/live at the same server).  Rows per batch: each subnet's "
         "image rows over its batches during the level (from the workers' counters before and "
         "after it; a device process's as its gateway processes last heard them).  GPU busy: "
         "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one)."

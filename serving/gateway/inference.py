@@ -119,7 +119,11 @@ def v2_model_metadata(gw: Gateway, mv: ModelVersion) -> dict:
                     "shape": [-1, *spec.input_shape]}],
         "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, spec.num_classes]},
                     {"name": "class_index", "datatype": "INT64", "shape": [-1]}],
+        # The sentence for a reader, and its values for a client that normalises a tensor:
+        # (pixel * input_scale - input_mean[c]) / input_std[c], channels first.
         "parameters": {"preprocessing": f"uint8 pixels / 255, minus mean {list(spec.mean)}, "
                                          f"divided by std {list(spec.std)}",
+                       "input_scale": 1.0 / 255.0, "input_mean": list(spec.mean),
+                       "input_std": list(spec.std), "input_layout": "NCHW",
                        "classes": list(spec.classes)},
     }
