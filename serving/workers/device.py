@@ -322,10 +322,9 @@ class DeviceServer:
 
     def dones(self, event: Dones) -> None:
         skipped = event.skipped
-        c = self.core.counts
         for link, mine, wires in self.per_link(event.reqs):
             link.queue(w.dones_frame(wires, skipped if mine is None else
-                                     [skipped[i] for i in mine], c.held, c.mixed, event.counts))
+                                     [skipped[i] for i in mine], event.counts))
 
 
 def listen(address: str) -> socket.socket:

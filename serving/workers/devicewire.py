@@ -129,9 +129,11 @@ def parse_outputs(body: memoryview) -> tuple[int, float, np.ndarray, np.ndarray,
     return group, ms, wires, sizes, out
 
 
-def dones_frame(wires: Sequence[int], skipped: Sequence[int], held: int, mixed: int,
+def dones_frame(wires: Sequence[int], skipped: Sequence[int],
                 counts: Mapping[int, "BatchCounts"]) -> bytes:
-    """The end of requests ``wires`` of one gateway, with every subnet's counters."""
+    """The end of requests ``wires`` of one gateway, with every subnet's counters (``held``
+    and ``mixed`` are the loop's, the same in each)."""
+    held, mixed = next(((c.held, c.mixed) for c in counts.values()), (0, 0))
     return frame(DONES, DONES_HEAD.pack(len(wires), len(counts), held, mixed),
                  b"".join(GROUP_COUNTS.pack(g, c.batches, c.requests, c.largest, c.rows)
                           for g, c in counts.items()),

@@ -176,10 +176,16 @@ class WorkerCore:
         """Group ``group`` of one request, in a runner call of its own."""
         t0 = time.perf_counter()
         try:
-            out = np.asarray(self.runners[group].run(x), dtype=np.float32)
+            out, error = np.asarray(self.runners[group].run(x), dtype=np.float32), None
         except Exception as e:  # one subnet failing must not take the worker down
-            return RunFailed(req, group, f"{type(e).__name__}: {e}")
-        ms = (time.perf_counter() - t0) * 1e3
+            out, error = None, e
+        return self.single(group, req, out, error, (time.perf_counter() - t0) * 1e3)
+
+    def single(self, group: int, req: int, out: np.ndarray | None, error: Exception | None,
+               ms: float) -> Outputs | RunFailed:
+        """One request's answer from group ``group``: its rows, or its failure."""
+        if error is not None:
+            return RunFailed(req, group, f"{type(error).__name__}: {error}")
         return Outputs(group, (req,), corrupt_output(out) if self.corrupt else out,
                        (len(out) if out.ndim else 1,), ms)
 
@@ -280,11 +286,7 @@ class WorkerCore:
         if n == 1:
             m = runs[0]
             self.count(g, 1, len(m.x) if getattr(m.x, "ndim", 0) else 1)
-            if error is not None:
-                emit(RunFailed(m.req, g, f"{type(error).__name__}: {error}"))
-            else:
-                emit(Outputs(g, (m.req,), corrupt_output(out) if self.corrupt else out,
-                             (len(out) if out.ndim else 1,), ms))
+            emit(self.single(g, m.req, out, error, ms))
             return
         sizes = [len(m.x) for m in runs]  # several runs: each has rows (gather saw to it)
         total = sum(sizes)
