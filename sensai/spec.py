@@ -2,12 +2,13 @@
 the gateway, worker processes and Ray actors that only run ONNX subnets stay light.
 
 :func:`pil_to_array` then :func:`normalize` is the one preprocessing path from a picture to
-network input, for training, decomposition and serving alike; :mod:`sensai.data` builds the
-datasets on it.
+network input, for training, decomposition and serving alike (:func:`pil_to_input`: both in
+one pass, for the gateway); :mod:`sensai.data` builds the datasets on it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,26 +73,62 @@ class DatasetSpec:
 def normalize(images: "torch.Tensor | np.ndarray", spec: DatasetSpec) -> "torch.Tensor | np.ndarray":
     """uint8 ``[B, C, H, W]`` (or ``[C, H, W]``) -> float32 network input, on the images' device.
 
-    A numpy array gives a numpy array, by the same float32 operations (bit for bit the same
-    values): the gateway normalizes one small image per request, where torch's per-call
-    overhead costs more than the arithmetic, and need not import torch at all."""
-    shape = (-1, 1, 1)
+    A numpy array gives a numpy array with bit for bit the same values, looked up in a table of
+    the 256 levels per channel computed by the same float32 operations: the gateway normalizes
+    one small image per request, where one pass over the pixels costs least, and need not
+    import torch at all."""
     if isinstance(images, np.ndarray):
-        x = images.astype(np.float32) / np.float32(255.0)
-        mean = np.asarray(spec.mean, dtype=np.float32).reshape(shape)
-        std = np.asarray(spec.std, dtype=np.float32).reshape(shape)
-        return (x - mean) / std
+        out = np.empty(images.shape, np.float32)
+        levels = channel_levels(spec.mean, spec.std)
+        for c in range(levels.shape[0]):
+            np.take(levels[c], images[..., c, :, :], out=out[..., c, :, :])
+        return out
     import torch  # a tensor came in, so torch is loaded already
 
+    shape = (-1, 1, 1)
     x = images.to(torch.float32).div_(255.0)
     mean = torch.tensor(spec.mean, dtype=torch.float32, device=x.device).view(shape)
     std = torch.tensor(spec.std, dtype=torch.float32, device=x.device).view(shape)
     return (x - mean) / std
 
 
+@functools.lru_cache(maxsize=32)
+def channel_levels(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """float32 ``[C, 256]``: the network input of each uint8 level in each channel, by
+    :func:`normalize`'s float32 operations (read-only: shared by every call)."""
+    x = np.arange(256, dtype=np.float32) / np.float32(255.0)
+    levels = ((x[None, :] - np.asarray(mean, np.float32)[:, None])
+              / np.asarray(std, np.float32)[:, None])
+    levels.flags.writeable = False
+    return levels
+
+
+def pil_to_input(img, spec: DatasetSpec) -> np.ndarray:
+    """A PIL image of any size or mode -> float32 ``[1, C, H, W]`` network input
+    (:func:`pil_to_array` then :func:`normalize`, the pixels read once)."""
+    arr = np.asarray(pil_in_shape(img, spec))
+    levels = channel_levels(spec.mean, spec.std)
+    out = np.empty((1, *spec.input_shape), np.float32)
+    if arr.ndim == 2:
+        np.take(levels[0], arr, out=out[0, 0])
+    else:
+        for c in range(levels.shape[0]):
+            np.take(levels[c], arr[:, :, c], out=out[0, c])
+    return out
+
+
 def pil_to_array(img, spec: DatasetSpec) -> np.ndarray:
     """A PIL image of any size or mode -> uint8 ``[C, H, W]`` in the spec's mode and size
     (writable, contiguous)."""
+    arr = np.array(pil_in_shape(img, spec), dtype=np.uint8)  # writable: torch refuses read-only
+    if arr.ndim == 2:
+        return arr[None]
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def pil_in_shape(img, spec: DatasetSpec):
+    """A PIL image of any size or mode -> the PIL image in the spec's mode and size (alpha
+    composed over white for RGB)."""
     from PIL import Image
 
     if img.mode in ("RGBA", "LA", "P") and spec.pil_mode == "RGB":
@@ -103,7 +140,4 @@ def pil_to_array(img, spec: DatasetSpec) -> np.ndarray:
     _, h, w = spec.input_shape
     if img.size != (w, h):
         img = img.resize((w, h), Image.BILINEAR)
-    arr = np.array(img, dtype=np.uint8)  # a writable copy: torch refuses read-only buffers
-    if arr.ndim == 2:
-        return arr[None]
-    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+    return img

@@ -5,10 +5,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from sensai.data import (DatasetSpec, encode_png, iterate_batches, load_split, normalize,
                          pil_to_uint8, resolve_dataset, stratified_subset)
 from sensai.errors import DataError
+from sensai.spec import pil_to_array, pil_to_input
 
 
 def test_fashion_mnist_real_files(fmnist_spec, fmnist_train, fmnist_test):
@@ -135,3 +137,23 @@ def test_spec_round_trip():
     assert DatasetSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(DataError):
         DatasetSpec.from_dict({"name": "x"})
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_one_pass_normalisation_gives_the_arithmetics_values_bit_for_bit(channels):
+    """The gateway's table of levels (and its one pass from a picture) against the float32
+    arithmetic that training and offline evaluation use: identical bits, for every level."""
+    mean, std = (0.4914, 0.4822, 0.4465)[:channels], (0.247, 0.243, 0.261)[:channels]
+    spec = DatasetSpec("x", tuple("abcdefghij"), (channels, 16, 16), mean, std)
+    u8 = np.arange(4 * channels * 16 * 16, dtype=np.int64).reshape(4, channels, 16, 16) % 256
+    u8 = u8.astype(np.uint8)
+    arithmetic = ((u8.astype(np.float32) / np.float32(255.0)
+                   - np.asarray(mean, np.float32).reshape(-1, 1, 1))
+                  / np.asarray(std, np.float32).reshape(-1, 1, 1))
+    assert np.array_equal(normalize(u8, spec), arithmetic)
+    assert np.array_equal(normalize(torch.from_numpy(u8), spec).numpy(), arithmetic)
+    picture = Image.fromarray(u8[1, 0] if channels == 1 else u8[1].transpose(1, 2, 0))
+    one_pass = pil_to_input(picture, spec)
+    assert one_pass.shape == (1, channels, 16, 16) and one_pass.dtype == np.float32
+    assert np.array_equal(one_pass, arithmetic[1:2])
+    assert np.array_equal(one_pass, normalize(pil_to_array(picture, spec)[None], spec))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 
 import numpy as np
@@ -44,13 +45,14 @@ log = logging.getLogger(__name__)
 
 
 class _Request:
-    __slots__ = ("id", "loop", "future", "decoder", "allow_partial", "t0", "arrival_ms",
-                 "compute_ms", "parts", "dispatched", "done", "timed_out")
+    __slots__ = ("id", "loop", "thread", "future", "decoder", "allow_partial", "t0",
+                 "arrival_ms", "compute_ms", "parts", "dispatched", "done", "timed_out")
 
     def __init__(self, req_id: int, loop: asyncio.AbstractEventLoop, decoder: CoverageDecoder,
                  allow_partial: bool):
         self.id = req_id
         self.loop = loop
+        self.thread = threading.get_ident()  # the loop's
         self.future = loop.create_future()
         self.decoder = decoder
         self.allow_partial = allow_partial
@@ -259,7 +261,10 @@ class ClassParallelPredictor:
         for i in skips:  # the other holders of that group need not compute it
             self.workers[i].handle.send(Skip(req.id, (g,)))
         if finished:
-            req.loop.call_soon_threadsafe(resolve, req.future)
+            if threading.get_ident() == req.thread:  # read on the request's own loop
+                resolve(req.future)
+            else:
+                req.loop.call_soon_threadsafe(resolve, req.future)
         elif share is not None and share.shape[0] == 1:
             # While other subnets still compute, this group's share of the merge is worked out
             # here, off the request's path; the answer then only combines the shares.  (The last

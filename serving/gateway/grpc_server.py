@@ -43,7 +43,7 @@ from .admission import Ticket
 from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
                         v2_model_metadata, v2_server_metadata, version_ready)
 from .repository_api import check_access
-from .served import ModelVersion
+from .model_table import ModelVersion
 
 log = logging.getLogger(__name__)
 

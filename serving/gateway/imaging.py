@@ -2,8 +2,8 @@
 
 The size is checked from the header *before* any pixel is decoded, so a small file that would
 expand to gigabytes (a decompression bomb) costs nothing.  The conversion itself is the
-project's one preprocessing path: :func:`sensai.spec.pil_to_array` then
-:func:`sensai.spec.normalize`, exactly as in training and offline evaluation.
+project's one preprocessing path (:func:`sensai.spec.pil_to_input`: ``pil_to_array`` then
+``normalize`` in one pass over the pixels), exactly as in training and offline evaluation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
-from sensai.spec import normalize, pil_to_array
+from sensai.spec import pil_to_input
 
 from ..core.errors import InputError, PayloadTooLarge
 
@@ -108,12 +108,11 @@ def image_to_input(img, spec: "DatasetSpec") -> np.ndarray:
                 img = ImageOps.exif_transpose(img)  # photos from phones carry a rotation flag
             except Exception:  # a malformed EXIF block is no reason to refuse the picture
                 pass
-            u8 = pil_to_array(_to_8bit(img), spec)
+            return pil_to_input(_to_8bit(img), spec)
         except Image.DecompressionBombError as e:
             raise PayloadTooLarge(f"image has too many pixels ({e})") from None
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise InputError(f"image data is truncated or corrupt: {e}") from None
-    return normalize(u8[None], spec)
 
 
 def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int,

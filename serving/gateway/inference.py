@@ -23,7 +23,8 @@ from ..core.wakeup import CoresAwake
 from . import oip
 from .admission import Admission, Ticket
 from .metrics import GatewayMetrics
-from .served import ModelVersion, ServedModels
+from .model_table import ModelVersion
+from .served import ServedModels
 
 log = logging.getLogger(__name__)
 

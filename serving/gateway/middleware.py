@@ -12,6 +12,8 @@ request on the hot path), in pieces that each do one job:
   checks and metrics are never turned away.  The HTTP protocol refuses most of them earlier
   still (:class:`EarlyGate`); an admitted request's :class:`~.admission.Ticket` is in
   ``request.state.ticket`` for the routes, and given back when the request ends;
+* the prediction routes dispatched at once (:class:`~.predict_routes.PredictRoutes`), every
+  other request passed on to FastAPI;
 * :class:`BodyLimit` - a body over ``max_body_bytes`` is refused by its declared length, or as it
   streams in, and a body still arriving holds one of the admission's receiving slots;
 * :meth:`GatewayMiddleware.record` - the request's metrics once it is answered.
@@ -25,6 +27,7 @@ import time
 from ..core.errors import PayloadTooLarge
 from .admission import Ticket
 from .inference import Gateway
+from .predict_routes import PredictRoutes
 from .wire import Refusals, predicts, reply, request_id, ungated
 
 LIMIT_HINT = "(set SENSAI_MAX_BODY_BYTES)"
@@ -75,9 +78,13 @@ class BodyLimit:
 
 
 class GatewayMiddleware:
-    def __init__(self, app, gateway: Gateway):
+    """``predictions``: the prediction routes, dispatched here past FastAPI's router (None:
+    FastAPI dispatches them)."""
+
+    def __init__(self, app, gateway: Gateway, predictions: PredictRoutes | None = None):
         self.app = app
         self.gw = gateway
+        self.predictions = predictions
         self.refusals = Refusals(gateway.admission.messages)
 
     async def __call__(self, scope, receive, send):
@@ -132,7 +139,12 @@ class GatewayMiddleware:
                         f"{limit:,} {LIMIT_HINT}", scope["state"]["request_id"],
                         [(b"connection", b"close")])
             return
-        await self.app(scope, BodyLimit(receive, limit, ticket), send)
+        receive = BodyLimit(receive, limit, ticket)
+        route = self.predictions.match(scope) if self.predictions is not None else None
+        if route is not None:
+            await self.predictions.dispatch(scope, receive, send, *route)
+        else:
+            await self.app(scope, receive, send)
 
     def record(self, scope, status: int, seconds: float) -> None:
         metrics = self.gw.metrics

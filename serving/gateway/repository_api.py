@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sensai.net import is_loopback
@@ -23,6 +23,7 @@ from sensai.net import is_loopback
 from ..core.errors import Forbidden, InputError, Unauthorized
 from ..core.settings import GatewaySettings
 
+PREFIX = "/v2/repository"
 LOOPBACK_HINT = "set SENSAI_REPOSITORY_TOKEN (or --repository-token-file) to allow others"
 
 
@@ -75,15 +76,18 @@ def guard(changes: bool):
     return Depends(check)
 
 
-def repository_routes() -> APIRouter:
-    router = APIRouter(prefix="/v2/repository", tags=["model repository"])
+def add_repository_routes(app: FastAPI) -> None:
+    """Add the routes to ``app`` itself (an included router is matched as a nested router, a
+    cost on every request)."""
+    tags = ["model repository"]
 
-    @router.post("/index", dependencies=[guard(changes=False)])
+    @app.post(f"{PREFIX}/index", dependencies=[guard(changes=False)], tags=tags)
     async def index(request: Request) -> list[dict]:
         body = await json_body(request, IndexRequest)
         return request.app.state.gateway.models.index(ready_only=body.ready)
 
-    @router.post("/models/{model_name}/load", dependencies=[guard(changes=True)])
+    @app.post(PREFIX + "/models/{model_name}/load", dependencies=[guard(changes=True)],
+              tags=tags)
     async def load(request: Request, model_name: str) -> dict:
         body = await json_body(request, ModelRequest)
         if body.parameters:
@@ -92,11 +96,10 @@ def repository_routes() -> APIRouter:
         await request.app.state.gateway.models.load(model_name)
         return {}
 
-    @router.post("/models/{model_name}/unload", dependencies=[guard(changes=True)])
+    @app.post(PREFIX + "/models/{model_name}/unload", dependencies=[guard(changes=True)],
+              tags=tags)
     async def unload(request: Request, model_name: str) -> dict:
         await json_body(request, ModelRequest)  # unload_dependents: there are no dependents
         await request.app.state.gateway.models.unload(model_name)
         return {}
-
-    return router
 

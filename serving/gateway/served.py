@@ -1,18 +1,16 @@
-"""The models a gateway serves, by name and version, and their lifecycle: load, route, drain,
-unload.
+"""The models a gateway serves and their lifecycle: load, drain, unload, poll.
 
-Every loaded version has a predictor (workers) of its own.  A request holds the version it was
-routed to (:meth:`ServedModels.hold`) until it is answered.  Loading builds the new version's
-predictor in a thread, checks its files against the manifest's hashes and warms it with a few
-predictions before any request is routed to it; a version that fails is recorded (the index
-says why) and whatever was serving keeps serving.  Unloading takes a version out of routing at
-once and closes its predictor only when the requests holding it are done (each is bounded by
-its deadline).  So a swap - the new version ready, then the old one unloaded - loses no request.
+Loading builds a new version's predictor in a thread, checks its files against the manifest's
+hashes and warms it with a few predictions before any request is routed to it; a version that
+fails is recorded (the index says why) and whatever was serving keeps serving.  Unloading takes a
+version out of routing at once and closes its predictor only when the requests holding it are
+done (each is bounded by its deadline).  So a swap - the new version ready, then the old one
+unloaded - loses no request.  The table itself and the routing are
+:class:`~.model_table.ModelTable`'s.
 
-An unversioned request goes to the model's highest ready version (Triton's rule).  With a repository
-(:mod:`~sensai.serving.core.repository`), :meth:`ServedModels.load` brings a model to what its
-folder and version policy say; :meth:`ServedModels.poll` does that for every model whose folder
-changed.  State names are Triton's (``READY``, ``LOADING``, ``UNLOADING``, ``UNAVAILABLE``).
+With a repository (:mod:`~sensai.serving.core.repository`), :meth:`ServedModels.load` brings a
+model to what its folder and version policy say; :meth:`ServedModels.poll` does that for every
+model whose folder changed.
 """
 
 from __future__ import annotations
@@ -21,10 +19,9 @@ import asyncio
 import ctypes
 import logging
 import time
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -32,15 +29,15 @@ from sensai.errors import SensaiError
 
 from ..core import repository as repo_layout
 from ..core.contract import Predictor
-from ..core.errors import InputError, LoadFailed, ModelNotFound, ModelUnavailable
+from ..core.errors import LoadFailed, ModelNotFound
 from ..core.repository import VersionPolicy
 from ..core.settings import GatewaySettings
 from . import heap
 from .metrics import GatewayMetrics
+from .model_table import LOADING, READY, UNAVAILABLE, UNLOADING, ModelTable, ModelVersion
 
 log = logging.getLogger(__name__)
 
-READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 SINGLE_VERSION = "1"
 # Predictions a new version makes before it is routed to: the first calls of a runner pay for
 # its lazy set-up, which should not land on a client.
@@ -54,28 +51,6 @@ DRAIN_GRACE_S = 1.0
 Loader = Callable[[str, Path], Predictor]  # (model name, artifact folder) -> predictor; blocks
 
 
-@dataclass(eq=False)
-class ModelVersion:
-    """One loaded version: its predictor and the requests holding it."""
-
-    name: str
-    version: str
-    predictor: Predictor
-    max_pixels: int
-    max_decoded_bytes: int
-    stamp: str = ""
-    state: str = READY
-    inflight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-    @property
-    def spec(self):
-        return self.predictor.spec
-
-
 @dataclass
 class FailedVersion:
     """A version that failed to load, kept for the index until its files change."""
@@ -84,8 +59,8 @@ class FailedVersion:
     reason: str
 
 
-class ServedModels:
-    """The gateway's table of models -> versions (see the module's docstring).
+class ServedModels(ModelTable):
+    """The gateway's models and what changes them (see the module's docstring).
 
     ``loader`` builds a predictor for an artifact folder (needed to load anything); with
     ``repository`` set, :meth:`start` loads every model of it."""
@@ -93,16 +68,13 @@ class ServedModels:
     def __init__(self, settings: GatewaySettings, *, loader: Loader | None = None,
                  repository: str | Path | None = None, policy: VersionPolicy = VersionPolicy(),
                  metrics: GatewayMetrics | None = None):
-        self.settings = settings
-        self.metrics = metrics or GatewayMetrics()  # the gateway's, which serves these models
+        super().__init__(settings, metrics)
         self.loader = loader
         self.repository = Path(repository) if repository is not None else None
         self.policy = policy
-        self.models: dict[str, dict[str, ModelVersion]] = {}
         self.failures: dict[tuple[str, str], FailedVersion] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.loading: set[tuple[str, str]] = set()  # (name, version) being built or warmed
-        self.latest: dict[str, ModelVersion] = {}  # each model's highest ready version
         self.letting_go: asyncio.Task | None = None  # see let_go_soon
 
     @classmethod
@@ -111,82 +83,6 @@ class ServedModels:
         served = cls(settings)
         served.add(served.version_of(predictor.name, SINGLE_VERSION, predictor))
         return served
-
-    def version_of(self, name: str, version: str, predictor: Predictor,
-                   stamp: str = "") -> ModelVersion:
-        shape = predictor.spec.input_shape
-        return ModelVersion(name, version, predictor, self.settings.image_pixels(shape),
-                            self.settings.decoded_bytes(shape), stamp)
-
-    def add(self, mv: ModelVersion) -> None:
-        self.models.setdefault(mv.name, {})[mv.version] = mv
-        self.metrics.model_ready(mv.name, mv.version, mv.state == READY)
-        self.pick_latest(mv.name)
-
-    def pick_latest(self, name: str) -> None:
-        """Keep ``latest[name]``, where an unversioned request goes, in step with the table:
-        every change of a version's presence or state ends here, so routing never sorts."""
-        ready = self.ready_versions(name)
-        if ready:
-            self.latest[name] = self.models[name][ready[-1]]
-        else:
-            self.latest.pop(name, None)
-
-    # ---- routing ------------------------------------------------------------------------------
-
-    def names(self) -> list[str]:
-        return sorted(n for n, vs in self.models.items() if vs)
-
-    def default_name(self) -> str | None:
-        """The model a request that names none goes to: ``settings.model_name`` when served,
-        else the only model, else none."""
-        names = self.names()
-        if self.settings.model_name in names:
-            return self.settings.model_name
-        return names[0] if len(names) == 1 else None
-
-    def ready_versions(self, name: str) -> list[str]:
-        return sorted((v for v, mv in self.models.get(name, {}).items() if mv.state == READY),
-                      key=int)
-
-    def route(self, name: str | None, version: str | None = None) -> ModelVersion:
-        """The ready version a request for ``name`` (None: the default model) and ``version``
-        (None: the highest ready) goes to."""
-        if name is None:
-            name = self.default_name()
-            if name is None:
-                if not self.names():
-                    raise ModelNotFound("this server serves no model now (unloaded)")
-                raise InputError(f"this server serves several models ({', '.join(self.names())}"
-                                 "): name one (/v1/predict?model=NAME)")
-        versions = self.models.get(name)
-        if not versions:
-            raise ModelNotFound(f"unknown model {name!r}; this server serves "
-                                f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
-        if version is None:
-            latest = self.latest.get(name)
-            if latest is None:
-                raise ModelUnavailable(f"model {name!r} has no ready version", retry_after=1.0)
-            return latest
-        mv = versions.get(version)
-        if mv is None or mv.state != READY:
-            raise ModelNotFound(f"model {name!r} has no version {version!r} ready (ready: "
-                                f"{', '.join(self.ready_versions(name)) or 'none'})")
-        return mv
-
-    @asynccontextmanager
-    async def hold(self, name: str | None, version: str | None = None
-                   ) -> AsyncIterator[ModelVersion]:
-        """The routed version, held (not closed by an unload) until the block ends."""
-        mv = self.route(name, version)
-        mv.inflight += 1
-        mv.idle.clear()
-        try:
-            yield mv
-        finally:
-            mv.inflight -= 1
-            if mv.inflight == 0:
-                mv.idle.set()
 
     def index(self, ready_only: bool = False) -> list[dict]:
         """Every model of the repository (or served) with each version's state, as the KServe
@@ -345,9 +241,6 @@ class ServedModels:
         await asyncio.sleep(LET_GO_AFTER_S)
         heap.settle()
         await asyncio.to_thread(give_back_memory)
-
-    def current(self, mv: ModelVersion) -> bool:
-        return self.models.get(mv.name, {}).get(mv.version) is mv
 
     async def poll(self) -> None:
         """One look at the repository: (re)load each model whose versions or files changed,

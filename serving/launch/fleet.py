@@ -18,6 +18,7 @@ server's private directory).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -120,19 +121,25 @@ def gateway_main(gp: GatewayPlan, report) -> None:
     """Body of a gateway process: its predictor over the device processes, its app, uvicorn on
     its own socket of the shared port; ``("ready", pid)`` or ``("failed", why)`` on ``report``,
     then serve until SIGTERM (graceful)."""
-    import uvicorn  # the gateway's own; the parent needs none of it
-
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
     os.environ[SHARED_DIR_ENV] = gp.metrics_dir
     settings = gp.plan.settings
+    # The event loop uvicorn will run, made first: the device links read their answers on it.
+    with asyncio.Runner(loop_factory=uvicorn_config(None).get_loop_factory()) as runner:
+        serve_gateway(gp, report, runner, settings)
+
+
+def serve_gateway(gp: GatewayPlan, report, runner: asyncio.Runner, settings) -> None:
+    import uvicorn  # the gateway's own; the parent needs none of it
+
     try:
         artifact = load_artifact(gp.artifact_dir)
         transport = Devices(gp.addresses, row_shape=tuple(artifact.spec.input_shape),
                             slots_per_worker=SLOTS_PER_PREDICTION * settings.max_predictions,
                             gateway=gp.index,
                             gateways=gp.processes,
-                            load_timeout_s=gp.plan.load_timeout_s)
+                            load_timeout_s=gp.plan.load_timeout_s, loop=runner.get_loop())
         predictor = ClassParallelPredictor(artifact, gp.plan, transport)
         sock = listening_socket(settings.host, settings.port, shared=True)
     except BaseException as e:
@@ -161,7 +168,7 @@ def gateway_main(gp: GatewayPlan, report) -> None:
 
     threading.Thread(target=announce, daemon=True, name="sensai-announce").start()
     try:
-        server.run(sockets=[sock])
+        runner.run(server.serve(sockets=[sock]))  # what server.run does, on the runner's loop
     except SystemExit:  # uvicorn's exit when the app's startup failed
         pass
     if not server.started:

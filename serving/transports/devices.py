@@ -7,11 +7,14 @@ device process that hosts the worker's groups (workers on one GPU share one devi
 one link).  *Starting* a worker is connecting the link (again, after a death: dialing until the
 parent's new device process answers); *killing* it ends the device process, which every gateway
 sees.  Requests travel as :mod:`~sensai.serving.workers.devicewire` frames, their rows through this
-gateway's shared-memory slots.
+gateway's shared-memory slots; the answers are read on the gateway's event loop, where the requests
+wait, and the runs of every request dispatched in one turn of the loop leave in one write per
+device process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -41,8 +44,11 @@ class DeviceLink:
     slots, the requests in flight on it (by wire id), and the incarnations of the workers that
     wait on it or run over it."""
 
-    def __init__(self, address: str, *, slots: int, row_shape: tuple[int, ...]):
+    def __init__(self, address: str, *, slots: int, row_shape: tuple[int, ...],
+                 loop: asyncio.AbstractEventLoop):
         self.address = address
+        self.loop = loop  # where the answers are read
+        self.frames = w.FrameReader()
         self.slots = w.Slots(slots, 1, row_shape)
         self.lock = threading.Lock()  # the connection, the maps, the slots, a frame's send
         self.sock: socket.socket | None = None
@@ -88,11 +94,7 @@ class DeviceLink:
                 hello = w.control(w.HELLO, self.slots.describe())
                 socket.send_fds(sock, [hello], [self.slots.fd])
                 sock.settimeout(READY_TIMEOUT_S)
-                f = sock.makefile("rb", buffering=256 * 1024)
-                kind, body = w.read_frame(f)
-                if kind != w.READY:
-                    raise w.WireError(f"the device process answered a hello with kind {kind}")
-                info = w.parse_control(body)
+                info = self.await_ready(sock)
                 sock.settimeout(None)
                 break
             except (OSError, EOFError, w.WireError) as e:
@@ -114,34 +116,63 @@ class DeviceLink:
                     inc.error = f"cannot reach its device process at {self.address} ({why})"
                     inc.ready.set()
                 return
-        threading.Thread(target=self.read, args=(sock, f), daemon=True,
-                         name=f"sensai-read-{os.path.basename(self.address)}").start()
-
-    def read(self, sock: socket.socket, f) -> None:
-        detail = "its device process hung up"
         try:
-            while True:
-                kind, body = w.read_frame(f)
-                self.handle(kind, body)
+            self.loop.call_soon_threadsafe(self.read_on_loop, sock)
+        except RuntimeError:  # the loop is closed: the gateway is stopping
+            self.ended(sock, "the gateway is stopping")
+
+    @staticmethod
+    def await_ready(sock: socket.socket) -> dict:
+        """The device's answer to our hello (blocking: the dial's thread)."""
+        head = sock.recv(w.FRAME.size, socket.MSG_WAITALL)
+        if len(head) < w.FRAME.size:
+            raise EOFError("the device process hung up")
+        n, kind = w.FRAME.unpack(head)
+        if kind != w.READY or n > w.MAX_FRAME:
+            raise w.WireError(f"the device process answered a hello with kind {kind}")
+        body = sock.recv(n, socket.MSG_WAITALL) if n else b""
+        if len(body) < n:
+            raise EOFError("the device process hung up")
+        return w.parse_control(memoryview(body))
+
+    # -- the device's answers, read on the gateway's event loop: no thread between an answer
+    # and the request that waits for it
+
+    def read_on_loop(self, sock: socket.socket) -> None:
+        self.loop.add_reader(sock.fileno(), self.readable, sock)
+
+    def readable(self, sock: socket.socket) -> None:
+        try:
+            self.frames.take(sock, self.handle)
+        except BlockingIOError:  # woken for nothing
+            return
         except (OSError, EOFError):
-            pass
+            self.ended(sock, "its device process hung up")
         except w.WireError as e:
-            detail = f"its device process broke the protocol ({e})"
-        finally:
-            with self.lock:
-                if self.sock is sock:
-                    self.sock = None
-                lost, self.attached = list(self.attached.values()), {}
-                self.pending.clear()
-                self.wires.clear()
-                self.outbox = []
-                self.slots.free = list(range(self.slots.count - 1, -1, -1))
-            sock.close()
-            for handle, inc in lost:
-                if not inc.ready.is_set():
-                    inc.error = detail
-                    inc.ready.set()
-                handle.sink.exited(handle.index, inc.number, detail)
+            self.ended(sock, f"its device process broke the protocol ({e})")
+
+    def ended(self, sock: socket.socket, detail: str) -> None:
+        """The connection is over: every request on it and every worker over it is told."""
+        if sock.fileno() >= 0:
+            try:
+                self.loop.remove_reader(sock.fileno())
+            except RuntimeError:  # the loop is closed (the server stopped)
+                pass
+        with self.lock:
+            if self.sock is sock:
+                self.sock = None
+            lost, self.attached = list(self.attached.values()), {}
+            self.pending.clear()
+            self.wires.clear()
+            self.outbox = []
+            self.slots.free = list(range(self.slots.count - 1, -1, -1))
+            self.frames = w.FrameReader()
+        sock.close()
+        for handle, inc in lost:
+            if not inc.ready.is_set():
+                inc.error = detail
+                inc.ready.set()
+            handle.sink.exited(handle.index, inc.number, detail)
 
     def handle(self, kind: int, body: memoryview) -> None:
         if kind == w.OUTPUTS:
@@ -344,20 +375,30 @@ class DeviceWorker(WorkerHandle):
 
 class Devices:
     """The transport of gateway process ``gateway`` of ``gateways``: worker ``w`` reached at
-    ``addresses[w]`` (workers with one address share one device process and one link)."""
+    ``addresses[w]`` (workers with one address share one device process and one link); the
+    answers are read on ``loop``, the gateway's event loop, where its requests wait (it need
+    not run yet)."""
 
     name = "devices"
     capabilities = Capabilities()
 
     def __init__(self, addresses: Mapping[int, str], *, row_shape: Sequence[int],
                  slots_per_worker: int, gateway: int = 0, gateways: int = 1,
-                 load_timeout_s: float = 600.0):
+                 loop: asyncio.AbstractEventLoop, load_timeout_s: float = 600.0):
         self.addresses = dict(addresses)
         self.gateway, self.gateways = gateway, gateways
         self.load_timeout_s = load_timeout_s
         sharing = Counter(self.addresses.values())
-        self.links = {a: DeviceLink(a, slots=n * slots_per_worker, row_shape=tuple(row_shape))
+        self.links = {a: DeviceLink(a, slots=n * slots_per_worker, row_shape=tuple(row_shape),
+                                    loop=loop)
                       for a, n in sharing.items()}
+        self.loop = loop
+        self.loop_thread: int | None = None  # the thread that runs loop, once it runs
+        self.flushing = False  # a flush is due on the loop
+        loop.call_soon_threadsafe(self.on_loop)
+
+    def on_loop(self) -> None:
+        self.loop_thread = threading.get_ident()
 
     def worker(self, index: int, groups: Sequence[int], specs, sink: Sink, **options
                ) -> DeviceWorker:
@@ -368,7 +409,18 @@ class Devices:
                             load_timeout_s=self.load_timeout_s, **options)
 
     def sent(self) -> None:
-        """A request's runs are all handed out: each device process's leave together."""
+        """A request's runs are all handed out: each device process's leave together - on the
+        gateway's loop, together with those of every request dispatched in the same turn of the
+        loop (one write for all of them, at the start of the next turn)."""
+        if self.loop_thread == threading.get_ident():
+            if not self.flushing:
+                self.flushing = True
+                self.loop.call_soon(self.flush)
+            return
+        self.flush()
+
+    def flush(self) -> None:
+        self.flushing = False
         for link in self.links.values():
             if link.outbox:
                 link.push()

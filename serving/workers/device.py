@@ -69,7 +69,7 @@ class DevicePlan:
 
 class Link:
     """One gateway's connection, seen from the device process: its slots, what the reader has
-    of its stream, and what the computing thread queued for it."""
+    of its stream (its frames), and what the computing thread queued for it."""
 
     def __init__(self, number: int, sock: socket.socket, slots: w.MappedSlots):
         self.number = number
@@ -79,8 +79,7 @@ class Link:
         self.lock = threading.Lock()
         self.open = True
         self.queued: list[bytes] = []  # the computing thread's frames, sent by flush()
-        self.buf = bytearray(READ_BYTES)
-        self.have = 0  # bytes of buf read and not yet parsed
+        self.frames = w.FrameReader(READ_BYTES)
 
     def queue(self, data: bytes) -> None:
         self.queued.append(data)
@@ -205,30 +204,7 @@ class DeviceServer:
 
     def take(self, link: Link) -> None:
         """What has arrived on ``link``, every whole frame of it handled."""
-        buf = link.buf
-        got = link.sock.recv_into(memoryview(buf)[link.have:], 0, socket.MSG_DONTWAIT)
-        if got == 0:
-            raise EOFError
-        end = link.have + got
-        at, view = 0, memoryview(buf)
-        head = w.FRAME.size
-        while end - at >= head:
-            n, kind = w.FRAME.unpack_from(buf, at)
-            if n > w.MAX_FRAME:
-                raise w.WireError(f"a frame of {n} bytes")
-            if end - at - head < n:
-                if head + n > len(buf):  # a frame larger than the buffer: room for it
-                    grown = bytearray(head + n)
-                    grown[:end - at] = buf[at:end]
-                    link.buf, link.have = grown, end - at
-                    return
-                break
-            self.frame(link, kind, view[at + head:at + head + n])
-            at += head + n
-        left = end - at
-        if at and left:
-            buf[:left] = buf[at:end]
-        link.have = left
+        link.frames.take(link.sock, partial(self.frame, link))
 
     def frame(self, link: Link, kind: int, body: memoryview) -> None:
         core = self.core

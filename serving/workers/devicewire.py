@@ -24,9 +24,10 @@ import json
 import math
 import mmap
 import os
+import socket
 import struct
 from array import array
-from typing import TYPE_CHECKING, BinaryIO, Mapping, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -186,6 +187,43 @@ def array_of(body: memoryview, at: int) -> np.ndarray:
         raise WireError(f"an array of shape {shape} in {len(body) - dims_end} bytes")
     return np.frombuffer(body, dtype=dtype, count=n // dtype.itemsize,
                          offset=dims_end).reshape(shape)
+
+
+class FrameReader:
+    """Whole frames out of a stream socket's bytes as they arrive, parsed in place: each call of
+    :meth:`take` reads what is there (never waiting) and hands every complete frame to
+    ``handle(kind, body)``; the body is a view of the read buffer, valid only during the call."""
+
+    def __init__(self, size: int = 256 * 1024):
+        self.buf = bytearray(size)
+        self.have = 0  # bytes of buf read and not yet parsed
+
+    def take(self, sock, handle: Callable[[int, memoryview], None]) -> None:
+        """EOFError when the peer hung up; WireError for a corrupt stream."""
+        buf = self.buf
+        got = sock.recv_into(memoryview(buf)[self.have:], 0, socket.MSG_DONTWAIT)
+        if got == 0:
+            raise EOFError
+        end = self.have + got
+        at, view = 0, memoryview(buf)
+        head = FRAME.size
+        while end - at >= head:
+            n, kind = FRAME.unpack_from(buf, at)
+            if n > MAX_FRAME:
+                raise WireError(f"a frame of {n} bytes")
+            if end - at - head < n:
+                if head + n > len(buf):  # a frame larger than the buffer: room for it
+                    grown = bytearray(head + n)
+                    grown[:end - at] = buf[at:end]
+                    self.buf, self.have = grown, end - at
+                    return
+                break
+            handle(kind, view[at + head:at + head + n])
+            at += head + n
+        left = end - at
+        if at and left:
+            buf[:left] = buf[at:end]
+        self.have = left
 
 
 class Slots:

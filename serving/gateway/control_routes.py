@@ -1,0 +1,93 @@
+"""The gateway's routes other than predictions, dispatched by FastAPI: what is served
+(``GET /``, ``GET /v1/models``), ``GET /metrics`` (Prometheus), and the Open Inference
+Protocol's server and model metadata and health (``/v2``, ``/v2/health/{live,ready}``,
+``/v2/models/{m}[/versions/{v}]``, ``.../ready``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from ..core.errors import ServingError
+from .http_errors import error_response
+from .inference import (Gateway, server_ready, v2_model_metadata, v2_server_metadata,
+                        version_ready)
+from .schemas import ModelInfo, VersionInfo
+from .model_table import ModelVersion
+
+
+# Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
+async def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(gateway_of)]
+
+
+def version_info(mv: ModelVersion) -> VersionInfo:
+    spec = mv.spec
+    return VersionInfo(name=mv.name, version=mv.version, state=mv.state, dataset=spec.name,
+                       classes=list(spec.classes), input_shape=list(spec.input_shape),
+                       mean=list(spec.mean), std=list(spec.std),
+                       predictor=mv.predictor.describe())
+
+
+def add_control_routes(app: FastAPI) -> None:
+    """Add the routes to ``app`` itself: an included router would be matched as a nested
+    router, a cost on every request to every route."""
+    router = app
+
+    @router.get("/", include_in_schema=False)
+    async def index(gw: GatewayDep) -> dict:
+        name = gw.models.default_name()
+        return {"name": "sensai", "model": name, "models": gw.models.names(),
+                "predict": "/v1/predict", "kserve_v2": f"/v2/models/{name or '{model}'}",
+                "metrics": "/metrics", "docs": "/docs"}
+
+    @router.get("/v1/models", response_model=ModelInfo)
+    async def model_info(gw: GatewayDep):
+        served = [version_info(mv) for name in gw.models.names()
+                  for mv in gw.models.models[name].values()]
+        try:
+            default = version_info(gw.models.route(None)).model_dump()
+        except ServingError:
+            default = {}
+        return ModelInfo(**default, models=served, pid=os.getpid(),
+                         cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
+
+    @router.get("/metrics", include_in_schema=False)
+    async def metrics(gw: GatewayDep):
+        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    @router.get("/v2")
+    async def server_metadata(gw: GatewayDep):
+        return v2_server_metadata(gw)
+
+    @router.get("/v2/health/live")
+    async def live():
+        return {"live": True}
+
+    @router.get("/v2/health/ready")
+    async def ready(request: Request, gw: GatewayDep):
+        if not await run_in_threadpool(server_ready, gw):
+            return error_response(request, 503, "not ready", "not_ready")
+        return {"ready": True}
+
+    @router.get("/v2/models/{model_name}")
+    @router.get("/v2/models/{model_name}/versions/{version}")
+    async def model_metadata(gw: GatewayDep, model_name: str, version: str | None = None):
+        return v2_model_metadata(gw, gw.models.route(model_name, version))
+
+    @router.get("/v2/models/{model_name}/ready")
+    @router.get("/v2/models/{model_name}/versions/{version}/ready")
+    async def model_ready(request: Request, gw: GatewayDep, model_name: str,
+                          version: str | None = None):
+        mv = gw.models.route(model_name, version)
+        if not await run_in_threadpool(version_ready, mv):
+            return error_response(request, 503, f"model {model_name!r} is not ready",
+                                  "not_ready")
+        return {"name": model_name, "version": mv.version, "ready": True}

@@ -1,0 +1,220 @@
+"""The gateway's own dispatch of the prediction routes answers exactly as FastAPI's does.
+
+Two gateways over one predictor, one dispatching ``/v1/predict`` and ``.../infer`` itself
+(``http_fast_path``, the default), one through FastAPI's router; the same good and bad requests
+to each get the same status, headers and body (timings apart), and count the same in the
+metrics.  Real uvicorn on 127.0.0.1, real subnets, real images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+from sensai.data import normalize
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.gateway.app import create_app
+from sensai.serving.gateway.server import BackgroundServer
+from sensai.serving.launch.build import build_predictor
+from tests.helpers import png, sample_images
+
+MAX_BODY = 64 * 1024
+VARYING = {"date", "content-length"}  # content-length varies with the timings in the body
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_artifact):
+    predictor = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
+    servers = [BackgroundServer(create_app(
+        predictor, GatewaySettings(http_fast_path=fast, max_body_bytes=MAX_BODY, max_batch=4),
+        close_predictor=False)).start() for fast in (True, False)]
+    yield servers
+    for s in servers:
+        s.stop()
+    predictor.shutdown()
+
+
+def v2_binary(x: np.ndarray, outputs=None) -> tuple[bytes, dict]:
+    header = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                          "parameters": {"binary_data_size": x.nbytes}}]}
+    if outputs is not None:
+        header["outputs"] = outputs
+    head = json.dumps(header).encode()
+    return head + x.astype("<f4").tobytes(), {"Inference-Header-Content-Length": str(len(head))}
+
+
+def requests_to_compare(fmnist_test, spec) -> list[tuple[str, str, dict]]:
+    """(method, path, httpx keyword arguments): good requests, then bad ones of every kind."""
+    _, images, _ = sample_images(fmnist_test, 2)
+    image = png(images[0])
+    x = normalize(images[:2], spec).numpy()
+    binary, binary_headers = v2_binary(x)
+    ranked, ranked_headers = v2_binary(x[:1], [{"name": "scores",
+                                                "parameters": {"classification": 3}}])
+    as_json = json.dumps({"inputs": [{"name": "input", "datatype": "FP32",
+                                      "shape": [1, *x.shape[1:]],
+                                      "data": x[0].ravel().tolist()}]}).encode()
+    wrong_shape, wrong_headers = v2_binary(x[:, :, :20])
+    too_many, many_headers = v2_binary(np.zeros((5, *x.shape[1:]), np.float32))
+    return [
+        ("POST", "/v1/predict", {"content": image}),
+        ("POST", "/v1/predict?top_k=3&allow_partial=true", {"content": image}),
+        ("POST", "/v1/predict", {"files": {"image": ("a.png", image, "image/png")}}),
+        ("POST", "/v1/predict?model=sensai&version=1", {"content": image}),
+        ("POST", "/v2/models/sensai/infer", {"content": binary, "headers": binary_headers}),
+        ("POST", "/v2/models/sensai/versions/1/infer",
+         {"content": ranked, "headers": ranked_headers}),
+        ("POST", "/v2/models/sensai/infer?version=1", {"content": as_json}),
+        ("POST", "/v2/models/sensai/infer",
+         {"content": gzip.compress(as_json), "headers": {"Content-Encoding": "gzip"}}),
+        # bad ones
+        ("POST", "/v1/predict", {"content": b""}),
+        ("POST", "/v1/predict", {"content": b"not an image at all"}),
+        ("POST", "/v1/predict", {"content": image[:60]}),
+        ("POST", "/v1/predict", {"data": {"image": "x"}}),
+        ("POST", "/v1/predict", {"files": {"other": ("a.png", image, "image/png")}}),
+        ("POST", "/v1/predict?top_k=0", {"content": image}),
+        ("POST", "/v1/predict?top_k=11", {"content": image}),
+        ("POST", "/v1/predict?top_k=many", {"content": image}),
+        ("POST", "/v1/predict?model=nope", {"content": image}),
+        ("POST", "/v1/predict?version=7", {"content": image}),
+        ("POST", "/v1/predict", {"content": b"\0" * (MAX_BODY + 1)}),
+        ("GET", "/v1/predict", {}),
+        ("PUT", "/v2/models/sensai/infer", {"content": as_json}),
+        ("POST", "/v1/predict/", {"content": image}),
+        ("POST", "/v2/models/nope/infer", {"content": binary, "headers": binary_headers}),
+        ("POST", "/v2/models/sensai/versions/9/infer", {"content": as_json}),
+        ("POST", "/v2/models//infer", {"content": as_json}),
+        ("POST", "/v2/models/sensai/versions//infer", {"content": as_json}),
+        ("POST", "/v2/models/sensai/infer", {"content": b"{not json"}),
+        ("POST", "/v2/models/sensai/infer", {"content": wrong_shape, "headers": wrong_headers}),
+        ("POST", "/v2/models/sensai/infer", {"content": too_many, "headers": many_headers}),
+        ("POST", "/v2/models/sensai/infer", {"content": binary,
+                                             "headers": {"Inference-Header-Content-Length":
+                                                         "99999"}}),
+        ("POST", "/v2/models/sensai/infer",
+         {"content": as_json, "headers": {"Content-Encoding": "br"}}),
+        ("POST", "/v2/models/sensai/infer",
+         {"content": b"\x1f\x8b junk", "headers": {"Content-Encoding": "gzip"}}),
+    ]
+
+
+def comparable(response: httpx.Response) -> tuple:
+    """Status, headers and body without what differs between two answers to one request:
+    the timings (and so the length), the date, the server's own port."""
+    port = f":{response.request.url.port}/"
+    headers = {k: v.replace(port, ":PORT/") for k, v in response.headers.items()
+               if k not in VARYING}
+    body = response.content
+    length = response.headers.get("inference-header-content-length")
+    if length is not None:  # a binary v2 answer: its JSON header, then the tensors' bytes
+        head, tail = json.loads(body[:int(length)]), body[int(length):]
+        del headers["inference-header-content-length"]
+        head["parameters"].pop("timings_ms")
+        return response.status_code, headers, head, tail
+    if response.headers.get("content-type", "").startswith("application/json"):
+        parsed = json.loads(body)
+        if isinstance(parsed, dict):
+            parsed.pop("timings_ms", None)
+            parsed.get("parameters", {}).pop("timings_ms", None)
+        return response.status_code, headers, parsed
+    return response.status_code, headers, body
+
+
+def request_counts(metrics: str) -> dict[str, float]:
+    """The requests and errors counters by label set (durations vary, so not those)."""
+    pattern = re.compile(r"^(sensai_(?:requests|request_errors)_total\{.*\}) (\S+)$", re.M)
+    return {k: float(v) for k, v in pattern.findall(metrics)}
+
+
+def test_the_gateways_dispatch_answers_as_fastapis(pair, fmnist_test, tiny_artifact):
+    from sensai.artifact import load_artifact
+
+    spec = load_artifact(tiny_artifact).spec
+    fast, routed = pair
+    with httpx.Client(base_url=fast.url, timeout=60) as a, \
+            httpx.Client(base_url=routed.url, timeout=60) as b:
+        for i, (method, path, kw) in enumerate(requests_to_compare(fmnist_test, spec)):
+            headers = {**kw.pop("headers", {}), "x-request-id": f"same-{i}"}
+            answers = [c.request(method, path, headers=headers, **kw) for c in (a, b)]
+            assert comparable(answers[0]) == comparable(answers[1]), (method, path)
+            assert answers[0].headers["x-request-id"] == f"same-{i}"
+        statuses = {c.request("POST", "/v1/predict", content=b"").status_code for c in (a, b)}
+        assert statuses == {400}
+        counts = [request_counts(c.get("/metrics").text) for c in (a, b)]
+    assert counts[0] == counts[1]
+    # Both kinds of answer were compared, and the counters name the routes as FastAPI does.
+    labels = [k for k in counts[0] if k.startswith("sensai_requests_total")]
+    assert any('route="/v2/models/{model_name}/versions/{version}/infer"' in k
+               and 'status="200"' in k for k in labels)
+    assert any('route="/v1/predict"' in k and 'status="422"' in k for k in labels)
+    assert any('route="/v1/predict"' in k and 'status="415"' in k for k in labels)
+    assert any(k.startswith("sensai_request_errors_total") and 'reason="InputError"' in k
+               for k in counts[0])
+
+
+def test_predictions_do_not_pass_through_fastapis_router(pair, fmnist_test):
+    """With the routes gone from FastAPI's router, the gateway's own dispatch still answers
+    them (so it is the one that answered above), and every other route is FastAPI's."""
+    fast, _ = pair
+    _, images, _ = sample_images(fmnist_test, 1)
+    app = fast.server.config.app
+    router = app.router
+    kept = list(router.routes)
+    router.routes[:] = [r for r in kept if getattr(r, "path", "") not in
+                        ("/v1/predict", "/v2/models/{model_name}/infer")]
+    try:
+        with httpx.Client(base_url=fast.url, timeout=60) as c:
+            assert c.post("/v1/predict", content=png(images[0])).status_code == 200
+            assert c.get("/v2/health/live").json() == {"live": True}
+            assert c.get("/v1/predict").status_code == 404  # FastAPI's: the route is gone
+    finally:
+        router.routes[:] = kept
+
+
+def test_an_answers_head_leaves_with_its_body():
+    """uvicorn writes a response's head and body apart; the protocol's transport sends them in
+    one write, and a head with no body yet (or none) by the loop's next turn."""
+    from sensai.serving.gateway.http_protocol import HeadWithBody
+
+    class Recorder:
+        def __init__(self):
+            self.writes, self.closed = [], False
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+        def writelines(self, parts):
+            self.writes.append(b"".join(parts))
+
+        def close(self):
+            self.closed = True
+
+        def is_closing(self):
+            return self.closed
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        real = Recorder()
+        t = HeadWithBody(real, loop)
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+        t.write(head)
+        t.write(b"{}")
+        assert real.writes == [head + b"{}"]  # one write for both
+        t.write(b"HTTP/1.1 204 No Content\r\n\r\n")  # no body follows
+        assert len(real.writes) == 1
+        await asyncio.sleep(0)
+        assert real.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n"
+        t.write(b"partial body bytes")  # not a head: at once
+        assert real.writes[-1] == b"partial body bytes"
+        t.write(head)
+        t.close()  # a held head is written before the connection closes
+        assert real.writes[-1] == head and real.closed and t.is_closing()
+
+    asyncio.run(scenario())
