@@ -222,12 +222,15 @@ class ConnectionWorker(WorkerHandle):
     def _reader(self, conn: Connection, inc: ConnectionIncarnation, sentinel) -> None:
         try:
             while True:
-                ready = wait([conn] if sentinel is None else [conn, sentinel])
+                try:
+                    ready = wait([conn] if sentinel is None else [conn, sentinel])
+                except (OSError, ValueError):
+                    break  # closed under us: the sender hung up after a Shutdown
                 if conn in ready:
                     try:
                         msg = conn.recv()
-                    except (EOFError, OSError):
-                        break
+                    except (EOFError, OSError, TypeError):
+                        break  # TypeError: the sender closed the connection mid-read
                     self._handle(msg, inc)
                     continue
                 # The process ended: read what it sent before dying, then report.
