@@ -8,7 +8,6 @@ metrics.  Real uvicorn on 127.0.0.1, real subnets, real images.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import re
@@ -176,45 +175,3 @@ def test_predictions_do_not_pass_through_fastapis_router(pair, fmnist_test):
             assert c.get("/v1/predict").status_code == 404  # FastAPI's: the route is gone
     finally:
         router.routes[:] = kept
-
-
-def test_an_answers_head_leaves_with_its_body():
-    """uvicorn writes a response's head and body apart; the protocol's transport sends them in
-    one write, and a head with no body yet (or none) by the loop's next turn."""
-    from sensai.serving.gateway.http_protocol import HeadWithBody
-
-    class Recorder:
-        def __init__(self):
-            self.writes, self.closed = [], False
-
-        def write(self, data):
-            self.writes.append(bytes(data))
-
-        def writelines(self, parts):
-            self.writes.append(b"".join(parts))
-
-        def close(self):
-            self.closed = True
-
-        def is_closing(self):
-            return self.closed
-
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        real = Recorder()
-        t = HeadWithBody(real, loop)
-        head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
-        t.write(head)
-        t.write(b"{}")
-        assert real.writes == [head + b"{}"]  # one write for both
-        t.write(b"HTTP/1.1 204 No Content\r\n\r\n")  # no body follows
-        assert len(real.writes) == 1
-        await asyncio.sleep(0)
-        assert real.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n"
-        t.write(b"partial body bytes")  # not a head: at once
-        assert real.writes[-1] == b"partial body bytes"
-        t.write(head)
-        t.close()  # a held head is written before the connection closes
-        assert real.writes[-1] == head and real.closed and t.is_closing()
-
-    asyncio.run(scenario())

@@ -26,7 +26,7 @@ them:
   dropped, the connection kept.
 
 Each answer is the gateway's JSON error; a connection is never closed with an answer due on
-it.  Every answer's head leaves with its body, in one write (:class:`HeadWithBody`).  Without httptools, uvicorn's h11 protocol runs instead, bounded by its own
+it.  Without httptools, uvicorn's h11 protocol runs instead, bounded by its own
 incomplete-event limit (set to ``max_header_bytes``; it answers 400).
 """
 
@@ -69,7 +69,6 @@ if HttpToolsProtocol is not None:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.transport = HeadWithBody(transport, self.loop)
             self.head_bytes = self.parsed_bytes = 0
             self.awaiting_head = True
             self.refused = False
@@ -259,46 +258,6 @@ if HttpToolsProtocol is not None:
                 self.transport.close()
                 return None
             return super().eof_received()
-
-
-class HeadWithBody:
-    """A connection's transport that writes a response's head together with its body: uvicorn
-    writes them apart, two system calls per answer where one does.  A head is held until the
-    next write, at most until the loop's next turn (a body that comes later, or none)."""
-
-    __slots__ = ("transport", "loop", "held")
-
-    def __init__(self, transport, loop):
-        self.transport = transport
-        self.loop = loop
-        self.held: bytes | None = None
-
-    def write(self, data) -> None:
-        held = self.held
-        if held is not None:
-            self.held = None
-            self.transport.writelines((held, data))
-        elif data[:5] == b"HTTP/" and data[-4:] == b"\r\n\r\n":
-            self.held = data
-            self.loop.call_soon(self.release)
-        else:
-            self.transport.write(data)
-
-    def release(self) -> None:
-        if self.held is not None:
-            data, self.held = self.held, None
-            self.transport.write(data)
-
-    def close(self) -> None:
-        self.release()
-        self.transport.close()
-
-    def write_eof(self) -> None:
-        self.release()
-        self.transport.write_eof()
-
-    def __getattr__(self, name: str):
-        return getattr(self.transport, name)
 
 
 def http_protocol(limits: GatewaySettings, gate=None, count=None):
