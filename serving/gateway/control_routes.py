@@ -39,16 +39,15 @@ def version_info(mv: ModelVersion) -> VersionInfo:
 def add_control_routes(app: FastAPI) -> None:
     """Add the routes to ``app`` itself: an included router would be matched as a nested
     router, a cost on every request to every route."""
-    router = app
 
-    @router.get("/", include_in_schema=False)
+    @app.get("/", include_in_schema=False)
     async def index(gw: GatewayDep) -> dict:
         name = gw.models.default_name()
         return {"name": "sensai", "model": name, "models": gw.models.names(),
                 "predict": "/v1/predict", "kserve_v2": f"/v2/models/{name or '{model}'}",
                 "metrics": "/metrics", "docs": "/docs"}
 
-    @router.get("/v1/models", response_model=ModelInfo)
+    @app.get("/v1/models", response_model=ModelInfo)
     async def model_info(gw: GatewayDep):
         served = [version_info(mv) for name in gw.models.names()
                   for mv in gw.models.models[name].values()]
@@ -59,31 +58,31 @@ def add_control_routes(app: FastAPI) -> None:
         return ModelInfo(**default, models=served, pid=os.getpid(),
                          cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
 
-    @router.get("/metrics", include_in_schema=False)
+    @app.get("/metrics", include_in_schema=False)
     async def metrics(gw: GatewayDep):
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
-    @router.get("/v2")
+    @app.get("/v2")
     async def server_metadata(gw: GatewayDep):
         return v2_server_metadata(gw)
 
-    @router.get("/v2/health/live")
+    @app.get("/v2/health/live")
     async def live():
         return {"live": True}
 
-    @router.get("/v2/health/ready")
+    @app.get("/v2/health/ready")
     async def ready(request: Request, gw: GatewayDep):
         if not await run_in_threadpool(server_ready, gw):
             return error_response(request, 503, "not ready", "not_ready")
         return {"ready": True}
 
-    @router.get("/v2/models/{model_name}")
-    @router.get("/v2/models/{model_name}/versions/{version}")
+    @app.get("/v2/models/{model_name}")
+    @app.get("/v2/models/{model_name}/versions/{version}")
     async def model_metadata(gw: GatewayDep, model_name: str, version: str | None = None):
         return v2_model_metadata(gw, gw.models.route(model_name, version))
 
-    @router.get("/v2/models/{model_name}/ready")
-    @router.get("/v2/models/{model_name}/versions/{version}/ready")
+    @app.get("/v2/models/{model_name}/ready")
+    @app.get("/v2/models/{model_name}/versions/{version}/ready")
     async def model_ready(request: Request, gw: GatewayDep, model_name: str,
                           version: str | None = None):
         mv = gw.models.route(model_name, version)

@@ -124,15 +124,15 @@ def gateway_main(gp: GatewayPlan, report) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
     os.environ[SHARED_DIR_ENV] = gp.metrics_dir
-    settings = gp.plan.settings
     # The event loop uvicorn will run, made first: the device links read their answers on it.
     with asyncio.Runner(loop_factory=uvicorn_config(None).get_loop_factory()) as runner:
-        serve_gateway(gp, report, runner, settings)
+        serve_gateway(gp, report, runner)
 
 
-def serve_gateway(gp: GatewayPlan, report, runner: asyncio.Runner, settings) -> None:
+def serve_gateway(gp: GatewayPlan, report, runner: asyncio.Runner) -> None:
     import uvicorn  # the gateway's own; the parent needs none of it
 
+    settings = gp.plan.settings
     try:
         artifact = load_artifact(gp.artifact_dir)
         transport = Devices(gp.addresses, row_shape=tuple(artifact.spec.input_shape),
