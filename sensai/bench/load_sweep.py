@@ -105,23 +105,29 @@ def overload_row(rep: dict[str, Any], best_rps: float) -> dict[str, Any]:
 
 
 COUNTERS = ("batches", "requests", "rows", "largest", "held", "mixed")
+ASKS_PER_GATEWAY = 16
 
 
-def batching_counters(url: str, asks: int = 1) -> list[dict] | None:
+def batching_counters(url: str, gateways: int = 1) -> list[dict] | None:
     """Each worker's batching counters, from the gateway's ``GET /v1/models`` (None when its
     workers do not batch, as the Ray Serve application's replicas may not).  With several
-    gateway processes each knows a device process's counters as of its own last request there:
-    ``asks`` questions on connections of their own (the kernel spreads them), the largest
-    figure of each kept."""
+    gateway processes each knows a device process's counters as of its own last request there,
+    so it asks on connections of its own (the kernel spreads them) until every one of the
+    ``gateways`` processes has answered (at most ``ASKS_PER_GATEWAY`` times each), and keeps
+    the largest figure of each: a stale process's figures alone would count rows from before."""
     best: dict[str, dict] = {}
-    for _ in range(max(1, asks)):
-        workers = (served(url).get("predictor") or {}).get("workers") or []
-        for w in workers:
+    heard: set = set()
+    for _ in range(ASKS_PER_GATEWAY * max(1, gateways)):
+        body = served(url)
+        heard.add(body.get("pid"))
+        for w in (body.get("predictor") or {}).get("workers") or []:
             if not (isinstance(w, dict) and w.get("batching")):
                 continue
             seen = best.setdefault(w.get("name"), {"name": w.get("name"), **w["batching"]})
             for k in COUNTERS:
                 seen[k] = max(seen.get(k) or 0, w["batching"].get(k) or 0)
+        if len(heard) >= gateways:
+            break
     return list(best.values()) or None
 
 
@@ -162,14 +168,14 @@ class Sweep:
         rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
         if self.warmup_s > 0:
             run.closed(f"{key}: warm-up", self.warmup_s)
-        asks = 2 * self.gs.gateway_processes()
+        gateways = self.gs.gateway_processes()
         rep["levels"] = []
         for c in self.levels:
-            before = batching_counters(server.url, asks) if gateway else None
+            before = batching_counters(server.url, gateways) if gateway else None
             row = level_row(run.closed(f"{key}: {c} in flight", self.level_s, c),
                             self.usable_cores)
             if gateway:
-                row["batching"] = rows_per_batch(before, batching_counters(server.url, asks))
+                row["batching"] = rows_per_batch(before, batching_counters(server.url, gateways))
             rep["levels"].append(row)
         noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
                        timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
@@ -188,7 +194,7 @@ class Sweep:
             rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
                                "no closed loop answered, so there is no rate to multiply"}
         if gateway:
-            rep["batching"] = batching_counters(server.url, asks)
+            rep["batching"] = batching_counters(server.url, gateways)
         return rep
 
     def gateway(self, key: str, root: Path, env: dict[str, str],
