@@ -21,8 +21,11 @@
 # last stretch before it (too short to finish anything), and a step skipped, cut or failed is a
 # line of the table.  --tiny multiplies the caps by ten (a 2-core VM is no GPU);
 # $SENSAI_GPU_CHECK_CAP_PCT scales them (percent) either way.
-#   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU;
-#   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray);
+#   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU, each step replayed from a
+#      captured CUDA graph (the default), then again with eager steps (--no-capture);
+#   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray) with
+#      captured steps, then with eager ones on a fifth of the images (the speed, not the
+#      accuracy, is the question there); each offline step's wall seconds go to its folder;
 #   3. serving throughput: `sensai bench-load --sweep` of the decomposed artifact, KServe v2
 #      tensors from four client processes on four cores of their own (the server on the
 #      others), closed loops of 1 to 256 requests in flight, three times:
@@ -37,10 +40,12 @@
 #      the GPU's busy share over the whole step (nvidia-smi, every 0.5 s) to
 #      OUT/<sweep>/gpu-util.csv;
 #   4. the sensAI paper's regime: decompose it into subnets 20x smaller (--shrink 20) at G=2
-#      and at G=10, each capped at $SENSAI_GPU_CHECK_OFFLINE_S seconds (default 150);
+#      and at G=10, each capped by the speed step 2 measured (its stages, its retraining's
+#      seconds per image times the images they retrain, 1.5x and 30 s more; else
+#      $SENSAI_GPU_CHECK_OFFLINE_S seconds, default 150);
 #   5. bench single device, model parallel and class parallel on CUDA graphs, in process and
 #      through the real gateway over HTTP (PNG upload, KServe v2 tensor);
-#   6. the GPU tests (tests/test_graphs.py);
+#   6. the GPU tests (tests/test_graphs.py; tests/test_train_step.py's captured step on CUDA);
 #   7. the same latency comparison on a latency-only VGG-16-bn artifact at 224x224
 #      (1 training epoch on a few hundred images, --policy keep, no retraining);
 #   8. steps 5 and 7 on eager torch;
@@ -174,6 +179,7 @@ if (( TINY )); then
     DEVICE=cpu RUNTIMES=torch MODEL=fmnist_cnn SIZE=32
     TRAIN=(--epochs 1 --train-limit 600)
     DECOMPOSE=(--retrain-epochs 1 --samples-per-subnet 256 --features-per-class 10 --stats-per-class 20 --eval-limit 200)
+    EAGER_SAMPLES=(--samples-per-subnet 64) CAP_SAMPLES=(--samples-per-subnet 256)
     BENCH=(--images 8 --warmup 2 --rounds 1 --concurrency 2 --requests 8)
     TINY_LOAD=(--levels 1 2 --level-seconds 1 --warmup-seconds 1 --images 8)
     LOAD=(--configs class-parallel single "${TINY_LOAD[@]}" --overload-seconds 1)
@@ -184,6 +190,7 @@ else
     DEVICE=cuda RUNTIMES="cuda-graph torch" MODEL=vgg16_bn SIZE=224
     TRAIN=(--epochs 3)
     DECOMPOSE=()
+    EAGER_SAMPLES=(--samples-per-subnet 60000) CAP_SAMPLES=()
     BENCH=(--images 200)
     # Four client processes on four cores of their own, the server on the others.  Batching
     # against none was measured on an H100 once (BENCHMARKS.md), so the sweeps leave it out;
@@ -205,16 +212,34 @@ STRATS=(--strategies single model-parallel class-parallel)
 # Each step's cap (seconds on the GPU machine): room for a run slower than usual, not for one
 # that has stalled, so that the steps after it still get their turn; a step whose artifact the
 # rest need (train, decompose) gets the widest margin.
-CAP_TRAIN=90 CAP_DECOMPOSE=210 CAP_OFFLINE=${SENSAI_GPU_CHECK_OFFLINE_S:-150}
+CAP_TRAIN=90 CAP_DECOMPOSE=210 CAP_DECOMPOSE_EAGER=90 CAP_OFFLINE=${SENSAI_GPU_CHECK_OFFLINE_S:-150}
 CAP_LOAD=120 CAP_LOAD_SLEEP=75 CAP_LOAD_N1=60
 CAP_BENCH=120 CAP_GPU_TESTS=120 CAP_IMAGEFOLDER=60 CAP_TRAIN_224=90 CAP_DECOMPOSE_224=120
 CAP_REPORT=120
 
-# --- 1-2: the flagship, trained and decomposed on the device.
-step train "$CAP_TRAIN" "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" "${TRAIN[@]}" \
-    --device "$DEVICE" --out "$OUT/models/$MODEL"
-step decompose "$CAP_DECOMPOSE" "${SENSAI[@]}" decompose --model-dir "$OUT/models/$MODEL" \
-    --groups 2 --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g2"
+# offline NAME DIR CAP CMD...: a step whose output folder is DIR; its wall seconds go to
+# DIR/wall_s for the table (beside what the command itself timed inside).
+offline() {
+    local name=$1 dir=$2 cap=$3; shift 3
+    local t=$(date +%s)
+    step "$name" "$cap" "$@" || return 1
+    [[ -d $dir ]] && echo $(( $(date +%s) - t )) >"$dir/wall_s"
+    return 0
+}
+
+# --- 1-2: the flagship, trained and decomposed on the device: captured steps (the default),
+# then eager ones.
+M=$OUT/models
+offline train "$M/$MODEL" "$CAP_TRAIN" "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" \
+    "${TRAIN[@]}" --device "$DEVICE" --out "$M/$MODEL"
+offline train-eager "$M/${MODEL}_eager" "$CAP_TRAIN" "${SENSAI[@]}" train --model "$MODEL" \
+    --data-dir "$FMNIST" "${TRAIN[@]}" --device "$DEVICE" --no-capture --out "$M/${MODEL}_eager"
+offline decompose "$M/${MODEL}_g2" "$CAP_DECOMPOSE" "${SENSAI[@]}" decompose \
+    --model-dir "$M/$MODEL" --groups 2 --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" \
+    --out "$M/${MODEL}_g2"
+offline decompose-eager "$M/${MODEL}_g2_eager" "$CAP_DECOMPOSE_EAGER" "${SENSAI[@]}" decompose \
+    --model-dir "$M/$MODEL" --groups 2 --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" \
+    "${EAGER_SAMPLES[@]}" --no-capture --out "$M/${MODEL}_g2_eager"
 
 # --- 3: serving throughput (the gateway picks the device itself: --device auto), with the
 # automatic count of gateway processes (1 under 4 cores, else half the cores, at most 8), the
@@ -245,11 +270,13 @@ load_sweep load-sweep-sleep "$OUT/load-sleep" "$CAP_LOAD_SLEEP" "${LOAD_SLEEP[@]
 load_sweep load-sweep-n1 "$OUT/load-n1" "$CAP_LOAD_N1" "${LOAD_N1[@]}" \
     --env SENSAI_GATEWAY_REPLICAS=1
 
-# --- 4: subnets 20x smaller, at G=2 and G=10.
+# --- 4: subnets 20x smaller, at G=2 and G=10, each capped by the speed step 2 measured.
 for G in 2 10; do
-    step "decompose-x20-g$G" "$CAP_OFFLINE" "${SENSAI[@]}" decompose \
-        --model-dir "$OUT/models/$MODEL" --groups "$G" --shrink 20 --device "$DEVICE" --no-ray \
-        "${DECOMPOSE[@]}" --out "$OUT/models/${MODEL}_g${G}_x20"
+    cap=$("$PY" "$REPO/deploy/gpu_check.py" cap "$M/${MODEL}_g2/manifest.json" --groups "$G" \
+          --default "$CAP_OFFLINE" "${CAP_SAMPLES[@]}" 2>>"$LOG" || echo "$CAP_OFFLINE")
+    offline "decompose-x20-g$G" "$M/${MODEL}_g${G}_x20" "$cap" "${SENSAI[@]}" decompose \
+        --model-dir "$M/$MODEL" --groups "$G" --shrink 20 --device "$DEVICE" --no-ray \
+        "${DECOMPOSE[@]}" --out "$M/${MODEL}_g${G}_x20"
 done
 
 # bench_flagship RUNTIME, bench_224 RUNTIME: the latency comparison, in process and through the
@@ -270,7 +297,8 @@ FIRST=${RUNTIMES%% *} REST=${RUNTIMES#"$FIRST"}
 # a CPU).
 bench_flagship "$FIRST"
 (( TINY )) || step gpu-tests "$CAP_GPU_TESTS" env SENSAI_FMNIST_DIR="$FMNIST" "$PY" -m pytest -q \
-    --import-mode=importlib -p no:cacheprovider "$REPO/tests/test_graphs.py"
+    --import-mode=importlib -p no:cacheprovider "$REPO/tests/test_graphs.py" \
+    "$REPO/tests/test_train_step.py::test_the_captured_step_trains_as_the_eager_step_does_a_short_last_batch_included"
 
 # --- 7: the latency-only artifact at 224x224 (compute rather than launches).
 step imagefolder "$CAP_IMAGEFOLDER" "$PY" "$REPO/deploy/gpu_check.py" imagefolder "$FMNIST" \

@@ -1,7 +1,12 @@
 """deploy/gpu-check.sh's Python steps: the 224x224 image folder, and the closing table.
 
     python deploy/gpu_check.py imagefolder FMNIST_DIR OUT_DIR --per-class 30
+    python deploy/gpu_check.py cap MANIFEST --groups G [--samples-per-subnet N]
     python deploy/gpu_check.py report CHECK_DIR
+
+``cap`` prints the seconds to give a decomposition into G subnets, from the speed a finished one
+(MANIFEST) was measured at: its stages other than retraining, and its retraining's seconds per
+image times the images G subnets retrain on, with room to spare.
 
 ``report`` reads every ``bench.json`` under CHECK_DIR (one per artifact and runtime), prints one
 table (p50/p99 per strategy and transport, each subnet's CUDA-graph replay, the accuracy and the
@@ -77,8 +82,10 @@ SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at
 LEVEL_HEADER = ["sweep", "configuration", "gpu_wait", "in flight", "answers/s", "p50 ms", "p99 ms",
                 "rows per batch (each subnet)", "device processes CPU ms/answer",
                 "gateways CPU ms/answer", "GPU busy (mean)"]
-OFFLINE_HEADER = ["model", "work", "seconds", "images/s", "top-1", "original top-1", "points",
-                  "largest subnet (params, MACs)"]
+OFFLINE_HEADER = ["model", "work", "steps", "seconds", "images/s", "top-1", "original top-1",
+                  "points", "largest subnet (params, MACs)"]
+CAP_SPARE, CAP_EXTRA_S = 1.5, 30  # a cap from a measured speed: this much slower, and more
+WALL_FILE = "wall_s"  # an offline step's wall seconds, written by gpu-check.sh into its folder
 STEP_LINE = re.compile(r"^\[gpu-check \d+s\] (\S+): (SKIPPED .*|FAILED .*|done in .*)$")
 CORES_LINE = re.compile(r"^\[gpu-check \d+s\] cores: (\d+) usable \(nproc\), (\d+) in all")
 
@@ -244,49 +251,93 @@ def demoted(md: str, title_prefix: str) -> str:
     return "".join(out)
 
 
+def wall_text(folder: Path) -> str:
+    """"wall N, " from the WALL_FILE gpu-check.sh leaves in an offline step's folder, else ""."""
+    try:
+        return f"wall {int((folder / WALL_FILE).read_text().strip())}, "
+    except (OSError, ValueError):
+        return ""
+
+
 def offline_rows(models: Path) -> list[list[str]]:
     """One row per training (its model.json) and per decomposition (its manifest.json) under
-    ``models``: time, images per second and accuracy, a decomposition's beside its original's."""
+    ``models``: how its steps ran (captured or eager), its seconds (the command's wall where
+    gpu-check.sh timed it; inside the loop; outside it by phase), images per second and
+    accuracy, a decomposition's beside its original's."""
     rows = []
     for path in sorted(models.glob("*/model.json")):
+        name = path.parent.name
         try:
             rec = json.loads(path.read_text())
             t = rec.get("train") or {}
             history = t.get("history") or []
             per_epoch = t.get("images_per_epoch")
             images = per_epoch * len(history) if per_epoch else None
-            rows.append([path.parent.name, f"train {t.get('completed_epochs')} epochs",
-                         fmt(t.get("seconds"), 1),
+            phases = ", ".join(f"{k} {fmt(v, 1)}" for k, v in (t.get("phases") or {}).items())
+            wall = wall_text(path.parent)
+            rows.append([name, f"train {t.get('completed_epochs')} epochs", t.get("step") or "-",
+                         f"{wall}loop {fmt(t.get('seconds'), 1)}" + (f" ({phases})" if phases
+                                                                      else ""),
                          fmt(images / t["seconds"], 0) if images and t.get("seconds") else "-",
                          fmt(rec.get("test_top1"), 4), "-", "-", "-"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            rows.append([path.parent.name, f"unreadable model.json: {type(e).__name__}", "-", "-",
+            rows.append([name, f"unreadable model.json: {type(e).__name__}", "-", "-", "-",
                          "-", "-", "-", "-"])
     for path in sorted(models.glob("*/manifest.json")):
+        name = path.parent.name
         try:
             m = json.loads(path.read_text())
             stages = m.get("stages") or {}
             seconds = sum(v.get("seconds", 0) for v in stages.values())
-            retrained = sum(int(v.get("samples", 0))
-                            for v in ((m.get("retrain") or {}).get("subnets") or {}).values())
+            subnet_runs = ((m.get("retrain") or {}).get("subnets") or {}).values()
+            retrained = sum(int(v.get("samples", 0)) for v in subnet_runs)
+            modes = sorted({str(v.get("step")) for v in subnet_runs if v.get("step")})
             retrain_s = (stages.get("retrain") or {}).get("seconds")
+            others = ", ".join(f"{k} {fmt(v.get('seconds'), 1)}" for k, v in stages.items()
+                               if k != "retrain" and (v.get("seconds") or 0) >= 0.5)
             ev, src = m.get("evaluation") or {}, m.get("source") or {}
             subnets = m.get("subnets") or []
             shrink = (min(src["params"] / s_["params"] for s_ in subnets),
                       min(src["flops"] / s_["flops"] for s_ in subnets)) if subnets else None
             pruning = m.get("pruning") or {}
-            rows.append([path.parent.name,
+            wall = wall_text(path.parent)
+            rows.append([name,
                          f"decompose G={len(m.get('groups') or [])}, {pruning.get('kind')} "
-                         f"{fmt(pruning.get('shrink'), 0)}",
-                         f"{fmt(seconds, 1)} (retrain {fmt(retrain_s, 1)})",
+                         f"{fmt(pruning.get('shrink'), 0)}, {retrained:,} images retrained",
+                         " / ".join(modes) or "-",
+                         f"{wall}stages {fmt(seconds, 1)}: retrain {fmt(retrain_s, 1)}"
+                         + (f" ({others})" if others else ""),
                          fmt(retrained / retrain_s, 0) if retrained and retrain_s else "-",
                          fmt(ev.get("decomposed_top1"), 4), fmt(ev.get("original_top1"), 4),
                          fmt(ev.get("delta_points"), 2),
                          f"{shrink[0]:.1f}x, {shrink[1]:.1f}x fewer" if shrink else "-"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
-            rows.append([path.parent.name, f"unreadable manifest.json: {type(e).__name__}", "-",
-                         "-", "-", "-", "-", "-"])
+            rows.append([name, f"unreadable manifest.json: {type(e).__name__}", "-", "-", "-",
+                         "-", "-", "-", "-"])
     return rows
+
+
+def decompose_cap(manifest: Path, groups: int, samples_per_subnet: int | None) -> int | None:
+    """Seconds to give a decomposition into ``groups`` subnets, from the finished one at
+    ``manifest``: its other stages as they took, its retraining's seconds per image times the
+    images ``groups`` subnets retrain on (``samples_per_subnet`` each, default the
+    decomposition's own rule), times :data:`CAP_SPARE`, plus :data:`CAP_EXTRA_S`; None when
+    the manifest has no retraining speed to go by."""
+    from sensai.pruning.decompose import DecomposeConfig
+
+    try:
+        m = json.loads(manifest.read_text())
+        stages = m["stages"]
+        retrain_s = float(stages["retrain"]["seconds"])
+        retrained = sum(int(v["samples"]) for v in m["retrain"]["subnets"].values())
+        other_s = sum(float(v.get("seconds", 0)) for k, v in stages.items() if k != "retrain")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if retrained <= 0 or retrain_s <= 0:
+        return None
+    per_subnet = DecomposeConfig(samples_per_subnet=samples_per_subnet).samples_for(groups)
+    expected = other_s + retrain_s / retrained * per_subnet * groups
+    return int(CAP_SPARE * expected + CAP_EXTRA_S)
 
 
 def report(check: Path) -> int:
@@ -426,11 +477,21 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("fmnist_dir")
     f.add_argument("out", type=Path)
     f.add_argument("--per-class", type=int, default=30)
+    c = sub.add_parser("cap")
+    c.add_argument("manifest", type=Path)
+    c.add_argument("--groups", type=int, required=True)
+    c.add_argument("--samples-per-subnet", type=int, default=None)
+    c.add_argument("--default", type=int, required=True,
+                   help="the cap to print when the manifest gives no speed to go by")
     r = sub.add_parser("report")
     r.add_argument("check", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "imagefolder":
         imagefolder(args.fmnist_dir, args.out, args.per_class)
+        return 0
+    if args.cmd == "cap":
+        cap = decompose_cap(args.manifest, args.groups, args.samples_per_subnet)
+        print(cap if cap is not None else args.default)
         return 0
     return report(args.check)
 

@@ -45,7 +45,7 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.export import export_onnx
 from sensai.flops import count_flops
 from sensai.fsutil import atomic_path, sha256_file, write_json_atomic
-from sensai.learning import fast_layout, predict_logits
+from sensai.learning import eval_batch_size, fast_layout, predict_logits
 from sensai.manifest import (DatasetInfo, DecompositionManifest, ModelRecord, SourceInfo,
                              SubnetRecord, load_manifest, save_manifest)
 from sensai.merge import merge_outputs
@@ -73,6 +73,12 @@ CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 AUTO_TOTAL_SAMPLES = 600_000
 AUTO_MIN_SAMPLES = 20_000
 
+# The retraining batch size and learning rate a device gets when they are not given: on a CPU
+# small batches (a much smaller subnet needs more steps, not more images); on CUDA batches large
+# enough that a captured step is not mostly launch latency, at the learning rate that keeps the
+# accuracy (measured on the CPU at the demo's 10x and 20x, BENCHMARKS.md).
+RETRAIN_RECIPES = {"cpu": {"batch_size": 32, "lr": 0.005}, "cuda": {"batch_size": 128, "lr": 0.01}}
+
 # Knobs whose default changed after artifacts were made without recording them: such an
 # artifact was made with these values (not today's defaults), so re-running it is a new run.
 RECORDED_BEFORE = {"channel_multiple": 1}
@@ -89,7 +95,9 @@ class DecomposeConfig:
     much smaller subnet needs more steps, not more images, so a small batch loses less), half of each
     subnet's negatives drawn where the original model is most tempted to answer with the
     subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
-    Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.
+    Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.  ``lr`` and
+    ``batch_size`` left unset take the device's recipe (:data:`RETRAIN_RECIPES`,
+    :meth:`for_device`), which is what the manifest records.
     """
 
     # pruning
@@ -119,11 +127,17 @@ class DecomposeConfig:
     distill_temperature: float = 1.0
     hard_negatives: float = 0.5
     optimizer: str = "adam"
-    lr: float = 0.005
-    batch_size: int = 32
+    lr: float | None = None  # None: the device's (RETRAIN_RECIPES)
+    batch_size: int | None = None  # None: the device's (RETRAIN_RECIPES)
     seed: int = 0
     # export
     opset: int = 17
+
+    def for_device(self, device: torch.device) -> "DecomposeConfig":
+        """These settings as a run on ``device`` uses them: an unset batch size or learning rate
+        is the device's recipe (a CPU's for a device with none of its own)."""
+        recipe = RETRAIN_RECIPES.get(device.type, RETRAIN_RECIPES["cpu"])
+        return replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
 
     def samples_for(self, n_groups: int) -> int:
         if self.samples_per_subnet is not None:
@@ -179,7 +193,8 @@ class DecomposeConfig:
         if self.prune_steps > 1 and self.retrain_epochs == 0:
             raise SensaiError("--prune-steps above 1 retrains between steps; it needs "
                               "--retrain-epochs of at least 1")
-        self.retrain_settings(1).validate()
+        # Unset retraining knobs are checked as the CPU's recipe: every device's is valid.
+        self.for_device(torch.device("cpu")).retrain_settings(1).validate()
         return self
 
     def pruning_policy(self):
@@ -349,7 +364,7 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 @torch.no_grad()
 def evaluate_models(original: nn.Module | None, subnets: list[nn.Module], groups: list[list[int]],
                     dataset: ImageDataset, spec: DatasetSpec, device: torch.device, *,
-                    indices: np.ndarray | None = None, batch_size: int = 512,
+                    indices: np.ndarray | None = None, batch_size: int | None = None,
                     progress: str | None = "evaluate") -> dict[str, Any]:
     """Top-1 of the original model and of the merged subnets (``merge_outputs``) on ``dataset``.
 
@@ -357,6 +372,7 @@ def evaluate_models(original: nn.Module | None, subnets: list[nn.Module], groups
     task ("mine, which one" vs "not mine").
     """
     n_classes = spec.num_classes
+    batch_size = batch_size or eval_batch_size(device)
     idx = np.arange(len(dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
     labels = np.asarray(dataset.labels)[idx]
     models = ([original] if original is not None else []) + list(subnets)
@@ -419,7 +435,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
               force: bool = False, eval_limit: int | None = None,
               retrain_fn: Callable | None = None,
               ray_address: str | None = None,
-              trust_code: bool = False, compile_: bool = False) -> DecompositionManifest:
+              trust_code: bool = False, compile_: bool = False,
+              capture: bool = True) -> DecompositionManifest:
     """Decompose the model saved in ``model_dir`` into ``groups`` subnets written to ``out_dir``.
 
     ``device``: "auto", "cpu", "cuda" or "cuda:N" (retraining on Ray: a GPU per task when the
@@ -433,14 +450,15 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     a stratified subset of the test split.  ``retrain_fn`` replaces
     :func:`pruning.retrain.retrain_state` for in-process runs (same signature), e.g. for a custom
     training loop.  ``compile_`` runs each retraining step through ``torch.compile`` (how the
-    subnets are trained, not what they learn: not one of the artifact's settings).
+    subnets are trained, not what they learn: not one of the artifact's settings); ``capture``
+    replays each full batch's retraining step from a captured CUDA graph on CUDA (the same).
     Raises :class:`SensaiError` for bad input before any long work, and :class:`RetrainFailed`
     (after saving every other subnet) when some subnets could not be retrained.
     """
     t_start = time.perf_counter()
     # ---- validation, all before any long work
-    config = config.validate()
     dev = select_device(str(device))
+    config = config.for_device(dev).validate()
     if workers is not None and workers < 1:
         raise SensaiError(f"--workers must be at least 1, got {workers}")
     if eval_limit is not None and eval_limit < 1:
@@ -453,7 +471,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     spec = _resolve_spec(record, data_dir)
     policy = config.pruning_policy()
     schedule = step_policies(policy, config.prune_steps)  # [policy] unless iterative
-    retrain_settings = replace(config.retrain_settings(n_groups), compile=compile_)
+    retrain_settings = replace(config.retrain_settings(n_groups), compile=compile_,
+                               capture=capture)
     layout = Layout(out_dir)
     fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
                    "dataset": spec.name, "classes": list(spec.classes), "groups": n_groups,

@@ -31,9 +31,9 @@ from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec
 from sensai.errors import SensaiError
 from sensai.feed import DeviceImages, to_device
-from sensai.learning import (StepLosses, fast_layout, mixed_precision, optimizer_options,
-                             step_model, tune_for)
+from sensai.learning import StepLosses, fast_layout, optimizer_options, step_model, tune_for
 from sensai.models import classifier_layer, count_params, select_device
+from sensai.train_step import TrainStep
 
 from .iterative import group_images, prune_further
 from .prune import PruningPolicy
@@ -59,6 +59,7 @@ class RetrainSettings:
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
     seed: int = 0
     compile: bool = False  # the step through torch.compile (how it runs, not what it learns)
+    capture: bool = True  # on CUDA each full batch's step replayed from a captured graph (same)
 
     def validate(self) -> "RetrainSettings":
         if self.epochs < 0:
@@ -236,7 +237,7 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
                              "images)")
         soft_d = to_device(torch.as_tensor(np.asarray(soft, dtype=np.float32)), device)
 
-    def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+    def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
         w = weights[y]
         if binary:
             logit = out.reshape(-1)
@@ -273,19 +274,13 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
     losses = StepLosses(total_steps, device)
     seen = 0
     with fast_layout(model, device) as layout:
-        forward = step_model(model, settings.compile)
-        for step, b in enumerate(images.epoch(positions, settings.batch_size,
-                                              generator=gen if settings.flip else None)):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            with mixed_precision(device):
-                out = forward(layout(b.x))
-            loss = loss_of(out.float(), targets_d[b.rows], soft_d[b.positions] if distill > 0
-                           else None)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.add(loss, b.size)
+        step = TrainStep(step_model(model, settings.compile), opt, loss_of, device,
+                         capture=settings.capture, prepare=layout, what="retraining")
+        for i, b in enumerate(images.epoch(positions, settings.batch_size,
+                                           generator=gen if settings.flip else None)):
+            targets_b = (targets_d[b.rows], soft_d[b.positions]) if distill > 0 else \
+                (targets_d[b.rows],)
+            losses.add(step(lr_at(i), b.x, *targets_b), b.size)
             seen += b.size
             if losses.read_due():  # the only host waits inside the loop
                 losses.stop_if_diverged("retraining")
@@ -297,6 +292,7 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
     return {"samples": int(seen), "steps": len(losses), "mean_loss": losses.mean(),
             "final_loss": losses.tail_mean(0.1),
             "seconds": round(time.perf_counter() - t0, 3), "device": str(device),
+            "step": step.mode,
             "bn_calibration_images": calibrated}
 
 

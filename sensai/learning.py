@@ -52,11 +52,12 @@ def fast_layout(model: nn.Module, device: torch.device
         model.to(memory_format=torch.contiguous_format)
 
 
-def mixed_precision(device: torch.device) -> ContextManager:
+def mixed_precision(device: torch.device, cache: bool = True) -> ContextManager:
     """Where training runs in bf16: on CUDA (tensor cores; bf16 keeps fp32's range, so no loss
-    scaling), never on the CPU (most have no bf16 arithmetic and would emulate it)."""
+    scaling), never on the CPU (most have no bf16 arithmetic and would emulate it). ``cache``
+    off while a CUDA graph is captured: autocast's cache of cast weights would outlive it."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 
@@ -137,11 +138,19 @@ class StepLosses:
         return float(v[-max(1, int(len(v) * share)):].mean()) if len(v) else float("nan")
 
 
+def eval_batch_size(device: torch.device) -> int:
+    """Images per forward pass where nothing is trained: on CUDA large enough that a small
+    network's pass is not a handful of launches waiting on the host; elsewhere what keeps a
+    CPU's caches warm."""
+    return 2048 if device.type == "cuda" else 512
+
+
 @torch.no_grad()
 def predict_logits(model: nn.Module, dataset: ImageDataset, spec: DatasetSpec, device: torch.device,
-                   indices: np.ndarray | None = None, batch_size: int = 512,
+                   indices: np.ndarray | None = None, batch_size: int | None = None,
                    progress: str | None = None) -> torch.Tensor:
     """Logits of ``model`` for ``dataset[indices]`` (all by default), in order, on the CPU."""
+    batch_size = batch_size or eval_batch_size(device)
     model.eval().to(device)
     out = []
     n = len(dataset) if indices is None else len(indices)

@@ -77,6 +77,9 @@ class TrainInfo(_Frozen):
     images_per_epoch: int | None = None  # None: recorded before it was
     device: str
     seconds: float  # training steps only (not the evaluations after each epoch)
+    step: str | None = None  # how the steps ran: eager or captured (None: recorded before)
+    phases: dict[str, float] = Field(default_factory=dict)  # this run's seconds outside the
+    # steps: setup (model, optimizer, images to the device), evaluate, save
     history: list[dict[str, float]] = Field(default_factory=list)
 
 

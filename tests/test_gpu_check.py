@@ -44,7 +44,7 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert json.loads((out / "gpu-check.json").read_text())["runs"]
     # Each step is timed in the log; the GPU tests are not run on a CPU.
     log = (out / "gpu-check.log").read_text()
-    steps = ("train", "decompose", "load-sweep", "load-sweep-sleep", "load-sweep-n1",
+    steps = ("train", "train-eager", "decompose", "decompose-eager", "load-sweep", "load-sweep-sleep", "load-sweep-n1",
              "decompose-x20-g2", "decompose-x20-g10", "bench-fmnist-torch", "imagefolder",
              "train-224", "decompose-224", "bench-32-torch", "report")
     for step in steps:
@@ -59,18 +59,38 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
         assert 0 < cap <= 875 - t
     t, cap = started[0][1:]
     assert cap == min(10 * 90, 875 - t)
+    # The 20x decompositions' caps come from the speed the first decomposition was measured
+    # at (ten times, as every cap here), not the fixed default.
+    sys.path.insert(0, str(REPO / "deploy"))
+    from gpu_check import decompose_cap
+
+    for name, t, cap in started:
+        if name.startswith("decompose-x20-g"):
+            groups = int(name.rsplit("g", 1)[1])
+            measured = decompose_cap(out / "models" / "fmnist_cnn_g2" / "manifest.json", groups, 256)
+            assert measured is not None and cap == min(10 * measured, 875 - t)
     assert started[-1][2] == 120
     # The offline work: the training, and each decomposition beside the original's accuracy,
     # the 20x ones at G=2 and G=10 at least 20x smaller.
+    # Each with how its steps ran (the CPU captures nothing: eager, with or without --capture)
+    # and its wall as gpu-check.sh timed it beside the seconds inside.
     offline = {r["model"]: r for r in json.loads((out / "gpu-check.json").read_text())["offline"]}
-    assert offline["fmnist_cnn"]["work"] == "train 1 epochs"
-    assert float(offline["fmnist_cnn"]["images/s"].replace(",", "")) > 0
-    for name, groups in (("fmnist_cnn_g2", 2), ("fmnist_cnn_g2_x20", 2), ("fmnist_cnn_g10_x20", 10)):
+    for name in ("fmnist_cnn", "fmnist_cnn_eager"):
+        assert offline[name]["work"] == "train 1 epochs" and offline[name]["steps"] == "eager"
+        assert float(offline[name]["images/s"].replace(",", "")) > 0
+        assert re.fullmatch(r"wall \d+, loop [\d.]+ \(setup [\d.]+, evaluate [\d.]+, save [\d.]+\)",
+                            offline[name]["seconds"]), offline[name]["seconds"]
+    for name, groups in (("fmnist_cnn_g2", 2), ("fmnist_cnn_g2_eager", 2),
+                         ("fmnist_cnn_g2_x20", 2), ("fmnist_cnn_g10_x20", 10)):
         row = offline[name]
         assert row["work"].startswith(f"decompose G={groups}, shrink")
+        assert row["steps"] == "eager" and row["seconds"].startswith("wall ")
         assert 0 < float(row["top-1"]) <= 1 and 0 < float(row["original top-1"]) <= 1
         assert float(row["images/s"].replace(",", "")) > 0
-    assert offline["fmnist_cnn_g10_x20"]["work"] == "decompose G=10, shrink 20"
+    retrained = {name: int(re.search(r", ([\d,]+) images retrained", offline[name]["work"])[1]
+                           .replace(",", "")) for name in ("fmnist_cnn_g2", "fmnist_cnn_g2_eager")}
+    assert 0 < retrained["fmnist_cnn_g2_eager"] < retrained["fmnist_cnn_g2"] // 3  # its fifth
+    assert offline["fmnist_cnn_g10_x20"]["work"] == "decompose G=10, shrink 20, 2,560 images retrained"
     assert float(offline["fmnist_cnn_g10_x20"]["largest subnet (params, MACs)"].split("x")[0]) >= 20
     assert "## Offline: training and decomposition" in table and "| fmnist_cnn_g10_x20 |" in table
     assert "cores: " in log
@@ -154,6 +174,23 @@ def test_gpu_check_cuts_a_step_at_its_cap_and_still_reports_by_the_deadline(tmp_
     for folder, step in (("load", "load-sweep"), ("load-sleep", "load-sweep-sleep"),
                          ("load-n1", "load-sweep-n1")):
         assert f"| {folder} | {outcomes[step].lower()} " in per_level
+
+
+def test_a_decompositions_cap_follows_the_speed_measured_before(tmp_path):
+    sys.path.insert(0, str(REPO / "deploy"))
+    from gpu_check import decompose_cap
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({
+        "stages": {"grouping": {"seconds": 5}, "retrain": {"seconds": 100}, "evaluate": {"seconds": 15}},
+        "retrain": {"subnets": {"0": {"samples": 100_000}, "1": {"samples": 100_000}}}}))
+    # 0.5 ms per image: 10 subnets of the default 60,000 images take 300 s, plus 20 s of the
+    # other stages, 1.5x, plus 30 s.
+    assert decompose_cap(manifest, 10, None) == int(1.5 * 320 + 30)
+    assert decompose_cap(manifest, 2, 1000) == int(1.5 * (20 + 1) + 30)
+    manifest.write_text("{}")
+    assert decompose_cap(manifest, 2, None) is None
+    assert decompose_cap(tmp_path / "absent.json", 2, None) is None
 
 
 def test_gpu_check_refuses_without_arguments():

@@ -22,9 +22,10 @@ from sensai.fsutil import atomic_path, write_json_atomic
 from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo,
                              save_model_record)
 from sensai.feed import DeviceImages, to_device
-from sensai.learning import (StepLosses, augment, fast_layout, mixed_precision, optimizer_options,
-                             predict_logits, step_model, top1, tune_for)
+from sensai.learning import (StepLosses, augment, fast_layout, optimizer_options, predict_logits,
+                             step_model, top1, tune_for)
 from sensai.models import count_params, create_model
+from sensai.train_step import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,17 @@ def train(
     device: torch.device = torch.device("cpu"),
     resume: bool = True,
     compile_: bool = False,
+    capture: bool = True,
 ) -> ModelRecord:
     """Train ``model_name`` on ``train_set``; writes ``model.safetensors`` + ``model.json``.
 
     After each epoch the weights and optimiser state are saved, so an interrupted run continues
     from its last finished epoch when called again with the same settings.  ``compile_`` runs
-    the step through ``torch.compile`` (see :func:`sensai.learning.step_model`).
+    the step through ``torch.compile`` (see :func:`sensai.learning.step_model`); ``capture``
+    replays each full batch's step from a captured CUDA graph on CUDA
+    (:class:`sensai.train_step.TrainStep`).
     """
+    t_start = time.perf_counter()
     if epochs < 1:
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
     if batch_size < 1 or lr <= 0:
@@ -104,6 +109,7 @@ def train(
                     batch_size=batch_size, seed=seed, train_limit=train_limit, n_train=len(indices))
 
     start_epoch, history, seconds = 0, [], 0.0
+    phases: dict[str, float] = {}
     if resume and (out / STATE_JSON).is_file() and (out / STATE_WEIGHTS).is_file():
         try:
             saved = json.loads((out / STATE_JSON).read_text())
@@ -148,23 +154,18 @@ def train(
             yield normalize(augment(x, gen).to(device), spec), y.to(device), len(y)
 
     with fast_layout(model, device) as layout:
-        forward = step_model(model, compile_)
+        step = TrainStep(step_model(model, compile_), opt, loss_fn, device, capture=capture,
+                         prepare=layout, what="training")
         for epoch in range(start_epoch, epochs):
             gen.manual_seed(seed * 1000 + epoch)
             model.train()
             t0 = time.perf_counter()
+            phases.setdefault("setup", round(t0 - t_start, 2))
             losses = StepLosses(steps_per_epoch, device)
             bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
                        unit="img", leave=False)
             for i, (x, y, size) in enumerate(batches(epoch)):
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(epoch * steps_per_epoch + i)
-                with mixed_precision(device):
-                    loss = loss_fn(forward(layout(x)), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.add(loss, size)
+                losses.add(step(lr_at(epoch * steps_per_epoch + i), x, y), size)
                 bar.update(size)
                 if losses.read_due():  # the only host waits inside an epoch
                     losses.stop_if_diverged(f"training (epoch {epoch + 1})")
@@ -173,11 +174,15 @@ def train(
             losses.stop_if_diverged(f"training (epoch {epoch + 1})")
             seconds += time.perf_counter() - t0
             mean_loss = losses.mean()
+            t1 = time.perf_counter()
             acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
+            t2 = time.perf_counter()
             history.append({"epoch": epoch + 1, "loss": mean_loss, "test_top1": acc})
             log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, mean_loss, acc)
             _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
                                               seconds=seconds))
+            phases["evaluate"] = round(phases.get("evaluate", 0.0) + t2 - t1, 2)
+            phases["save"] = round(phases.get("save", 0.0) + time.perf_counter() - t2, 2)
 
     final_acc = history[-1]["test_top1"] if history else None
     sha = save_weights(out / MODEL_WEIGHTS, model)
@@ -188,7 +193,8 @@ def train(
         train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, warmup=warmup,
                         batch_size=batch_size,
                         seed=seed, train_limit=train_limit, images_per_epoch=len(indices),
-                        device=str(device), seconds=round(seconds, 2),
+                        device=str(device), seconds=round(seconds, 2), step=step.mode,
+                        phases=phases,
                         history=history),
     )
     save_model_record(out, record)

@@ -32,7 +32,7 @@ def register(sub) -> None:
 def add_decompose_args(p: argparse.ArgumentParser) -> None:
     """``sensai decompose``'s arguments, whose defaults are :class:`DecomposeConfig`'s (a module
     that imports torch: added only when the command is used)."""
-    from sensai.pruning.decompose import DecomposeConfig
+    from sensai.pruning.decompose import RETRAIN_RECIPES, DecomposeConfig
 
     d = DecomposeConfig()
     p.add_argument("--model-dir", required=True, help="directory written by 'sensai train' or "
@@ -110,14 +110,21 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
                         "mistakes them for the subnet's classes (default: %(default)s)")
     g.add_argument("--optimizer", default=d.optimizer,
                    help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
+    cpu, cuda = RETRAIN_RECIPES["cpu"], RETRAIN_RECIPES["cuda"]
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"(default: {cpu['lr']} on CPUs, {cuda['lr']} on CUDA)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help=f"(default: {cpu['batch_size']} on CPUs, {cuda['batch_size']} on CUDA)")
     g.add_argument("--workers", type=int, default=None,
                    help="subnets retrained at once (default: on GPUs all of them, sharing "
                         "the GPUs; on CPUs one per core)")
     g.add_argument("--compile", action="store_true",
                    help="run each retraining step through torch.compile (fewer, fused kernels; "
                         "each subnet compiles for tens of seconds first)")
+    g.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, replay each full batch's step from a CUDA graph captured after a few "
+                        "eager steps (one launch per step); eager where capture fails, after one "
+                        "warning line (default: on; the CPU runs eagerly)")
     g.add_argument("--no-ray", action="store_true",
                    help="retrain the subnets in this process: on a GPU --workers at once, on "
                         "the CPU one after another (what a machine without Ray does)")
@@ -154,7 +161,7 @@ def cmd_decompose(args) -> int:
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=args.workers,
-                         compile_=args.compile,
+                         compile_=args.compile, capture=args.capture,
                          use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit,
                          ray_address=args.ray_address, trust_code=args.trust_model_code)
     ev = manifest.evaluation

@@ -47,6 +47,10 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run the training step through torch.compile (fewer, fused kernels; "
                         "compiling takes tens of seconds first)")
+    p.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, replay each full batch's step from a CUDA graph captured after a few "
+                        "eager steps (one launch per step); eager where capture fails, after one "
+                        "warning line (default: on; the CPU runs eagerly)")
     add_device_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_train)
@@ -88,7 +92,7 @@ def cmd_train(args) -> int:
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
                    lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
                    train_limit=args.train_limit, device=device, resume=not args.no_resume,
-                   compile_=args.compile)
+                   compile_=args.compile, capture=args.capture)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
           f"{Path(args.out) / 'model.json'}")
