@@ -73,12 +73,6 @@ CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 AUTO_TOTAL_SAMPLES = 600_000
 AUTO_MIN_SAMPLES = 20_000
 
-# The retraining batch size and learning rate a device gets when they are not given: on a CPU
-# small batches (a much smaller subnet needs more steps, not more images); on CUDA batches large
-# enough that a captured step is not mostly launch latency, at the learning rate that keeps the
-# accuracy (measured on the CPU at the demo's 10x and 20x, BENCHMARKS.md).
-RETRAIN_RECIPES = {"cpu": {"batch_size": 32, "lr": 0.005}, "cuda": {"batch_size": 128, "lr": 0.01}}
-
 # Knobs whose default changed after artifacts were made without recording them: such an
 # artifact was made with these values (not today's defaults), so re-running it is a new run.
 RECORDED_BEFORE = {"channel_multiple": 1}
@@ -95,9 +89,10 @@ class DecomposeConfig:
     much smaller subnet needs more steps, not more images, so a small batch loses less), half of each
     subnet's negatives drawn where the original model is most tempted to answer with the
     subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
-    Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.  ``lr`` and
-    ``batch_size`` left unset take the device's recipe (:data:`RETRAIN_RECIPES`,
-    :meth:`for_device`), which is what the manifest records.
+    Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.  CUDA
+    retrains in the same small batches: larger ones at a scaled learning rate lost accuracy at
+    20x (BENCHMARKS.md, "Retraining in larger batches"); there each step is one captured graph
+    launch instead (:mod:`sensai.train_step`).
     """
 
     # pruning
@@ -127,17 +122,11 @@ class DecomposeConfig:
     distill_temperature: float = 1.0
     hard_negatives: float = 0.5
     optimizer: str = "adam"
-    lr: float | None = None  # None: the device's (RETRAIN_RECIPES)
-    batch_size: int | None = None  # None: the device's (RETRAIN_RECIPES)
+    lr: float = 0.005
+    batch_size: int = 32
     seed: int = 0
     # export
     opset: int = 17
-
-    def for_device(self, device: torch.device) -> "DecomposeConfig":
-        """These settings as a run on ``device`` uses them: an unset batch size or learning rate
-        is the device's recipe (a CPU's for a device with none of its own)."""
-        recipe = RETRAIN_RECIPES.get(device.type, RETRAIN_RECIPES["cpu"])
-        return replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
 
     def samples_for(self, n_groups: int) -> int:
         if self.samples_per_subnet is not None:
@@ -193,8 +182,7 @@ class DecomposeConfig:
         if self.prune_steps > 1 and self.retrain_epochs == 0:
             raise SensaiError("--prune-steps above 1 retrains between steps; it needs "
                               "--retrain-epochs of at least 1")
-        # Unset retraining knobs are checked as the CPU's recipe: every device's is valid.
-        self.for_device(torch.device("cpu")).retrain_settings(1).validate()
+        self.retrain_settings(1).validate()
         return self
 
     def pruning_policy(self):
@@ -457,8 +445,8 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     """
     t_start = time.perf_counter()
     # ---- validation, all before any long work
+    config = config.validate()
     dev = select_device(str(device))
-    config = config.for_device(dev).validate()
     if workers is not None and workers < 1:
         raise SensaiError(f"--workers must be at least 1, got {workers}")
     if eval_limit is not None and eval_limit < 1:

@@ -32,7 +32,7 @@ def register(sub) -> None:
 def add_decompose_args(p: argparse.ArgumentParser) -> None:
     """``sensai decompose``'s arguments, whose defaults are :class:`DecomposeConfig`'s (a module
     that imports torch: added only when the command is used)."""
-    from sensai.pruning.decompose import RETRAIN_RECIPES, DecomposeConfig
+    from sensai.pruning.decompose import DecomposeConfig
 
     d = DecomposeConfig()
     p.add_argument("--model-dir", required=True, help="directory written by 'sensai train' or "
@@ -110,11 +110,8 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
                         "mistakes them for the subnet's classes (default: %(default)s)")
     g.add_argument("--optimizer", default=d.optimizer,
                    help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
-    cpu, cuda = RETRAIN_RECIPES["cpu"], RETRAIN_RECIPES["cuda"]
-    g.add_argument("--lr", type=float, default=None,
-                   help=f"(default: {cpu['lr']} on CPUs, {cuda['lr']} on CUDA)")
-    g.add_argument("--batch-size", type=int, default=None,
-                   help=f"(default: {cpu['batch_size']} on CPUs, {cuda['batch_size']} on CUDA)")
+    g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
     g.add_argument("--workers", type=int, default=None,
                    help="subnets retrained at once (default: on GPUs all of them, sharing "
                         "the GPUs; on CPUs one per core)")
