@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sensai.learning import mixed_precision
+from sensai.raycluster import error_text
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,6 @@ class RecordedCapture:
 
 CAPTURES: dict[str, Callable[[torch.device, Sequence[torch.Tensor]], Capture]] = {
     "cuda": CudaCapture}
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 class TrainStep:
@@ -189,7 +185,7 @@ class TrainStep:
         def step() -> torch.Tensor:
             return self.compute(self.prepare(x), targets)
 
-        if self.wanted and not self.captured and self.failed is None:
+        if self.wanted and not self.captured:
             out: list[torch.Tensor] = []
             self.graph.warmup(lambda: out.append(step()))
             loss = out[0]
@@ -233,7 +229,7 @@ class TrainStep:
         return self.static_loss.clone()
 
     def give_up(self, e: Exception) -> None:
-        self.failed = first_line(e)
+        self.failed = error_text(e)
         self.wanted = False
         self.static, self.static_loss = [], None
         self.opt.zero_grad(set_to_none=True)
