@@ -55,10 +55,12 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     started = [(name, int(t), int(cap)) for t, name, cap in re.findall(
         r"^\[gpu-check (\d+)s\] (\S+) \(cap (\d+) s\): ", log, re.M)]
     assert [name for name, _, _ in started] == list(steps)
+    # The script reads the clock for a step's cap a moment before the line that logs it: the
+    # logged second may be one later.
     for name, t, cap in started[:-1]:
-        assert 0 < cap <= 875 - t
+        assert 0 < cap <= 875 - t + 1
     t, cap = started[0][1:]
-    assert cap == min(10 * 90, 875 - t)
+    assert min(10 * 90, 875 - t) <= cap <= min(10 * 90, 875 - t + 1)
     # The 20x decompositions' caps come from the speed the first decomposition was measured
     # at (ten times, as every cap here), not the fixed default.
     sys.path.insert(0, str(REPO / "deploy"))
@@ -68,7 +70,8 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
         if name.startswith("decompose-x20-g"):
             groups = int(name.rsplit("g", 1)[1])
             measured = decompose_cap(out / "models" / "fmnist_cnn_g2" / "manifest.json", groups, 256)
-            assert measured is not None and cap == min(10 * measured, 875 - t)
+            assert measured is not None
+            assert min(10 * measured, 875 - t) <= cap <= min(10 * measured, 875 - t + 1)
     assert started[-1][2] == 120
     # The offline work: the training, and each decomposition beside the original's accuracy,
     # the 20x ones at G=2 and G=10 at least 20x smaller.
