@@ -85,3 +85,9 @@ def test_demo_says_how_far_from_converged_a_model_is(trained_model_dir):
     flat = rising.model_copy(update={"history": [
         {"epoch": 1, "loss": 0.3, "test_top1": 0.91}, {"epoch": 2, "loss": 0.3, "test_top1": 0.911}]})
     assert "+0.10 points: levelling off" in training_progress(record.model_copy(update={"train": flat}))
+    # Trained by `sensai train` (the test split measured after the last epoch only): no trend.
+    once = rising.model_copy(update={"history": [
+        {"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.3, "test_top1": 0.91}]})
+    line = training_progress(record.model_copy(update={"train": once}))
+    assert "by epoch: 0.9100 (measured after the last epoch only" in line
+    assert "--eval-every 1" in line and "not converged" not in line

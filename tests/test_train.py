@@ -83,11 +83,42 @@ def test_resume_continues_from_last_epoch(tmp_path, fmnist_spec, fmnist_train, f
         train(**kw)
 
 
+@pytest.mark.parametrize("eval_every,evaluated", [(0, [3]), (2, [2, 3]), (1, [1, 2, 3])])
+def test_the_test_split_is_measured_after_the_last_epoch_and_every_nth(
+        tmp_path, monkeypatch, fmnist_spec, fmnist_train, fmnist_test, eval_every, evaluated):
+    import sensai.training.trainer as trainer
+
+    seen = []
+    real = trainer.predict_logits
+
+    def counted(model, dataset, *a, **k):
+        seen.append(len(dataset))
+        return real(model, dataset, *a, **k)
+
+    monkeypatch.setattr(trainer, "predict_logits", counted)
+    record = train(model_name="tests.user_models:tiny_net", spec=fmnist_spec,
+                   train_set=fmnist_train, test_set=fmnist_test, out_dir=tmp_path / "m",
+                   epochs=3, train_limit=300, device=torch.device("cpu"), eval_every=eval_every)
+    history = record.train.history
+    assert [h["epoch"] for h in history] == [1, 2, 3] and all(h["loss"] > 0 for h in history)
+    assert [h["epoch"] for h in history if "test_top1" in h] == evaluated
+    assert seen == [len(fmnist_test)] * len(evaluated)  # the whole test split, each time
+    assert record.test_top1 == history[-1]["test_top1"]
+    model, _ = load_trained_model(tmp_path / "m", trust_code=True)
+    assert abs(top1(real(model, fmnist_test, fmnist_spec, torch.device("cpu")),
+                    fmnist_test.labels) - record.test_top1) < 1e-6
+
+
 def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1", "--train-limit", "300",
                "--warmup", "0.25", "--device", "cpu", "--out", str(tmp_path / "t")])
     assert rc == 0 and "test top-1" in capsys.readouterr().out
     assert load_model_record(tmp_path / "t").train.warmup == 0.25  # the schedule is recorded
+    rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "2",
+               "--train-limit", "300", "--eval-every", "1", "--device", "cpu",
+               "--out", str(tmp_path / "e")])
+    assert rc == 0
+    assert all("test_top1" in h for h in load_model_record(tmp_path / "e").train.history)
     # A user's own weights as a plain .pt state dict, loaded with weights_only=True.
     model, _ = load_trained_model(trained_model_dir)
     torch.save(model.state_dict(), tmp_path / "mine.pt")
@@ -103,6 +134,7 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--data-dir", "{tmp}/nothing", "--out", "{tmp}/x"], "dataset-fashion-mnist"),
     (["train", "--epochs", "0", "--out", "{tmp}/x"], "--epochs must be at least 1"),
     (["train", "--warmup", "1", "--out", "{tmp}/x"], "--warmup is a fraction of the steps"),
+    (["train", "--eval-every", "-1", "--out", "{tmp}/x"], "--eval-every must be 0"),
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
     (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),

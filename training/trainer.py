@@ -80,11 +80,15 @@ def train(
     resume: bool = True,
     compile_: bool = False,
     capture: bool = True,
+    eval_every: int = 0,
 ) -> ModelRecord:
     """Train ``model_name`` on ``train_set``; writes ``model.safetensors`` + ``model.json``.
 
-    After each epoch the weights and optimiser state are saved, so an interrupted run continues
-    from its last finished epoch when called again with the same settings.  ``compile_`` runs
+    The test split is evaluated once, after the last epoch, and also after every
+    ``eval_every``-th epoch when that is positive (each epoch's ``history`` entry has its loss,
+    and ``test_top1`` where it was evaluated).  After each epoch the weights and optimiser
+    state are saved, so an interrupted run continues from its last finished epoch when called
+    again with the same settings.  ``compile_`` runs
     the step through ``torch.compile`` (see :func:`sensai.learning.step_model`); ``capture``
     replays each full batch's step from a captured CUDA graph on CUDA
     (:class:`sensai.train_step.TrainStep`).
@@ -94,6 +98,9 @@ def train(
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
     if batch_size < 1 or lr <= 0:
         raise SensaiError("--batch-size and --lr must be positive")
+    if eval_every < 0:
+        raise SensaiError(f"--eval-every must be 0 (after the last epoch only) or more, got "
+                          f"{eval_every}")
     check_warmup(warmup)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,18 +180,23 @@ def train(
             bar.close()
             losses.stop_if_diverged(f"training (epoch {epoch + 1})")
             seconds += time.perf_counter() - t0
-            mean_loss = losses.mean()
+            entry = {"epoch": epoch + 1, "loss": losses.mean()}
             t1 = time.perf_counter()
-            acc = top1(predict_logits(model, test_set, spec, device, progress="evaluate"), test_set.labels)
+            if epoch + 1 == epochs or (eval_every and (epoch + 1) % eval_every == 0):
+                entry["test_top1"] = top1(predict_logits(model, test_set, spec, device,
+                                                         progress="evaluate"), test_set.labels)
+                log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs,
+                         entry["loss"], entry["test_top1"])
+            else:
+                log.info("epoch %d/%d: loss %.4f", epoch + 1, epochs, entry["loss"])
             t2 = time.perf_counter()
-            history.append({"epoch": epoch + 1, "loss": mean_loss, "test_top1": acc})
-            log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs, mean_loss, acc)
+            history.append(entry)
             _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
                                               seconds=seconds))
             phases["evaluate"] = round(phases.get("evaluate", 0.0) + t2 - t1, 2)
             phases["save"] = round(phases.get("save", 0.0) + time.perf_counter() - t2, 2)
 
-    final_acc = history[-1]["test_top1"] if history else None
+    final_acc = history[-1].get("test_top1") if history else None
     sha = save_weights(out / MODEL_WEIGHTS, model)
     record = ModelRecord(
         model=model_name, num_classes=spec.num_classes, in_channels=spec.in_channels,

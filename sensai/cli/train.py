@@ -44,6 +44,9 @@ def register(sub) -> None:
     p.add_argument("--train-limit", type=int, default=None,
                    help="train on at most this many images (stratified), for quick runs")
     p.add_argument("--no-resume", action="store_true", help="ignore an unfinished run in --out")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="also measure test top-1 after every N-th epoch (default: 0, after the "
+                        "last epoch only)")
     p.add_argument("--compile", action="store_true",
                    help="run the training step through torch.compile (fewer, fused kernels; "
                         "compiling takes tens of seconds first)")
@@ -92,7 +95,7 @@ def cmd_train(args) -> int:
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
                    lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
                    train_limit=args.train_limit, device=device, resume=not args.no_resume,
-                   compile_=args.compile, capture=args.capture)
+                   compile_=args.compile, capture=args.capture, eval_every=args.eval_every)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
           f"{Path(args.out) / 'model.json'}")
