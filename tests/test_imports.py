@@ -42,6 +42,24 @@ def test_the_command_line_parser_imports_no_heavy_library():
     assert not loaded & set(PARSER_NEVER), sorted(loaded & set(PARSER_NEVER))
 
 
+def test_torchvision_is_imported_only_to_build_its_own_architectures():
+    """Importing torchvision's models takes seconds (torch._dynamo with it): every process that
+    builds a registry model (training, decomposition, a torch worker) would pay for it."""
+    code = textwrap.dedent("""
+        import json, sys
+        from sensai.models import create_model, list_models
+        list_models()
+        create_model("vgg16_bn", 10, 1)
+        create_model("resnet20", 10, 1)
+        before = "torchvision" in sys.modules
+        net = create_model("resnet18", 10, 1)
+        print(json.dumps([before, "torchvision" in sys.modules, type(net).__name__]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert json.loads(out) == [False, True, "ResNet18Small"]
+
+
 def test_a_deferred_command_still_parses_and_shows_its_help():
     """``sensai decompose`` adds its arguments when used: its help lists them and its errors are
     argparse's one line."""
