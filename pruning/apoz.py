@@ -53,8 +53,10 @@ class ChannelStatsAccumulator:
         mag = a.abs()
         # Compared in the activations' own precision, so a value stored as "0.005" counts as
         # zero for the threshold 0.005; summed in float64 so long streams do not lose counts.
-        zeros = (mag <= self.zero_threshold).sum(dim=dims).to("cpu", torch.float64)
-        abs_sum = mag.to(torch.float64).sum(dim=dims).to("cpu")
+        # Kept on the activations' device until result(): a copy to the host here would wait
+        # for the device at every layer of every batch.
+        zeros = (mag <= self.zero_threshold).sum(dim=dims)
+        abs_sum = mag.to(torch.float64).sum(dim=dims)
         if self._zeros is None:
             self._zeros, self._abs_sum = zeros, abs_sum
         else:
@@ -68,8 +70,9 @@ class ChannelStatsAccumulator:
     def result(self) -> ChannelStats:
         if self._zeros is None or self._count == 0:
             raise ValueError("no activations were recorded")
-        return ChannelStats(apoz=(self._zeros / self._count).numpy(),
-                            mean_abs=(self._abs_sum / self._count).numpy(),
+        zeros = self._zeros.to("cpu", torch.float64)
+        return ChannelStats(apoz=(zeros / self._count).numpy(),
+                            mean_abs=(self._abs_sum.cpu() / self._count).numpy(),
                             count=self._count)
 
 
