@@ -88,10 +88,9 @@ def train(
     ``eval_every``-th epoch when that is positive (each epoch's ``history`` entry has its loss,
     and ``test_top1`` where it was evaluated).  After each epoch the weights and optimiser
     state are saved, so an interrupted run continues from its last finished epoch when called
-    again with the same settings.  ``compile_`` runs
-    the step through ``torch.compile`` (see :func:`sensai.learning.step_model`); ``capture``
-    replays each full batch's step from a captured CUDA graph on CUDA
-    (:class:`sensai.train_step.TrainStep`).
+    again with the same settings.  ``compile_`` runs the step through ``torch.compile`` (see
+    :func:`sensai.learning.step_model`); ``capture`` replays each full batch's step from a
+    captured CUDA graph on CUDA (:class:`sensai.train_step.TrainStep`).
     """
     t_start = time.perf_counter()
     if epochs < 1:
