@@ -50,6 +50,17 @@ def test_accumulator_streaming_equals_one_batch():
     np.testing.assert_allclose(a.apoz, (act <= 0.005).double().mean(dim=(0, 2, 3)).numpy())
 
 
+def test_accumulator_waits_for_the_device_only_for_its_result():
+    """The sums stay where the activations are: on a GPU a copy to the host per batch would
+    wait for the device at every layer.  A meta tensor (no data: any copy to the host raises)
+    stands in for a device the host must wait for."""
+    acc = ChannelStatsAccumulator(0.1)
+    for _ in range(3):
+        acc.update(torch.empty(4, 3, 5, 5, device="meta"))  # no copy to the host
+    with pytest.raises(NotImplementedError):
+        acc.result()  # the one copy to the host
+
+
 def test_accumulator_errors():
     acc = ChannelStatsAccumulator()
     with pytest.raises(ValueError, match="no activations"):

@@ -363,6 +363,8 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         assert metrics["node"] == node
         assert s.num_outputs == 6
         assert metrics["step"] == "eager"  # a CPU captures nothing
+        assert metrics["steps"] == 384 // 64  # --batch-size reached the Ray task
+    assert m.retrain["batch_size"] == 64
 
 
 # --------------------------------------------------------------------------------------------
