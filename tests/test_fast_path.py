@@ -175,3 +175,147 @@ def test_predictions_do_not_pass_through_fastapis_router(pair, fmnist_test):
             assert c.get("/v1/predict").status_code == 404  # FastAPI's: the route is gone
     finally:
         router.routes[:] = kept
+
+
+def test_predictions_do_not_pass_through_fastapis_stack(pair, fmnist_test, monkeypatch):
+    """The HTTP protocol answers the prediction routes on its lean cycle: FastAPI's app (and
+    every middleware FastAPI puts around the gateway's) is never called for them; it is for
+    every other route."""
+    from fastapi import FastAPI
+
+    fast, _ = pair
+    _, images, _ = sample_images(fmnist_test, 1)
+    called = []
+    entered = FastAPI.__call__
+
+    async def counted(self, scope, receive, send):
+        called.append(scope.get("path"))
+        await entered(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", counted)
+    with httpx.Client(base_url=fast.url, timeout=60) as c:
+        assert c.post("/v1/predict", content=png(images[0])).status_code == 200
+        assert c.post("/v1/predict?top_k=0", content=png(images[0])).status_code == 422
+        assert c.post("/v2/models/sensai/infer", content=b"{not json").status_code == 400
+        assert c.get("/v2/health/live").status_code == 200
+    assert called == ["/v2/health/live"]
+
+
+def read_answers(sock, count: int) -> list[tuple[int, dict, bytes]]:
+    """``count`` HTTP/1.1 answers read off ``sock``, in order: (status, headers, body)."""
+    data, answers = b"", []
+    while len(answers) < count:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            lines = head.decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            length = int(headers["content-length"])
+            if len(rest) >= length:
+                answers.append((int(lines[0].split()[1]), headers, rest[:length]))
+                data = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed after {len(answers)} answers"
+        data += chunk
+    return answers
+
+
+@pytest.mark.parametrize("which", ["lean", "fastapi"])
+def test_pipelined_requests_are_answered_in_order(pair, fmnist_test, which):
+    """Requests sent back to back on one connection, before any answer (HTTP/1.1 pipelining),
+    the predictions on the lean cycle and the others on FastAPI's (or all on FastAPI's): every
+    answer comes, in the order asked."""
+    import socket
+
+    fast = pair[0] if which == "lean" else pair[1]
+    _, images, _ = sample_images(fmnist_test, 2)
+    image = png(images[0])
+    bad = b"not an image"
+
+    def post(path: str, body: bytes, rid: str) -> bytes:
+        return (f"POST {path} HTTP/1.1\r\nhost: x\r\nx-request-id: {rid}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    asked = (post("/v1/predict", image, "p1")
+             + b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-request-id: h1\r\n\r\n"
+             + post("/v1/predict?top_k=2", bad, "p2") + post("/v1/predict", image, "p3"))
+    with socket.create_connection((fast.host, fast.port), timeout=60) as sock:
+        sock.sendall(asked)
+        answers = read_answers(sock, 4)
+    assert [(status, headers["x-request-id"]) for status, headers, _ in answers] == [
+        (200, "p1"), (200, "h1"), (415, "p2"), (200, "p3")]
+    assert json.loads(answers[0][2])["label"] == json.loads(answers[3][2])["label"]
+    assert json.loads(answers[1][2]) == {"live": True}
+
+
+class Recorder:
+    """A transport that keeps what is written to it."""
+
+    def __init__(self):
+        self.writes, self.closed = [], False
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+def lean_cycle(transport: Recorder, keep_alive: bool, done: list):
+    import asyncio
+    import logging
+
+    from uvicorn.protocols.http.flow_control import FlowControl
+
+    from sensai.serving.gateway.lean_cycle import LeanCycle
+
+    log = logging.getLogger("test")
+    return LeanCycle(scope={"type": "http", "method": "POST", "path": "/v1/predict"},
+                     transport=transport, flow=FlowControl(transport), logger=log,
+                     access_logger=log, access_log=False,
+                     default_headers=[(b"server", b"uvicorn")], message_event=asyncio.Event(),
+                     expect_100_continue=False, keep_alive=keep_alive,
+                     on_response=lambda: done.append(True))
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_a_lean_answer_leaves_in_one_write(keep_alive):
+    """The lean cycle writes an answer's head with its body, once, with uvicorn's connection
+    rules; an answer without a declared length, or in pieces, is refused as the bug it is."""
+    import asyncio
+
+    async def answer(cycle, headers, bodies):
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": headers})
+        for body, more in bodies:
+            await cycle.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    transport, done = Recorder(), []
+    cycle = lean_cycle(transport, keep_alive, done)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+    asyncio.run(answer(cycle, headers, [(b"{}", False)]))
+    assert transport.writes == [b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: "
+                                b"application/json\r\ncontent-length: 2\r\n"
+                                + (b"" if keep_alive else b"connection: close\r\n")
+                                + b"\r\n{}"]
+    assert cycle.response_complete and done == [True] and transport.closed is not keep_alive
+    with pytest.raises(RuntimeError, match="after response already completed"):
+        asyncio.run(cycle.send({"type": "http.response.body", "body": b""}))
+
+    for headers, bodies, why in [
+            ([(b"content-type", b"text/plain")], [(b"hi", False)], "declares"),
+            ([(b"content-length", b"4")], [(b"hi", True), (b"hi", False)], "one body"),
+            ([(b"content-length", b"4")], [(b"hi", False)], "content-length"),
+            ([(b"x-id", b"a\r\nb")], [], "invalid")]:
+        transport, done = Recorder(), []
+        with pytest.raises(RuntimeError, match=why):
+            asyncio.run(answer(lean_cycle(transport, True, done), headers, bodies))
+        assert transport.writes == [] and done == []

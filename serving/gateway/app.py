@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
 from fastapi import FastAPI
+from starlette.middleware.errors import ServerErrorMiddleware
 
 from ..core.contract import Predictor
 from ..core.settings import GatewaySettings
@@ -34,6 +35,7 @@ from .admission import Admission
 from .control_routes import add_control_routes
 from .http_errors import ErrorTranslator
 from .inference import Gateway
+from .lean_cycle import LeanRoutes
 from .lifespan import gateway_lifespan
 from .middleware import GatewayMiddleware
 from .predict_routes import PredictRoutes
@@ -74,6 +76,11 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     predictions.register(app)
     app.add_middleware(GatewayMiddleware, gateway=gw,
                        predictions=predictions if settings.http_fast_path else None)
+    if settings.http_fast_path:
+        # What the HTTP protocol runs for a prediction, past FastAPI's stack: the same
+        # middleware, inside the error middleware FastAPI would have put around it.
+        app.state.lean = LeanRoutes(predictions.match, ServerErrorMiddleware(
+            GatewayMiddleware(app, gw, predictions), handler=errors.handler))
     add_control_routes(app)
     add_repository_routes(app)
     return app

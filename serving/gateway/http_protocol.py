@@ -32,15 +32,19 @@ incomplete-event limit (set to ``max_header_bytes``; it answers 400).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
+import urllib.parse
 from typing import Callable
 
 from ..core.settings import GatewaySettings
+from .lean_cycle import LeanCycle, LeanRoutes
 from .wire import error_response, new_request_id, request_id
 
 try:  # uvicorn[standard] brings httptools; the h11 fallback below covers its absence
+    import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # pragma: no cover - depends on the installation
     HttpToolsProtocol = None
@@ -63,6 +67,9 @@ if HttpToolsProtocol is not None:
         gate = None
         # And count(reason): a connection refused before any request (its metric).
         count: Callable[[str], None] | None = None
+        # The prediction routes, answered on a lean cycle (:mod:`~.lean_cycle`); None: every
+        # request goes to uvicorn's cycle and the app.
+        lean: LeanRoutes | None = None
         # Connections per client address, and the connections' count, of this server.
         per_client: collections.Counter
         opened_count: itertools.count
@@ -184,7 +191,47 @@ if HttpToolsProtocol is not None:
                                       self.first_byte, self.loop.time())
                 if self.shed is not None:
                     return  # answered once its body has been read (on_message_complete)
-            super().on_headers_complete()
+            if self.lean is None or not self.start_lean():
+                super().on_headers_complete()
+
+        def start_lean(self) -> bool:
+            """Start the request on a :class:`~.lean_cycle.LeanCycle` when it is a prediction
+            (its scope completed as uvicorn completes it); False for any other request, left
+            to uvicorn's cycle and the app."""
+            parser = self.parser
+            method = parser.get_method()
+            if method != b"POST" or parser.should_upgrade() or self.limit_concurrency:
+                return False
+            scope = self.scope
+            url = httptools.parse_url(self.url)
+            path = url.path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            scope["method"] = "POST"
+            version = parser.get_http_version()
+            if version != "1.1":
+                scope["http_version"] = version
+            scope["path"] = self.root_path + path
+            scope["raw_path"] = self.root_path.encode("ascii") + url.path
+            scope["query_string"] = url.query or b""
+            if not self.lean.matches(scope):
+                return False
+            existing = self.cycle
+            self.cycle = LeanCycle(
+                scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
+                access_logger=self.access_logger, access_log=self.access_log,
+                default_headers=self.server_state.default_headers,
+                message_event=asyncio.Event(), expect_100_continue=self.expect_100_continue,
+                keep_alive=version != "1.0" and parser.should_keep_alive(),
+                on_response=self.on_response_complete)
+            if existing is None or existing.response_complete:
+                task = self.loop.create_task(self.cycle.run_asgi(self.lean.app))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)
+            else:  # pipelined: uvicorn starts it once the answers before it are out
+                self.flow.pause_reading()
+                self.pipeline.appendleft((self.cycle, self.lean.app))
+            return True
 
         def on_body(self, body: bytes) -> None:
             if not self.refused and self.shed is None:
@@ -260,13 +307,14 @@ if HttpToolsProtocol is not None:
             return super().eof_received()
 
 
-def http_protocol(limits: GatewaySettings, gate=None, count=None):
+def http_protocol(limits: GatewaySettings, gate=None, count=None,
+                  lean: LeanRoutes | None = None):
     """What uvicorn's ``http`` option takes: the bounded protocol for the settings ``limits``
-    (with ``gate`` and ``count``, see :class:`BoundedHttpProtocol`), or ``"h11"`` where
-    httptools is not installed."""
+    (with ``gate``, ``count`` and ``lean``, see :class:`BoundedHttpProtocol`), or ``"h11"``
+    where httptools is not installed."""
     if HttpToolsProtocol is None:
         return "h11"
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,),
-                {"limits": limits, "gate": gate,
+                {"limits": limits, "gate": gate, "lean": lean if LeanCycle else None,
                  "count": staticmethod(count) if count else None,
                  "per_client": collections.Counter(), "opened_count": itertools.count()})

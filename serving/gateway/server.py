@@ -38,13 +38,16 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
                    graceful_s: float = 10.0, lifespan: str = "on") -> uvicorn.Config:
     """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
     settings before any request is admitted (:mod:`~sensai.serving.gateway.http_protocol`)."""
-    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    state = getattr(app, "state", None)
+    gateway = getattr(state, "gateway", None)
     limits = gateway.settings if gateway is not None else GatewaySettings()
     gate = EarlyGate(gateway) if gateway is not None else None
     count = gateway.metrics.rejected_connection if gateway is not None else None
+    # access_log stays off: the prediction routes' lean cycle writes no access log.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
                           access_log=False, timeout_graceful_shutdown=graceful_s,
-                          http=http_protocol(limits, gate, count), backlog=limits.backlog(),
+                          http=http_protocol(limits, gate, count, getattr(state, "lean", None)),
+                          backlog=limits.backlog(),
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 
