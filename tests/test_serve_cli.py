@@ -245,4 +245,6 @@ def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmn
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err.decode()[-2000:]
-    assert "no answer within 15 s (Ray's own processes gone?)" in err.decode()
+    from sensai.serving.launch.serve_run import SERVE_STOP_S
+
+    assert f"no answer within {SERVE_STOP_S:g} s (Ray's own processes gone?)" in err.decode()

@@ -315,6 +315,6 @@ def http_protocol(limits: GatewaySettings, gate=None, count=None,
     if HttpToolsProtocol is None:
         return "h11"
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,),
-                {"limits": limits, "gate": gate, "lean": lean if LeanCycle else None,
+                {"limits": limits, "gate": gate, "lean": lean,
                  "count": staticmethod(count) if count else None,
                  "per_client": collections.Counter(), "opened_count": itertools.count()})

@@ -43,6 +43,7 @@ INLINE_DECODE_PIXELS = 128 * 128
 INFER = "/v2/models/{model_name}/infer"
 INFER_VERSION = "/v2/models/{model_name}/versions/{version}/infer"
 JSON_TYPE = "application/json"
+MATCHED = "sensai.prediction_route"  # the scope's key for match's answer
 
 
 class PredictQuery(BaseModel):
@@ -248,7 +249,15 @@ class PredictRoutes:
 
     def match(self, scope) -> tuple | None:
         """``(endpoint, route, path parameters)`` for a request to a prediction route, as
-        Starlette's router would match it; None for any other request (FastAPI's)."""
+        Starlette's router would match it; None for any other request (FastAPI's).  Found once
+        per request and kept in its scope: the HTTP protocol asks before the middleware does."""
+        try:
+            return scope[MATCHED]
+        except KeyError:
+            found = scope[MATCHED] = self.find(scope)
+            return found
+
+    def find(self, scope) -> tuple | None:
         if scope["method"] != "POST":
             return None  # FastAPI answers other methods (405 with Allow)
         path, root = scope["path"], scope.get("root_path", "")
