@@ -220,31 +220,3 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
     assert stopped == [True] and time.monotonic() - t0 < 10
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
-
-
-def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmnist_test):
-    """A supervisor that signals the whole process group (systemd stopping a unit, ``kill --
-    -PGID``) stops Ray's own processes with sensai's: Serve's shutdown would wait a minute for
-    them and the process end with status 1.  Serve's shutdown is bounded on a Ray instance of
-    its own, Ray is stopped, and the exit is clean, well before Ray's minute."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--backend", "ray-serve",
-         "--port", str(port), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        env=os.environ | {"SENSAI_MODEL_NAME": MODEL})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_server(proc, url, timeout_s=300)
-        _, images, _ = sample_images(fmnist_test, 1)
-        predict(url, images[0])
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=50)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err.decode()[-2000:]
-    from sensai.serving.launch.serve_run import SERVE_STOP_S
-
-    assert f"no answer within {SERVE_STOP_S:g} s (Ray's own processes gone?)" in err.decode()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,9 +33,6 @@ log = logging.getLogger(__name__)
 
 READY = "/v2/health/ready"
 STARTUP_TIMEOUT_S = 300.0
-# How long Serve's own shutdown may take on a Ray instance this process started (Ray's shutdown
-# ends it anyway); it takes a few seconds when Ray is alive.
-SERVE_STOP_S = 15.0
 
 
 class ServeRun:
@@ -105,29 +101,14 @@ class ServeRun:
         import ray
         from ray import serve
 
-        def stop_serve() -> None:
+        if self.own_serve:
             try:
                 if self.name:
                     serve.delete(self.name)
                 serve.shutdown()
             except Exception as e:  # best effort: Ray itself may already be gone
                 log.warning("stopping Ray Serve: %s", error_text(e))
-
-        if self.own_serve:
             self.own_serve = False
-            if not self.own_ray:  # a cluster's: its application must go, however long
-                stop_serve()
-            else:
-                # Bounded: where a whole process group was signalled (systemd stopping a
-                # unit, kill -- -PGID), Ray's processes died with this one, and Serve's calls
-                # would wait a minute for them before the process could exit.
-                stopper = threading.Thread(target=stop_serve, name="sensai-serve-stop",
-                                           daemon=True)
-                stopper.start()
-                stopper.join(SERVE_STOP_S)
-                if stopper.is_alive():
-                    log.warning("stopping Ray Serve: no answer within %g s (Ray's own "
-                                "processes gone?); stopping Ray", SERVE_STOP_S)
         if self.own_ray:
             ray.shutdown()
             self.own_ray = False
