@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -196,8 +197,8 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
     class StartingRun:
         name = "sensai"
 
-        def __init__(self, address):
-            pass
+        def __init__(self, address, *, serve_stop_s):
+            assert serve_stop_s == serve_run.SERVE_STOP_S
 
         def serve(self, artifact, settings, *, startup_timeout_s):
             os.kill(os.getpid(), signum)
@@ -208,6 +209,7 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
             os.kill(os.getpid(), signum)  # ignored: the clean-up runs to its end
             time.sleep(0.2)
             stopped.append(True)
+            return True  # stopped in time
 
     monkeypatch.setattr(serve_run, "ServeRun", StartingRun)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -220,3 +222,64 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
     assert stopped == [True] and time.monotonic() - t0 < 10
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
+
+
+def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmnist_test):
+    """A supervisor that signals the whole process group (systemd stopping a unit, ``kill --
+    -PGID``) stops the processes of a Ray instance sensai started with sensai's own: Serve's
+    shutdown would wait a minute for them and Ray end the process with status 1.  Serve gets
+    SERVE_STOP_S on such an instance; then the process ends at once with status 0, and the Ray
+    instance's processes end with it."""
+    from sensai.serving.launch.serve_run import SERVE_STOP_S
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--backend", "ray-serve",
+         "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        env=os.environ | {"SENSAI_MODEL_NAME": MODEL})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(proc, url, timeout_s=300)
+        _, images, _ = sample_images(fmnist_test, 1)
+        predict(url, images[0])
+        raylets = [pid for pid, name in descendants(proc.pid) if name == "raylet"]
+        assert raylets
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=SERVE_STOP_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert f"Ray Serve did not stop within {SERVE_STOP_S:g} s" in err.decode()
+    assert took < 50  # Ray's own wait for its GCS is 60 s
+    wait_until(lambda: not any(alive(pid) for pid in raylets), 30, "the raylet to end")
+
+
+def descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, name) of every live process below ``root``."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), name))
+    out, todo = [], [root]
+    while todo:
+        for pid, name in children.get(todo.pop(), []):
+            out.append((pid, name))
+            todo.append(pid)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

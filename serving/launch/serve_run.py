@@ -17,11 +17,13 @@ set Ray's loopback switch before the import).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from sensai.errors import SensaiError
 from sensai.raycluster import connect, error_text
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 READY = "/v2/health/ready"
 STARTUP_TIMEOUT_S = 300.0
+# How long ``sensai serve``'s Serve may take to stop on a Ray instance of its own (a few
+# seconds while Ray is alive; Ray's shutdown ends the application anyway).
+SERVE_STOP_S = 10.0
 
 
 class ServeRun:
@@ -40,10 +45,13 @@ class ServeRun:
     instance, or the cluster named), :meth:`start` runs the application; its ``url`` and
     :meth:`stop`."""
 
-    def __init__(self, ray_address: str | None = None):
+    def __init__(self, ray_address: str | None = None, *, serve_stop_s: float | None = None):
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         self.own_ray = connect(ray_address)
         self.name, self.url, self.own_serve = "", "", False
+        # On a Ray instance of its own, how long Serve may take to stop (None: however long).
+        self.serve_stop_s = serve_stop_s
+        self.abandoned = False
 
     def start(self, build: Callable[[], tuple[str, Any]], *, host: str, port: int,
               ready_path: str, proxy: bool = True,
@@ -97,21 +105,41 @@ class ServeRun:
         return self.start(build, host=settings.host, port=settings.port, ready_path=READY,
                           proxy=False, startup_timeout_s=startup_timeout_s)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Delete the application, shut Serve down, then Ray when this process started or
+        joined it.  False when Serve did not stop within ``serve_stop_s`` on a Ray instance this
+        process started: a thread is still inside a Ray call, nothing more is asked of Ray (now
+        or by a later call), and the caller must end the process without Ray's own exit
+        handlers (see :func:`serve_artifact`)."""
         import ray
         from ray import serve
 
-        if self.own_serve:
+        def stop_serve() -> None:
             try:
                 if self.name:
                     serve.delete(self.name)
                 serve.shutdown()
             except Exception as e:  # best effort: Ray itself may already be gone
                 log.warning("stopping Ray Serve: %s", error_text(e))
+
+        if self.abandoned:
+            return False
+        if self.own_serve:
             self.own_serve = False
+            if self.serve_stop_s is None or not self.own_ray:  # a cluster's: however long
+                stop_serve()
+            else:
+                stopper = threading.Thread(target=stop_serve, name="sensai-serve-stop",
+                                           daemon=True)
+                stopper.start()
+                stopper.join(self.serve_stop_s)
+                if stopper.is_alive():
+                    self.abandoned = True
+                    return False
         if self.own_ray:
             ray.shutdown()
             self.own_ray = False
+        return True
 
 
 def client_host(host: str) -> str:
@@ -136,7 +164,7 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
     SIGINT; then the application, Serve (and Ray, when this process started it) are
     stopped."""
     check_backend(settings)
-    run = ServeRun(settings.ray_address)
+    run = ServeRun(settings.ray_address, serve_stop_s=SERVE_STOP_S)
     # Installed after Ray's own handlers, which would exit this process halfway through.
     with StopSignals() as signals:
         try:
@@ -150,7 +178,30 @@ def serve_artifact(artifact: str | Path, settings: GatewaySettings, *,
             if signals.received != signal.SIGTERM:
                 raise
         finally:
-            run.stop()
+            if not run.stop():
+                exit_without_ray(signals.received, sys.exc_info()[1])
+
+
+def exit_without_ray(received: int | None, error: BaseException | None) -> NoReturn:
+    """End this process at once, with the status ``sensai serve`` would have ended with.
+
+    For a Ray instance whose Serve did not stop in time: a signal to the whole process group
+    (systemd stopping a unit, ``kill -- -PGID``) reached that instance's own processes too,
+    Serve's calls wait for them, and Ray would end this process with status 1 once it gave up
+    on them, from a thread that any later Ray call (``ray.shutdown``, Ray's exit handler)
+    races.  The instance's processes share this one's fate: they end with it."""
+    log.warning("Ray Serve did not stop within %g s (Ray's own processes were signalled "
+                "too?); exiting without it", SERVE_STOP_S)
+    status = 0
+    if received == signal.SIGINT or isinstance(error, KeyboardInterrupt):
+        status = 130
+    elif error is not None:
+        log.error("%s", error_text(error))
+        status = 2 if isinstance(error, SensaiError) else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 class StopSignals:
