@@ -82,6 +82,14 @@ def loopback_cluster(cpus: int = 1):
 
 @pytest.fixture
 def cluster():
+    """A cluster of the test's own (one that loses a node)."""
+    with loopback_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def intact_cluster():
+    """One cluster for the tests that lose no node, at the end of this module."""
     with loopback_cluster() as c:
         yield c
 
@@ -109,69 +117,6 @@ def stream(pred, images, seconds_after: float, event, *, allow_partial: bool = F
         return out
 
     return asyncio.run(go())
-
-
-def test_workers_spread_over_nodes_with_copies_apart(cluster, tiny_artifact, images):
-    pred = build_predictor(tiny_artifact, GatewaySettings(
-        backend="ray", redundancy=1, device="cpu", deadline_s=60, keep_cores_awake="auto"))
-    try:
-        d = pred.describe()
-        nodes = node_of_workers(pred)
-        assert len(set(nodes)) == 3, nodes  # every node hosts workers
-        for g, hosts in enumerate(d["hosts"]):
-            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
-        assert all(w["node"] == w["node_planned"] for w in d["workers"])
-        assert all(w["node_address"] == "127.0.0.1" for w in d["workers"])
-        # Asked to (auto), each actor keeps its own node's idle cores awake when it may.
-        may_hold = os.access("/dev/cpu_dma_latency", os.R_OK | os.W_OK)
-        assert all(w["cores_awake"] is may_hold for w in d["workers"])
-        preds = asyncio.run(pred.predict(images["x"]))
-        np.testing.assert_allclose(preds.scores, images["offline"], atol=1e-4)
-    finally:
-        pred.shutdown()
-
-
-def test_workers_need_no_shared_filesystem(cluster, tiny_artifact, tmp_path, images):
-    """The artifact is read here and shipped through Ray: after its directory is gone, a worker
-    that Ray restarts loads its subnets again and answers."""
-    art = tmp_path / "art"
-    shutil.copytree(tiny_artifact, art)
-    pred = build_predictor(art, GatewaySettings(backend="ray", device="cpu", deadline_s=60))
-    try:
-        # Not asked (the default): no actor touches its node's idle cores.
-        assert all(w["cores_awake"] is False for w in pred.describe()["workers"])
-        shutil.rmtree(art)
-        old = pred.workers[2].handle.pid
-        pred.pool.kill(2)
-        wait_until(lambda: pred.workers[2].restarts >= 1 and pred.pool.states()[2] == "up",
-                   180, "the killed worker to be restarted")
-        assert pred.workers[2].handle.pid != old
-        out = asyncio.run(pred.predict(images["x"]))
-        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
-    finally:
-        pred.shutdown()
-
-
-def test_bench_robust_reports_each_workers_node(cluster, tiny_artifact, tmp_path):
-    """`sensai bench-robust --backend ray --ray-address ADDR` on the cluster: the report names
-    the node of every worker, and the copies of each group sit on distinct nodes."""
-    from sensai.cli import main
-
-    c, _ = cluster
-    out = tmp_path / "robust"
-    assert main(["bench-robust", str(tiny_artifact), "--out", str(out), "--backend", "ray",
-                 "--ray-address", c.address, "--redundancy", "1", "--scenarios", "none",
-                 "--images", "6", "--warmup", "1", "--rounds", "1", "--no-progress"]) == 0
-    result = json.loads((out / "robust.json").read_text())
-    assert result["settings"]["ray_address"] == c.address
-    nodes = result["worker_nodes"]["r=1"]
-    assert len(set(nodes)) == 3 and None not in nodes
-    copies: dict[int, set] = {}
-    for w, hosted in enumerate(result["placement"]["r=1"]):
-        for group in hosted:
-            copies.setdefault(group, set()).add(nodes[w])
-    assert all(len(v) == 2 for v in copies.values()), copies
-    assert "Workers' nodes" in (out / "robust.md").read_text()
 
 
 def test_a_lost_node_with_r1_loses_no_request(cluster, tiny_artifact, images):
@@ -296,38 +241,6 @@ def test_retraining_spreads_over_nodes_and_survives_a_lost_node(trained_model_di
     assert nodes == {kept.node_id}, nodes  # the lost node's subnet was done again elsewhere
 
 
-def test_serve_app_spreads_worker_deployments_with_copies_apart(cluster, tiny_artifact, images):
-    """The Serve application (`serve run` / KubeRay) on the 3-node cluster, r = 1: every node
-    hosts worker replicas, a group's two copies are on distinct nodes, answers equal offline
-    evaluation, and /v1/models says which node hosts which worker."""
-    from ray import serve
-
-    from sensai.serving.launch.serve_app import build_app
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 1}}),
-                  name="sensai", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200,
-                   300, "the Serve app to be ready")
-        with httpx.Client(base_url=url, timeout=60) as c:
-            for i in range(N):
-                r = c.post("/v1/predict", params={"top_k": 10}, content=images["png"][i])
-                assert r.status_code == 200, r.text
-                got = {p["index"]: p["score"] for p in r.json()["predictions"]}
-                np.testing.assert_allclose([got[k] for k in range(10)], images["offline"][i],
-                                           atol=2e-5)
-            info = c.get("/v1/models").json()["predictor"]
-        nodes = [w["node"] for w in info["workers"]]
-        assert None not in nodes and len(set(nodes)) == 3, nodes
-        for g, hosts in enumerate(info["hosts"]):
-            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
-    finally:
-        serve.shutdown()
-
-
 def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path):
     """`bench-robust --scenarios node-loss` kills the raylet of a worker node while paced
     requests flow: with r = 1 none fails, and the lost workers come back on the other nodes."""
@@ -360,3 +273,103 @@ def test_bench_robust_refuses_node_loss_where_it_cannot_kill_a_node(tiny_artifac
     with pytest.raises(SensaiError, match="one configuration"):
         run_robust_bench(tiny_artifact, tmp_path / "b", redundancies=[0, 1], backend="ray",
                          scenarios=["node-loss"], progress=False)
+
+
+# The tests below lose no node: they share one cluster, and each leaves it as it found it.  They
+# come last, so that no other cluster runs beside it.
+
+
+def test_workers_spread_over_nodes_with_copies_apart(intact_cluster, tiny_artifact, images):
+    pred = build_predictor(tiny_artifact, GatewaySettings(
+        backend="ray", redundancy=1, device="cpu", deadline_s=60, keep_cores_awake="auto"))
+    try:
+        d = pred.describe()
+        nodes = node_of_workers(pred)
+        assert len(set(nodes)) == 3, nodes  # every node hosts workers
+        for g, hosts in enumerate(d["hosts"]):
+            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
+        assert all(w["node"] == w["node_planned"] for w in d["workers"])
+        assert all(w["node_address"] == "127.0.0.1" for w in d["workers"])
+        # Asked to (auto), each actor keeps its own node's idle cores awake when it may.
+        may_hold = os.access("/dev/cpu_dma_latency", os.R_OK | os.W_OK)
+        assert all(w["cores_awake"] is may_hold for w in d["workers"])
+        preds = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(preds.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_workers_need_no_shared_filesystem(intact_cluster, tiny_artifact, tmp_path, images):
+    """The artifact is read here and shipped through Ray: after its directory is gone, a worker
+    that Ray restarts loads its subnets again and answers."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    pred = build_predictor(art, GatewaySettings(backend="ray", device="cpu", deadline_s=60))
+    try:
+        # Not asked (the default): no actor touches its node's idle cores.
+        assert all(w["cores_awake"] is False for w in pred.describe()["workers"])
+        shutil.rmtree(art)
+        old = pred.workers[2].handle.pid
+        pred.pool.kill(2)
+        wait_until(lambda: pred.workers[2].restarts >= 1 and pred.pool.states()[2] == "up",
+                   180, "the killed worker to be restarted")
+        assert pred.workers[2].handle.pid != old
+        out = asyncio.run(pred.predict(images["x"]))
+        np.testing.assert_allclose(out.scores, images["offline"], atol=1e-4)
+    finally:
+        pred.shutdown()
+
+
+def test_bench_robust_reports_each_workers_node(intact_cluster, tiny_artifact, tmp_path):
+    """`sensai bench-robust --backend ray --ray-address ADDR` on the cluster: the report names
+    the node of every worker, and the copies of each group sit on distinct nodes."""
+    from sensai.cli import main
+
+    c, _ = intact_cluster
+    out = tmp_path / "robust"
+    assert main(["bench-robust", str(tiny_artifact), "--out", str(out), "--backend", "ray",
+                 "--ray-address", c.address, "--redundancy", "1", "--scenarios", "none",
+                 "--images", "6", "--warmup", "1", "--rounds", "1", "--no-progress"]) == 0
+    result = json.loads((out / "robust.json").read_text())
+    assert result["settings"]["ray_address"] == c.address
+    nodes = result["worker_nodes"]["r=1"]
+    assert len(set(nodes)) == 3 and None not in nodes
+    copies: dict[int, set] = {}
+    for w, hosted in enumerate(result["placement"]["r=1"]):
+        for group in hosted:
+            copies.setdefault(group, set()).add(nodes[w])
+    assert all(len(v) == 2 for v in copies.values()), copies
+    assert "Workers' nodes" in (out / "robust.md").read_text()
+
+
+def test_serve_app_spreads_worker_deployments_with_copies_apart(intact_cluster, tiny_artifact,
+                                                               images):
+    """The Serve application (`serve run` / KubeRay) on the 3-node cluster, r = 1: every node
+    hosts worker replicas, a group's two copies are on distinct nodes, answers equal offline
+    evaluation, and /v1/models says which node hosts which worker."""
+    from ray import serve
+
+    from sensai.serving.launch.serve_app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 1}}),
+                  name="sensai", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200,
+                   300, "the Serve app to be ready")
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for i in range(N):
+                r = c.post("/v1/predict", params={"top_k": 10}, content=images["png"][i])
+                assert r.status_code == 200, r.text
+                got = {p["index"]: p["score"] for p in r.json()["predictions"]}
+                np.testing.assert_allclose([got[k] for k in range(10)], images["offline"][i],
+                                           atol=2e-5)
+            info = c.get("/v1/models").json()["predictor"]
+        nodes = [w["node"] for w in info["workers"]]
+        assert None not in nodes and len(set(nodes)) == 3, nodes
+        for g, hosts in enumerate(info["hosts"]):
+            assert len({nodes[w] for w in hosts}) == len(hosts), (g, hosts, nodes)
+    finally:
+        serve.shutdown()
