@@ -150,8 +150,10 @@ step() {
 # --- Python: this one if it has everything, else the bundle's wheels beside it.
 PY=${PYTHON:-python3}
 [[ -x $REPO/.venv/bin/python ]] && PY=$REPO/.venv/bin/python
-NEEDED="import fastapi, uvicorn, pydantic_settings, multipart, torch_pruning, pytest, sensai.serving.gateway.app"
-if ! timeout 120 "$PY" -c "$NEEDED" 2>/dev/null; then
+# What the steps import, then what the log says of torch: one interpreter's start for both.
+NEEDED="import fastapi, uvicorn, pydantic_settings, multipart, torch_pruning, pytest, sensai.serving.gateway.app
+import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+if ! TORCH=$(timeout 120 "$PY" -c "$NEEDED" 2>/dev/null); then
     [[ -d $BUNDLE/wheels ]] || { say "no $BUNDLE/wheels: run 'deploy/gpu-check.sh --fetch' on a machine with network"; exit 2; }
     # Into a folder on PYTHONPATH rather than a venv: the machine's torch may live where a
     # venv does not look (a distribution's dist-packages, a user site).
@@ -167,10 +169,10 @@ if ! timeout 120 "$PY" -c "$NEEDED" 2>/dev/null; then
     step sensai 120 env PYTHONPATH="$OUT/build-tools" "$PY" -m pip install -q --no-index --no-deps \
         --no-build-isolation --target "$SITE" "$REPO" || exit 2
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-    timeout 120 "$PY" -c "$NEEDED" >>"$LOG" 2>&1 || { say "the environment still lacks a package (see $LOG)"; exit 2; }
+    TORCH=$(timeout 120 "$PY" -c "$NEEDED" 2>>"$LOG") || { say "the environment still lacks a package (see $LOG)"; exit 2; }
 fi
 SENSAI=("$PY" -m sensai)
-timeout 120 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" | tee -a "$LOG"
+echo "$TORCH" | tee -a "$LOG"
 
 FMNIST=/usr/share/datasets/fashion-mnist
 [[ -f $FMNIST/train-images-idx3-ubyte.gz ]] || FMNIST=$BUNDLE/fashion-mnist
@@ -271,9 +273,11 @@ load_sweep load-sweep-n1 "$OUT/load-n1" "$CAP_LOAD_N1" "${LOAD_N1[@]}" \
     --env SENSAI_GATEWAY_REPLICAS=1
 
 # --- 4: subnets 20x smaller, at G=2 and G=10, each capped by the speed step 2 measured.
-for G in 2 10; do
-    cap=$("$PY" "$REPO/deploy/gpu_check.py" cap "$M/${MODEL}_g2/manifest.json" --groups "$G" \
-          --default "$CAP_OFFLINE" "${CAP_SAMPLES[@]}" 2>>"$LOG" || echo "$CAP_OFFLINE")
+X20_GROUPS=(2 10)
+mapfile -t X20_CAPS < <("$PY" "$REPO/deploy/gpu_check.py" cap "$M/${MODEL}_g2/manifest.json" \
+    --groups "${X20_GROUPS[@]}" --default "$CAP_OFFLINE" "${CAP_SAMPLES[@]}" 2>>"$LOG")
+for i in "${!X20_GROUPS[@]}"; do
+    G=${X20_GROUPS[$i]} cap=${X20_CAPS[$i]:-$CAP_OFFLINE}
     offline "decompose-x20-g$G" "$M/${MODEL}_g${G}_x20" "$cap" "${SENSAI[@]}" decompose \
         --model-dir "$M/$MODEL" --groups "$G" --shrink 20 --device "$DEVICE" --no-ray \
         "${DECOMPOSE[@]}" --out "$M/${MODEL}_g${G}_x20"

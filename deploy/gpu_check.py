@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--per-class", type=int, default=30)
     c = sub.add_parser("cap")
     c.add_argument("manifest", type=Path)
-    c.add_argument("--groups", type=int, required=True)
+    c.add_argument("--groups", type=int, nargs="+", required=True,
+                   help="one cap per line for each of these numbers of groups")
     c.add_argument("--samples-per-subnet", type=int, default=None)
     c.add_argument("--default", type=int, required=True,
                    help="the cap to print when the manifest gives no speed to go by")
@@ -490,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         imagefolder(args.fmnist_dir, args.out, args.per_class)
         return 0
     if args.cmd == "cap":
-        cap = decompose_cap(args.manifest, args.groups, args.samples_per_subnet)
-        print(cap if cap is not None else args.default)
+        for groups in args.groups:
+            cap = decompose_cap(args.manifest, groups, args.samples_per_subnet)
+            print(cap if cap is not None else args.default)
         return 0
     return report(args.check)
 
