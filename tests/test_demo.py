@@ -51,12 +51,12 @@ def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
     assert "decomposes again" not in text
 
     # New decomposition settings replace the demo's own artifact instead of failing.
-    changed = [a if a != "2000" else "1500" for a in args]
+    changed = [a if a != "2000" else "500" for a in args]
     assert main(changed + ["--no-bench"]) == 0
     text = capsys.readouterr().out
     assert "made with other settings" in text and "decomposes again" in text
     manifest = json.loads((out / "fmnist_cnn_g2" / "manifest.json").read_text())
-    assert manifest["retrain"]["samples"] == 1500
+    assert manifest["retrain"]["samples"] == 500
 
 
 def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
