@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -133,3 +134,12 @@ def local_ray(num_cpus: int):
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (``/proc``, Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"  # after "pid (comm)": comm may hold spaces

@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import (free_port, local_ray, offline_scores, png, sample_images,
+from sensai.bench.machine import descendant_pids
+from tests.helpers import (free_port, local_ray, offline_scores, png, running, sample_images,
                            wait_for_server, wait_until)
 
 MODEL = "tiny"
@@ -223,7 +224,6 @@ def test_a_signal_during_start_up_stops_it_cleanly(monkeypatch, signum, ends):
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
 
-
 def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmnist_test):
     """A supervisor that signals the whole process group (systemd stopping a unit, ``kill --
     -PGID``) stops the processes of a Ray instance sensai started with sensai's own: Serve's
@@ -243,7 +243,7 @@ def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmn
         wait_for_server(proc, url, timeout_s=300)
         _, images, _ = sample_images(fmnist_test, 1)
         predict(url, images[0])
-        raylets = [pid for pid, name in descendants(proc.pid) if name == "raylet"]
+        raylets = [pid for pid in descendant_pids(proc.pid) if process_name(pid) == "raylet"]
         assert raylets
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
@@ -256,30 +256,12 @@ def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmn
     assert proc.returncode == 0, err.decode()[-2000:]
     assert f"Ray Serve did not stop within {SERVE_STOP_S:g} s" in err.decode()
     assert took < 50  # Ray's own wait for its GCS is 60 s
-    wait_until(lambda: not any(alive(pid) for pid in raylets), 30, "the raylet to end")
+    wait_until(lambda: not any(running(pid) for pid in raylets), 30, "the raylet to end")
 
 
-def descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, name) of every live process below ``root``."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
-        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), name))
-    out, todo = [], [root]
-    while todo:
-        for pid, name in children.get(todo.pop(), []):
-            out.append((pid, name))
-            todo.append(pid)
-    return out
 
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has ended)."""
+def process_name(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return False
+        return None

@@ -8,7 +8,6 @@ tests skip, saying how to get one, when none is found (see serving.tritonserver.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,8 @@ from sensai.serving.launch.triton_repo import export_triton_repo
 from sensai.serving.launch.tritonserver import (WORKDIR_PREFIX, find_tritonserver,
                                                 sweep_stale_workdirs)
 from sensai.serving.workers.runners import OrtRunner
-from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
-                           start_gateway, wait_for_server, wait_until)
+from tests.helpers import (free_port, offline_scores, png, running, sample_images,
+                           server_process, start_gateway, wait_for_server, wait_until)
 
 
 def _config(path):
@@ -177,14 +176,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-
-
 @pytest.mark.slow
 def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
     """`sensai serve --backend triton` is SIGKILLed: its tritonserver dies with it, and the next
@@ -201,7 +192,7 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
         assert len(mine) == 1 and (mine[0] / "models" / "sensai_subnet_00").is_dir()
         proc.kill()
         proc.wait()
-        wait_until(lambda: not _alive(server_pid), 30, "tritonserver to die with its parent")
+        wait_until(lambda: not running(server_pid), 30, "tritonserver to die with its parent")
         assert mine[0] in sweep_stale_workdirs() and not mine[0].exists()
 
 
