@@ -6,7 +6,7 @@ killed device process is started again and the gateways reconnect; ``/metrics`` 
 gateway counts the requests of both; the gateways import no torch; a device process hangs up on a
 gateway that breaks the slots' bounds and serves the others; a v2 batch larger than a slot
 travels inline and is answered right; gRPC on the shared port; by default no request is held back
-for company."""
+for company; ``--backend processes`` with one gateway process is this server too."""
 
 from __future__ import annotations
 
@@ -265,3 +265,32 @@ def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, f
         assert all(wk["batching"]["held"] == 0 for v in views for wk in v)
         assert {m["role"] for m in server.describe()["processes"]} == {"gateway", "device"}
     assert all(m.process.exitcode is not None for m in server.members())
+
+
+def test_the_processes_backend_serves_one_gateway_over_device_processes(tiny_artifact_g2,
+                                                                        fmnist_test, fmnist_spec):
+    """``sensai serve ART --backend processes`` with one gateway process is this server too:
+    the answers of offline evaluation from a gateway process that is neither the CLI's process
+    nor a worker's, over a device process per worker that it reads on its event loop."""
+    port = free_port()
+    _, images, _ = sample_images(fmnist_test, 8)
+    expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
+    with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
+                         "--backend", "processes", "--gateway-replicas", "1", "--device", "cpu",
+                         "--port", str(port), "--log-level", "warning"]) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(proc, url, timeout_s=180)
+        info = fresh(url, "GET", "/v1/models").json()
+        transport = info["predictor"]["transport"]
+        assert transport["kind"] == "devices", transport
+        assert transport["gateway_processes"] == 1 and transport["device_processes"] == 2
+        workers = {wk["pid"] for wk in info["predictor"]["workers"]}
+        assert len(workers) == 2 and info["pid"] not in workers | {proc.pid}
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda img: predict(url, img), images))
+        for (status, body), want in zip(answers, expected):
+            assert status == 200, body
+            np.testing.assert_allclose(scores(body), want, atol=1e-4)
+        assert stop_server(proc) == 0
+        err = proc.stderr.read().decode()
+    assert "2 device processes, 1 gateway process)" in err and "Traceback" not in err, err[-3000:]

@@ -28,8 +28,8 @@ LAST_WINDOW_S = 60.0  # the soak's end, compared with its start
 class RssSampler:
     """The gateway's RSS over time: ``t`` in seconds since ``t0`` (the gateway ready), the
     phase, the resident set of process ``pid`` (the one serving the routes), and of process
-    ``tree_of`` (default: ``pid``; ``sensai serve``) with its descendant processes (worker
-    processes of ``--backend processes``; a local Ray instance), in MB (10^6 bytes)."""
+    ``tree_of`` (default: ``pid``; ``sensai serve``) with its descendant processes (device
+    processes, other gateway processes; a local Ray instance), in MB (10^6 bytes)."""
 
     def __init__(self, pid: int | None, t0: float, period_s: float, *,
                  tree_of: int | None = None):
@@ -153,8 +153,9 @@ def process_cores(before: tuple[float, dict[int, float]] | None,
 
 def worker_pids(url: str) -> set[int]:
     """The processes of the gateway's subnet workers, as ``GET /v1/models`` reports them:
-    device processes (several gateway processes), worker processes (``--backend processes``);
-    none where the workers are threads of the gateway."""
+    device processes (``--backend processes``, several gateway processes), worker processes (a
+    model repository on the processes backend); none where the workers are threads of the
+    gateway."""
     try:
         info = httpx.get(f"{url}/v1/models", timeout=10).json()
     except (httpx.HTTPError, ValueError):

@@ -127,11 +127,11 @@ def register(sub) -> None:
                    help="ray backend: CPUs per worker actor (default: 1, or an even share that "
                         "fits the cluster)")
     p.add_argument("--gateway-replicas", type=int, default=None, metavar="N",
-                   help="gateway processes sharing --port; local and processes backends: "
-                        "above 1 the subnets run in device processes (one per GPU, one per "
-                        "CPU worker) that batch for all of them (default: half the cores, at "
-                        "most 8, 1 below 4 cores or for a repository); ray-serve: the "
-                        "application's ingress replicas (default: 1)")
+                   help="gateway processes sharing --port; on the processes backend, and on "
+                        "the local backend above 1, the subnets run in device processes (one "
+                        "per GPU, one per CPU worker) that batch for all of them (default: "
+                        "half the cores, at most 8, 1 below 4 cores or for a repository); "
+                        "ray-serve: the application's ingress replicas (default: 1)")
     p.add_argument("--gateway-cpus", type=float, default=None,
                    help="ray-serve backend: CPUs per gateway process (default: 1, or a "
                         "worker's share when that is less)")
@@ -260,7 +260,10 @@ def cmd_serve(args) -> int:
     faults = injected_faults(args.inject_delay, workers)
     check_gateway_host(settings)
     processes = settings.gateway_processes()
-    if processes > 1:
+    # The processes backend's workers are device processes at any gateway count: read on the
+    # gateway's event loop, batched across requests, nothing pickled (worker processes over
+    # pipes would cost a thread hop each way and a pickle per run).
+    if processes > 1 or settings.backend == "processes":
         return serve_fleet(args, settings, faults, processes)
     server = None
     url = settings.triton_url
@@ -342,7 +345,8 @@ def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
         fleet.start()
         print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
               f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device processes, "
-              f"{processes} gateway processes) on {endpoints(settings, fleet.port)}\nplacement:"
+              f"{processes} gateway process{'es' if processes > 1 else ''}) on "
+              f"{endpoints(settings, fleet.port)}\nplacement:"
               f"\n{plan_table(fleet)}", file=sys.stderr)
         threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch").start()
         stop.wait()

@@ -132,12 +132,13 @@ class GatewaySettings(BaseSettings):
     ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
                                    "an even share when the cluster has fewer)")
     gateway_replicas: int | None = Field(
-        None, ge=1, description="gateway processes sharing the port; local and processes "
-                                "backends: with more than one, each subnet runs in a device "
-                                "process that batches the rows of all of them (default: 1 on "
-                                "fewer than 4 cores, else half the cores, at most 8; 1 when "
-                                "serving a model repository); ray-serve: the Serve "
-                                "application's ingress replicas on a node (default 1)")
+        None, ge=1, description="gateway processes sharing the port; on the processes backend "
+                                "(serving one artifact), and on the local backend with more than "
+                                "one, each subnet runs in a device process that batches the "
+                                "rows of all of them (default: 1 on fewer than 4 cores, else "
+                                "half the cores, at most 8; 1 when serving a model "
+                                "repository); ray-serve: the Serve application's ingress "
+                                "replicas on a node (default 1)")
     gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
                                        "replica (default: 1, or a worker's share when that is "
                                        "less)")

@@ -1,6 +1,6 @@
 """One host's server as several processes: gateway processes that share the port, device processes
-that run the subnets for all of them (``sensai serve`` with ``gateway_replicas`` above 1 on the
-local or processes backend).
+that run the subnets for all of them (``sensai serve`` on the processes backend, whatever the
+count of gateway processes, and on the local backend with ``gateway_replicas`` above 1).
 
 This process (the *parent*) only starts and watches.  It works out the serving plan once, starts a
 device process per GPU that hosts workers (per worker on CPUs: each its own cores) and waits for
