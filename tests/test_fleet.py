@@ -94,8 +94,8 @@ def test_both_gateways_answer_as_offline_evaluation_and_batch_together(
     # of its own last request there): some held rows of both.
     views = [fresh(url, "GET", "/v1/models").json()["predictor"]["workers"] for _ in range(20)]
     assert any(wk["batching"]["mixed"] > 0 for v in views for wk in v), views[0]
-    for w in range(2):
-        assert max(v[w]["batching"]["largest"] for v in views) > 1
+    for worker in range(2):
+        assert max(v[worker]["batching"]["largest"] for v in views) > 1
 
 
 def test_both_gateways_serve_kserve_v2_over_grpc_on_one_port(fleet, tiny_artifact_g2,
@@ -260,8 +260,8 @@ def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, f
         # the one that took the last request knows every one of them.
         views = [fresh(server.url, "GET", "/v1/models").json()["predictor"]["workers"]
                  for _ in range(20)]
-        for w in range(2):
-            assert max(v[w]["batching"]["requests"] for v in views) == len(images)
+        for worker in range(2):
+            assert max(v[worker]["batching"]["requests"] for v in views) == len(images)
         assert all(wk["batching"]["held"] == 0 for v in views for wk in v)
         assert {m["role"] for m in server.describe()["processes"]} == {"gateway", "device"}
     assert all(m.process.exitcode is not None for m in server.members())
