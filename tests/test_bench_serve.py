@@ -1,8 +1,9 @@
-"""The Ray Serve application as a pool of the benchmarks: ``sensai bench-load --sweep --backend
+"""``sensai serve`` itself as a pool of the benchmarks: ``sensai bench-load --sweep --backend
 ray-serve`` and ``sensai bench --backend local ray-serve`` on a tiny artifact, each starting the
 real ``sensai serve --backend ray-serve`` (its own local Ray instance on 127.0.0.1) and driving
-it with real images over HTTP.  Only the shape of the outputs and the answers are checked, never
-a timing (the CPU is shared)."""
+it with real images over HTTP; ``sensai bench --backend local processes`` likewise starts the
+real ``sensai serve --backend processes`` (a gateway process over device processes).  Only the
+shape of the outputs and the answers are checked, never a timing (the CPU is shared)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,31 @@ def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_
     target = checks["ray_serve_vs_local_pool"]
     p50 = [r["transports"]["http-v2"]["latency_ms"]["p50"] for r in (serve, local)]
     assert target["limit"] == 2.0 and target["value"] == pytest.approx(p50[0] / p50[1], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_times_the_processes_server_over_http_beside_the_local_pool(tiny_artifact_g2,
+                                                                          tmp_path):
+    """class-parallel@processes is what ``sensai serve --backend processes`` serves: that
+    server, started by the run, its workers device processes; timed over HTTP with the local
+    pool's answers on the same images; not in process, and bench.json and bench.md say why."""
+    from sensai.bench.latency import run_bench
+
+    out = tmp_path / "bench"
+    run_bench(tiny_artifact_g2, out, strategies=["class-parallel"],
+              transports=["inprocess", "http-v2"], backend=["local", "processes"], images=8,
+              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
+              progress=False, command="test")
+    result = json.loads((out / "bench.json").read_text())
+    local, served = (result["strategies"][k] for k in ("class-parallel",
+                                                       "class-parallel@processes"))
+    assert list(served["transports"]) == ["http-v2"]
+    assert set(served["untimed_transports"]) == {"inprocess"}
+    rep = served["transports"]["http-v2"]
+    assert rep["predictions"] == local["transports"]["http-v2"]["predictions"]
+    assert rep["throughput"]["answered"] == 8
+    assert served["backend"] == "processes" and len(served["per_worker"]) == 2
+    assert "--backend processes" in served["gateway"]["command"]
+    assert "1 gateway process)" in (out / "gateway-class-parallel@processes.log").read_text()
+    assert "class parallel (sensAI, processes pool) not timed in process" in \
+        (out / "bench.md").read_text()

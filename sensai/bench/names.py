@@ -22,10 +22,17 @@ BENCH_BACKENDS = (*BACKENDS, "triton", "ray-serve")
 # ``sensai bench-robust`` may also run each configuration as the Ray Serve application.
 ROBUST_BACKENDS = (*BACKENDS, "ray-serve")
 # The transports a backend's class parallel cannot be timed over, and why (bench.json says so).
+# The backends whose class parallel is `sensai serve ART --backend B` itself, a server of its
+# own (what B serves is not a predictor the benchmark could build in its process), and what
+# such a server cannot be timed over.
 UNTIMED_TRANSPORTS = {"ray-serve": {
     "inprocess": "the predictor lives in the Serve ingress replica, not in the benchmark's "
                  "process",
-    "grpc": "the Serve application's ingress serves HTTP only; it has no gRPC server"}}
+    "grpc": "the Serve application's ingress serves HTTP only; it has no gRPC server"},
+    "processes": {
+    "inprocess": "the predictor lives in the gateway process of 'sensai serve --backend "
+                 "processes' (over its device processes), not in the benchmark's process",
+    "grpc": "the run starts that server without a gRPC port"}}
 # The systems a user would pick instead, serving the original model, each started by the run
 # and measured over PEER_TRANSPORT (the one request all of them take) beside the strategies.
 PEERS = ("triton", "ray-serve")

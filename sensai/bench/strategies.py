@@ -1,8 +1,8 @@
 """How ``sensai bench`` builds each strategy, and what each costs per worker: ``single`` (the
 original model on one worker), ``model-parallel`` (K contiguous stages on K workers),
 ``class-parallel`` (exactly the predictor ``sensai serve`` builds, ``class-parallel@<backend>``
-the same on each further backend; on ``ray-serve``, ``sensai serve --backend ray-serve`` itself,
-a process of its own) and ``data-parallel`` (R replicas).  The baselines run on the
+the same on each further backend; on ``ray-serve`` and ``processes``, ``sensai serve --backend
+B`` itself, a server of its own) and ``data-parallel`` (R replicas).  The baselines run on the
 same thread workers as the default class-parallel backend, with the same runtime, device and
 threads; their ONNX files go to ``out/models``.  Each strategy is loaded under a
 :class:`~.machine.MemoryProbe`, one at a time, so its memory figures are its own.
@@ -175,18 +175,19 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
             "threads": spec.threads, "worker": worker.get("name"), "node": worker.get("node")}
 
 
-def start_serve_pool(artifact: Artifact, *, device: str, runtime: str, threads: int,
-                     settings: GatewaySettings, ray_address: str | None,
-                     log_path: Path) -> GatewayProcess:
-    """Class parallel as the Ray Serve application: ``sensai serve ART --backend ray-serve``
-    in a process of its own on 127.0.0.1 (its own local Ray instance unless ``ray_address``),
-    with the run's device, runtime, threads and gateway settings; returns once it is ready."""
+def start_server_pool(artifact: Artifact, *, backend: str, device: str, runtime: str,
+                      threads: int, settings: GatewaySettings, ray_address: str | None,
+                      log_path: Path) -> GatewayProcess:
+    """Class parallel as ``sensai serve ART --backend B`` serves it, in a process of its own on
+    127.0.0.1 (ray-serve: the Ray Serve application, on its own local Ray instance unless
+    ``ray_address``; processes: a gateway process over device processes), with the run's
+    device, runtime, threads and gateway settings; returns once it is ready."""
     env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
            "SENSAI_THREADS_PER_WORKER": str(threads), "SENSAI_MODEL_NAME": settings.model_name,
            "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake}
     if ray_address:
         env["SENSAI_RAY_ADDRESS"] = ray_address
-    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend="ray-serve",
+    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend=backend,
                              deadline_s=settings.deadline_s, env=env, log_path=log_path)
     try:
         gateway.launch()
@@ -211,9 +212,9 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
           log_dir: Path | None = None) -> Strategy:
     """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
     recipe's) names class parallel on a further backend.  Backend ``triton``: a
-    ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backend
-    ``ray-serve``: the Ray Serve application in a ``sensai serve`` process of its own
-    (:func:`start_serve_pool`, its log in ``log_dir``), stopped with the strategy and timed
+    ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backends
+    ``ray-serve`` and ``processes``: ``sensai serve --backend B`` in a process of its own
+    (:func:`start_server_pool`, its log in ``log_dir``), stopped with the strategy and timed
     over HTTP only (bench.json's ``untimed_transports`` says why)."""
     key = key or recipe.key
     parallel = recipe.key == "class-parallel"
@@ -223,11 +224,11 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
         devices = [s.device for s in recipe.specs]
     triton = gateway = None
     with MemoryProbe(devices) as probe:
-        if parallel and backend == "ray-serve":
-            gateway = start_serve_pool(artifact, device=device, runtime=runtime,
-                                       threads=threads, settings=settings,
-                                       ray_address=ray_address,
-                                       log_path=Path(log_dir or ".") / f"gateway-{key}.log")
+        if parallel and backend in UNTIMED_TRANSPORTS:
+            gateway = start_server_pool(artifact, backend=backend, device=device,
+                                        runtime=runtime, threads=threads, settings=settings,
+                                        ray_address=ray_address,
+                                        log_path=Path(log_dir or ".") / f"gateway-{key}.log")
             try:
                 described = served_workers(gateway.url)
             except BaseException:

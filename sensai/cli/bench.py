@@ -66,8 +66,8 @@ def bench_args(p) -> None:
                    metavar="BACKEND",
                    help="where class parallel's workers run, as for 'sensai serve', of "
                         f"{', '.join(BENCH_BACKENDS)} (triton: a tritonserver the run starts; "
-                        "ray-serve: 'sensai serve --backend ray-serve' the run starts, timed over "
-                        "http and http-v2 on its ingress's own port); "
+                        "ray-serve and processes: 'sensai serve --backend B' the run starts, "
+                        "timed over http and http-v2 on its own port); "
                         "several: class parallel on each, in the same run (default: local = "
                         "worker threads; the baselines always run on threads)")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=[], metavar="PEER",

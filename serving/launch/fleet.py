@@ -287,7 +287,7 @@ class Fleet:
         waiting = [(m, m.start(self.ctx)) for m in self.gateways]
         for m, rx in waiting:
             await_report(m, rx, GATEWAY_START_S)
-        log.info("%d gateway processes and %d device processes up on %s", self.processes,
+        log.info("%d gateway process(es) and %d device processes up on %s", self.processes,
                  len(self.devices), self.url)
 
     # -- watching
