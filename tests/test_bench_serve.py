@@ -41,34 +41,44 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     assert "Ray Serve application 'sensai'" in (out / "gateway-class-parallel.log").read_text()
 
 
+def bench_beside_local(artifact, tmp_path, backend: str) -> tuple[dict, dict, dict]:
+    """``sensai bench``'s class parallel on the local pool and on ``backend`` (a ``sensai
+    serve`` the run starts), each timed over http-v2 on the same images: bench.json, and the
+    two strategies, once checked for what every such server shares - the same answers as the
+    local pool, timed over HTTP only, and not in process, which bench.json and bench.md say."""
+    from sensai.bench.latency import run_bench
+
+    out = tmp_path / "bench"
+    run_bench(artifact, out, strategies=["class-parallel"],
+              transports=["inprocess", "http-v2"], backend=["local", backend], images=8,
+              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
+              progress=False, command="test")
+    result = json.loads((out / "bench.json").read_text())
+    local, served = (result["strategies"][k] for k in ("class-parallel",
+                                                       f"class-parallel@{backend}"))
+    assert list(local["transports"]) == ["inprocess", "http-v2"]
+    assert list(served["transports"]) == ["http-v2"]
+    assert set(served["untimed_transports"]) == {"inprocess"}
+    rep = served["transports"]["http-v2"]
+    assert rep["predictions"] == local["transports"]["http-v2"]["predictions"]
+    assert len(rep["floors_ms"]) == len(rep["latencies_ms"]) == result["settings"]["images"]
+    assert rep["throughput"]["answered"] == 8
+    assert served["backend"] == backend
+    assert f"--backend {backend}" in served["gateway"]["command"]
+    assert f"class parallel (sensAI, {backend} pool) not timed in process" in \
+        (out / "bench.md").read_text()
+    return result, local, served
+
+
 @pytest.mark.slow
 def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_artifact,
                                                                            tmp_path):
     """class-parallel@ray-serve: timed over http-v2 against its ingress's bare route, its
     answers those of the local pool on the same images, its p50 judged against the local
     pool's (the target); in process it is not timed, and bench.json and bench.md say why."""
-    from sensai.bench.latency import run_bench
-
-    out = tmp_path / "bench"
-    run_bench(tiny_artifact, out, strategies=["class-parallel"],
-              transports=["inprocess", "http-v2"], backend=["local", "ray-serve"], images=8,
-              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
-              progress=False, command="test")
-    result = json.loads((out / "bench.json").read_text())
-    local, serve = (result["strategies"][k] for k in ("class-parallel",
-                                                      "class-parallel@ray-serve"))
-    assert list(local["transports"]) == ["inprocess", "http-v2"]
-    assert list(serve["transports"]) == ["http-v2"]
-    assert set(serve["untimed_transports"]) == {"inprocess"}
+    result, local, serve = bench_beside_local(tiny_artifact, tmp_path, "ray-serve")
     assert "Serve ingress" in serve["untimed_transports"]["inprocess"]
-    rep = serve["transports"]["http-v2"]
-    assert rep["predictions"] == local["transports"]["http-v2"]["predictions"]
-    assert len(rep["floors_ms"]) == len(rep["latencies_ms"]) == result["settings"]["images"]
-    assert rep["throughput"]["answered"] == 8
-    assert serve["backend"] == "ray-serve" and len(serve["per_worker"]) == 5
-    assert "--backend ray-serve" in serve["gateway"]["command"]
-    md = (out / "bench.md").read_text()
-    assert "class parallel (sensAI, ray-serve pool) not timed in process" in md
+    assert len(serve["per_worker"]) == 5
     checks = {c["name"]: c for s in result["targets"]["sets"] for c in s["checks"]}
     target = checks["ray_serve_vs_local_pool"]
     p50 = [r["transports"]["http-v2"]["latency_ms"]["p50"] for r in (serve, local)]
@@ -79,25 +89,11 @@ def test_bench_times_the_serve_application_over_http_beside_the_local_pool(tiny_
 def test_bench_times_the_processes_server_over_http_beside_the_local_pool(tiny_artifact_g2,
                                                                           tmp_path):
     """class-parallel@processes is what ``sensai serve --backend processes`` serves: that
-    server, started by the run, its workers device processes; timed over HTTP with the local
-    pool's answers on the same images; not in process, and bench.json and bench.md say why."""
-    from sensai.bench.latency import run_bench
-
-    out = tmp_path / "bench"
-    run_bench(tiny_artifact_g2, out, strategies=["class-parallel"],
-              transports=["inprocess", "http-v2"], backend=["local", "processes"], images=8,
-              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
-              progress=False, command="test")
-    result = json.loads((out / "bench.json").read_text())
-    local, served = (result["strategies"][k] for k in ("class-parallel",
-                                                       "class-parallel@processes"))
-    assert list(served["transports"]) == ["http-v2"]
-    assert set(served["untimed_transports"]) == {"inprocess"}
-    rep = served["transports"]["http-v2"]
-    assert rep["predictions"] == local["transports"]["http-v2"]["predictions"]
-    assert rep["throughput"]["answered"] == 8
-    assert served["backend"] == "processes" and len(served["per_worker"]) == 2
-    assert "--backend processes" in served["gateway"]["command"]
-    assert "1 gateway process)" in (out / "gateway-class-parallel@processes.log").read_text()
-    assert "class parallel (sensAI, processes pool) not timed in process" in \
-        (out / "bench.md").read_text()
+    server, started by the run, a gateway process over device processes; timed over HTTP with
+    the local pool's answers on the same images; not in process, and bench.json and bench.md
+    say why."""
+    _, _, served = bench_beside_local(tiny_artifact_g2, tmp_path, "processes")
+    assert "device processes" in served["untimed_transports"]["inprocess"]
+    assert len(served["per_worker"]) == 2
+    log = (tmp_path / "bench" / "gateway-class-parallel@processes.log").read_text()
+    assert "2 subnets on 2 workers in 2 device processes, " in log
