@@ -33,8 +33,9 @@
 #         (the default), the original behind the same gateway beside it, then an overload;
 #      b. OUT/load-sleep: the same with SENSAI_GPU_WAIT=sleep, the artifact alone, no
 #         overload: what a spinning wait costs the host's cores and buys in latency;
-#      c. OUT/load-n1: one gateway process (SENSAI_GATEWAY_REPLICAS=1), the artifact alone at
-#         1, 16 and 64 in flight, no overload: the ceiling the automatic count lifts;
+#      c. OUT/load-n1: one gateway process over the same device process (--backend processes,
+#         SENSAI_GATEWAY_REPLICAS=1), the artifact alone at 1, 16 and 64 in flight, no
+#         overload: the ceiling the automatic count lifts;
 #      each level records its answers/s, latency, rows per batch of each subnet, the server's
 #      CPU per answer and the GPU's busy share (nvidia-smi); the machine's cores go to the log,
 #      the GPU's busy share over the whole step (nvidia-smi, every 0.5 s) to
@@ -245,7 +246,8 @@ offline decompose-eager "$M/${MODEL}_g2_eager" "$CAP_DECOMPOSE_EAGER" "${SENSAI[
 
 # --- 3: serving throughput (the gateway picks the device itself: --device auto), with the
 # automatic count of gateway processes (1 under 4 cores, else half the cores, at most 8), the
-# GPU waited for by spinning then by sleeping, then with one gateway process.
+# GPU waited for by spinning then by sleeping, then with one gateway process over the same
+# device process (the processes backend: the local one would run the subnets in its threads).
 # load_sweep NAME DIR CAP ARGS...: one sweep into DIR, the GPU's utilisation sampled meanwhile.
 say "cores: $(nproc) usable (nproc), $(nproc --all) in all"
 load_sweep() {
@@ -270,7 +272,7 @@ load_sweep load-sweep "$OUT/load" "$CAP_LOAD" "${LOAD[@]}"
 load_sweep load-sweep-sleep "$OUT/load-sleep" "$CAP_LOAD_SLEEP" "${LOAD_SLEEP[@]}" \
     --env SENSAI_GPU_WAIT=sleep
 load_sweep load-sweep-n1 "$OUT/load-n1" "$CAP_LOAD_N1" "${LOAD_N1[@]}" \
-    --env SENSAI_GATEWAY_REPLICAS=1
+    --backend processes --env SENSAI_GATEWAY_REPLICAS=1
 
 # --- 4: subnets 20x smaller, at G=2 and G=10, each capped by the speed step 2 measured.
 X20_GROUPS=(2 10)

@@ -114,7 +114,7 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert sleep["gateway_env"]["SENSAI_GPU_WAIT"] == "sleep"
     assert sleep["gateway"]["gpu_wait"] == "sleep"
     n1 = sweeps["load-n1"]["settings"]
-    assert n1["gateway_env"]["SENSAI_GATEWAY_REPLICAS"] == "1"
+    assert n1["backend"] == "processes" and n1["gateway_env"]["SENSAI_GATEWAY_REPLICAS"] == "1"
     assert n1["gateway"]["gateway_processes"] == 1
     assert "### Closed loops" in table
     for label in ("gateway processes: auto", "gateway processes: auto, GPU wait: sleep",
