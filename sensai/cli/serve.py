@@ -35,8 +35,9 @@ REPOSITORY_RAY_SHARE = 0.5
 def add_runtime_args(p: argparse.ArgumentParser, runtimes=RUNTIMES) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="where the workers run: local (threads of this process, the default), "
-                        "processes (one per worker), ray (actors on a Ray cluster), triton (a "
-                        "Triton server), ray-serve ('sensai serve' only: the Ray Serve "
+                        "processes (processes of their own, one per CPU worker), ray (actors "
+                        "on a Ray cluster), triton (a Triton server), ray-serve ('sensai "
+                        "serve' only: the Ray Serve "
                         "application, its gateway a Serve replica serving on --host/--port)")
     p.add_argument("--processes", action="store_true", help="same as --backend processes")
     p.add_argument("--device", default=None,
