@@ -143,3 +143,11 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"  # after "pid (comm)": comm may hold spaces
+
+
+def process_name(pid: int) -> str | None:
+    """Process ``pid``'s name (``/proc/PID/comm``, Linux), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None

@@ -212,16 +212,18 @@ def test_two_gateways_over_one_device_process_answer_as_offline_evaluation(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gateways", [1, 2])
 def test_the_sim_runtime_puts_every_subnet_in_one_device_process(tiny_artifact_g2, fmnist_test,
-                                                                 fmnist_spec):
+                                                                 fmnist_spec, gateways):
     """``--runtime sim`` as a GPU's stand-in: one device process for both subnets, the GPU's
     batch size, answers the simulation's own; a request alone is answered without waiting for
-    company."""
+    company - behind two gateway processes, and behind one (``--backend processes`` on a
+    small host)."""
     _, images, _ = sample_images(fmnist_test, 8, seed=4)
-    settings = GatewaySettings(port=0, device="cpu", runtime="sim", sim_launch_ms=1.0,
-                               log_level="warning")
+    settings = GatewaySettings(port=0, backend="processes", device="cpu", runtime="sim",
+                               sim_launch_ms=1.0, log_level="warning")
     art = load_artifact(tiny_artifact_g2)
-    with Fleet(tiny_artifact_g2, settings, processes=2) as server:
+    with Fleet(tiny_artifact_g2, settings, processes=gateways) as server:
         devices = [m for m in server.describe()["processes"] if m["role"] == "device"]
         assert len(devices) == 1
         for img in images:  # one at a time

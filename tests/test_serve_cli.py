@@ -13,15 +13,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from sensai.bench.machine import descendant_pids
-from tests.helpers import (free_port, local_ray, offline_scores, png, running, sample_images,
-                           wait_for_server, wait_until)
+from tests.helpers import (free_port, local_ray, offline_scores, png, process_name, running,
+                           sample_images, wait_for_server, wait_until)
 
 MODEL = "tiny"
 
@@ -257,11 +256,3 @@ def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmn
     assert f"Ray Serve did not stop within {SERVE_STOP_S:g} s" in err.decode()
     assert took < 50  # Ray's own wait for its GCS is 60 s
     wait_until(lambda: not any(running(pid) for pid in raylets), 30, "the raylet to end")
-
-
-
-def process_name(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None

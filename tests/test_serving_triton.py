@@ -20,6 +20,7 @@ import tritonclient.http as tc
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sensai.artifact import load_artifact
+from sensai.bench.machine import descendant_pids
 from sensai.cli import main
 from sensai.data import normalize
 from sensai.errors import CheckpointError, SensaiError
@@ -30,8 +31,9 @@ from sensai.serving.launch.triton_repo import export_triton_repo
 from sensai.serving.launch.tritonserver import (WORKDIR_PREFIX, find_tritonserver,
                                                 sweep_stale_workdirs)
 from sensai.serving.workers.runners import OrtRunner
-from tests.helpers import (free_port, offline_scores, png, running, sample_images,
-                           server_process, start_gateway, wait_for_server, wait_until)
+from tests.helpers import (free_port, offline_scores, png, process_name, running,
+                           sample_images, server_process, start_gateway, wait_for_server,
+                           wait_until)
 
 
 def _config(path):
@@ -164,18 +166,6 @@ def test_gateway_with_triton_pool_equals_offline_and_fails_cleanly(triton_server
 # The server never outlives the gateway, and leaves nothing behind
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 @pytest.mark.slow
 def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
     """`sensai serve --backend triton` is SIGKILLed: its tritonserver dies with it, and the next
@@ -185,8 +175,8 @@ def test_a_killed_gateway_takes_its_tritonserver_along(tiny_artifact):
                          "--backend", "triton", "--port", str(port), "--log-level",
                          "warning"]) as proc:
         wait_for_server(proc, f"http://127.0.0.1:{port}", timeout_s=180)
-        (server_pid,) = [p for p in _children(proc.pid)
-                         if "tritonserver" in Path(f"/proc/{p}/cmdline").read_text()]
+        (server_pid,) = [p for p in descendant_pids(proc.pid)
+                         if process_name(p) == "tritonserver"]
         mine = [d for d in Path(tempfile.gettempdir()).glob(WORKDIR_PREFIX + "*")
                 if (d / "owner.pid").is_file() and (d / "owner.pid").read_text() == str(proc.pid)]
         assert len(mine) == 1 and (mine[0] / "models" / "sensai_subnet_00").is_dir()

@@ -21,10 +21,9 @@ BACKENDS = ("local", "processes", "ray")
 BENCH_BACKENDS = (*BACKENDS, "triton", "ray-serve")
 # ``sensai bench-robust`` may also run each configuration as the Ray Serve application.
 ROBUST_BACKENDS = (*BACKENDS, "ray-serve")
-# The transports a backend's class parallel cannot be timed over, and why (bench.json says so).
 # The backends whose class parallel is `sensai serve ART --backend B` itself, a server of its
-# own (what B serves is not a predictor the benchmark could build in its process), and what
-# such a server cannot be timed over.
+# own (not a predictor the benchmark could build in its process), and the transports it cannot
+# be timed over, with why (bench.json says so).
 UNTIMED_TRANSPORTS = {"ray-serve": {
     "inprocess": "the predictor lives in the Serve ingress replica, not in the benchmark's "
                  "process",
