@@ -24,7 +24,6 @@ from sensai.bench.robust import offline_reference
 from sensai.data import normalize
 from sensai.serving.core.messages import Batching, Done, Output, Run, RunFailed
 from sensai.serving.core.settings import GatewaySettings
-from sensai.serving.launch import fleet as fleet_module
 from sensai.serving.launch.fleet import Fleet
 from sensai.serving.workers.loop import Stop, WorkerCore, per_request
 from sensai.serving.workers.runners import runner_specs
@@ -146,13 +145,6 @@ def test_one_subnet_failing_fails_only_its_own_answers(tiny_artifact):
 # A server: two gateway processes over one device process that hosts every subnet
 
 
-@pytest.fixture
-def one_device(monkeypatch):
-    """Every worker in one device process, as on one GPU (the fleet is planned in this process,
-    so the plan's grouping can be the GPU's here on CPUs)."""
-    monkeypatch.setattr(fleet_module, "device_key", lambda w, specs: "one device")
-
-
 def many(url: str, images, concurrency: int) -> list[tuple[int, dict]]:
     """Every image once, ``concurrency`` in flight, each on a connection of its own (the kernel
     spreads them over the gateway processes)."""
@@ -186,10 +178,12 @@ def counters(url: str) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_two_gateways_over_one_device_process_answer_as_offline_evaluation(
-        one_device, tiny_artifact, fmnist_test, fmnist_spec):
+        tiny_artifact, fmnist_test, fmnist_spec):
+    """Every CPU worker in one device process (``device_processes=1``), as on one GPU."""
     _, images, _ = sample_images(fmnist_test, 64, seed=3)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
-    settings = GatewaySettings(port=0, device="cpu", log_level="warning", deadline_s=30)
+    settings = GatewaySettings(port=0, device="cpu", log_level="warning", deadline_s=30,
+                               device_processes=1)
     with Fleet(tiny_artifact, settings, processes=2) as server:
         devices = [m for m in server.describe()["processes"] if m["role"] == "device"]
         assert len(devices) == 1  # all five subnets in one device process

@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 from sensai.data import normalize
+from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.launch.fleet import Fleet
 from sensai.serving.workers import devicewire as w
 from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
                            stop_server, wait_for_server, wait_until)
@@ -248,9 +250,6 @@ def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, f
     """The fleet in process, its defaults: one request at a time over two gateway processes,
     and no device process ever held one back waiting for others (``held`` stays 0) - only what
     is already waiting is batched."""
-    from sensai.serving.core.settings import GatewaySettings
-    from sensai.serving.launch.fleet import Fleet
-
     _, images, _ = sample_images(fmnist_test, 8)
     with Fleet(tiny_artifact_g2, GatewaySettings(port=0, device="cpu", log_level="warning"),
                processes=2) as server:
@@ -267,25 +266,31 @@ def test_by_default_a_request_is_never_held_back_for_company(tiny_artifact_g2, f
     assert all(m.process.exitcode is not None for m in server.members())
 
 
+@pytest.mark.parametrize("shared", [None, 1])
 def test_the_processes_backend_serves_one_gateway_over_device_processes(tiny_artifact_g2,
-                                                                        fmnist_test, fmnist_spec):
+                                                                        fmnist_test, fmnist_spec,
+                                                                        shared):
     """``sensai serve ART --backend processes`` with one gateway process is this server too:
     the answers of offline evaluation from a gateway process that is neither the CLI's process
-    nor a worker's, over a device process per worker that it reads on its event loop."""
+    nor a worker's, over a device process per worker that it reads on its event loop - or,
+    with ``--device-processes 1``, one that hosts both subnets."""
     port = free_port()
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
+    devices = shared or 2
+    argv = [] if shared is None else ["--device-processes", str(shared)]
     with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
                          "--backend", "processes", "--gateway-replicas", "1", "--device", "cpu",
-                         "--port", str(port), "--log-level", "warning"]) as proc:
+                         *argv, "--port", str(port), "--log-level", "warning"]) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=180)
         info = fresh(url, "GET", "/v1/models").json()
         transport = info["predictor"]["transport"]
         assert transport["kind"] == "devices", transport
-        assert transport["gateway_processes"] == 1 and transport["device_processes"] == 2
-        workers = {wk["pid"] for wk in info["predictor"]["workers"]}
-        assert len(workers) == 2 and info["pid"] not in workers | {proc.pid}
+        assert transport["gateway_processes"] == 1 and transport["device_processes"] == devices
+        workers = [wk["pid"] for wk in info["predictor"]["workers"]]
+        assert len(workers) == 2 and len(set(workers)) == devices
+        assert info["pid"] not in set(workers) | {proc.pid}
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda img: predict(url, img), images))
         for (status, body), want in zip(answers, expected):
@@ -293,4 +298,6 @@ def test_the_processes_backend_serves_one_gateway_over_device_processes(tiny_art
             np.testing.assert_allclose(scores(body), want, atol=1e-4)
         assert stop_server(proc) == 0
         err = proc.stderr.read().decode()
-    assert "2 device processes, 1 gateway process)" in err and "Traceback" not in err, err[-3000:]
+    plural = "es" if devices > 1 else ""
+    assert f"{devices} device process{plural}, 1 gateway process)" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

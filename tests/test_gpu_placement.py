@@ -93,7 +93,8 @@ def test_device_processes_are_one_per_gpu_with_gpu_sized_batches(gpus, tiny_arti
                                                                  n):
     """Several gateway processes: the subnets of one GPU share its device process, which
     batches up to the GPU's default rows with CUDA graphs up to that size; on CPUs each worker
-    has its own, batching the CPU's default; the simulated GPU holds every subnet in one."""
+    has its own or shares the count asked for, batching the CPU's default; the simulated GPU
+    holds every subnet in one."""
     gpus(n)
     artifact = load_artifact(tiny_artifact)
     g = len(artifact.subnets)
@@ -113,6 +114,11 @@ def test_device_processes_are_one_per_gpu_with_gpu_sized_batches(gpus, tiny_arti
     cpu = class_parallel_plan(artifact, GatewaySettings(device="cpu"))
     devices, _ = device_plans(cpu, tmp_path)
     assert len(devices) == g and cpu.batching.max_rows == CPU_BATCH_ROWS
+    # CPU workers sharing two device processes: round robin, one socket each.
+    devices, addresses = device_plans(cpu, tmp_path, 2)
+    assert [sorted(gr for gr, _ in p.hosted) for p in devices] == \
+        [[w for w in range(g) if w % 2 == i] for i in range(2)]
+    assert [addresses[w] for w in range(g)] == [devices[w % 2].address for w in range(g)]
     fixed = class_parallel_plan(artifact, GatewaySettings(device="auto", batch_max_rows=16))
     assert fixed.batching.max_rows == 16
 

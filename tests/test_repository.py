@@ -365,6 +365,12 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
     assert out.returncode != 0 and "needs a model repository" in out.stderr
     add_version(repo, MODEL, tiny_artifact)
     assert sorted(versions(repo, MODEL)) == [1, 2]
+    out = subprocess.run([*sensai, "serve", str(repo), "--backend", "processes",
+                          "--device-processes", "1"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "sensai serve: error: --device-processes does not apply here (a model repository's "
+        "workers are worker processes of the gateway, one per worker)"]
     token = tmp_path / "token"
     token.write_text("a-token-of-enough-length\n")
     port = free_port()

@@ -135,12 +135,24 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
     (["--gateway-replicas", "2", "--backend", "ray"], {},
      "--gateway-replicas does not apply to --backend ray"),
     (["--gateway-replicas", "2", "--backend", "triton"], {},
-     "--gateway-replicas does not apply to --backend triton")])
+     "--gateway-replicas does not apply to --backend triton"),
+    (["--device-processes", "2", "--backend", "ray"], {},
+     "--device-processes does not apply to --backend ray"),
+    ([], {"SENSAI_DEVICE_PROCESSES": "2", "SENSAI_BACKEND": "triton"},
+     "--device-processes does not apply to --backend triton"),
+    (["--device-processes", "2", "--gateway-replicas", "1"], {},
+     "--device-processes does not apply here (the local backend with one gateway process "
+     "runs the subnets in its own threads; use --backend processes)"),
+    (["--device-processes", "1", "--backend", "processes", "--redundancy", "1", "--port", "0"],
+     {}, "(--device-processes) 1 with copies of the groups: a copy is there to outlive its "
+         "primary's process"),
+    (["--device-processes", "1", "--backend", "processes", "--inject-delay", "0=fixed:5ms",
+      "--port", "0"], {}, "(--device-processes) 1 with injected faults")])
 def test_gateway_settings_a_backend_cannot_honour_are_refused(tiny_artifact, capsys, monkeypatch,
                                                               argv, env, fragment):
     """CPUs reserved per gateway are the Serve application's; several gateway processes need
-    workers they can share (device processes, or Serve's replicas): the other backends refuse in
-    one line."""
+    workers they can share (device processes, or Serve's replicas), and only device processes
+    can be counted: the other backends refuse in one line."""
     from sensai.cli import main
 
     for k, v in env.items():
@@ -158,6 +170,8 @@ def test_gateway_settings_a_backend_cannot_honour_are_refused(tiny_artifact, cap
     (["--inject-delay", "0=fixed:5ms"], {}, "--inject-delay does not apply"),
     (["--port", "0"], {}, "--backend ray-serve needs a fixed --port"),
     (["--triton-url", "127.0.0.1:1"], {}, "--triton-url does not apply"),
+    (["--device-processes", "1"], {},
+     "--device-processes does not apply to --backend ray-serve"),
 ])
 def test_what_the_serve_application_cannot_honour_is_refused_in_one_line(
         tiny_artifact, capsys, monkeypatch, argv, env, fragment):

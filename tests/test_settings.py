@@ -128,3 +128,11 @@ def test_the_settings_travel_whole():
         params = set(inspect.signature(entry).parameters)
         assert "settings" in params or "plan" in params, entry
         assert not params & fields, (entry.__qualname__, sorted(params & fields))
+
+
+
+def test_cpu_workers_share_as_many_device_processes_as_set():
+    """One per worker by default, at most one per worker as set."""
+    assert GatewaySettings().cpu_device_processes(5) == 5
+    assert GatewaySettings(device_processes=2).cpu_device_processes(5) == 2
+    assert GatewaySettings(device_processes=9).cpu_device_processes(3) == 3

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import (BACKENDS, GPU_WAITS, LOG_LEVELS, RUNTIMES,
-                                          GatewaySettings, load_settings)
+                                          GatewaySettings, load_settings, setting_name)
 from sensai.serving.core.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,11 @@ def register(sub) -> None:
                         "per GPU, one per CPU worker) that batch for all of them (default: "
                         "half the cores, at most 8, 1 below 4 cores or for a repository); "
                         "ray-serve: the application's ingress replicas (default: 1)")
+    p.add_argument("--device-processes", type=int, default=None, metavar="N",
+                   help="where the subnets run in device processes: N of them for the CPU "
+                        "workers, round robin, each computing its subnets one after the other "
+                        "(more answers per second on few cores, a lone request a little "
+                        "later; default: one per worker; GPUs: one per GPU)")
     p.add_argument("--gateway-cpus", type=float, default=None,
                    help="ray-serve backend: CPUs per gateway process (default: 1, or a "
                         "worker's share when that is less)")
@@ -266,6 +271,9 @@ def cmd_serve(args) -> int:
     # pipes would cost a thread hop each way and a pickle per run).
     if processes > 1 or settings.backend == "processes":
         return serve_fleet(args, settings, faults, processes)
+    refuse_device_processes(args, settings, "the local backend with one gateway process runs "
+                                            "the subnets in its own threads; use --backend "
+                                            "processes")
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -306,6 +314,8 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     if (settings.gateway_replicas or 1) > 1:
         raise SensaiError(f"--gateway-replicas {settings.gateway_replicas}: a model repository "
                           "is served by one gateway process")
+    refuse_device_processes(args, settings, "a model repository's workers are worker "
+                                            "processes of the gateway, one per worker")
     repo = Path(args.artifact)
     if not model_names(repo) and settings.model_control == "none":
         raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"
@@ -333,6 +343,13 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     return 0
 
 
+def refuse_device_processes(args, settings: GatewaySettings, why: str) -> None:
+    """One line when the device processes are set where the subnets run in none."""
+    if settings.device_processes is not None:
+        name = setting_name("device_processes", getattr(args, "flags", {}))
+        raise SensaiError(f"{name} does not apply here ({why})")
+
+
 def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
     """``processes`` gateway processes on the port over device processes, until SIGINT or
     SIGTERM."""
@@ -345,7 +362,8 @@ def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
     try:
         fleet.start()
         print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
-              f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device processes, "
+              f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device "
+              f"process{'es' if len(fleet.devices) > 1 else ''}, "
               f"{processes} gateway process{'es' if processes > 1 else ''}) on "
               f"{endpoints(settings, fleet.port)}\nplacement:"
               f"\n{plan_table(fleet)}", file=sys.stderr)

@@ -139,6 +139,12 @@ class GatewaySettings(BaseSettings):
                                 "half the cores, at most 8; 1 when serving a model "
                                 "repository); ray-serve: the Serve application's ingress "
                                 "replicas on a node (default 1)")
+    device_processes: int | None = Field(
+        None, ge=1, description="the device processes the CPU workers share, where the "
+                                "subnets run in device processes, the workers round robin "
+                                "(default: one per worker; GPUs keep one per GPU; refused "
+                                "with redundancy or a vote: a copy is there to outlive its "
+                                "primary's process)")
     gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
                                        "replica (default: 1, or a worker's share when that is "
                                        "less)")
@@ -218,6 +224,15 @@ class GatewaySettings(BaseSettings):
         cores = cores if cores is not None else len(os.sched_getaffinity(0))
         return 1 if cores < AUTO_GATEWAYS_FROM else min(AUTO_GATEWAYS_MAX, cores // 2)
 
+    def cpu_device_processes(self, workers: int) -> int:
+        """How many device processes ``workers`` CPU workers share: one each by default (a lone
+        request's subnets side by side, which is what class parallelism is for); fewer where
+        set, the workers round robin, each process computing its subnets one after the other
+        on one core - where the cores are few, that leaves the gateways theirs under load."""
+        if self.device_processes is None:
+            return workers
+        return min(self.device_processes, workers)
+
     def backlog(self) -> int:
         return self.listen_backlog if self.listen_backlog is not None else self.max_requests
 
@@ -230,13 +245,18 @@ class GatewaySettings(BaseSettings):
 ONE_MODEL_PER_SUBNET = ("Triton runs one model per subnet, and this needs workers that host "
                         "several; use the local, processes or ray backend")
 SERVE_ONLY = {"gateway_cpus": "the other backends do not reserve CPUs for a gateway"}
+DEVICE_PROCESSES = {"device_processes": "its workers do not run in device processes; use the "
+                                        "local or processes backend"}
 ONE_GATEWAY = {"gateway_replicas": "each gateway process would start workers of its own; use the "
                                    "local or processes backend, or ray-serve"}
 NOT_ON = {
-    "local": SERVE_ONLY, "processes": SERVE_ONLY, "ray": {**SERVE_ONLY, **ONE_GATEWAY},
-    "triton": {**SERVE_ONLY, **ONE_GATEWAY, "redundancy": ONE_MODEL_PER_SUBNET,
-               "vote": ONE_MODEL_PER_SUBNET, "hedge_ms": ONE_MODEL_PER_SUBNET},
+    "local": SERVE_ONLY, "processes": SERVE_ONLY,
+    "ray": {**SERVE_ONLY, **ONE_GATEWAY, **DEVICE_PROCESSES},
+    "triton": {**SERVE_ONLY, **ONE_GATEWAY, **DEVICE_PROCESSES,
+               "redundancy": ONE_MODEL_PER_SUBNET, "vote": ONE_MODEL_PER_SUBNET,
+               "hedge_ms": ONE_MODEL_PER_SUBNET},
     "ray-serve": {
+        **DEVICE_PROCESSES,
         "grpc_port": "the Serve ingress has no gRPC server",
         "spread_cores": "it moves the local backend's worker threads",
         "restart_delay_s": "Serve restarts replicas itself",

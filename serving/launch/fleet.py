@@ -3,10 +3,10 @@ that run the subnets for all of them (``sensai serve`` on the processes backend,
 count of gateway processes, and on the local backend with ``gateway_replicas`` above 1).
 
 This process (the *parent*) only starts and watches.  It works out the serving plan once, starts a
-device process per GPU that hosts workers (per worker on CPUs: each its own cores) and waits for
-their subnets to load, then starts the gateway processes: each parses HTTP and gRPC, decodes and
-admits on its own event loop and core, and binds the port itself (SO_REUSEPORT: the kernel
-spreads the connections).  A gateway process imports no torch: its predictor reaches the device
+device process per GPU that hosts workers (on CPUs one per worker, or ``device_processes`` shared
+round robin) and waits for their subnets to load, then starts the gateway processes: each parses
+HTTP and gRPC, decodes and admits on its own event loop and core, and binds the port itself
+(SO_REUSEPORT: the kernel spreads the connections).  A gateway process imports no torch: its predictor reaches the device
 processes over :mod:`~sensai.serving.transports.devices`.  A dead process is started again - a
 gateway costs only its own requests in flight, a device process those it held in every gateway
 (whose supervisors mark its workers down and up again, as for any worker).  What one process
@@ -70,29 +70,54 @@ def share(settings: GatewaySettings, n: int) -> GatewaySettings:
     return settings.model_copy(update={f: -(-getattr(settings, f) // n) for f in SHARED_LIMITS})
 
 
-def device_key(w: int, specs) -> str:
+def device_key(w: int, specs, cpu_processes: int | None = None) -> str:
     """Which device process worker ``w`` (of runner recipes ``specs``) runs in: its GPU's, the
-    simulated GPU's (the sim runtime: all subnets in one, as on one GPU), else its own."""
+    simulated GPU's (the sim runtime: all subnets in one, as on one GPU), else on CPUs the one
+    of ``cpu_processes`` it shares round robin (None: its own)."""
     spec = specs[0] if specs else None
     if spec is not None and spec.resolved_runtime() == "sim":
         return "sim"
     if spec is not None and spec.device.startswith("cuda"):
         return spec.device
+    if cpu_processes is not None:
+        return f"cpu-{w % cpu_processes}"
     return f"worker-{w}"
 
 
-def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dict[int, str]]:
+def cpu_processes_of(plan: ServingPlan) -> int:
+    """How many device processes the CPU workers of ``plan`` share
+    (:meth:`~sensai.serving.core.settings.GatewaySettings.cpu_device_processes`); one line
+    where fewer than the workers would put a copy, or one worker's injected faults, in another
+    worker's process."""
+    s, workers = plan.settings, len(plan.workers)
+    n = s.cpu_device_processes(workers)
+    on_cpus = any(device_key(w, wp.specs, n).startswith("cpu-")
+                  for w, wp in enumerate(plan.workers))
+    if n < workers and on_cpus:
+        name = "SENSAI_DEVICE_PROCESSES (--device-processes)"
+        if s.redundancy or s.vote:
+            raise SensaiError(f"{name} {n} with copies of the groups: a copy is there to "
+                              "outlive its primary's process, so each worker keeps its own")
+        if any(wp.delay is not None or wp.corrupt for wp in plan.workers):
+            raise SensaiError(f"{name} {n} with injected faults: they are injected per worker, "
+                              "so each worker keeps its own process")
+    return n
+
+
+def device_plans(plan: ServingPlan, folder: Path, cpu_processes: int | None = None
+                 ) -> tuple[list[DevicePlan], dict[int, str]]:
     """The device processes of ``plan``'s workers - one per GPU that hosts workers (one for the
-    simulated GPU), one per CPU worker - and the socket of each worker's."""
+    simulated GPU), on CPUs ``cpu_processes`` shared round robin (None: one per worker) - and
+    the socket of each worker's."""
     by_key: dict[str, list[int]] = {}
     for w, wp in enumerate(plan.workers):
-        by_key.setdefault(device_key(w, wp.specs), []).append(w)
+        by_key.setdefault(device_key(w, wp.specs, cpu_processes), []).append(w)
     devices, addresses = [], {}
     for d, (key, workers) in enumerate(by_key.items()):
         first = plan.workers[workers[0]]
         address = str(folder / f"device-{d}.sock")
         devices.append(DevicePlan(
-            name=f"device_{d}" + ("" if key.startswith("worker-") else f" ({key})"),
+            name=f"device_{d}" + ("" if key.startswith(("worker-", "cpu-")) else f" ({key})"),
             address=address,
             hosted=hosted_of([plan.workers[i].groups for i in workers],
                              [plan.workers[i].specs for i in workers]),
@@ -273,7 +298,8 @@ class Fleet:
         except OSError as e:
             raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
                               f"({e.strerror or e})") from None
-        self.device_plans, addresses = device_plans(self.plan, self.folder)
+        self.device_plans, addresses = device_plans(
+            self.plan, self.folder, cpu_processes_of(self.plan))
         self.devices = [Member(p.name, device_main, (p,), "device") for p in self.device_plans]
         waiting = [(m, m.start(self.ctx)) for m in self.devices]
         for m, rx in waiting:
