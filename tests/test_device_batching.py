@@ -10,7 +10,9 @@ batching read from its own counters.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +30,7 @@ from sensai.serving.launch.fleet import Fleet
 from sensai.serving.workers.loop import Stop, WorkerCore, per_request
 from sensai.serving.workers.runners import runner_specs
 from sensai.serving.workers.sim import SimRunner, sim_scores
-from tests.helpers import offline_scores, png, sample_images, serve_queued
+from tests.helpers import offline_scores, png, sample_images, serve_queued, wait_until
 
 SHAPE = (1, 28, 28)
 
@@ -179,7 +181,8 @@ def counters(url: str) -> dict[str, dict]:
 @pytest.mark.slow
 def test_two_gateways_over_one_device_process_answer_as_offline_evaluation(
         tiny_artifact, fmnist_test, fmnist_spec):
-    """Every CPU worker in one device process (``device_processes=1``), as on one GPU."""
+    """Every CPU worker in one device process (``device_processes=1``), as on one GPU; killed,
+    it takes every worker down and brings them all back, answering as before."""
     _, images, _ = sample_images(fmnist_test, 64, seed=3)
     expected = offline_scores(tiny_artifact, images, fmnist_spec)
     settings = GatewaySettings(port=0, device="cpu", log_level="warning", deadline_s=30,
@@ -203,6 +206,21 @@ def test_two_gateways_over_one_device_process_answer_as_offline_evaluation(
         assert max(c["mixed"] for c in got.values()) > 0  # rows of both gateways in one batch
         assert all(c["held"] == 0 for c in got.values())  # no request waited for company
         assert all(c["max_rows"] == 8 for c in got.values())  # the CPU default
+        victim = devices[0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+
+        def back() -> bool:
+            with httpx.Client(timeout=30) as c:
+                workers = c.get(f"{server.url}/v1/models").json()["predictor"]["workers"]
+            return all(w["state"] == "up" and w["pid"] != victim for w in workers)
+
+        wait_until(back, 90, "every worker back in a new device process", period_s=0.5)
+        pids = {w["pid"] for w in httpx.get(f"{server.url}/v1/models").json()["predictor"][
+            "workers"]}
+        assert len(pids) == 1 and victim not in pids
+        for i, (status, body) in enumerate(many(server.url, images[:8], 8)):
+            assert status == 200, body
+            np.testing.assert_allclose(scores(body), expected[i], atol=1e-4)
 
 
 @pytest.mark.slow
