@@ -15,6 +15,7 @@ import mmap
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +24,13 @@ import httpx
 import numpy as np
 import pytest
 
+from sensai.bench.machine import descendant_pids
 from sensai.data import normalize
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.fleet import Fleet
 from sensai.serving.workers import devicewire as w
-from tests.helpers import (free_port, offline_scores, png, sample_images, server_process,
-                           stop_server, wait_for_server, wait_until)
+from tests.helpers import (free_port, offline_scores, png, running, sample_images,
+                           server_process, stop_server, wait_for_server, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -301,3 +303,34 @@ def test_the_processes_backend_serves_one_gateway_over_device_processes(tiny_art
     plural = "es" if devices > 1 else ""
     assert f"{devices} device process{plural}, 1 gateway process)" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_sigterm_twice_in_a_row_stops_it_cleanly(tiny_artifact_g2, fmnist_test):
+    """A supervisor that signals the main process and then the whole group (``timeout``,
+    systemd) sends SIGTERM twice at once: the second must not wait on the first's stop (a
+    lock of the main thread's own), and the server stops with status 0, its processes gone."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2), "--backend",
+         "processes", "--gateway-replicas", "1", "--device", "cpu", "--port", str(port),
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(proc, url, timeout_s=180)
+        _, images, _ = sample_images(fmnist_test, 1)
+        assert predict(url, images[0])[0] == 200
+        children = descendant_pids(proc.pid)
+        assert children
+        # SIGTERM after SIGTERM for 0.1 s: some land while the handler of another runs.
+        until = time.monotonic() + 0.1
+        while time.monotonic() < until and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert "Traceback" not in err.decode()
+    wait_until(lambda: not any(running(pid) for pid in children), 30, "its processes to end")

@@ -354,23 +354,27 @@ def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
     """``processes`` gateway processes on the port over device processes, until SIGINT or
     SIGTERM."""
     from sensai.serving.launch.fleet import Fleet
+    from sensai.serving.launch.signals import StopSignals
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     fleet = Fleet(args.artifact, settings, processes=processes, faults=faults)
-    try:
-        fleet.start()
-        print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
-              f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device "
-              f"process{'es' if len(fleet.devices) > 1 else ''}, "
-              f"{processes} gateway process{'es' if processes > 1 else ''}) on "
-              f"{endpoints(settings, fleet.port)}\nplacement:"
-              f"\n{plan_table(fleet)}", file=sys.stderr)
-        threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch").start()
-        stop.wait()
-    finally:
-        fleet.stop()
+    with StopSignals() as signals:
+        try:
+            fleet.start()
+            print(f"serving {args.artifact} ({len(fleet.plan.placement.hosts)} subnets on "
+                  f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device "
+                  f"process{'es' if len(fleet.devices) > 1 else ''}, "
+                  f"{processes} gateway process{'es' if processes > 1 else ''}) on "
+                  f"{endpoints(settings, fleet.port)}\nplacement:"
+                  f"\n{plan_table(fleet)}", file=sys.stderr)
+            threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch").start()
+            signals.wait()
+        except KeyboardInterrupt:
+            # A supervisor's SIGTERM during start-up asks for the same clean stop as one after
+            # it; Ctrl-C stays an interrupt.
+            if signals.received != signal.SIGTERM:
+                raise
+        finally:
+            fleet.stop()
     return 0
 
 
