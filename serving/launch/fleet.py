@@ -63,6 +63,9 @@ GATEWAY_START_S = 120.0
 SLOTS_PER_PREDICTION = 2
 MAX_BACKOFF_S = 30.0
 STABLE_S = 10.0  # a process that lived this long restarts without waiting
+# A process that ended cleanly was asked to stop; when a signal to the whole process group asked
+# (systemd, kill -- -PGID), this process is stopping too, and sees it within this long.
+CLEAN_EXIT_GRACE_S = 1.0
 
 
 def share(settings: GatewaySettings, n: int) -> GatewaySettings:
@@ -213,6 +216,7 @@ class Member:
         self.restarts = 0
         self.attempt = 0
         self.due: float | None = None  # when a dead one is started again
+        self.clean_exit = False  # it ended with status 0 (asked to stop) and awaits its restart
 
     def start(self, ctx) -> object:
         """Spawn it; returns the end of its report pipe."""
@@ -347,13 +351,20 @@ class Fleet:
             multiprocess.mark_process_dead(m.pid, str(self.folder / "metrics"))
         m.attempt = 0 if now - m.started_at > STABLE_S else m.attempt + 1
         wait_s = 0.0 if m.attempt == 0 else min(MAX_BACKOFF_S, 0.5 * 2 ** m.attempt)
+        m.clean_exit = code == 0
+        if m.clean_exit:  # said when it is started again, unless this server stops first
+            m.due = now + max(wait_s, CLEAN_EXIT_GRACE_S)
+            return
         m.due = now + wait_s
         log.error("%s (pid %s) ended with %s; starting it again%s", m.name, m.pid,
                   f"signal {-code}" if code is not None and code < 0 else f"exit code {code}",
                   f" in {wait_s:g} s" if wait_s else "")
 
     def restart(self, m: Member) -> None:
-        m.due = None
+        if m.clean_exit:
+            log.warning("%s (pid %s) stopped (exit code 0) though this server did not; starting "
+                        "it again", m.name, m.pid)
+        m.due, m.clean_exit = None, False
         m.restarts += 1
         rx = m.start(self.ctx)
         # Its report is not waited for here: a gateway's own supervisor reconnects to a device
