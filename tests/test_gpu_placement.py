@@ -115,7 +115,8 @@ def test_device_processes_are_one_per_gpu_with_gpu_sized_batches(gpus, tiny_arti
     devices, _ = device_plans(cpu, tmp_path)
     assert len(devices) == g and cpu.batching.max_rows == CPU_BATCH_ROWS
     # CPU workers sharing two device processes: round robin, one socket each.
-    devices, addresses = device_plans(cpu, tmp_path, 2)
+    shared = class_parallel_plan(artifact, GatewaySettings(device="cpu", device_processes=2))
+    devices, addresses = device_plans(shared, tmp_path)
     assert [sorted(gr for gr, _ in p.hosted) for p in devices] == \
         [[w for w in range(g) if w % 2 == i] for i in range(2)]
     assert [addresses[w] for w in range(g)] == [devices[w % 2].address for w in range(g)]

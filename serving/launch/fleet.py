@@ -6,14 +6,14 @@ This process (the *parent*) only starts and watches.  It works out the serving p
 device process per GPU that hosts workers (on CPUs one per worker, or ``device_processes`` shared
 round robin) and waits for their subnets to load, then starts the gateway processes: each parses
 HTTP and gRPC, decodes and admits on its own event loop and core, and binds the port itself
-(SO_REUSEPORT: the kernel spreads the connections).  A gateway process imports no torch: its predictor reaches the device
-processes over :mod:`~sensai.serving.transports.devices`.  A dead process is started again - a
-gateway costs only its own requests in flight, a device process those it held in every gateway
-(whose supervisors mark its workers down and up again, as for any worker).  What one process
-admits is its share of the server's ``max_requests``, ``max_connections`` and
-``max_predictions`` (the ceiling of its own adaptive limit), with a line as long as the whole
-server's; ``/metrics`` from any of them sums all (prometheus_client's multiprocess files in this
-server's private directory).
+(SO_REUSEPORT: the kernel spreads the connections).  A gateway process imports no torch: its
+predictor reaches the device processes over :mod:`~sensai.serving.transports.devices`.  A dead
+process is started again - a gateway costs only its own requests in flight, a device process
+those it held in every gateway (whose supervisors mark its workers down and up again, as for any
+worker).  What one process admits is its share of the server's ``max_requests``,
+``max_connections`` and ``max_predictions`` (the ceiling of its own adaptive limit), with a line
+as long as the whole server's; ``/metrics`` from any of them sums all (prometheus_client's
+multiprocess files in this server's private directory).
 """
 
 from __future__ import annotations
@@ -73,18 +73,16 @@ def share(settings: GatewaySettings, n: int) -> GatewaySettings:
     return settings.model_copy(update={f: -(-getattr(settings, f) // n) for f in SHARED_LIMITS})
 
 
-def device_key(w: int, specs, cpu_processes: int | None = None) -> str:
+def device_key(w: int, specs, cpu_processes: int) -> str:
     """Which device process worker ``w`` (of runner recipes ``specs``) runs in: its GPU's, the
     simulated GPU's (the sim runtime: all subnets in one, as on one GPU), else on CPUs the one
-    of ``cpu_processes`` it shares round robin (None: its own)."""
+    of ``cpu_processes`` it shares round robin."""
     spec = specs[0] if specs else None
     if spec is not None and spec.resolved_runtime() == "sim":
         return "sim"
     if spec is not None and spec.device.startswith("cuda"):
         return spec.device
-    if cpu_processes is not None:
-        return f"cpu-{w % cpu_processes}"
-    return f"worker-{w}"
+    return f"cpu-{w % cpu_processes}"
 
 
 def cpu_processes_of(plan: ServingPlan) -> int:
@@ -107,11 +105,11 @@ def cpu_processes_of(plan: ServingPlan) -> int:
     return n
 
 
-def device_plans(plan: ServingPlan, folder: Path, cpu_processes: int | None = None
-                 ) -> tuple[list[DevicePlan], dict[int, str]]:
+def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dict[int, str]]:
     """The device processes of ``plan``'s workers - one per GPU that hosts workers (one for the
-    simulated GPU), on CPUs ``cpu_processes`` shared round robin (None: one per worker) - and
-    the socket of each worker's."""
+    simulated GPU), on CPUs as many as :func:`cpu_processes_of` says (by default one per
+    worker), shared round robin - and the socket of each worker's."""
+    cpu_processes = cpu_processes_of(plan)
     by_key: dict[str, list[int]] = {}
     for w, wp in enumerate(plan.workers):
         by_key.setdefault(device_key(w, wp.specs, cpu_processes), []).append(w)
@@ -120,7 +118,7 @@ def device_plans(plan: ServingPlan, folder: Path, cpu_processes: int | None = No
         first = plan.workers[workers[0]]
         address = str(folder / f"device-{d}.sock")
         devices.append(DevicePlan(
-            name=f"device_{d}" + ("" if key.startswith(("worker-", "cpu-")) else f" ({key})"),
+            name=f"device_{d}" + ("" if key.startswith("cpu-") else f" ({key})"),
             address=address,
             hosted=hosted_of([plan.workers[i].groups for i in workers],
                              [plan.workers[i].specs for i in workers]),
@@ -302,8 +300,7 @@ class Fleet:
         except OSError as e:
             raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
                               f"({e.strerror or e})") from None
-        self.device_plans, addresses = device_plans(
-            self.plan, self.folder, cpu_processes_of(self.plan))
+        self.device_plans, addresses = device_plans(self.plan, self.folder)
         self.devices = [Member(p.name, device_main, (p,), "device") for p in self.device_plans]
         waiting = [(m, m.start(self.ctx)) for m in self.devices]
         for m, rx in waiting:
