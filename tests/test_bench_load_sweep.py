@@ -96,7 +96,7 @@ def test_each_configuration_runs_with_its_own_batching(sweep_run):
 
 
 def test_the_targets_are_reported(sweep_run):
-    _, result = sweep_run
+    out, result = sweep_run
     checks = result["targets"]["checks"]
     assert [c["name"] for c in checks] == SWEEP_TARGETS
     by = {c["name"]: c for c in checks}
@@ -112,6 +112,25 @@ def test_the_targets_are_reported(sweep_run):
     c = result["configs"]["class-parallel"]
     assert by["c16_vs_noop_route"]["value"] == pytest.approx(
         c["levels"][1]["throughput_rps"] / c["noop"]["throughput_rps"], abs=1e-3)
+    # Beside it, what the cores allow at the CPU per answer measured: never less than what was
+    # answered (the busy cores are at most the usable ones), and in the report.
+    ceiling = by["c16_vs_noop_route"]["ceiling"]
+    assert ceiling >= 0.95 * by["c16_vs_noop_route"]["value"] > 0
+    assert "(the cores at this CPU per answer: at most " in (out / "load.md").read_text()
+
+
+def test_the_cores_ceiling_counts_the_server_and_the_clients_cpu_per_answer():
+    from sensai.bench.targets import cores_ceiling
+
+    row = {"throughput_rps": 1000.0, "client_cores": 0.1,  # 0.1 ms of the clients' per answer
+           "server_cpu": {"gateway_ms_per_answer": 0.3, "workers_ms_per_answer": 0.1}}
+    assert cores_ceiling(row, 2) == pytest.approx(2 / 0.5e-3)  # both on the same 2 cores
+    # The clients on 1 core of their own: the server's 3 cores are the narrower side.
+    assert cores_ceiling(row, 4, client_cores=1) == pytest.approx(3 / 0.4e-3)
+    assert cores_ceiling({**row, "client_cores": 0.5}, 4, client_cores=1) == pytest.approx(
+        1 / 0.5e-3)
+    assert cores_ceiling({**row, "server_cpu": {}}, 2) is None  # not measured: no ceiling
+    assert cores_ceiling(None, 2) is None
 
 
 def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifact, tmp_path):

@@ -106,7 +106,10 @@ def _value(c: dict) -> str:
     v = c["value"]
     if isinstance(v, bool) or v is None:
         return {True: "yes", False: "no", None: "-"}[v]
-    return f"{fmt(v)} {c['unit']}".strip()
+    text = f"{fmt(v)} {c['unit']}".strip()
+    if c.get("ceiling") is not None:
+        text += f" (the cores at this CPU per answer: at most {fmt(c['ceiling'])} {c['unit']})"
+    return text
 
 
 def target_rows(result: dict) -> list[list[str]]:

@@ -445,6 +445,26 @@ def _ratio(a: float | None, b: float | None, nd: int = 4) -> float | None:
     return None if a is None or not b else round(a / b, nd)
 
 
+def cores_ceiling(row: dict | None, usable_cores: int | None,
+                  client_cores: int | None = None) -> float | None:
+    """The answers per second a level's CPU per answer lets the machine's cores give, every one
+    of them busy: the server's processes (gateways and workers) and the clients each need
+    their CPU per answer; with the clients on ``client_cores`` cores of their own
+    (``--client-cores``), each side has only its own.  Whether a throughput short of a target
+    is short of cores (the work per answer) or of packing (cores left idle); the GPU's own time
+    is not in it.  None where the level did not measure its CPU."""
+    cpu = (row or {}).get("server_cpu") or {}
+    rps, clients = (row or {}).get("throughput_rps"), (row or {}).get("client_cores")
+    if not rps or not usable_cores or clients is None or "gateway_ms_per_answer" not in cpu:
+        return None
+    server_ms = cpu["gateway_ms_per_answer"] + (cpu.get("workers_ms_per_answer") or 0.0)
+    client_ms = clients / rps * 1e3
+    if client_cores:
+        sides = [(usable_cores - client_cores, server_ms), (client_cores, client_ms)]
+        return min(cores * 1e3 / ms if ms > 0 else float("inf") for cores, ms in sides)
+    return usable_cores * 1e3 / (server_ms + client_ms) if server_ms + client_ms > 0 else None
+
+
 def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
     """The sweep's targets for the class-parallel configuration with batching, each reported as
     met / not met / not measured with the condition it is stated for."""
@@ -468,6 +488,9 @@ def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
     c1_unbatched = _ok(_level(unbatched, 1), "p50")
     rps16, p99_16 = _ok(_level(ours, 16), "rps"), _ok(_level(ours, 16), "p99")
     noop16 = (ours or {}).get("noop", {}).get("throughput_rps")
+    pinned = (result.get("settings") or {}).get("clients_on_cores")
+    ceiling16 = cores_ceiling(_level(ours, 16), (result.get("machine") or {}).get("usable_cores"),
+                              len(pinned) if pinned else None)
     over = (ours or {}).get("overload") or {}
     closed_best = max((r["throughput_rps"] or 0.0 for r in (ours or {}).get("levels", [])),
                       default=None)
@@ -479,14 +502,16 @@ def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
     # Like with like: Triton's figure counts only over the transport class parallel had.
     triton_50 = (best_rps_within(triton, FLAGSHIP_P99_MS)
                  if (triton or {}).get("transport") == (ours or {}).get("transport") else None)
+    noop_share = check("c16_vs_noop_route", f"16 in flight: throughput >= {NOOP_SHARE_16:g} x "
+                       "the gateway's GET /v2/health/live at 16 in flight", _ratio(rps16, noop16),
+                       NOOP_SHARE_16, "x", True, demo, "needs the level 16 and the bare route")
+    noop_share["ceiling"] = _ratio(ceiling16, noop16)  # what the cores allow at that CPU
     checks = [
         check("batching_c1_p50_ratio", f"1 in flight: p50 with batching <= "
               f"{BATCHING_C1_RATIO:g} x p50 without (same run)", _ratio(c1, c1_unbatched),
               BATCHING_C1_RATIO, "x", False, any_model,
               "needs class-parallel and class-parallel-unbatched at 1 in flight"),
-        check("c16_vs_noop_route", f"16 in flight: throughput >= {NOOP_SHARE_16:g} x the "
-              "gateway's GET /v2/health/live at 16 in flight", _ratio(rps16, noop16),
-              NOOP_SHARE_16, "x", True, demo, "needs the level 16 and the bare route"),
+        noop_share,
         check("p99_c16_over_p50_c1", f"p99 at 16 in flight <= {P99_16_OVER_P50_1:g} x p50 at 1",
               _ratio(p99_16, c1, 3), P99_16_OVER_P50_1, "x", False, demo,
               "needs the levels 1 and 16"),
