@@ -177,7 +177,10 @@ def render_markdown(result: dict) -> str:
         "over the bare route's (GET /v2/health/live at the same server).  Rows per batch: each subnet's "
         "image rows over its batches during the level (from the workers' counters before and "
         "after it; a device process's as its gateway processes last heard them).  GPU busy: "
-        "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one)."
+        "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one).  "
+        "What the cores allow (beside the 16-in-flight share of the bare route): the usable "
+        "cores over the server's and the clients' CPU per answer at that level, every core "
+        "busy (each side on its own cores with --client-cores; the GPU's time not in it)."
         + (f"  The sim runtime: a simulated GPU, {g['sim_launch_ms']:g} ms per launch whatever "
            "its rows; answers checked against the simulation's own offline."
            if g.get("runtime") == "sim" else ""),
