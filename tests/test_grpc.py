@@ -112,6 +112,39 @@ def test_health_and_metadata(client, gateway):
         assert e.status() == "StatusCode.NOT_FOUND" and "sensai" in e.message()
 
 
+def test_the_model_config_gives_the_preprocessing_as_values(client, gateway, fmnist_test,
+                                                            fmnist_spec):
+    """gRPC's ModelMetadata has no field for parameters: Triton's model configuration carries
+    them, and a client normalises its pixels with them into what the model expects."""
+    config = client.get_model_config("sensai", as_json=True)["config"]
+    assert config["name"] == "sensai" and config["platform"] == "sensai"
+    assert int(config["max_batch_size"]) == 16  # the gateway's max_batch
+    assert [(i["name"], i["data_type"], i["format"], [int(d) for d in i["dims"]])
+            for i in config["input"]] == [("input", "TYPE_FP32", "FORMAT_NCHW", [1, 28, 28])]
+    assert {o["name"]: o["data_type"] for o in config["output"]} == {
+        "scores": "TYPE_FP32", "class_index": "TYPE_INT64"}
+    p = {k: v["string_value"] for k, v in config["parameters"].items()}
+    assert p["input_layout"] == "NCHW" and "minus mean" in p["preprocessing"]
+    assert json.loads(p["classes"])[9] == "Ankle boot"
+    _, images, _ = sample_images(fmnist_test, 3)
+    mean = np.asarray(json.loads(p["input_mean"]), dtype=np.float32)[:, None, None]
+    std = np.asarray(json.loads(p["input_std"]), dtype=np.float32)[:, None, None]
+    pixels = images.numpy().astype(np.float32)
+    x = (pixels * np.float32(float(p["input_scale"])) - mean) / std
+    np.testing.assert_allclose(x, normalize(images, fmnist_spec).numpy(), atol=1e-5)
+    # The same configuration over HTTP (Triton's GET /v2/models/{m}/config), the version named.
+    http = httpx.get(f"{gateway[0].url}/v2/models/sensai/versions/1/config")
+    assert http.status_code == 200
+    assert {k: v["string_value"] for k, v in http.json()["parameters"].items()} == p
+    assert client.get_model_config("sensai", "1", as_json=True)["config"]["name"] == "sensai"
+    for call in (lambda: client.get_model_config("nope"),
+                 lambda: client.get_model_config("sensai", "2")):
+        e = failure(call)
+        assert e.status() == "StatusCode.NOT_FOUND" and "sensai" in e.message()
+    missing = httpx.get(f"{gateway[0].url}/v2/models/nope/config")
+    assert missing.status_code == 404 and "sensai" in missing.json()["error"]
+
+
 def test_infer_equals_offline_evaluation(client, batch):
     x, expected = batch
     for i in range(len(x)):  # one image per request, as a live client sends them

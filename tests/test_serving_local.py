@@ -131,6 +131,10 @@ def test_tritonclient_calls_the_gateway_v2_api(local_gateway, tiny_artifact, fmn
         pixels = images.numpy().astype(np.float32)  # uint8 [n, 1, 28, 28]
         x = ((pixels * np.float32(p["input_scale"]) - mean) / std).astype(np.float32)
         np.testing.assert_allclose(x, normalize(images, fmnist_spec).numpy(), atol=1e-5)
+        # Triton's model configuration carries the same values, as strings.
+        config = client.get_model_config("sensai")
+        assert config["input"][0]["dims"] == [1, 28, 28]
+        assert json.loads(config["parameters"]["input_mean"]["string_value"]) == p["input_mean"]
         expected = offline_scores(tiny_artifact, images, fmnist_spec)
         # Binary tensors both ways (tritonclient's default)...
         inp = tc.InferInput("input", list(x.shape), "FP32")

@@ -1,7 +1,8 @@
 """The gateway's routes other than predictions, dispatched by FastAPI: what is served
 (``GET /``, ``GET /v1/models``), ``GET /metrics`` (Prometheus), and the Open Inference
 Protocol's server and model metadata and health (``/v2``, ``/v2/health/{live,ready}``,
-``/v2/models/{m}[/versions/{v}]``, ``.../ready``)."""
+``/v2/models/{m}[/versions/{v}]``, ``.../ready``), and Triton's model configuration
+(``.../config``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..core.errors import ServingError
 from .http_errors import error_response
-from .inference import (Gateway, server_ready, v2_model_metadata, v2_server_metadata,
-                        version_ready)
+from .inference import (Gateway, server_ready, v2_model_config, v2_model_metadata,
+                        v2_server_metadata, version_ready)
 from .schemas import ModelInfo, VersionInfo
 from .model_table import ModelVersion
 
@@ -80,6 +81,11 @@ def add_control_routes(app: FastAPI) -> None:
     @app.get("/v2/models/{model_name}/versions/{version}")
     async def model_metadata(gw: GatewayDep, model_name: str, version: str | None = None):
         return v2_model_metadata(gw, gw.models.route(model_name, version))
+
+    @app.get("/v2/models/{model_name}/config")
+    @app.get("/v2/models/{model_name}/versions/{version}/config")
+    async def model_config(gw: GatewayDep, model_name: str, version: str | None = None):
+        return v2_model_config(gw, gw.models.route(model_name, version))
 
     @app.get("/v2/models/{model_name}/ready")
     @app.get("/v2/models/{model_name}/versions/{version}/ready")

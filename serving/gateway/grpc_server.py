@@ -7,7 +7,8 @@ predictor, admission and whole-request deadline, and every inference goes throug
 path (:func:`~sensai.serving.gateway.inference.v2_infer` ->
 :func:`~sensai.serving.gateway.inference.predict`): this module only converts messages and errors.
 Implemented: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``,
-``ModelInfer`` (tensors in ``raw_input_contents`` or typed ``contents``; outputs always in
+``ModelConfig`` (Triton's model configuration: where the preprocessing's values are, as
+``ModelMetadata`` has no field for them), ``ModelInfer`` (tensors in ``raw_input_contents`` or typed ``contents``; outputs always in
 ``raw_output_contents``) and the repository's ``RepositoryIndex``, ``RepositoryModelLoad``,
 ``RepositoryModelUnload`` (asked for what HTTP asks,
 :func:`~sensai.serving.gateway.repository_api.check_access`); the other methods answer
@@ -31,6 +32,8 @@ from typing import Any, Awaitable, Callable, NamedTuple
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
@@ -41,7 +44,7 @@ from ..core.errors import InputError, Overloaded, ServingError
 from . import oip
 from .admission import Ticket
 from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
-                        v2_model_metadata, v2_server_metadata, version_ready)
+                        v2_model_config, v2_model_metadata, v2_server_metadata, version_ready)
 from .repository_api import check_access
 from .model_table import ModelVersion
 
@@ -273,6 +276,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 name=m["name"], versions=m["versions"], platform=m["platform"],
                 inputs=_tensor_metadata(m["inputs"]), outputs=_tensor_metadata(m["outputs"]))
         return await self._serve("ModelMetadata", context, work)
+
+    async def ModelConfig(self, request, context):
+        async def work(_):
+            config = v2_model_config(self.gw, self.gw.models.route(request.name,
+                                                                   request.version or None))
+            return pb.ModelConfigResponse(
+                config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+        return await self._serve("ModelConfig", context, work)
 
     # -- inference
 

@@ -11,6 +11,7 @@ metadata - is here, once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 
@@ -110,6 +111,16 @@ def v2_server_metadata(gw: Gateway) -> dict:
     return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
 
 
+def model_parameters(spec) -> dict:
+    """What the model metadata adds to its tensors: the preprocessing as a sentence for a
+    reader and as values for a client that normalises a tensor - (pixel * input_scale -
+    input_mean[c]) / input_std[c], channels first - and the class names."""
+    return {"preprocessing": f"uint8 pixels / 255, minus mean {list(spec.mean)}, divided by "
+                             f"std {list(spec.std)}",
+            "input_scale": 1.0 / 255.0, "input_mean": list(spec.mean),
+            "input_std": list(spec.std), "input_layout": "NCHW", "classes": list(spec.classes)}
+
+
 def v2_model_metadata(gw: Gateway, mv: ModelVersion) -> dict:
     spec = mv.spec
     return {
@@ -120,11 +131,27 @@ def v2_model_metadata(gw: Gateway, mv: ModelVersion) -> dict:
                     "shape": [-1, *spec.input_shape]}],
         "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, spec.num_classes]},
                     {"name": "class_index", "datatype": "INT64", "shape": [-1]}],
-        # The sentence for a reader, and its values for a client that normalises a tensor:
-        # (pixel * input_scale - input_mean[c]) / input_std[c], channels first.
-        "parameters": {"preprocessing": f"uint8 pixels / 255, minus mean {list(spec.mean)}, "
-                                         f"divided by std {list(spec.std)}",
-                       "input_scale": 1.0 / 255.0, "input_mean": list(spec.mean),
-                       "input_std": list(spec.std), "input_layout": "NCHW",
-                       "classes": list(spec.classes)},
+        "parameters": model_parameters(spec),
+    }
+
+
+def v2_model_config(gw: Gateway, mv: ModelVersion) -> dict:
+    """The model's configuration in Triton's form (its model configuration extension, what
+    ``tritonclient``'s ``get_model_config`` reads, over HTTP and gRPC alike): the tensors
+    without their batch dimension, and the metadata's parameters as Triton's string
+    parameters - gRPC's ``ModelMetadata`` has no field for them, so this is where a gRPC client
+    finds the preprocessing's values."""
+    spec = mv.spec
+    return {
+        "name": mv.name,
+        "platform": "sensai",
+        "max_batch_size": gw.settings.max_batch,
+        "input": [{"name": oip.INPUT_NAME, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
+                   "dims": list(spec.input_shape)}],
+        "output": [{"name": "scores", "data_type": "TYPE_FP32", "dims": [spec.num_classes]},
+                   {"name": "class_index", "data_type": "TYPE_INT64", "dims": [1],
+                    "reshape": {"shape": []}}],
+        # Triton's parameters are strings: numbers as JSON text.
+        "parameters": {k: {"string_value": v if isinstance(v, str) else json.dumps(v)}
+                       for k, v in model_parameters(spec).items()},
     }
