@@ -16,6 +16,7 @@ import json
 import re
 import socket
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -241,7 +242,22 @@ def test_text_chunks_are_bounded_and_health_answers_meanwhile(client, good):
     still_serving(client, good)
 
 
-def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
+def test_health_answers_while_a_large_json_tensor_is_parsed(client, good, monkeypatch):
+    """The large body's parse is held until the health check has its answer: off the event
+    loop the health check answers meanwhile; on it, the loop would be stuck in the parse and the
+    health check would wait for it (the hold gives up after 20 s, so that case fails, not hangs).
+    Ordered by events, not by sleeps, so a fast or slow machine gives the same verdict."""
+    from sensai.serving.gateway import oip
+
+    parsing, answered = threading.Event(), threading.Event()
+    real = oip.decode_request
+
+    def held(*args, **kwargs):
+        parsing.set()
+        answered.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oip, "decode_request", held)
     x = np.random.default_rng(0).standard_normal((64, 1, 28, 28)).astype(np.float32)
     body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
                                    "data": x.ravel().tolist()}]}).encode()
@@ -250,14 +266,17 @@ def test_health_answers_while_a_large_json_tensor_is_parsed(client, good):
     async def race():
         async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
             heavy = asyncio.ensure_future(c.post("/v2/models/sensai/infer", content=body))
-            await asyncio.sleep(0.01)  # the heavy request is being read and parsed
+            assert await asyncio.to_thread(parsing.wait, 20), "the heavy request never parsed"
             health = await c.get("/v2/health/live")
             done_first = not heavy.done()
+            answered.set()
             return health, done_first, await heavy
 
     health, health_first, heavy = asyncio.run(race())
     assert health.status_code == 200 and heavy.status_code == 200, heavy.text
     assert health_first, "the health check waited for the heavy request"
+    np.testing.assert_allclose(
+        np.asarray(heavy.json()["outputs"][0]["data"]).reshape(64, -1).sum(1), 1.0, atol=1e-4)
 
 
 def test_a_compressed_tensor_is_parsed_off_the_event_loop(client, good, monkeypatch):
