@@ -216,7 +216,7 @@ STRATS=(--strategies single model-parallel class-parallel)
 # that has stalled, so that the steps after it still get their turn; a step whose artifact the
 # rest need (train, decompose) gets the widest margin.
 CAP_TRAIN=90 CAP_DECOMPOSE=210 CAP_DECOMPOSE_EAGER=90 CAP_OFFLINE=${SENSAI_GPU_CHECK_OFFLINE_S:-150}
-CAP_LOAD=120 CAP_LOAD_SLEEP=75 CAP_LOAD_N1=60
+CAP_LOAD=150 CAP_LOAD_SLEEP=75 CAP_LOAD_N1=60
 CAP_BENCH=120 CAP_GPU_TESTS=120 CAP_IMAGEFOLDER=60 CAP_TRAIN_224=90 CAP_DECOMPOSE_224=120
 CAP_REPORT=120
 

@@ -198,6 +198,24 @@ def test_pinned_clients_and_a_server_of_two_gateway_processes(tiny_artifact_g2, 
     assert split["gateway_ms_per_answer"] > 0 and split["workers_ms_per_answer"] > 0
 
 
+def test_the_gateway_count_recorded_is_the_one_the_pinned_server_chooses(monkeypatch):
+    """On 16 cores with 4 for the clients the server, pinned to the other 12, starts 6 gateway
+    processes (half its cores), not the 8 the bench's own 16 cores would give; unpinned it is
+    the bench's count; a count set is the count."""
+    from sensai.bench import machine
+    from sensai.bench.load_sweep import server_gateways
+    from sensai.serving.core import settings as settings_module
+    from sensai.serving.core.settings import GatewaySettings
+
+    sixteen = set(range(16))
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: sixteen)
+    monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: sixteen)
+    gs = GatewaySettings(backend="processes")
+    assert server_gateways(gs, 4) == 6
+    assert server_gateways(gs, 0) == 8
+    assert server_gateways(gs.model_copy(update={"gateway_replicas": 3}), 4) == 3
+
+
 def test_client_cores_that_leave_the_server_none_are_refused_in_one_line(tiny_artifact, capsys):
     from sensai.cli import main
 

@@ -146,6 +146,14 @@ def rows_per_batch(before: list[dict] | None, after: list[dict] | None) -> list[
     return out
 
 
+def server_gateways(gs, client_cores: int) -> int:
+    """The gateway processes the server starts: it counts the cores it may run on, which
+    ``--client-cores`` leaves it (see :func:`~sensai.bench.machine.split_cores`), not this
+    process's."""
+    server_cores = split_cores(client_cores)[0]
+    return gs.gateway_processes(len(server_cores) if server_cores else None)
+
+
 class Sweep:
     """One configuration after another on the same client processes."""
 
@@ -168,7 +176,7 @@ class Sweep:
         rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
         if self.warmup_s > 0:
             run.closed(f"{key}: warm-up", self.warmup_s)
-        gateways = self.gs.gateway_processes()
+        gateways = server_gateways(self.gs, self.options.client_cores)
         rep["levels"] = []
         for c in self.levels:
             before = batching_counters(server.url, gateways) if gateway else None
@@ -299,7 +307,8 @@ def run_load_sweep(
                     "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
                     "sim_launch_ms": gs.sim_launch_ms if gs.runtime == "sim" else None,
                     "gpu_wait": gs.gpu_wait,
-                    "device": gs.device, "gateway_processes": gs.gateway_processes()},
+                    "device": gs.device,
+                    "gateway_processes": server_gateways(gs, options.client_cores)},
         "gateway_env": gateway_env, "config_env": CONFIG_ENV,
     }
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
