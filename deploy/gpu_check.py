@@ -81,7 +81,8 @@ SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at
                 "machine busy cores", "GPU busy (mean, max)"]
 LEVEL_HEADER = ["sweep", "configuration", "gpu_wait", "in flight", "answers/s", "p50 ms", "p99 ms",
                 "rows per batch (each subnet)", "device processes CPU ms/answer",
-                "gateways CPU ms/answer", "GPU busy (mean)"]
+                "gateways CPU ms/answer", "busiest thread: device processes / gateways (cores)",
+                "GPU busy (mean)"]
 OFFLINE_HEADER = ["model", "work", "steps", "seconds", "images/s", "top-1", "original top-1",
                   "points", "largest subnet (params, MACs)"]
 CAP_SPARE, CAP_EXTRA_S = 1.5, 30  # a cap from a measured speed: this much slower, and more
@@ -191,6 +192,9 @@ def level_data(folder: str, gpu_wait, key: str, r: dict) -> dict:
             "device_cpu_ms_per_answer": (cpu.get("workers_ms_per_answer")
                                          if cpu.get("workers_processes") else None),
             "gateway_cpu_ms_per_answer": cpu.get("gateway_ms_per_answer"),
+            "device_busiest_thread_cores": (cpu.get("workers_busiest_thread_cores")
+                                            if cpu.get("workers_processes") else None),
+            "gateway_busiest_thread_cores": cpu.get("gateway_busiest_thread_cores"),
             "gpu_busy_mean_pct": busy.get("mean_pct"), "gpu_busy_samples": busy.get("samples")}
 
 
@@ -205,6 +209,8 @@ def level_cells(d: dict) -> list[str]:
             fmt(device, 3) if device is not None else
             ("- (in the gateways)" if d.get("device_processes") == 0 else "-"),
             fmt(d.get("gateway_cpu_ms_per_answer"), 3),
+            f"{fmt(d.get('device_busiest_thread_cores'))} / "
+            f"{fmt(d.get('gateway_busiest_thread_cores'))}",
             "-" if busy is None else f"{busy:.0f} %"]
 
 
@@ -451,7 +457,9 @@ def report(check: Path) -> int:
             "same, the GPU waited for by sleeping; load-n1: one gateway process).  Rows per batch: "
             "each subnet's (device process's) rows over its batches during the level; CPU "
             "ms/answer: the device processes' and the gateways' CPU time over the level per "
-            "answer; GPU busy: nvidia-smi's utilization.gpu over the level, sampled every 0.2 s "
+            "answer; busiest thread: the busiest single thread of the device processes and of "
+            "the gateways over the level, in cores (near 1.00: that process is the wall); GPU "
+            "busy: nvidia-smi's utilization.gpu over the level, sampled every 0.2 s "
             "(- where a figure was not recorded).\n\n"
             + md_table(LEVEL_HEADER, level_table) + "\n"
             + "\n## Offline: training and decomposition\n\n"

@@ -196,6 +196,13 @@ def test_pinned_clients_and_a_server_of_two_gateway_processes(tiny_artifact_g2, 
     split = level["server_cpu"]
     assert split["workers_processes"] == 2 and split["gateway_processes"] >= 3  # + the parent
     assert split["gateway_ms_per_answer"] > 0 and split["workers_ms_per_answer"] > 0
+    # Each part's busiest thread: one of its threads, so more than none and at most the part.
+    for part in ("gateway", "workers"):
+        assert 0 < split[f"{part}_busiest_thread_cores"] <= split[f"{part}_cores"] + 0.01
+    md = (tmp_path / "load.md").read_text()
+    assert "busiest thread: gateways (workers)" in md
+    cores = f"{split['gateway_busiest_thread_cores']:.2f} ({split['workers_busiest_thread_cores']:.2f})"
+    assert cores in md
 
 
 def test_the_gateway_count_recorded_is_the_one_the_pinned_server_chooses(monkeypatch):

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 FMNIST = os.environ.get("SENSAI_FMNIST_DIR", "/usr/share/datasets/fashion-mnist")
 LEVEL_HEADER = ("| sweep | configuration | gpu_wait | in flight | answers/s | p50 ms | p99 ms | "
                 "rows per batch (each subnet) | device processes CPU ms/answer | "
-                "gateways CPU ms/answer | GPU busy (mean) |")
+                "gateways CPU ms/answer | busiest thread: device processes / gateways (cores) | "
+                "GPU busy (mean) |")
 
 
 @pytest.mark.slow
@@ -230,12 +231,16 @@ def sweep_result(processes: int, replicas: str | None, gpu_wait: str = "spin",
             level(64, 800.0 * k, 90.0)
         sixteen.update(
             server_cpu={"gateway_processes": 9, "gateway_ms_per_answer": 0.8 / k,
-                        "workers_processes": 1, "workers_ms_per_answer": 0.25 / k},
+                        "workers_processes": 1, "workers_ms_per_answer": 0.25 / k,
+                        "gateway_busiest_thread_cores": 0.61,
+                        "workers_busiest_thread_cores": 0.47 * k},
             batching=[{"name": f"subnet-{i}", "batches": 100, "requests": 1700, "rows": rows,
                        "rows_per_batch": rows / 100} for i, rows in enumerate((1720, 1690))],
             gpu_busy={"samples": 10, "mean_pct": 41.6 * k, "max_pct": 60.0})
         sixty_four.update(server_cpu={"gateway_processes": 9, "gateway_ms_per_answer": 0.7,
-                                      "workers_processes": 0, "workers_ms_per_answer": 0.0},
+                                      "workers_processes": 0, "workers_ms_per_answer": 0.0,
+                                      "gateway_busiest_thread_cores": 0.98,
+                                      "workers_busiest_thread_cores": None},
                           batching=None)
         return {"label": key, "transport": "http-v2", "levels": [one, sixteen, sixty_four],
                 "overload": {"goodput_rps": 700.0 * k}}
@@ -315,7 +320,7 @@ def test_report_is_written_when_every_input_is_missing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = (odd / "gpu-check.md").read_text()
     assert "| load | class-parallel: unreadable level: AttributeError: " in table
-    assert "| load | class-parallel | - | 1 | - | - | - | - | - | - | - |" in table
+    assert "| load | class-parallel | - | 1 | - | - | - | - | - | - | - / - | - |" in table
     assert "| load | triton: not run, no tritonserver here | - |" in table
     assert "| gateway processes: auto | - | unreadable load.json: AttributeError: " in table
 
@@ -352,17 +357,19 @@ def test_report_with_every_sweep(tmp_path):
     assert "Cores: 16 usable (nproc), 32 in all" in table
     # A row per level of every sweep and configuration: where load.json has the batches, the
     # server's CPU and the GPU's busy share (16 in flight), each subnet's rows per batch, the
-    # device processes' and gateways' CPU per answer and the share; where it has not (1 in
-    # flight), a "-"; where the subnets ran inside the gateways (64), no device processes.
+    # device processes' and gateways' CPU per answer, their busiest threads and the share; where
+    # it has not (1 in flight), a "-"; where the subnets ran inside the gateways (64), no device
+    # processes.
     assert LEVEL_HEADER in table
     per_level = table.split("### Each level")[1]
     assert ("| load | class-parallel | spin | 16 | 1800.0 | 15.00 | 30.00 | 17.2 / 16.9 | 0.125 | "
-            "0.400 | 83 % |") in per_level
-    assert "| load | class-parallel | spin | 1 | 200.0 | 1.00 | 2.00 | - | - | - | - |" in per_level
+            "0.400 | 0.94 / 0.61 | 83 % |") in per_level
+    assert ("| load | class-parallel | spin | 1 | 200.0 | 1.00 | 2.00 | - | - | - | - / - | - |"
+            in per_level)
     assert ("| load | class-parallel | spin | 64 | 1600.0 | 45.00 | 90.00 | - | "
-            "- (in the gateways) | 0.700 | - |") in per_level
+            "- (in the gateways) | 0.700 | - / 0.98 | - |") in per_level
     assert ("| load | single | spin | 16 | 900.0 | 15.00 | 30.00 | 17.2 / 16.9 | 0.250 | 0.800 | "
-            "42 % |") in per_level
+            "0.47 / 0.61 | 42 % |") in per_level
     assert "| load-sleep | class-parallel | sleep | 16 | 1800.0 |" in per_level
     assert "| load-n1 | class-parallel | spin | 64 | 1600.0 |" in per_level
     assert per_level.index("| load |") < per_level.index("| load-sleep |") \

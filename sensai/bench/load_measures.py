@@ -165,24 +165,29 @@ def worker_pids(url: str) -> set[int]:
     return {w["pid"] for w in workers if isinstance(w.get("pid"), int) and w["pid"] != gateway}
 
 
-def server_cpu(tree_of: int | None, workers: set[int]) -> dict[str, dict[int, float]]:
+def server_cpu(tree_of: int | None, workers: set[int]) -> dict[str, dict]:
     """CPU seconds so far of every process of the server under ``tree_of`` (``sensai serve``),
     split into its subnet ``workers`` and the ``rest`` (gateway processes, and the parent that
-    watches them)."""
-    out: dict[str, dict[int, float]] = {"rest": {}, "workers": {}}
+    watches them), and of each of their threads (``workers_threads``, ``rest_threads``, by
+    (pid, thread id))."""
+    out: dict[str, dict] = {"rest": {}, "workers": {}, "rest_threads": {}, "workers_threads": {}}
     if tree_of is None:
         return out
     for pid in [tree_of, *descendant_pids(tree_of)]:
         got = process_cpu_seconds(pid)
         if got is not None:
-            out["workers" if pid in workers else "rest"][pid] = got[0]
+            part = "workers" if pid in workers else "rest"
+            out[part][pid] = got[0]
+            out[f"{part}_threads"].update(((pid, tid), cpu) for tid, cpu in got[1].items())
     return out
 
 
-def server_split(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
-                 seconds: float, answers_per_s: float) -> dict[str, Any] | None:
-    """The server's cores over a phase, split as :func:`server_cpu` splits them, and each part's
-    CPU milliseconds per answer (a process that started during the phase counts from zero)."""
+def server_split(before: dict[str, dict], after: dict[str, dict], seconds: float,
+                 answers_per_s: float) -> dict[str, Any] | None:
+    """The server's cores over a phase, split as :func:`server_cpu` splits them: each part's
+    CPU milliseconds per answer (a process that started during the phase counts from zero), and
+    its busiest thread's cores - a device process's computing thread or a gateway's event loop
+    near 1.0 is a ceiling more processes of the other kind cannot lift."""
     if seconds <= 0 or not after["rest"]:
         return None
     out: dict[str, Any] = {}
@@ -192,6 +197,10 @@ def server_split(before: dict[str, dict[int, float]], after: dict[str, dict[int,
         out[f"{name}_cores"] = round(used / seconds, 3)
         out[f"{name}_ms_per_answer"] = (round(used * 1e3 / (answers_per_s * seconds), 3)
                                         if answers_per_s > 0 else None)
+        was = before.get(f"{part}_threads", {})
+        threads = [cpu - was.get(key, 0.0) for key, cpu in after.get(f"{part}_threads", {}).items()]
+        out[f"{name}_busiest_thread_cores"] = (round(max(threads) / seconds, 3)
+                                               if threads else None)
     return out
 
 

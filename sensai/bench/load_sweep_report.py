@@ -13,7 +13,7 @@ LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p
                 "errors", "status codes", "wrong", "client CPU (cores)", "client share",
                 "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)",
                 "server CPU ms/answer: gateways (workers)", "gateways' CPU / the no-op's",
-                "rows per batch (each subnet)", "GPU busy"]
+                "busiest thread: gateways (workers)", "rows per batch (each subnet)", "GPU busy"]
 OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
                    "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
                    "p99 ms (503)", "other", "client cores", "machine busy cores",
@@ -33,7 +33,7 @@ def _row(label: str, transport: str, flight: str, r: dict, noop: dict | None = N
             fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
             fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
             fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r),
-            over_noop(r, noop), rows_per_batch(r), gpu_busy(r)]
+            over_noop(r, noop), busiest_threads(r), rows_per_batch(r), gpu_busy(r)]
 
 
 def over_noop(r: dict, noop: dict | None) -> str:
@@ -65,6 +65,17 @@ def cpu_per_answer(r: dict) -> str:
     workers = c.get("workers_ms_per_answer") if c.get("workers_processes") else None
     return fmt(c["gateway_ms_per_answer"], 3) + (
         f" ({fmt(workers, 3)})" if workers is not None else " (in the gateway)")
+
+
+def busiest_threads(r: dict) -> str:
+    """The busiest thread of the gateway processes (and of the workers' processes, where they
+    are processes of their own) over a level, in cores."""
+    c = r.get("server_cpu")
+    if not c or c.get("gateway_busiest_thread_cores") is None:
+        return "-"
+    workers = c.get("workers_busiest_thread_cores") if c.get("workers_processes") else None
+    return fmt(c["gateway_busiest_thread_cores"]) + (
+        f" ({fmt(workers)})" if workers is not None else "")
 
 
 def full_gcs(r: dict) -> str:
@@ -174,7 +185,10 @@ def render_markdown(result: dict) -> str:
         "gateway processes, in brackets) and the rest (the gateway processes, and the parent "
         "that watches them); \"in the gateway\": the workers are threads of the gateway's "
         "process, so its figure holds the subnets' compute; beside it, the gateways' figure "
-        "over the bare route's (GET /v2/health/live at the same server).  Rows per batch: each subnet's "
+        "over the bare route's (GET /v2/health/live at the same server).  Busiest thread: the "
+        "busiest single thread of the gateway processes (and of the workers' processes), in "
+        "cores: one near 1.00 is a ceiling that more processes of the other kind cannot "
+        "lift.  Rows per batch: each subnet's "
         "image rows over its batches during the level (from the workers' counters before and "
         "after it; a device process's as its gateway processes last heard them).  GPU busy: "
         "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one).  "
