@@ -119,6 +119,114 @@ def test_the_next_batch_gathers_while_the_device_computes():
     assert core.counts.held == 0  # nobody was held back for company
 
 
+class Recorded(SimRunner):
+    """A simulated subnet that writes each launch into a shared log, beside the answers."""
+
+    def __init__(self, log: list, **kw):
+        super().__init__(**kw)
+        self.log = log
+
+    def launch(self, parts):
+        self.log.append(("launch", self.name, round(float(parts[0][0].ravel()[0]), 4)))
+        return super().launch(parts)
+
+
+def recorded_core(log: list, launch_ms: float, overlap: bool, broken: set = frozenset()):
+    runners = {}
+    for g in (0, 1):
+        r = Recorded(log, input_shape=SHAPE, num_outputs=6, launch_ms=launch_ms,
+                     name=f"subnet_{g:02d}", batch_rows=8)
+        if g in broken:
+            def fail(parts, r=r):
+                r.log.append(("launch", r.name, None))
+                raise RuntimeError(f"{r.name} failed")
+            r.launch = fail
+        runners[g] = r
+    return WorkerCore(runners, batching=Batching(max_rows=1, overlap=overlap))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_next_batch_is_launched_while_the_device_computes_the_one_in_flight(overlap):
+    """Four requests queued, one row of each subnet per batch, on the simulated GPU: with
+    overlap (the default on GPUs) every batch after the first is launched before the batch in
+    flight is answered, so the host's work for one runs while the device computes the other;
+    without it, one batch at a time.  Either way each request gets exactly its own rows back,
+    and its Done after them."""
+    x = rows(4)
+    log: list = []
+    core = recorded_core(log, 5.0, overlap)
+    assert core.overlap is overlap
+    q = queue.SimpleQueue()
+    for r in [*interleaved(x), Stop()]:
+        q.put(r)
+    events = []
+
+    def emit(e):  # in the log as it happens, between the launches
+        events.append(e)
+        log.append((type(e).__name__, e.req))
+
+    core.serve(q, per_request(emit))
+    launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+    first_answer = {}
+    for i, e in enumerate(log):
+        if e[0] == "Output":
+            first_answer.setdefault(e[1] // 2, i)
+    assert len(launches) == 8  # 4 batches, both subnets each
+    for k in range(1, 4):  # batch k's launches against batch k-1's first answer
+        launched_k = launches[2 * k]
+        assert (launched_k < first_answer[k - 1]) is overlap, log
+    outs = {(e.req, e.group): e.output for e in events if type(e) is Output}
+    for i in range(4):
+        for g in (0, 1):
+            np.testing.assert_array_equal(outs[2 * i + g, g], sim_scores(x[i:i + 1], 6))
+    for req in range(8):
+        kinds = [type(e).__name__ for e in events if e.req == req]
+        assert kinds == ["Output", "Done"], (req, kinds)
+
+
+def test_overlap_keeps_failures_to_their_own_subnet_and_a_stop_answers_the_batch_in_flight():
+    """Subnet 1 fails every launch: subnet 0's answers come as ever, subnet 1's requests each
+    fail alone; the Stop behind the last run still gets the batch in flight answered first.
+    A runner that computes as it launches (ONNX Runtime on a CPU) is never overlapped."""
+    x = rows(3)
+    log: list = []
+    core = recorded_core(log, 2.0, True, broken={1})
+    events = serve_queued(core, interleaved(x))
+    by_req = {}
+    for e in events:
+        by_req.setdefault(e.req, []).append(type(e).__name__)
+    for i in range(3):
+        assert by_req[2 * i] == ["Output", "Done"]
+        assert by_req[2 * i + 1] == ["RunFailed", "Done"], by_req
+    failed = [e for e in events if type(e) is RunFailed]
+    assert all("subnet_01 failed" in e.error for e in failed)
+    outs = {e.req: e.output for e in events if type(e) is Output}
+    for i in range(3):
+        np.testing.assert_array_equal(outs[2 * i], sim_scores(x[i:i + 1], 6))
+
+
+def test_the_simulated_gpu_holds_its_staging_buffer_until_the_launch_is_done():
+    """As the CUDA-graph runner's pinned buffers: a second launch before the first is read
+    waits for the first (which is then read), and each launch answers its own rows."""
+    r = sims(50.0, groups=(0,))[0]
+    x = rows(2)
+    t0 = time.perf_counter()
+    first = r.launch((x[:1],))
+    assert not first.waited
+    second = r.launch((x[1:],))
+    assert first.waited and time.perf_counter() - t0 >= 0.05
+    np.testing.assert_array_equal(first.result(), sim_scores(x[:1], 6))
+    np.testing.assert_array_equal(second.result(), sim_scores(x[1:], 6))
+
+
+def test_cpu_runners_are_never_overlapped(tiny_artifact):
+    specs = runner_specs(load_artifact(tiny_artifact), device="cpu", runtime="onnx")
+    core = WorkerCore({i: s.build() for i, s in enumerate(specs)}, batching=Batching())
+    assert core.overlap is False
+    assert WorkerCore(sims(0.0), batching=Batching(overlap=False)).overlap is False
+    assert WorkerCore(sims(0.0), batching=Batching()).overlap is True
+
+
 def test_one_subnet_failing_fails_only_its_own_answers(tiny_artifact):
     """A device's subnet 1 fails; subnet 0's answers to the same requests, in the same batch,
     come as if nothing happened."""

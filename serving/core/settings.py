@@ -110,6 +110,11 @@ class GatewaySettings(BaseSettings):
     batch_delay_us: float = Field(0.0, ge=0, description="how long a worker may hold a request "
                                   "back waiting for company (0: it batches only what is queued "
                                   "already, a request alone never waits)")
+    batch_overlap: bool = Field(True, description="a worker whose subnets run on a GPU (or "
+                                "the sim runtime) launches the next batch of what is queued "
+                                "before it answers the batch the device is computing, so the "
+                                "host's work overlaps the device's (no effect on CPUs, where a "
+                                "launch computes)")
     deadline_s: float = Field(5.0, gt=0, description="deadline of a whole request, from its "
                               "arrival (body, decoding, waiting, the subnets)")
     hang_timeout_s: float | None = Field(

@@ -12,7 +12,10 @@ rows back, sent as soon as its group is computed (:class:`~sensai.serving.core.m
 one per launch), and its Done after its last group
 (:class:`~sensai.serving.core.messages.Dones`, one per batch); transports that carry
 per-request events split them (:func:`~sensai.serving.core.messages.each`).  While a GPU
-computes one batch, the next gathers on the queue, so batches grow with the load by themselves.
+computes one batch, the next gathers on the queue, so batches grow with the load by themselves;
+and where the runners compute apart from the host (GPUs, the sim runtime), the next batch is
+launched before the one in flight is answered, so the host's work overlaps the device's
+(``Batching.overlap``, see :meth:`WorkerCore.serve`).
 A batch costs each runner one call where its requests one by one cost one each (and a small
 CNN's call is mostly overhead), so batching lifts what a worker answers per second exactly
 when requests queue.
@@ -92,6 +95,11 @@ class WorkerCore:
         self.flush = flush or (lambda: None)
         self.delay, self.corrupt = delay, bool(corrupt)
         self.batching = batching or Batching()
+        # Overlap a batch's answers with the next batch's device time: only where every launch
+        # returns before its device is done (a CPU runner computes as it launches, so the next
+        # batch would only delay this one's answers).
+        self.overlap = self.batching.overlap and bool(self.runners) and all(
+            getattr(r, "overlaps", False) for r in self.runners.values())
         self.counts = BatchCounts()  # the loop's batches of runs
         self.group_counts = {g: BatchCounts() for g in self.runners}  # each subnet's launches
         self.rng = random.Random(seed)
@@ -223,6 +231,11 @@ class WorkerCore:
             if waits:
                 self.hedge(waits)
             self.launch(copies, batch, skipped, emit)
+        self.close(batch, skipped, emit)
+
+    def close(self, batch: Sequence[Run], skipped: list[int],
+              emit: Callable[[object], None]) -> None:
+        """A batch's end: what the worker remembered of its requests let go, its Dones."""
         if self.skips or self.hedge_until:
             for m in batch:
                 self.end(m.req)
@@ -233,10 +246,36 @@ class WorkerCore:
                                                      for m in batch], counts))
         self.flush()
 
+    def start(self, batch: Sequence[Run]) -> "Started | None":
+        """Launch a batch's groups and return without waiting for them (see :meth:`serve`):
+        None where it needs the whole of :meth:`run` (injected delays, copies to hedge)."""
+        if self.delay is not None:
+            return None
+        own: dict[int, list[int]] = {}
+        for i, m in enumerate(batch):
+            if m.primaries != len(m.groups):
+                return None
+            for g in m.groups:
+                own.setdefault(g, []).append(i)
+        skipped = [0] * len(batch)
+        return Started(batch, skipped, self.launches(own, batch, skipped))
+
+    def finish(self, started: "Started", emit: Callable[[object], None]) -> None:
+        """A batch :meth:`start` launched: its outputs once computed, then its Dones."""
+        self.collect(started.launched, emit)
+        self.close(started.batch, started.skipped, emit)
+
     def launch(self, tasks: Mapping[int, list[int]], batch: Sequence[Run], skipped: list[int],
                emit: Callable[[object], None]) -> None:
         """Each group of ``tasks`` (group -> its runs' places in ``batch``) on the rows of its
         runs not skipped: every launch made before any is waited for, then emitted."""
+        self.collect(self.launches(tasks, batch, skipped), emit)
+
+    def launches(self, tasks: Mapping[int, list[int]], batch: Sequence[Run],
+                 skipped: list[int]) -> list[tuple]:
+        """Each group of ``tasks`` launched on the rows of its runs not skipped (counted in
+        ``skipped``), nothing waited for: (group, runs, launch, start, seconds it took where it
+        computed as it launched)."""
         launched = []
         some_skipped = self.skips or self.closing
         for g, places in tasks.items():
@@ -266,6 +305,10 @@ class WorkerCore:
                 # are done when the wait below is.
                 took = time.perf_counter() - t0 if type(one).waits is None else None
                 launched.append((g, runs, one, t0, took))
+        return launched
+
+    def collect(self, launched: list[tuple], emit: Callable[[object], None]) -> None:
+        """Wait once for every one of ``launched`` (see :meth:`launches`), then emit each."""
         if not launched:
             return
         wait_all([one for _, _, one, _, _ in launched])
@@ -351,13 +394,33 @@ class WorkerCore:
               alive: Callable[[], bool] = lambda: True) -> None:
         """Runs from ``runs``, in batches of what is waiting, until a :class:`Stop` without a
         reply, or ``alive()`` turns false (the worker was given up on: nothing more is
-        emitted).  ``emit`` gets the loop's batch events (:func:`per_request` splits them)."""
+        emitted).  ``emit`` gets the loop's batch events (:func:`per_request` splits them).
+
+        Where the worker overlaps (:attr:`overlap`: its runners' devices compute apart from the
+        host), a batch is launched and left in flight while the next one is gathered from what
+        is queued and launched; only then is the first waited for and answered.  The host's
+        work for one batch (answering, gathering, staging) then runs while the device computes
+        the other, where one batch at a time leaves the device idle meanwhile.  A lone run is
+        answered as soon as before: with nothing queued the batch in flight is finished at once."""
         ahead = None  # taken from the queue while gathering, but not part of that batch
+        pending: Started | None = None  # launched, not answered yet (overlapping only)
         while True:
-            msg, ahead = (runs.get() if ahead is None else ahead), None
+            if ahead is not None:
+                msg, ahead = ahead, None
+            elif pending is None:
+                msg = runs.get()
+            elif runs.empty():  # the one reader: nothing queued, so nothing to overlap with
+                self.finish(pending, emit)
+                pending = None
+                continue
+            else:
+                msg = runs.get_nowait()
             if not alive():
                 return
             if isinstance(msg, Stop):
+                if pending is not None:
+                    self.finish(pending, emit)
+                    pending = None
                 if msg.reply is None:
                     return
                 msg.reply()  # a ping: proves the loop is not stuck
@@ -368,4 +431,19 @@ class WorkerCore:
                 {self.origin(m.req) for m in batch}) > 1
             self.counts = self.counts + BatchCounts(
                 1, n, n, held, int(mixed), sum(rows(m) or 1 for m in batch))
-            self.run(batch, emit)
+            started = self.start(batch) if self.overlap else None
+            if pending is not None:
+                self.finish(pending, emit)
+            pending = started
+            if started is None:
+                self.run(batch, emit)
+
+
+class Started:
+    """A batch :meth:`WorkerCore.start` launched: its runs, how many of each were skipped, and
+    its launches (see :meth:`WorkerCore.launches`)."""
+
+    __slots__ = ("batch", "skipped", "launched")
+
+    def __init__(self, batch: Sequence[Run], skipped: list[int], launched: list[tuple]):
+        self.batch, self.skipped, self.launched = batch, skipped, launched

@@ -7,7 +7,9 @@ the subnets of one GPU run side by side on their own streams.  :class:`SimRunner
 :meth:`SimRunner.launch` stages the rows as the CUDA-graph runner does (one pass into a buffer of
 its own), answers rows of the right shape that depend on each row's own input (its first values:
 so the tests can tell whose rows came back to whom), and is done ``launch_ms`` after it was
-launched, or after this runner's previous launch is done (one stream per runner).
+launched, or after this runner's previous launch is done (one stream per runner).  As the
+CUDA-graph runner's pinned buffers, its staging buffer is one: a launch made before the previous
+one is read waits for that one first.
 :func:`wait_sims` sleeps until the last of several launches is done: one wait per batch, in
 ``time.sleep``, which holds no interpreter lock.
 
@@ -61,6 +63,7 @@ class SimRunner:
     of ``input_shape``, each launch done ``launch_ms`` after it started."""
 
     runtime = "sim"
+    overlaps = True  # a launch returns at once; the device's time passes apart from the host's
 
     def __init__(self, *, input_shape: Sequence[int], num_outputs: int,
                  launch_ms: float = DEFAULT_LAUNCH_MS, name: str = "sim", device: str = "cpu",
@@ -72,6 +75,7 @@ class SimRunner:
         self.num_outputs = max(1, int(num_outputs))
         self.launch_s = launch_ms / 1e3
         self.busy_until = 0.0
+        self.unread: SimLaunch | None = None  # holds the staging buffer until it is done
         self.staged = np.zeros((max(1, batch_rows), *self.input_shape), dtype=np.float32)
 
     def run(self, x: np.ndarray) -> np.ndarray:
@@ -83,6 +87,8 @@ class SimRunner:
             if tuple(p.shape[1:]) != self.input_shape:
                 raise ValueError(f"{self.name}: rows of shape {list(p.shape[1:])}, the subnet "
                                  f"takes {list(self.input_shape)}")
+        if self.unread is not None and not self.unread.waited:
+            wait_sims((self.unread,))
         if n > len(self.staged):
             self.staged = np.zeros((n, *self.input_shape), dtype=np.float32)
         staged = self.staged[:n]
@@ -94,7 +100,8 @@ class SimRunner:
         now = time.perf_counter()
         end = max(now, self.busy_until) + self.launch_s
         self.busy_until = end
-        return SimLaunch(end, out)
+        self.unread = SimLaunch(end, out)
+        return self.unread
 
 
 def sim_scores(x: np.ndarray, num_outputs: int) -> np.ndarray:
