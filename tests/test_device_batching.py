@@ -205,6 +205,30 @@ def test_overlap_keeps_failures_to_their_own_subnet_and_a_stop_answers_the_batch
         np.testing.assert_array_equal(outs[2 * i], sim_scores(x[i:i + 1], 6))
 
 
+def test_a_batch_in_flight_is_not_kept_waiting_while_the_next_waits_for_company():
+    """A worker that may hold a request 2 s for company does so only with nothing in flight:
+    the run gathered while a batch is in flight goes as it is, and the batch in flight is
+    answered within its launch's time, not the company's."""
+    x = rows(3)
+    core = WorkerCore(sims(5.0, groups=(0,)), batching=Batching(max_rows=2, delay_us=2e6))
+    q = queue.SimpleQueue()
+    q.put(Run(0, x[:2], (0,), 1))  # a full batch: it goes at once
+    q.put(Run(1, x[2:], (0,), 1))  # the next batch, room for company, gathered with 0 in flight
+    answered = {}
+    t0 = time.perf_counter()
+
+    def emit(e):
+        if type(e) is Output:
+            answered[e.req] = time.perf_counter() - t0
+
+    loop = threading.Thread(target=core.serve, args=(q, per_request(emit)))
+    loop.start()
+    wait_until(lambda: len(answered) == 2, 10, "both answers")
+    q.put(Stop())
+    loop.join(5)
+    assert answered[0] < 1.0 and answered[1] < 1.0, answered
+
+
 def test_the_simulated_gpu_holds_its_staging_buffer_until_the_launch_is_done():
     """As the CUDA-graph runner's pinned buffers: a second launch before the first is read
     waits for the first (which is then read), and each launch answers its own rows."""

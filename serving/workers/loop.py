@@ -346,11 +346,14 @@ class WorkerCore:
         self.group_counts[g] = BatchCounts(c.batches + 1, c.requests + requests,
                                            max(c.largest, requests), 0, 0, c.rows + rows)
 
-    def gather(self, first: Run, runs: "queue.SimpleQueue") -> tuple[list[Run], int, object]:
+    def gather(self, first: Run, runs: "queue.SimpleQueue", hold: bool = True
+               ) -> tuple[list[Run], int, object]:
         """``first`` and the runs queued behind it that fit its batch (at most ``max_rows``
-        rows of any group); how many of them were held back waiting for company; and the
-        message taken that ends the batch (None: none taken)."""
-        most, delay_us = self.batching.max_rows, self.batching.delay_us
+        rows of any group); how many of them were held back waiting for company (never any
+        without ``hold``: a batch in flight is waiting to be answered); and the message taken
+        that ends the batch (None: none taken)."""
+        most = self.batching.max_rows
+        delay_us = self.batching.delay_us if hold else 0.0
         batch = [first]
         n = rows(first)
         if n is None:
@@ -425,7 +428,7 @@ class WorkerCore:
                     return
                 msg.reply()  # a ping: proves the loop is not stuck
                 continue
-            batch, held, ahead = self.gather(msg, runs)
+            batch, held, ahead = self.gather(msg, runs, hold=pending is None)
             n = len(batch)
             mixed = self.origin is not None and n > 1 and len(
                 {self.origin(m.req) for m in batch}) > 1
