@@ -30,7 +30,8 @@ from .load import LoadOptions, LoadRun, overload_cap, reference_runtime, request
 from .load_single import original_as_artifact
 from .machine import split_cores
 from .load_sweep_report import plot, render_markdown
-from .names import SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S
+from .names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
+                    SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
 from .peers import MODEL as PEER_MODEL
 from .peers import Peers, unavailable
 from .robust import offline_reference
@@ -39,10 +40,13 @@ from .targets import evaluate_sweep_targets
 CONFIGS = SWEEP_CONFIGS
 CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
                  "class-parallel-unbatched": "class parallel (sensAI), no batching",
+                 "class-parallel-serial": "class parallel (sensAI), batching, one batch at a "
+                                          "time in flight",
                  "single": "single device (the original), batching",
                  "triton": "Triton, the original, dynamic batcher"}
 # Gateway settings that make a configuration (added to the run's own).
-CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
+CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"},
+              "class-parallel-serial": {"SENSAI_BATCH_OVERLAP": "false"}}
 LEVELS = SWEEP_LEVELS
 NOOP_CONCURRENCY = 16
 WARMUP_CONCURRENCY = 16
@@ -243,7 +247,7 @@ def run_load_sweep(
     out_dir: str | Path,
     options: LoadOptions = LoadOptions(),
     *,
-    configs: Sequence[str] = CONFIGS,
+    configs: Sequence[str] = SWEEP_DEFAULT_CONFIGS,
     levels: Sequence[int] = LEVELS,
     level_s: float = 5.0,
     warmup_s: float = SWEEP_WARMUP_S,

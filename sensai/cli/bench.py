@@ -275,8 +275,8 @@ def register_load(sub) -> None:
 
 
 def load_args(p) -> None:
-    from sensai.bench.names import (SWEEP_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
-                                    SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
+    from sensai.bench.names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS,
+                                    SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
 
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
@@ -348,12 +348,15 @@ def load_args(p) -> None:
                  "overload; the same client processes for all (their own CPU reported per "
                  "level). load.png: p99 latency against throughput, one line per configuration.")
     sweep.add_argument("--sweep", action="store_true", help="run the sweep")
-    sweep.add_argument("--configs", nargs="+", choices=SWEEP_CONFIGS, default=list(SWEEP_CONFIGS),
-                       metavar="CONFIG",
+    sweep.add_argument("--configs", nargs="+", choices=SWEEP_CONFIGS,
+                       default=list(SWEEP_DEFAULT_CONFIGS), metavar="CONFIG",
                        help=f"of {', '.join(SWEEP_CONFIGS)}: the artifact with batching, without "
                             "(SENSAI_BATCH_MAX_ROWS=1), the original model behind the same "
-                            "gateway, and the original on Triton with its dynamic batcher "
-                            "(skipped with the reason where it cannot run) (default: all)")
+                            "gateway, the original on Triton with its dynamic batcher "
+                            "(skipped with the reason where it cannot run), and the artifact "
+                            "with one batch at a time in flight (SENSAI_BATCH_OVERLAP=false: a "
+                            "GPU's overlap off) (default: "
+                            f"{' '.join(SWEEP_DEFAULT_CONFIGS)})")
     sweep.add_argument("--levels", type=int, nargs="+", default=list(SWEEP_LEVELS),
                        metavar="N", help="requests in flight of each closed loop (default: "
                                          f"{' '.join(map(str, SWEEP_LEVELS))})")
