@@ -511,7 +511,10 @@ def test_baselines_keep_the_deadline_like_the_predictor(fmnist_spec):
 
     async def run():
         try:
-            with pytest.raises(SubnetTimeout, match="slow gave no answer within 0.05 s") as e:
+            # The time it was given is what was left of the 0.05 s when it was asked: a hair
+            # less on a busy machine.
+            given = r"slow gave no answer within 0\.0(5|4\d*) s"
+            with pytest.raises(SubnetTimeout, match=given) as e:
                 await slow.predict(x, deadline=asyncio.get_running_loop().time() + 0.05)
             assert e.value.status == 504
             return await slow.predict(x)
