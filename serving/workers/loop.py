@@ -212,16 +212,7 @@ class WorkerCore:
         if self.delay is not None:
             for m in batch:
                 self.begin(m.req)
-        own: dict[int, list[int]] = {}
-        copies: dict[int, list[int]] = {}
-        for i, m in enumerate(batch):
-            groups = m.groups
-            if len(groups) == 1 and m.primaries == 1:  # a worker's own group alone: the usual
-                own.setdefault(groups[0], []).append(i)
-                continue
-            p = m.primaries
-            for j, g in enumerate(groups):
-                (own if j < p else copies).setdefault(g, []).append(i)
+        own, copies = self.tasks(batch)
         skipped = [0] * len(batch)
         self.launch(own, batch, skipped, emit)
         if copies:
@@ -232,6 +223,22 @@ class WorkerCore:
                 self.hedge(waits)
             self.launch(copies, batch, skipped, emit)
         self.close(batch, skipped, emit)
+
+    @staticmethod
+    def tasks(batch: Sequence[Run]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """A batch's work, each group -> its runs' places in ``batch``: the worker's own groups,
+        and the copies of other workers' groups."""
+        own: dict[int, list[int]] = {}
+        copies: dict[int, list[int]] = {}
+        for i, m in enumerate(batch):
+            groups = m.groups
+            if len(groups) == 1 and m.primaries == 1:  # a worker's own group alone: the usual
+                own.setdefault(groups[0], []).append(i)
+                continue
+            p = m.primaries
+            for j, g in enumerate(groups):
+                (own if j < p else copies).setdefault(g, []).append(i)
+        return own, copies
 
     def close(self, batch: Sequence[Run], skipped: list[int],
               emit: Callable[[object], None]) -> None:
@@ -251,12 +258,9 @@ class WorkerCore:
         None where it needs the whole of :meth:`run` (injected delays, copies to hedge)."""
         if self.delay is not None:
             return None
-        own: dict[int, list[int]] = {}
-        for i, m in enumerate(batch):
-            if m.primaries != len(m.groups):
-                return None
-            for g in m.groups:
-                own.setdefault(g, []).append(i)
+        own, copies = self.tasks(batch)
+        if copies:
+            return None
         skipped = [0] * len(batch)
         return Started(batch, skipped, self.launches(own, batch, skipped))
 
