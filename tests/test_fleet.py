@@ -147,6 +147,52 @@ def test_metrics_from_either_gateway_add_up_over_both(fleet, fmnist_test):
         assert predicted() == before + 20
 
 
+def test_statistics_and_shared_memory_regions_are_the_whole_servers(fleet, tiny_artifact_g2,
+                                                                    fmnist_test, fmnist_spec):
+    """Triton's statistics from either gateway process count the requests of both, and a
+    region registered through one is used through the other (a connection each: the kernel
+    spreads them)."""
+    import tritonclient.utils.shared_memory as shm
+
+    _, url, _ = fleet
+    _, images, _ = sample_images(fmnist_test, 1)
+    x = normalize(images, fmnist_spec).numpy().astype(np.float32)
+    expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
+
+    def successes() -> int:
+        stats = fresh(url, "GET", "/v2/models/sensai/stats").json()["model_stats"][0]
+        return stats["inference_stats"]["success"]["count"]
+
+    before = successes()
+    for _ in range(10):
+        assert predict(url, images[0])[0] == 200
+    for _ in range(6):
+        assert successes() == before + 10
+
+    key = f"/sensai_fleet_{os.getpid()}"
+    handle = shm.create_shared_memory_region("fleet", key, x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        r = fresh(url, "POST", "/v2/systemsharedmemory/region/fleet/register",
+                  json={"key": key, "byte_size": x.nbytes})
+        assert r.status_code == 200, r.text
+        body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                            "parameters": {"shared_memory_region": "fleet",
+                                           "shared_memory_byte_size": x.nbytes}}],
+                "outputs": [{"name": "scores"}]}
+        for _ in range(12):
+            r = fresh(url, "POST", "/v2/models/sensai/infer", json=body)
+            assert r.status_code == 200, r.text
+            got = np.array(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(1, -1)
+            np.testing.assert_allclose(got, expected, atol=1e-4)
+        assert fresh(url, "POST", "/v2/systemsharedmemory/unregister").status_code == 200
+        for _ in range(6):  # gone for every process
+            r = fresh(url, "POST", "/v2/models/sensai/infer", json=body)
+            assert r.status_code == 400 and "unknown shared memory region" in r.json()["error"]
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
 def test_a_killed_gateway_costs_only_its_own_requests_and_comes_back(fleet, fmnist_test):
     _, url, _ = fleet
     _, images, _ = sample_images(fmnist_test, 1)

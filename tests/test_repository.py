@@ -436,3 +436,41 @@ def test_a_repository_on_ray_actors_swaps_under_load(tmp_path, tiny_artifact, ti
         assert info["predictor"]["backend"] == "ray" and len(info["predictor"]["workers"]) == 2
         assert httpx.post(f"{url}/v1/predict", content=pngs[0]).json()["model_version"] == "2"
         assert stop_server(proc) == 0
+
+
+def test_statistics_are_kept_per_version_and_start_again_for_a_version_reloaded(
+        tmp_path, tiny_artifact, tiny_artifact_g2, images):
+    """Triton's statistics, through tritonclient, count each version's own requests; an
+    unloaded version's counters go with it."""
+    import tritonclient.http as httpclient
+
+    repo = tmp_path / "repo"
+    add_version(repo, MODEL, tiny_artifact)
+    (repo / MODEL / "sensai-model.json").write_text(json.dumps({"version_policy": "all"}))
+    add_version(repo, MODEL, tiny_artifact_g2)
+    with gateway(repo) as server:
+        h = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+        for version, n in (("1", 3), ("2", 1)):
+            for _ in range(n):
+                r = httpx.post(f"{server.url}/v1/predict", params={"model": MODEL,
+                                                                   "version": version},
+                               content=png(images[0]))
+                assert r.status_code == 200
+        r = httpx.post(f"{server.url}/v2/models/{MODEL}/versions/2/infer",
+                       json={"inputs": [{"name": "input", "datatype": "FP32",
+                                         "shape": [1, 1, 27, 28], "data": [0.0] * 756}]})
+        assert r.status_code == 400 and "shape" in r.json()["error"]
+        rows = {s["version"]: s for s in h.get_inference_statistics(MODEL)["model_stats"]}
+        assert sorted(rows) == ["1", "2"]
+        stats = {v: (s["inference_stats"]["success"]["count"],
+                     s["inference_stats"]["fail"]["count"]) for v, s in rows.items()}
+        assert stats == {"1": (3, 0), "2": (1, 1)}
+        assert rows["1"]["inference_stats"]["compute_infer"]["ns"] > 0
+        one = h.get_inference_statistics(MODEL, "2")["model_stats"]
+        assert [s["version"] for s in one] == ["2"]
+        h.unload_model(MODEL)
+        assert h.get_inference_statistics()["model_stats"] == []
+        h.load_model(MODEL)
+        rows = {s["version"]: s for s in h.get_inference_statistics(MODEL)["model_stats"]}
+        assert all(s["inference_stats"]["success"]["count"] == 0 for s in rows.values())
+        h.close()

@@ -23,6 +23,7 @@ runs on the event loop, so health checks answer whatever the other requests are 
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
@@ -42,6 +43,7 @@ from .predict_routes import PredictRoutes
 from .repository_api import add_repository_routes
 from .schemas import ERROR_RESPONSES
 from .served import ServedModels
+from .shared_memory import SystemSharedMemory
 
 
 def create_app(served: Predictor | ServedModels, settings: GatewaySettings | None = None, *,
@@ -61,7 +63,10 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     except PackageNotFoundError:
         version = "0"
     admission = Admission(settings, line=line)
-    gw = Gateway(models, settings, models.metrics, admission, version)
+    shared = models.metrics.shared_dir  # several gateway processes: their regions are shared
+    shm = SystemSharedMemory(os.path.join(os.path.dirname(shared), "shm") if shared else None,
+                             max_tensor_bytes=settings.max_body_bytes)
+    gw = Gateway(models, settings, models.metrics, admission, version, shm)
     # Read when scraped: the limit changes once a window at most, not with every request.
     models.metrics.follow(models.metrics.predictor_limit, lambda: admission.predictor.limit)
 

@@ -2,7 +2,8 @@
 (``GET /``, ``GET /v1/models``), ``GET /metrics`` (Prometheus), and the Open Inference
 Protocol's server and model metadata and health (``/v2``, ``/v2/health/{live,ready}``,
 ``/v2/models/{m}[/versions/{v}]``, ``.../ready``), and Triton's model configuration
-(``.../config``)."""
+(``.../config``), statistics (``/v2/models[/{m}[/versions/{v}]]/stats``) and system shared
+memory (``/v2/systemsharedmemory/...``)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..core.errors import ServingError
 from .http_errors import error_response
-from .inference import (Gateway, server_ready, v2_model_config, v2_model_metadata,
+from .inference import (Gateway, server_ready, statistics, v2_model_config, v2_model_metadata,
                         v2_server_metadata, version_ready)
 from .schemas import ModelInfo, VersionInfo
 from .model_table import ModelVersion
+from .repository_api import json_body
 
 
 # Dependencies are async: FastAPI runs a sync dependency in its thread pool, a hop per request.
@@ -67,6 +70,8 @@ def add_control_routes(app: FastAPI) -> None:
     async def server_metadata(gw: GatewayDep):
         return v2_server_metadata(gw)
 
+    add_shared_memory_routes(app)
+
     @app.get("/v2/health/live")
     async def live():
         return {"live": True}
@@ -76,6 +81,15 @@ def add_control_routes(app: FastAPI) -> None:
         if not await run_in_threadpool(server_ready, gw):
             return error_response(request, 503, "not ready", "not_ready")
         return {"ready": True}
+
+    # Before the model metadata: "/v2/models/stats" would be a model named "stats".
+    @app.get("/v2/models/stats")
+    @app.get("/v2/models/{model_name}/stats")
+    @app.get("/v2/models/{model_name}/versions/{version}/stats")
+    async def model_statistics(gw: GatewayDep, model_name: str | None = None,
+                               version: str | None = None):
+        # Where several gateway processes serve, the answer reads their files: off the loop.
+        return await run_in_threadpool(statistics, gw, model_name, version)
 
     @app.get("/v2/models/{model_name}")
     @app.get("/v2/models/{model_name}/versions/{version}")
@@ -96,3 +110,35 @@ def add_control_routes(app: FastAPI) -> None:
             return error_response(request, 503, f"model {model_name!r} is not ready",
                                   "not_ready")
         return {"name": model_name, "version": mv.version, "ready": True}
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    offset: int = 0
+    byte_size: int
+
+
+SHM = "/v2/systemsharedmemory"
+
+
+def add_shared_memory_routes(app: FastAPI) -> None:
+    """Triton's system shared-memory extension (:mod:`~.shared_memory`)."""
+
+    @app.get(SHM + "/status")
+    @app.get(SHM + "/region/{name}/status")
+    async def shm_status(gw: GatewayDep, name: str | None = None) -> list[dict]:
+        return gw.shared_memory.status(name)
+
+    @app.post(SHM + "/region/{name}/register")
+    async def shm_register(request: Request, gw: GatewayDep, name: str) -> dict:
+        body = await json_body(request, RegisterRequest)
+        gw.shared_memory.register(name, body.key, body.offset, body.byte_size,
+                                  client=request.client.host if request.client else None)
+        return {}
+
+    @app.post(SHM + "/unregister")
+    @app.post(SHM + "/region/{name}/unregister")
+    async def shm_unregister(gw: GatewayDep, name: str | None = None) -> dict:
+        gw.shared_memory.unregister(name)
+        return {}

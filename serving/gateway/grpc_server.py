@@ -8,11 +8,13 @@ path (:func:`~sensai.serving.gateway.inference.v2_infer` ->
 :func:`~sensai.serving.gateway.inference.predict`): this module only converts messages and errors.
 Implemented: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``,
 ``ModelConfig`` (Triton's model configuration: where the preprocessing's values are, as
-``ModelMetadata`` has no field for them), ``ModelInfer`` (tensors in ``raw_input_contents`` or typed ``contents``; outputs always in
-``raw_output_contents``) and the repository's ``RepositoryIndex``, ``RepositoryModelLoad``,
-``RepositoryModelUnload`` (asked for what HTTP asks,
-:func:`~sensai.serving.gateway.repository_api.check_access`); the other methods answer
-UNIMPLEMENTED.
+``ModelMetadata`` has no field for them), ``ModelInfer`` (tensors in ``raw_input_contents``,
+typed ``contents`` or a registered shared-memory region; outputs in ``raw_output_contents`` or a
+region), ``ModelStreamInfer`` (each request's answer on the stream as it is done, a failure as
+its ``error_message``), ``ModelStatistics``, ``SystemSharedMemory{Status,Register,Unregister}``
+and the repository's ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``
+(asked for what HTTP asks, :func:`~sensai.serving.gateway.repository_api.check_access`); the
+others (CUDA shared memory, trace and log settings) answer UNIMPLEMENTED at once.
 
 Errors map to status codes by their HTTP status (:data:`CODES`): 400 INVALID_ARGUMENT, 404
 NOT_FOUND, 413 RESOURCE_EXHAUSTED (what gRPC itself answers for a message over
@@ -26,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import struct
 import time
 from typing import Any, Awaitable, Callable, NamedTuple
 
@@ -43,10 +44,13 @@ from ..core.contract import Prediction
 from ..core.errors import InputError, Overloaded, ServingError
 from . import oip
 from .admission import Ticket
-from .inference import (INLINE_PARSE_BYTES, Gateway, count_error, server_ready, v2_infer,
-                        v2_model_config, v2_model_metadata, v2_server_metadata, version_ready)
+from .inference import (INLINE_PARSE_BYTES, Gateway, answered, count_error, server_ready,
+                        statistics, v2_infer, v2_model_config, v2_model_metadata,
+                        v2_server_metadata, version_ready)
 from .repository_api import check_access
 from .model_table import ModelVersion
+from .shared_memory import SharedRef, shared_ref
+from .statistics import RequestClock
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,12 @@ def _tensor(t, raw: bytes | None, k: int, max_elements: int) -> oip.InputTensor:
         raise InputError(f"{where}: unsupported datatype {t.datatype!r} "
                          f"(one of {', '.join(oip.DTYPES)})")
     dt = oip.DTYPES[t.datatype]
+    shared = shared_ref(parameters(t.parameters), where)
+    if shared is not None:  # its bytes are bounded by the region, checked when read
+        if raw is not None or t.HasField("contents"):
+            raise InputError(f"{where}: data both in shared memory and in the request")
+        shape = oip.bounded_shape(list(t.shape), where, shared.byte_size)
+        return oip.InputTensor(t.name, t.datatype, shape, None, shared)
     field = TYPED.get(t.datatype)
     # No shape may claim more elements than a message can carry (the HTTP rule, shared); the
     # exact count is checked against what was sent below.
@@ -124,20 +134,24 @@ def _tensor(t, raw: bytes | None, k: int, max_elements: int) -> oip.InputTensor:
 
 
 def _requested(o) -> oip.RequestedOutput:
-    k = parameters(o.parameters).get("classification", 0)
+    params = parameters(o.parameters)
+    k = params.get("classification", 0)
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise InputError(f"output {o.name!r}: classification must be a count >= 0")
-    return oip.RequestedOutput(o.name, True, k)
+    return oip.RequestedOutput(o.name, True, k, shared_ref(params, f"output {o.name!r}"))
 
 
 def infer_request(msg: pb.ModelInferRequest, max_elements: int) -> oip.InferRequest:
     """A ``ModelInferRequest`` as the protocol's request, every tensor checked against the bytes
-    or values that carry it (so no shape can claim more than the message holds)."""
-    raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
-        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(msg.inputs)} "
-                         "inputs (one per input, or none)")
-    inputs = [_tensor(t, raw[k] if raw else None, k, max_elements)
+    or values that carry it (so no shape can claim more than the message holds).  Inputs in
+    shared memory have no entry in ``raw_input_contents`` (tritonclient's rule)."""
+    raw = list(msg.raw_input_contents)
+    carried = [t for t in msg.inputs if "shared_memory_region" not in t.parameters]
+    if raw and len(raw) != len(carried):
+        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(carried)} "
+                         "inputs not in shared memory (one per input, or none)")
+    raw_of = dict(zip((id(t) for t in carried), raw))
+    inputs = [_tensor(t, raw_of.get(id(t)), k, max_elements)
               for k, t in enumerate(msg.inputs)]
     outputs = [_requested(o) for o in msg.outputs] or None  # none asked for: all of them
     return oip.InferRequest(msg.id or None, inputs, outputs, True, parameters(msg.parameters))
@@ -148,21 +162,21 @@ def typed_elements(msg: pb.ModelInferRequest) -> int:
     return sum(len(getattr(t.contents, f)) for t in msg.inputs for f in fields)
 
 
-def _raw(arr: np.ndarray, datatype: str) -> bytes:
-    if datatype == "BYTES":  # each element: its length (uint32 LE), then its bytes
-        return b"".join(struct.pack("<I", len(s)) + s for s in arr.reshape(-1))
-    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
-
-
 def infer_response(mv: ModelVersion, msg: pb.ModelInferRequest, pred: Prediction,
                    outputs: list[tuple[str, np.ndarray, bool]]) -> pb.ModelInferResponse:
     resp = pb.ModelInferResponse(model_name=mv.name, model_version=mv.version, id=msg.id)
     for key, value in oip.response_parameters(pred).items():
         _set_parameter(resp.parameters[key], value)
-    for out_name, arr, _ in outputs:
+    for out_name, arr, where in outputs:
         datatype = oip.v2_datatype(arr)
-        resp.outputs.add(name=out_name, datatype=datatype, shape=list(arr.shape))
-        resp.raw_output_contents.append(_raw(arr, datatype))
+        tensor = resp.outputs.add(name=out_name, datatype=datatype, shape=list(arr.shape))
+        if isinstance(where, SharedRef):  # written to the region already
+            for key, value in where.parameters().items():
+                _set_parameter(tensor.parameters[key], value)
+            # tritonclient finds an output's bytes by its place among the outputs
+            resp.raw_output_contents.append(b"")
+        else:
+            resp.raw_output_contents.append(oip.tensor_bytes(arr))
     return resp
 
 
@@ -173,6 +187,12 @@ def _tensor_metadata(items: list[dict]) -> list:
 
 # --------------------------------------------------------------------------------------------
 # The service
+
+
+def peer_host(context) -> str:
+    """The client's address: "ipv4:127.0.0.1:51234" -> "127.0.0.1", "ipv6:[::1]:51234" ->
+    "[::1]"."""
+    return (context.peer() or "").partition(":")[2].rpartition(":")[0]
 
 
 class Call(NamedTuple):
@@ -191,10 +211,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _serve(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
                      gated: bool = True, prediction: bool = False) -> Any:
+        """``work(call)`` (see :meth:`_call`), its refusal the call's status."""
+        try:
+            return await self._call(method, context, work, gated=gated, prediction=prediction)
+        except ServingError as exc:
+            if exc.status == 500:
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            await self._abort(context, exc)
+
+    async def _call(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
+                    gated: bool = True, prediction: bool = False) -> Any:
         """``work(call)`` as the gateway serves an HTTP request: admitted (``gated``; a
         ``prediction`` takes a place at the predictor) from the moment the call reached this
         servicer (gRPC gives no earlier one), its deadline the gateway's or the client's,
-        whichever comes first."""
+        whichever comes first.  Every failure is raised as a :class:`ServingError` (status 500:
+        a bug, logged)."""
         gw, metrics = self.gw, self.gw.metrics
         adm = gw.admission
         t0 = time.perf_counter()
@@ -217,12 +248,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             exc = e if isinstance(e, ServingError) else InputError(str(e))
             status, reason = exc.status, type(e).__name__
             count_error(gw, exc)
-            await self._abort(context, exc)
+            raise exc from None
         except Exception as e:
             log.exception("gRPC %s failed", method)
             status, reason = 500, "internal"
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error ({type(e).__name__}); see the server log")
+            raise ServingError(f"internal error ({type(e).__name__}); see the server log",
+                               status=500) from None
         finally:
             if ticket is not None:
                 ticket.release()
@@ -287,13 +318,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference
 
-    async def ModelInfer(self, request, context):
+    def infer_work(self, request: pb.ModelInferRequest) -> Callable[[Call], Awaitable[Any]]:
         gw = self.gw
 
-        async def work(call: Call):
+        async def work(call: Call) -> pb.ModelInferResponse:
             deadline = call.deadline
             name, version = request.model_name, request.model_version or None
             gw.models.route(name, version)  # an unknown model is told before its parsing
+            clock = RequestClock()
             if typed_elements(request) <= INLINE_ELEMENTS:
                 req = infer_request(request, gw.settings.max_body_bytes)
             else:
@@ -302,17 +334,92 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                                   gw.settings.max_body_bytes)
             async with gw.models.hold(name, version) as mv:
                 pred, outputs = await v2_infer(gw, mv, req, deadline, f"gRPC {req.id or ''}",
-                                               call.ticket)
-            return infer_response(mv, request, pred, outputs)
-        return await self._serve("ModelInfer", context, work, prediction=True)
+                                               call.ticket, clock)
+            response = infer_response(mv, request, pred, outputs)
+            answered(gw, mv, len(pred.scores), pred, clock)
+            return response
+        return work
+
+    async def ModelInfer(self, request, context):
+        return await self._serve("ModelInfer", context, self.infer_work(request),
+                                 prediction=True)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Each request of the stream answered on it as it is done (its id says which); a
+        request's failure is its answer's ``error_message``, and the stream goes on."""
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def one(msg: pb.ModelInferRequest) -> None:
+            try:
+                resp = await self._call("ModelStreamInfer", context, self.infer_work(msg),
+                                        prediction=True)
+                await answers.put(pb.ModelStreamInferResponse(infer_response=resp))
+            except ServingError as exc:
+                await answers.put(pb.ModelStreamInferResponse(
+                    error_message=str(exc), infer_response=pb.ModelInferResponse(
+                        id=msg.id, model_name=msg.model_name,
+                        model_version=msg.model_version)))
+
+        async def read() -> None:
+            tasks: set[asyncio.Task] = set()
+            try:
+                async for msg in request_iterator:
+                    task = asyncio.create_task(one(msg))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+
+    async def ModelStatistics(self, request, context):
+        async def work(_):
+            # Where several gateway processes serve, the answer reads their files: off the loop.
+            answer = await asyncio.to_thread(statistics, self.gw, request.name or None,
+                                             request.version or None)
+            for row in answer["model_stats"]:
+                row.pop("class_parallel")  # gRPC's message has no field for it
+            return json_format.ParseDict(answer, pb.ModelStatisticsResponse(),
+                                         ignore_unknown_fields=True)
+        return await self._serve("ModelStatistics", context, work)
+
+    # -- system shared memory (Triton's extension)
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        async def work(_):
+            regions = self.gw.shared_memory.status(request.name or None)
+            return pb.SystemSharedMemoryStatusResponse(regions={
+                r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r)
+                for r in regions})
+        return await self._serve("SystemSharedMemoryStatus", context, work)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        async def work(_):
+            self.gw.shared_memory.register(request.name, request.key, request.offset,
+                                           request.byte_size, client=peer_host(context))
+            return pb.SystemSharedMemoryRegisterResponse()
+        return await self._serve("SystemSharedMemoryRegister", context, work)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        async def work(_):
+            self.gw.shared_memory.unregister(request.name or None)
+            return pb.SystemSharedMemoryUnregisterResponse()
+        return await self._serve("SystemSharedMemoryUnregister", context, work)
 
     # -- the model repository (KServe v2 repository extension, as Triton's)
 
     def _check_access(self, context, changes: bool) -> None:
-        peer = context.peer() or ""  # "ipv4:127.0.0.1:51234", "ipv6:[::1]:51234"
-        host = peer.partition(":")[2].rpartition(":")[0]
         auth = dict(context.invocation_metadata() or ()).get("authorization")
-        check_access(self.gw.settings, client=host, authorization=auth, changes=changes)
+        check_access(self.gw.settings, client=peer_host(context), authorization=auth,
+                     changes=changes)
 
     async def RepositoryIndex(self, request, context):
         async def work(_):
@@ -338,6 +445,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self.gw.models.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
         return await self._serve("RepositoryModelUnload", context, work, gated=False)
+
+
+def unimplemented(method: str):
+    async def refuse(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{method} is not implemented by sensai")
+    return refuse
+
+
+for _method in ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+                "CudaSharedMemoryUnregister", "TraceSetting", "LogSettings"):
+    setattr(InferenceServicer, _method, unimplemented(_method))
 
 
 class GrpcServer:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.contract import Prediction
-from ..core.errors import InputError, Overloaded, ServingError, SubnetFailed, SubnetTimeout
+from ..core.errors import (InputError, ModelNotFound, Overloaded, ServingError, SubnetFailed,
+                           SubnetTimeout)
 from ..core.settings import GatewaySettings
 from ..core.wakeup import CoresAwake
 from . import oip
@@ -26,6 +28,8 @@ from .admission import Admission, Ticket
 from .metrics import GatewayMetrics
 from .model_table import ModelVersion
 from .served import ServedModels
+from .shared_memory import SharedRef, SystemSharedMemory
+from .statistics import RequestClock
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +47,21 @@ class Gateway:
     metrics: GatewayMetrics
     admission: Admission
     version: str
+    shared_memory: SystemSharedMemory
     cores_awake: CoresAwake | None = None  # held from startup to shutdown
 
 
 async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: bool,
-                  deadline: float, request_id: str, ticket: Ticket) -> Prediction:
+                  deadline: float, request_id: str, ticket: Ticket,
+                  clock: RequestClock) -> Prediction:
     """The one path from a checked input batch to a prediction by model version ``mv`` (held
     by the caller), for every route; ``ticket``: the request's admission, with its place at the
-    predictor."""
+    predictor; ``clock``: the request's marks for the statistics, stamped here."""
     adm = gw.admission
     gw.metrics.waiting.set(adm.waiting)
+    clock.input_end = time.perf_counter_ns()
     async with adm.prediction(ticket, deadline):
+        clock.queue_end = time.perf_counter_ns()
         if deadline <= asyncio.get_running_loop().time():
             raise SubnetTimeout("the request's deadline passed before its subnets were asked")
         try:
@@ -66,6 +74,8 @@ async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: b
                 log.warning("request %s (model %s version %s): %s", request_id, mv.name,
                             mv.version, e)
             raise
+        finally:
+            clock.infer_end = time.perf_counter_ns()
     if not np.isfinite(pred.scores).all():
         raise InputError("the input drives the network out of float range (non-finite "
                          "scores): send normalized pixels")
@@ -74,12 +84,46 @@ async def predict(gw: Gateway, mv: ModelVersion, x: np.ndarray, allow_partial: b
 
 
 async def v2_infer(gw: Gateway, mv: ModelVersion, req: oip.InferRequest, deadline: float,
-                   request_id: str, ticket: Ticket
+                   request_id: str, ticket: Ticket, clock: RequestClock
                    ) -> tuple[Prediction, list[tuple[str, np.ndarray, bool]]]:
-    """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC)."""
-    x = oip.input_batch(req, mv.spec, gw.settings.max_batch)
-    pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id, ticket)
-    return pred, oip.infer_outputs(req, pred.scores, mv.spec.classes, pred.covered_classes)
+    """A parsed KServe v2 request -> its prediction and requested outputs (HTTP and gRPC);
+    a failure is counted in the version's statistics here, a success by the caller once its
+    answer is encoded (:func:`answered`)."""
+    try:
+        await read_shared_inputs(gw, req)
+        x = oip.input_batch(req, mv.spec, gw.settings.max_batch)
+        pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id, ticket,
+                             clock)
+        outputs = oip.infer_outputs(req, pred.scores, mv.spec.classes, pred.covered_classes)
+        for name, arr, where in outputs:
+            if isinstance(where, SharedRef):  # a few hundred bytes at most: inline
+                gw.shared_memory.write(where, oip.tensor_bytes(arr), f"output {name!r}")
+        return pred, outputs
+    except BaseException:
+        gw.metrics.stats.failure(mv.name, mv.version, clock)
+        raise
+
+
+async def read_shared_inputs(gw: Gateway, req: oip.InferRequest) -> None:
+    """The request's inputs that name a shared-memory region, read from it (a large one in a
+    thread, as a large body is parsed)."""
+    for t in req.inputs:
+        if t.shared is None:
+            continue
+        dt = oip.DTYPES[t.datatype]
+        need = oip.num_elements(t.shape) * dt.itemsize
+        where = f"input {t.name!r}"
+        if need <= INLINE_PARSE_BYTES:
+            data = gw.shared_memory.read(t.shared, need, where)
+        else:
+            data = await asyncio.to_thread(gw.shared_memory.read, t.shared, need, where)
+        t.array = np.frombuffer(data, dt).reshape(t.shape)
+
+
+def answered(gw: Gateway, mv: ModelVersion, rows: int, pred: Prediction,
+             clock: RequestClock) -> None:
+    """A request's success in its version's statistics, once its answer is built."""
+    gw.metrics.stats.success(mv.name, mv.version, rows, clock, pred.timings_ms)
 
 
 def count_error(gw: Gateway, exc: ServingError) -> None:
@@ -107,8 +151,34 @@ def server_ready(gw: Gateway) -> bool:
     return bool(routed) and all(version_ready(mv) for mv in routed)
 
 
+# Triton's names for the protocol's extensions this gateway implements (HTTP and gRPC alike).
+EXTENSIONS = ("classification", "model_configuration", "binary_tensor_data", "parameters",
+              "statistics", "system_shared_memory")
+
+
 def v2_server_metadata(gw: Gateway) -> dict:
-    return {"name": "sensai", "version": gw.version, "extensions": ["classification"]}
+    repository = ["model_repository"] if gw.settings.model_control != "none" else []
+    return {"name": "sensai", "version": gw.version,
+            "extensions": [*EXTENSIONS, *repository]}
+
+
+def statistics(gw: Gateway, name: str | None = None, version: str | None = None) -> dict:
+    """Triton's statistics answer: every version of every model (no ``name``), of one model, or
+    one version; an unknown model or version is a 404 with its reason."""
+    table = gw.models.models
+    if not name:
+        keys = [(m, v) for m in gw.models.names() for v in sorted(table[m], key=int)]
+    elif name not in table:
+        raise ModelNotFound(f"unknown model {name!r}; this server serves "
+                            f"{', '.join(repr(n) for n in gw.models.names()) or 'no model'}")
+    elif version:
+        if version not in table[name]:
+            raise ModelNotFound(f"model {name!r} has no version {version!r} (loaded: "
+                                f"{', '.join(sorted(table[name], key=int)) or 'none'})")
+        keys = [(name, version)]
+    else:
+        keys = [(name, v) for v in sorted(table[name], key=int)]
+    return gw.metrics.stats.answer(keys)
 
 
 def model_parameters(spec) -> dict:

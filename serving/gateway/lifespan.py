@@ -64,5 +64,6 @@ def gateway_lifespan(gw: Gateway, *, close_predictor: bool, own_port: bool,
                 await grpc.stop()
             if close_predictor:
                 await models.close()
+            gw.shared_memory.close()
 
     return lifespan

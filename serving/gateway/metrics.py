@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from .statistics import InferenceStats
+
 SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FOLLOW_S = 0.5  # how often a followed value is copied into a shared gauge
 
@@ -31,8 +33,10 @@ GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch: int = 64) -> None:
         self.shared_dir = os.environ.get(SHARED_DIR_ENV)
+        # Triton's statistics extension: its own counters, beside the same shared directory.
+        self.stats = InferenceStats(max_batch, self.shared_dir)
         if self.shared_dir:
             # Before any metric is made: each makes its value with the class set now.
             values.ValueClass = values.MultiProcessValue()
@@ -114,6 +118,7 @@ class GatewayMetrics:
             metric, labels = key
             metric.remove(*labels)
             del self._children[key]
+        self.stats.forget(model, version)
 
     def follow(self, gauge: Gauge, value: Callable[[], float]) -> None:
         """``gauge`` reads ``value()``: when scraped, or where the values are shared (read from

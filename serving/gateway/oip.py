@@ -8,7 +8,10 @@ Both forms of the protocol are supported, in requests and in responses:
   ``Inference-Header-Content-Length`` HTTP header.  ``tritonclient.http`` uses this by default.
 
 Outputs may be asked for by name, as binary (``parameters.binary_data``) or as a Triton-style
-classification (``parameters.classification: k`` -> BYTES ``"score:index:label"``).  Everything
+classification (``parameters.classification: k`` -> BYTES ``"score:index:label"``).  A tensor may
+name a registered shared-memory region instead of carrying its data (``parameters.
+shared_memory_region`` and its byte size and offset, :mod:`.shared_memory`); the parse keeps the
+reference, and the prediction path reads (and writes) the region.  Everything
 the client gets wrong raises :class:`InputError` with a sentence saying what and where.
 """
 
@@ -26,6 +29,7 @@ from sensai.merge import top_k
 
 from ..core.contract import Prediction
 from ..core.errors import InputError, PayloadTooLarge
+from .shared_memory import SharedRef, shared_ref
 
 if TYPE_CHECKING:
     from sensai.spec import DatasetSpec
@@ -58,7 +62,8 @@ class InputTensor:
     name: str
     datatype: str
     shape: list[int]
-    array: np.ndarray
+    array: np.ndarray | None  # None until read from ``shared``
+    shared: SharedRef | None = None
 
 
 @dataclass
@@ -66,6 +71,7 @@ class RequestedOutput:
     name: str
     binary: bool | None = None
     classification: int = 0
+    shared: SharedRef | None = None  # written to a shared-memory region, not answered
 
 
 @dataclass
@@ -214,8 +220,16 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InputError(f"{where}: unsupported datatype {datatype!r} "
                              f"(one of {', '.join(DTYPES)})")
         dt = DTYPES[datatype]
+        tensor_params = _params(t, where)
+        shared = shared_ref(tensor_params, where)
+        if shared is not None:  # its bytes are bounded by the region, checked when read
+            if "data" in t or "binary_data_size" in tensor_params:
+                raise InputError(f"{where}: data both in shared memory and in the request")
+            shape = bounded_shape(t.get("shape"), where, shared.byte_size)
+            inputs.append(InputTensor(name, datatype, shape, None, shared))
+            continue
         shape = bounded_shape(t.get("shape"), where, max(1, len(body)))
-        size = _params(t, where).get("binary_data_size")
+        size = tensor_params.get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InputError(f"{where}: binary_data_size must be a non-negative integer")
@@ -254,7 +268,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             if not isinstance(cls, int) or isinstance(cls, bool) or cls < 0:
                 raise InputError(f"output {o['name']!r}: classification must be a count >= 0")
             outputs.append(RequestedOutput(o["name"], None if binary_flag is None
-                                           else bool(binary_flag), cls))
+                                           else bool(binary_flag), cls,
+                                           shared_ref(p, f"output {o['name']!r}")))
     return InferRequest(rid, inputs, outputs, bool(params.get("binary_data_output", False)), params)
 
 
@@ -282,9 +297,10 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
     for name, arr, binary in outputs:
         datatype = v2_datatype(arr)
         t: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-        if binary:
-            raw = (_bytes_tensor(list(arr.reshape(-1))) if datatype == "BYTES"
-                   else np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+        if isinstance(binary, SharedRef):  # written to the region already
+            t["parameters"] = binary.parameters()
+        elif binary:
+            raw = tensor_bytes(arr)
             t["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         elif datatype == "BYTES":
@@ -316,7 +332,10 @@ def check_batch(x: np.ndarray, spec: "DatasetSpec", max_batch: int) -> np.ndarra
     if not 1 <= x.shape[0] <= max_batch:
         raise InputError(f"batch size must be between 1 and {max_batch}, got {x.shape[0]}")
     if not np.isfinite(x).all():
-        raise InputError("input contains NaN or infinite values")
+        raise InputError("input contains NaN or infinite values: send normalized pixels "
+                         "(a benchmark client's random bits are refused; perf_analyzer takes "
+                         "real images from `sensai perf-data ART --out FILE` as --input-data "
+                         "FILE, or --input-data zero)")
     return np.ascontiguousarray(x)
 
 
@@ -344,8 +363,10 @@ def allow_partial(req: InferRequest) -> bool:
 
 
 def infer_outputs(req: InferRequest, scores: np.ndarray, classes: Sequence[str],
-                  covered: list[int] | None = None) -> list[tuple[str, np.ndarray, bool]]:
-    """The requested outputs (all by default) as ``(name, array, binary?)``.  In a degraded
+                  covered: list[int] | None = None
+                  ) -> list[tuple[str, np.ndarray, bool | SharedRef]]:
+    """The requested outputs (all by default) as ``(name, array, binary? or the shared-memory
+    region it goes to)``.  In a degraded
     answer (``covered``) the scores of unanswered classes are 0 and rankings never name them."""
     ranked = scores
     if covered is not None:
@@ -366,8 +387,15 @@ def infer_outputs(req: InferRequest, scores: np.ndarray, classes: Sequence[str],
             arr = scores.astype(np.float32, copy=False)
         else:
             arr = ranked.argmax(axis=1).astype(np.int64)
-        out.append((o.name, arr, binary))
+        out.append((o.name, arr, o.shared or binary))
     return out
+
+
+def tensor_bytes(arr: np.ndarray) -> bytes:
+    """A tensor's bytes as the protocol carries them (BYTES: each element's length, then it)."""
+    if arr.dtype.kind in ("S", "O", "U"):
+        return _bytes_tensor(list(arr.reshape(-1)))
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
 
 
 def response_parameters(pred: Prediction) -> dict[str, Any]:

@@ -30,9 +30,10 @@ from ..core.errors import InputError
 from . import oip
 from .http_errors import ErrorTranslator
 from .imaging import decode_image, image_to_input, open_image
-from .inference import INLINE_PARSE_BYTES, Gateway, predict, v2_infer
+from .inference import INLINE_PARSE_BYTES, Gateway, answered, predict, v2_infer
 from .schemas import PredictResponse
 from .model_table import ModelVersion
+from .statistics import RequestClock
 from .wire import PREDICT, json_bytes
 
 # Images at most this big are decoded on the event loop (cheaper than a hop to a thread); the
@@ -171,15 +172,20 @@ class PredictRoutes:
         deadline = state.deadline
         models.route(query.model, query.version)  # an unknown model is told before its upload
         data = await read_body(request, gw, image=True)
+        clock = RequestClock()
         async with models.hold(query.model, query.version) as mv:
-            classes = mv.spec.classes
-            if query.top_k is not None and query.top_k > len(classes):
-                raise InputError(f"query top_k: at most {len(classes)}, the classes of model "
-                                 f"{mv.name!r}", status=422)
-            x = await decode(gw, mv, data, deadline)
-            t1 = time.perf_counter()
-            pred = await predict(gw, mv, x, query.allow_partial, deadline, state.request_id,
-                                 state.ticket)
+            try:
+                classes = mv.spec.classes
+                if query.top_k is not None and query.top_k > len(classes):
+                    raise InputError(f"query top_k: at most {len(classes)}, the classes of "
+                                     f"model {mv.name!r}", status=422)
+                x = await decode(gw, mv, data, deadline)
+                t1 = time.perf_counter()
+                pred = await predict(gw, mv, x, query.allow_partial, deadline,
+                                     state.request_id, state.ticket, clock)
+            except BaseException:
+                gw.metrics.stats.failure(mv.name, mv.version, clock)
+                raise
         rows = top_k_rows(pred.scores,
                           query.top_k or min(gw.settings.default_top_k, len(classes)),
                           classes, pred.covered_classes)
@@ -194,7 +200,9 @@ class PredictRoutes:
                 "covered_classes": pred.covered_classes,
                 "missing_classes": pred.missing_classes,
                 "answered_by": pred.answered_by or None}
-        return Response(json_bytes(body), media_type=JSON_TYPE)
+        response = Response(json_bytes(body), media_type=JSON_TYPE)
+        answered(gw, mv, 1, pred, clock)
+        return response
 
     async def infer(self, request: Request) -> Response:
         gw = self.gw
@@ -206,6 +214,7 @@ class PredictRoutes:
         state = request.state
         deadline = state.deadline
         body = await read_body(request, gw, image=False)
+        clock = RequestClock()
         headers = request.headers
         encoding = headers.get("content-encoding")
         args = (body, encoding, gw.settings.max_body_bytes, headers.get(oip.HEADER_LENGTH))
@@ -217,10 +226,11 @@ class PredictRoutes:
                 req = await run_in_threadpool(oip.decode_request, *args)
         async with gw.models.hold(model_name, version) as mv:
             pred, outputs = await v2_infer(gw, mv, req, deadline, state.request_id,
-                                           state.ticket)
+                                           state.ticket, clock)
         content, out_headers, media = oip.encode_infer_response(
             model_name=mv.name, model_version=mv.version, request_id=req.id, outputs=outputs,
             parameters=oip.response_parameters(pred))
+        answered(gw, mv, len(pred.scores), pred, clock)
         return Response(content, headers=out_headers, media_type=media)
 
     # -- FastAPI's view of them (the documentation, and its dispatch when ours is off)
