@@ -34,6 +34,7 @@ from .names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS, SWEEP_OV
                     SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
 from .peers import MODEL as PEER_MODEL
 from .peers import Peers, unavailable
+from .perf_analyzer import PerfAnalyzer, for_sweep, missing, sweep_settings
 from .robust import offline_reference
 from .targets import evaluate_sweep_targets
 
@@ -48,6 +49,7 @@ CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
 CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"},
               "class-parallel-serial": {"SENSAI_BATCH_OVERLAP": "false"}}
 LEVELS = SWEEP_LEVELS
+PERF_ANALYZER_MODES = ("also", "only")  # beside bench-load's own client, or instead of it
 NOOP_CONCURRENCY = 16
 WARMUP_CONCURRENCY = 16
 GATEWAY_MODEL = "sensai"  # the model name the gateway serves under KServe v2
@@ -68,12 +70,17 @@ class PeerServer:
 
 def check_sweep_settings(options: LoadOptions, *, configs: Sequence[str],
                          levels: Sequence[int], level_s: float, warmup_s: float,
-                         overload_s: float, transport: str | None) -> None:
+                         overload_s: float, transport: str | None,
+                         perf_analyzer: str | None = None) -> None:
     options.check(
         ints=tuple(("--levels", c, 1) for c in levels),
         numbers=(("--level-seconds", level_s, False), ("--warmup-seconds", warmup_s, True),
                  ("--overload-seconds", overload_s, True)),
-        choices=(("configuration", configs, CONFIGS),))
+        choices=(("configuration", configs, CONFIGS),
+                 *((("--perf-analyzer mode", [perf_analyzer], PERF_ANALYZER_MODES),)
+                   if perf_analyzer is not None else ())))
+    if perf_analyzer == "only" and missing():
+        raise SensaiError(f"--perf-analyzer only: {missing()}")
     if not levels:
         raise SensaiError("--levels needs at least one concurrency")
     if transport is not None and transport not in SWEEP_TRANSPORTS:
@@ -163,21 +170,25 @@ class Sweep:
 
     def __init__(self, options: LoadOptions, *, out: Path, procs: list[HttpClientProcess],
                  levels: Sequence[int], level_s: float, warmup_s: float, overload_s: float,
-                 gs, transport: str, usable_cores: int | None, bar):
+                 gs, transport: str, usable_cores: int | None, bar,
+                 perf: PerfAnalyzer | None = None, own_client: bool = True):
         self.options, self.out, self.procs, self.levels = options, out, procs, list(levels)
         self.level_s, self.warmup_s, self.overload_s = level_s, warmup_s, overload_s
         self.overload_factor, self.progress = options.overload_factor, options.progress
         self.gs, self.timeout_s, self.transport = gs, request_timeout(gs), transport
         self.usable_cores, self.bar = usable_cores, bar
+        self.perf, self.own_client = perf, own_client
 
     def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
                 transport: str) -> dict[str, Any]:
         """Warm-up, the closed-loop levels, the bare route, the overload, on one server."""
+        rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
+        if not self.own_client:
+            return self.perf_analyzer(rep | {"transport": "http-v2"}, key, server.url, model)
         request = {"transport": transport, "model": model}
         run = LoadRun(server, self.procs, expected=expected, concurrency=WARMUP_CONCURRENCY,
                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
                       progress=self.progress, request=request, metrics=gateway)
-        rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
         if self.warmup_s > 0:
             run.closed(f"{key}: warm-up", self.warmup_s)
         gateways = server_gateways(self.gs, self.options.client_cores)
@@ -189,6 +200,8 @@ class Sweep:
             if gateway:
                 row["batching"] = rows_per_batch(before, batching_counters(server.url, gateways))
             rep["levels"].append(row)
+        # Right after bench-load's own levels, before the overload leaves the server shedding.
+        self.perf_analyzer(rep, key, server.url, model)
         noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
                        timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
                        progress=self.progress, request={"transport": "live"}, metrics=False)
@@ -207,6 +220,24 @@ class Sweep:
                                "no closed loop answered, so there is no rate to multiply"}
         if gateway:
             rep["batching"] = batching_counters(server.url, gateways)
+        return rep
+
+    def perf_analyzer(self, rep: dict[str, Any], key: str, url: str, model: str
+                      ) -> dict[str, Any]:
+        """perf_analyzer at each level (when asked), its rows in ``rep["perf_analyzer"]``."""
+        if self.perf is None:
+            return rep
+        rows = []
+        for c in self.levels:
+            self.bar.set_description(f"{key}: perf_analyzer, {c} in flight")
+            rows.append(self.perf.level(url, model, c, key))
+            if self.progress:
+                r = rows[-1]
+                self.bar.write(f"{key}: perf_analyzer at {c} in flight: " + (
+                    r["error"] if "error" in r else
+                    f"{r['throughput_infer_per_s']:g} infer/s, p50/p99 "
+                    f"{r['p50_us'] / 1e3:.2f}/{r['p99_us'] / 1e3:.2f} ms"))
+        rep["perf_analyzer"] = rows
         return rep
 
     def gateway(self, key: str, root: Path, env: dict[str, str],
@@ -253,17 +284,22 @@ def run_load_sweep(
     warmup_s: float = SWEEP_WARMUP_S,
     overload_s: float = SWEEP_OVERLOAD_S,
     transport: str | None = None,
+    perf_analyzer: str | None = None,
 ) -> dict[str, Any]:
     """The sweep of ``configs`` (of :data:`CONFIGS`) at ``levels`` in flight, ``level_s``
     seconds each; writes load.json, load.md, load.png (and a log per server) to ``out_dir``
     and returns what load.json holds.  ``transport``: ``http`` (PNG uploads) or ``http-v2``
     (KServe v2 binary tensors) for every configuration (default: :func:`sweep_transport`).
     ``options``: what the sweep shares with bench-load's soak, the gateway's settings among
-    them; a configuration that cannot run here is recorded with its reason."""
+    them; a configuration that cannot run here is recorded with its reason.  ``perf_analyzer``:
+    ``also`` (beside bench-load's own client) or ``only`` (instead of it) drive every
+    configuration with NVIDIA's perf_analyzer at each level (:class:`.PerfAnalyzer`; ``also``
+    where it is not on PATH: a warning, and the sweep runs without it)."""
     configs = list(dict.fromkeys(configs))
     levels = sorted(set(levels))
     check_sweep_settings(options, configs=configs, levels=levels, level_s=level_s,
-                         warmup_s=warmup_s, overload_s=overload_s, transport=transport)
+                         warmup_s=warmup_s, overload_s=overload_s, transport=transport,
+                         perf_analyzer=perf_analyzer)
     gs, gateway_env = options.gateway_settings()
     artifact = load_artifact(artifact_dir)
     spec, out = inputs(artifact, options.data_dir, out_dir)
@@ -295,6 +331,7 @@ def run_load_sweep(
     expected_original = ([int(i) for i in offline_reference(original, imgs.xs,
                                                             runtime=reference).argmax(1)]
                          if original is not None else None)
+    perf = for_sweep(perf_analyzer, imgs.xs, out, level_s)
     settings = {
         "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
         "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
@@ -314,6 +351,7 @@ def run_load_sweep(
                     "device": gs.device,
                     "gateway_processes": server_gateways(gs, options.client_cores)},
         "gateway_env": gateway_env, "config_env": CONFIG_ENV,
+        "perf_analyzer": sweep_settings(perf_analyzer, perf),
     }
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
                       spec=spec, settings=settings)
@@ -327,7 +365,8 @@ def run_load_sweep(
                      for _ in range(options.clients)]
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
                           warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,
-                          usable_cores=result["machine"].get("usable_cores"), bar=bar)
+                          usable_cores=result["machine"].get("usable_cores"), bar=bar,
+                          perf=perf, own_client=perf_analyzer != "only")
             for key in configs:
                 if key in results:
                     continue

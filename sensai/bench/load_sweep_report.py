@@ -19,6 +19,8 @@ OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
                    "p99 ms (503)", "other", "client cores", "machine busy cores",
                    "server cores (busiest thread)"]
 SKIPPED_HEADER = ["configuration", "not run, because"]
+PERF_HEADER = ["configuration", "in flight", "infer/s", "p50 ms", "p90 ms", "p99 ms",
+               "server queue ms", "server compute ms (input, infer, output)", "error"]
 BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
                    "rows per batch", "largest", "held back"]
 COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
@@ -129,16 +131,55 @@ def batching_rows(result: dict) -> list[list[str]]:
     return rows
 
 
+def _ms(us) -> str:
+    return fmt(us / 1e3 if isinstance(us, (int, float)) else None)
+
+
+def perf_rows(result: dict) -> list[list[str]]:
+    """perf_analyzer's rows (``--perf-analyzer``): its own client's figures, and the server's
+    breakdown where the server reports statistics."""
+    rows = []
+    for key, c in result["configs"].items():
+        for r in c.get("perf_analyzer") or []:
+            compute = [r.get(f"server_compute_{k}_us") for k in ("input", "infer", "output")]
+            rows.append([key, str(r["concurrency"]), fmt(r.get("throughput_infer_per_s"), 1),
+                         _ms(r.get("p50_us")), _ms(r.get("p90_us")), _ms(r.get("p99_us")),
+                         _ms(r.get("server_queue_us")),
+                         ", ".join(_ms(v) for v in compute) if any(compute) else "-",
+                         r.get("error", "")])
+    return rows
+
+
+def perf_note(result: dict) -> str:
+    """What the perf_analyzer table is, or why it is missing."""
+    pa = result["settings"].get("perf_analyzer") or {}
+    if pa.get("skipped"):
+        return f"perf_analyzer was asked for ({pa['mode']}) but did not run: {pa['skipped']}."
+    where = ("in place of bench-load's own client" if pa.get("mode") == "only" else
+             "right after bench-load's own client's levels on the same server")
+    return (f"NVIDIA perf_analyzer's own figures (its CSV, `-f`), its client {where}: KServe "
+            "v2 binary tensors over HTTP, "
+            f"`--input-data {pa.get('input_data')}` (the same test images), three "
+            f"{pa.get('window_ms')} ms time windows per level (`--stability-percentage 100`); "
+            "each row's exact command is in load.json.  Server columns: what the server's "
+            "statistics say (0 or - where it keeps none).")
+
+
 def skipped_rows(result: dict) -> list[list[str]]:
     return [[key, c["skipped"]] for key, c in result["configs"].items() if "skipped" in c]
 
 
 def render_table(result: dict) -> str:
-    parts = [text_table(LEVEL_HEADER, level_rows(result))]
+    # Without bench-load's own client (--perf-analyzer only) there are no closed loops of its.
+    parts = [text_table(LEVEL_HEADER, level_rows(result))] if level_rows(result) else []
     if overload_rows(result):
         parts.append(text_table(OVERLOAD_HEADER, overload_rows(result)))
     if skipped_rows(result):
         parts.append(text_table(SKIPPED_HEADER, skipped_rows(result)))
+    if perf_rows(result):
+        parts.append("perf_analyzer:\n" + text_table(PERF_HEADER, perf_rows(result)))
+    elif (result["settings"].get("perf_analyzer") or {}).get("skipped"):
+        parts.append(perf_note(result))
     parts.append(text_table(TARGET_HEADER, target_rows(result)))
     return "\n\n".join(parts)
 
@@ -213,6 +254,10 @@ def render_markdown(result: dict) -> str:
     if overload_rows(result):
         lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
                   "other: answers neither 200 nor 503 (or no answer).", ""]
+    if result["settings"].get("perf_analyzer"):
+        lines += ["## perf_analyzer", "", perf_note(result), ""]
+        if perf_rows(result):
+            lines += [md_table(PERF_HEADER, perf_rows(result)), ""]
     if batching_rows(result):
         lines += ["## Batching in the workers", "",
                   md_table(BATCHING_HEADER, batching_rows(result)), "",
@@ -232,9 +277,14 @@ def plot(result: dict, path: Path) -> None:
     for key, c in result["configs"].items():
         pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"], r["concurrency"])
                for r in c.get("levels", []) if r["latency_ok_ms"]["p99"] is not None]
+        color = COLORS.get(key, "#8C8C8C")
+        pa = [(r["throughput_infer_per_s"], r["p99_us"] / 1e3)
+              for r in c.get("perf_analyzer") or [] if "error" not in r]
+        if pa:
+            ax.plot([p[0] for p in pa], [p[1] for p in pa], marker=".", ls="--", color=color,
+                    label=f"{c['label']} (perf_analyzer)")
         if not pts:
             continue
-        color = COLORS.get(key, "#8C8C8C")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
                 label=c["label"])
         for x, y, n in pts:

@@ -366,6 +366,15 @@ def load_args(p) -> None:
                        help="http: PNG uploads to /v1/predict; http-v2: KServe v2 binary "
                             "tensors; one for every configuration (default: http-v2 when "
                             "triton runs, which takes only tensors, else http)")
+    sweep.add_argument("--perf-analyzer", nargs="?", const="also", choices=("also", "only"),
+                       default=None,
+                       help="also (the default when given alone) or only: drive every "
+                            "configuration with NVIDIA's perf_analyzer (where it is on PATH) at "
+                            "each of --levels, KServe v2 over HTTP with --input-data of the same "
+                            "test images (perf-data.json in --out), three --level-seconds/3 "
+                            "windows a level; its CSV's rows (p50/p90/p99, infer/s, the server's "
+                            "queue and compute) beside bench-load's own, labelled perf_analyzer. "
+                            "Not on PATH: also: a warning and the rest runs; only: refused")
     _images_args(p, "real test images, sent in turn")
 
 
@@ -384,6 +393,8 @@ def cmd_bench_load(args) -> int:
         images=args.images, data_dir=args.data_dir,
         seed=args.seed, command=command_line(args), progress=not args.no_progress)
     out = Path(args.out)
+    if args.perf_analyzer and not args.sweep:
+        raise SensaiError("--perf-analyzer runs at the sweep's --levels: add --sweep")
     if args.sweep:
         from sensai.bench.load_sweep import run_load_sweep
         from sensai.bench.load_sweep_report import render_table
@@ -394,7 +405,8 @@ def cmd_bench_load(args) -> int:
             level_s=args.level_seconds,
             warmup_s=SWEEP_WARMUP_S if args.warmup_seconds is None else args.warmup_seconds,
             overload_s=(SWEEP_OVERLOAD_S if args.overload_seconds is None
-                        else args.overload_seconds), transport=args.transport)
+                        else args.overload_seconds), transport=args.transport,
+            perf_analyzer=args.perf_analyzer)
         logs = f"server output: {out}/gateway-*.log"
     else:
         from sensai.bench.load import run_load_bench
