@@ -50,6 +50,13 @@ def start_gateway(predictor, **settings) -> BackgroundServer:
     return BackgroundServer(create_app(predictor, GatewaySettings(**settings))).start()
 
 
+def serve_with_grpc(predictor, **settings) -> tuple[BackgroundServer, str]:
+    """The gateway with gRPC on a free port: (server, "127.0.0.1:grpc_port")."""
+    app = create_app(predictor, GatewaySettings(grpc_port=0, **settings))
+    server = BackgroundServer(app).start()
+    return server, f"127.0.0.1:{app.state.grpc.port}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

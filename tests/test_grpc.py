@@ -35,15 +35,9 @@ from sensai.serving.gateway.server import BackgroundServer
 from sensai.serving.launch.build import build_predictor
 from tests.helpers import (free_port, offline_scores, sample_images, server_process, stop_server,
                            wait_for_server, wait_until)
+from tests.helpers import serve_with_grpc as serve
 
 MAX_BODY = 256 * 1024  # a batch of 16 images is 50 KB; 100 are over the limit
-
-
-def serve(predictor, **settings) -> tuple[BackgroundServer, str]:
-    """The gateway with gRPC on a free port: (server, "127.0.0.1:grpc_port")."""
-    app = create_app(predictor, GatewaySettings(grpc_port=0, **settings))
-    server = BackgroundServer(app).start()
-    return server, f"127.0.0.1:{app.state.grpc.port}"
 
 
 @pytest.fixture(scope="module")

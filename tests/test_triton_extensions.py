@@ -27,10 +27,8 @@ from tritonclient.utils import InferenceServerException
 
 from sensai.data import normalize
 from sensai.serving.core.settings import GatewaySettings
-from sensai.serving.gateway.app import create_app
-from sensai.serving.gateway.server import BackgroundServer
 from sensai.serving.launch.build import build_predictor
-from tests.helpers import offline_scores, png, sample_images
+from tests.helpers import offline_scores, png, sample_images, serve_with_grpc
 
 EXPECTED_EXTENSIONS = {"classification", "model_configuration", "binary_tensor_data",
                        "parameters", "statistics", "system_shared_memory"}
@@ -38,10 +36,9 @@ EXPECTED_EXTENSIONS = {"classification", "model_configuration", "binary_tensor_d
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
-    app = create_app(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
-                     GatewaySettings(grpc_port=0, max_batch=16, max_loop_lag_s=5.0))
-    s = BackgroundServer(app).start()
-    yield s, f"127.0.0.1:{app.state.grpc.port}"
+    s, target = serve_with_grpc(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
+                                max_batch=16, max_loop_lag_s=5.0)
+    yield s, target
     s.stop()
 
 

@@ -173,6 +173,52 @@ def _json_data(data: Any, dt: np.dtype, datatype: str, shape: list[int], where: 
     return out
 
 
+def parse_input(t: Any, k: int, body_bytes: int, binary: memoryview, offset: int,
+                header_length: str | None) -> tuple[InputTensor, int]:
+    """Input ``k`` of a request (``t``, its JSON): the tensor, and where the next binary tensor
+    starts in ``binary`` (the bytes after the JSON header) past ``offset``."""
+    where = f"input {k}"
+    if not isinstance(t, dict):
+        raise InputError(f"{where} must be an object")
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputError(f"{where}: 'name' must be a non-empty string")
+    where = f"input {name!r}"
+    datatype = t.get("datatype")
+    if datatype not in DTYPES:
+        raise InputError(f"{where}: unsupported datatype {datatype!r} "
+                         f"(one of {', '.join(DTYPES)})")
+    dt = DTYPES[datatype]
+    tensor_params = _params(t, where)
+    shared = shared_ref(tensor_params, where)
+    if shared is not None:  # its bytes are bounded by the region, checked when read
+        if "data" in t or "binary_data_size" in tensor_params:
+            raise InputError(f"{where}: data both in shared memory and in the request")
+        shape = bounded_shape(t.get("shape"), where, shared.byte_size)
+        return InputTensor(name, datatype, shape, None, shared), offset
+    shape = bounded_shape(t.get("shape"), where, max(1, body_bytes))
+    size = tensor_params.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InputError(f"{where}: binary_data_size must be a non-negative integer")
+        if header_length is None:
+            raise InputError(f"{where} has binary_data_size but the request has no "
+                             f"{HEADER_LENGTH} header")
+        if offset + size > len(binary):
+            raise InputError(f"{where}: binary_data_size {size} runs past the end of the "
+                             f"body ({len(binary) - offset} bytes left)")
+        want = num_elements(shape) * dt.itemsize
+        if size != want:
+            raise InputError(f"{where}: shape {shape} of {datatype} needs {want} bytes, "
+                             f"binary_data_size is {size}")
+        arr = np.frombuffer(binary[offset:offset + size], dtype=dt).reshape(shape)
+        return InputTensor(name, datatype, shape, arr), offset + size
+    if "data" in t:
+        return InputTensor(name, datatype, shape,
+                           _json_data(t["data"], dt, datatype, shape, where)), offset
+    raise InputError(f"{where} has neither 'data' nor parameters.binary_data_size")
+
+
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     """The body of ``POST /v2/models/{m}/infer`` (JSON, or JSON header + binary tensors).
 
@@ -208,48 +254,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         raise InputError("'inputs' must be a non-empty list of tensors")
     inputs, offset = [], 0
     for k, t in enumerate(raw_inputs):
-        where = f"input {k}"
-        if not isinstance(t, dict):
-            raise InputError(f"{where} must be an object")
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise InputError(f"{where}: 'name' must be a non-empty string")
-        where = f"input {name!r}"
-        datatype = t.get("datatype")
-        if datatype not in DTYPES:
-            raise InputError(f"{where}: unsupported datatype {datatype!r} "
-                             f"(one of {', '.join(DTYPES)})")
-        dt = DTYPES[datatype]
-        tensor_params = _params(t, where)
-        shared = shared_ref(tensor_params, where)
-        if shared is not None:  # its bytes are bounded by the region, checked when read
-            if "data" in t or "binary_data_size" in tensor_params:
-                raise InputError(f"{where}: data both in shared memory and in the request")
-            shape = bounded_shape(t.get("shape"), where, shared.byte_size)
-            inputs.append(InputTensor(name, datatype, shape, None, shared))
-            continue
-        shape = bounded_shape(t.get("shape"), where, max(1, len(body)))
-        size = tensor_params.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise InputError(f"{where}: binary_data_size must be a non-negative integer")
-            if header_length is None:
-                raise InputError(f"{where} has binary_data_size but the request has no "
-                                 f"{HEADER_LENGTH} header")
-            if offset + size > len(binary):
-                raise InputError(f"{where}: binary_data_size {size} runs past the end of the "
-                                 f"body ({len(binary) - offset} bytes left)")
-            want = num_elements(shape) * dt.itemsize
-            if size != want:
-                raise InputError(f"{where}: shape {shape} of {datatype} needs {want} bytes, "
-                                 f"binary_data_size is {size}")
-            arr = np.frombuffer(binary[offset:offset + size], dtype=dt).reshape(shape)
-            offset += size
-        elif "data" in t:
-            arr = _json_data(t["data"], dt, datatype, shape, where)
-        else:
-            raise InputError(f"{where} has neither 'data' nor parameters.binary_data_size")
-        inputs.append(InputTensor(name, datatype, shape, arr))
+        tensor, offset = parse_input(t, k, len(body), binary, offset, header_length)
+        inputs.append(tensor)
     if offset != len(binary):
         raise InputError(f"{len(binary) - offset} bytes of binary data follow the tensors "
                          "(binary_data_size values do not add up)")

@@ -144,8 +144,6 @@ class SystemSharedMemory:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InputError(f"shared memory region name {name!r}: 1 to 128 letters, digits, "
                              "'_', '.', '-'")
-        if os.path.exists(self.path(name)):
-            raise InputError(f"shared memory region {name!r} is already registered")
         fd = open_segment(key, offset, byte_size)
         try:
             tmp = os.path.join(self.home(), f".{name}.{os.getpid()}.tmp")

@@ -39,9 +39,7 @@ PHASES = ("compute_input", "compute_infer", "compute_output")  # batch_stats' fi
 HEAD = 3  # inference_count, execution_count, last_inference
 INFERENCE, EXECUTION, LAST = 0, 1, 2
 SLOT = {name: HEAD + 2 * k for k, name in enumerate(STATS + EXTRA)}  # its count; ns after it
-assert [SLOT[s] for s in ("success", "queue", "compute_input", "compute_infer",
-                          "compute_output", "slowest_subnet", "merge")] == [3, 7, 9, 11, 13,
-                                                                           15, 17]
+SUCCESS, FAIL, QUEUE, INPUT, INFER, OUTPUT, SLOWEST, MERGE = (SLOT[n] for n in STATS + EXTRA)
 BATCHES = HEAD + 2 * len(STATS + EXTRA)  # where batch size 1's six values start
 MS_NS = 1_000_000
 
@@ -124,25 +122,25 @@ class InferenceStats:
         t0, input_end, queue_end, infer_end = (clock.t0, clock.input_end, clock.queue_end,
                                                clock.infer_end)
         infer = infer_end - queue_end
-        # Unrolled (SLOT's order): this runs on every answer.
-        v[3] += 1
-        v[4] += end - t0
-        v[7] += 1
-        v[8] += queue_end - input_end
-        v[9] += 1
-        v[10] += input_end - t0
-        v[11] += 1
-        v[12] += infer
-        v[13] += 1
-        v[14] += end - infer_end
+        # Unrolled: this runs on every answer.
+        v[SUCCESS] += 1
+        v[SUCCESS + 1] += end - t0
+        v[QUEUE] += 1
+        v[QUEUE + 1] += queue_end - input_end
+        v[INPUT] += 1
+        v[INPUT + 1] += input_end - t0
+        v[INFER] += 1
+        v[INFER + 1] += infer
+        v[OUTPUT] += 1
+        v[OUTPUT + 1] += end - infer_end
         if timings_ms:
             slowest, merge = timings_ms.get("compute"), timings_ms.get("merge")
             if slowest is not None:
-                v[15] += 1
-                v[16] += int(slowest * MS_NS)
+                v[SLOWEST] += 1
+                v[SLOWEST + 1] += int(slowest * MS_NS)
             if merge is not None:
-                v[17] += 1
-                v[18] += int(merge * MS_NS)
+                v[MERGE] += 1
+                v[MERGE + 1] += int(merge * MS_NS)
         v[INFERENCE] += rows
         v[EXECUTION] += 1
         v[LAST] = time.time_ns() // MS_NS
@@ -157,9 +155,8 @@ class InferenceStats:
 
     def failure(self, model: str, version: str, clock: RequestClock) -> None:
         v = self.counters(model, version).values
-        i = SLOT["fail"]
-        v[i] += 1
-        v[i + 1] += time.perf_counter_ns() - clock.t0
+        v[FAIL] += 1
+        v[FAIL + 1] += time.perf_counter_ns() - clock.t0
 
     # -- reading (any process of the server)
 
@@ -207,11 +204,3 @@ class InferenceStats:
 
     def answer(self, versions: Iterable[tuple[str, str]]) -> dict:
         return {"model_stats": [self.model_stats(m, v) for m, v in versions]}
-
-    def close(self) -> None:
-        """This process's files stay for the others to count (the server's folder is removed
-        with it); only memory of its own is let go here."""
-        for c in self.versions.values():
-            if c.path is None:
-                c.close()
-        self.versions.clear()
