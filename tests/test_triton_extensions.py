@@ -99,14 +99,26 @@ def test_the_server_names_every_extension_it_implements(server, grpc_client):
     assert set(meta["extensions"]) == EXPECTED_EXTENSIONS
 
 
+def test_cuda_shared_memory_has_no_region_to_list_or_let_go_over_http(server, http):
+    assert http.get_cuda_shared_memory_status() == []
+    http.unregister_cuda_shared_memory()
+    r = httpx.post(f"{server[0].url}/v2/cudasharedmemory/region/r/register",
+                   json={"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 8})
+    assert r.status_code == 404
+
+
 def test_what_is_not_implemented_is_refused_at_once_over_grpc(server):
     with grpc.insecure_channel(server[1]) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for call in (stub.CudaSharedMemoryStatus, stub.TraceSetting):
+        for call, msg in ((stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest()),
+                          (stub.TraceSetting, pb.TraceSettingRequest())):
             with pytest.raises(grpc.RpcError) as e:
-                call(pb.CudaSharedMemoryStatusRequest() if call is stub.CudaSharedMemoryStatus
-                     else pb.TraceSettingRequest(), timeout=10)
+                call(msg, timeout=10)
             assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # No CUDA region can exist: a client cleaning up every kind (perf_analyzer) succeeds.
+        assert not stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest(),
+                                               timeout=10).regions
+        stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(), timeout=10)
 
 
 # -------------------------------------------------------------------------------------------

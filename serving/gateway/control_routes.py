@@ -142,3 +142,14 @@ def add_shared_memory_routes(app: FastAPI) -> None:
     async def shm_unregister(gw: GatewayDep, name: str | None = None) -> dict:
         gw.shared_memory.unregister(name)
         return {}
+
+    # No CUDA region can be registered (its register route does not exist), so these have
+    # nothing to list or let go: clients that clean up every kind (perf_analyzer) must not fail.
+    @app.get("/v2/cudasharedmemory/status")
+    async def cuda_shm_status() -> list[dict]:
+        return []
+
+    @app.post("/v2/cudasharedmemory/unregister")
+    @app.post("/v2/cudasharedmemory/region/{name}/unregister")
+    async def cuda_shm_unregister(name: str | None = None) -> dict:
+        return {}

@@ -13,8 +13,9 @@ typed ``contents`` or a registered shared-memory region; outputs in ``raw_output
 region), ``ModelStreamInfer`` (each request's answer on the stream as it is done, a failure as
 its ``error_message``), ``ModelStatistics``, ``SystemSharedMemory{Status,Register,Unregister}``
 and the repository's ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``
-(asked for what HTTP asks, :func:`~sensai.serving.gateway.repository_api.check_access`); the
-others (CUDA shared memory, trace and log settings) answer UNIMPLEMENTED at once.
+(asked for what HTTP asks, :func:`~sensai.serving.gateway.repository_api.check_access`); CUDA
+shared memory's status and unregister answer that there is none, its register, trace and log
+settings UNIMPLEMENTED at once.
 
 Errors map to status codes by their HTTP status (:data:`CODES`): 400 INVALID_ARGUMENT, 404
 NOT_FOUND, 413 RESOURCE_EXHAUSTED (what gRPC itself answers for a message over
@@ -414,6 +415,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.SystemSharedMemoryUnregisterResponse()
         return await self._serve("SystemSharedMemoryUnregister", context, work)
 
+    # No CUDA region can be registered (CudaSharedMemoryRegister is UNIMPLEMENTED), so these
+    # have nothing to list or let go: clients that clean up every kind of region (perf_analyzer
+    # at its end) must not fail on them.
+    async def CudaSharedMemoryStatus(self, request, context):
+        async def work(_):
+            if request.name:
+                raise InputError(f"unknown CUDA shared memory region {request.name!r}")
+            return pb.CudaSharedMemoryStatusResponse()
+        return await self._serve("CudaSharedMemoryStatus", context, work)
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        async def work(_):
+            return pb.CudaSharedMemoryUnregisterResponse()
+        return await self._serve("CudaSharedMemoryUnregister", context, work)
+
     # -- the model repository (KServe v2 repository extension, as Triton's)
 
     def _check_access(self, context, changes: bool) -> None:
@@ -454,8 +470,7 @@ def unimplemented(method: str):
     return refuse
 
 
-for _method in ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
-                "CudaSharedMemoryUnregister", "TraceSetting", "LogSettings"):
+for _method in ("CudaSharedMemoryRegister", "TraceSetting", "LogSettings"):
     setattr(InferenceServicer, _method, unimplemented(_method))
 
 

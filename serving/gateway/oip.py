@@ -303,8 +303,10 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
     for name, arr, binary in outputs:
         datatype = v2_datatype(arr)
         t: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-        if isinstance(binary, SharedRef):  # written to the region already
-            t["parameters"] = binary.parameters()
+        if isinstance(binary, SharedRef):
+            # Written to the region already; no parameters, as Triton answers: its C++ client
+            # (perf_analyzer) reads binary_data_size from any output that has them.
+            pass
         elif binary:
             raw = tensor_bytes(arr)
             t["parameters"] = {"binary_data_size": len(raw)}
