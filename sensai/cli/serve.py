@@ -248,6 +248,7 @@ def injected_faults(items: list[str], workers: int):
 def cmd_serve(args) -> int:
     from sensai.artifact import load_artifact
     from sensai.serving.core.placement import check_redundancy
+    from sensai.serving.engine.plan import worker_count
     from sensai.serving.core.repository import is_repository
     from sensai.serving.gateway.app import create_app
     from sensai.serving.launch.build import build_predictor, launch_triton
@@ -259,8 +260,9 @@ def cmd_serve(args) -> int:
         raise SensaiError(f"--model-control {settings.model_control} needs a model repository "
                           "(REPO/<model>/<version>/, see 'sensai export'), not one artifact")
     artifact = load_artifact(args.artifact)  # fails fast with one line
-    workers = check_redundancy(len(artifact.subnets), settings.workers, settings.redundancy,
-                               settings.vote)
+    workers = check_redundancy(len(artifact.subnets),
+                               worker_count(settings, len(artifact.subnets)),
+                               settings.redundancy, settings.vote)
     if settings.backend == "ray-serve":
         return serve_on_ray_serve(args, settings)
     faults = injected_faults(args.inject_delay, workers)

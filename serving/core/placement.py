@@ -63,7 +63,8 @@ def copies_for(redundancy: int, vote: bool) -> int:
 
 
 def check_redundancy(groups: int, workers: int | None, redundancy: int, vote: bool) -> int:
-    """Validate redundancy settings against the artifact's G; returns W (default G)."""
+    """Validate redundancy settings against the artifact's G; returns W (None: G, the
+    placement callers that place one worker per group)."""
     w = groups if workers is None else workers
     if isinstance(redundancy, bool) or not isinstance(redundancy, int) or redundancy < 0:
         raise SensaiError(f"--redundancy must be an integer >= 0, got {redundancy!r}")

@@ -53,7 +53,8 @@ class WorkerPool:
         self.lock = threading.Lock()
         self.workers = [Worker(transport.worker(
             w, wp.groups, wp.specs, self, name=wp.name, delay=wp.delay, corrupt=wp.corrupt,
-            seed=plan.seed + w, batching=plan.batching if transport.capabilities.batch else None))
+            seed=plan.seed + w, batching=plan.batching if transport.capabilities.batch else None,
+            cores=wp.cores))
             for w, wp in enumerate(plan.workers)]
         self.supervisor = Supervisor(self.workers, self.lock, transport.capabilities, plan,
                                      self.lost)

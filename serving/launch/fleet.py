@@ -40,7 +40,7 @@ from sensai.errors import SensaiError
 from ..core.faults import Faults
 from ..core.messages import Fault
 from ..core.settings import GatewaySettings
-from ..engine.plan import LOAD_TIMEOUT_S, ServingPlan, class_parallel_plan
+from ..engine.plan import LOAD_TIMEOUT_S, ServingPlan, class_parallel_plan, cpu_cores
 from ..engine.predictor import ClassParallelPredictor
 from ..gateway.app import create_app
 from ..gateway.metrics import SHARED_DIR_ENV
@@ -114,6 +114,7 @@ def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dic
     for w, wp in enumerate(plan.workers):
         by_key.setdefault(device_key(w, wp.specs, cpu_processes), []).append(w)
     devices, addresses = [], {}
+    cores = cpu_cores(sum(1 for key in by_key if key.startswith("cpu-")))
     for d, (key, workers) in enumerate(by_key.items()):
         first = plan.workers[workers[0]]
         address = str(folder / f"device-{d}.sock")
@@ -123,7 +124,7 @@ def device_plans(plan: ServingPlan, folder: Path) -> tuple[list[DevicePlan], dic
             hosted=hosted_of([plan.workers[i].groups for i in workers],
                              [plan.workers[i].specs for i in workers]),
             batching=plan.batching, fault=Fault(first.delay, first.corrupt),
-            seed=plan.seed + workers[0]))
+            seed=plan.seed + workers[0], cores=cores if key.startswith("cpu-") else 1))
         addresses.update({w: address for w in workers})
     return devices, addresses
 

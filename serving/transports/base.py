@@ -68,7 +68,8 @@ class WorkerHandle:
 
     def __init__(self, index: int, groups: Sequence[int], specs: Sequence["RunnerSpec"],
                  sink: Sink, *, name: str | None = None, delay: "DelaySpec | None" = None,
-                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None):
+                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
+                 cores: int = 1):
         self.index = index
         self.name = name or f"worker_{index:02d}"
         self.groups = tuple(groups)
@@ -76,6 +77,7 @@ class WorkerHandle:
         self.sink = sink
         self.delay, self.corrupt, self.seed = delay, bool(corrupt), seed
         self.batching = batching
+        self.cores = cores  # the CPU cores its device's one call may use side by side
         self.generation = 0
         self.pid: int | None = None
         self.device: str | None = self.specs[0].device if self.specs else None

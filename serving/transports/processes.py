@@ -17,18 +17,19 @@ from typing import Sequence
 from sensai.errors import SensaiError
 
 from ..core.messages import Batching, Fault, Ready, StartFailed
+from ..workers.device_runner import build_device
 from ..workers.loop import WorkerCore
 from .base import Capabilities, Sink
 from .connection import ConnectionIncarnation, ConnectionWorker, serve_connection
 
 
 def process_main(rx, tx, hosted: list, fault: Fault, seed: int,
-                 batching: Batching | None = None) -> None:
+                 batching: Batching | None = None, cores: int = 1) -> None:
     """Body of a worker process: build the runners, then serve messages until told to stop."""
     # Ctrl-C in a terminal reaches the whole process group; the gateway stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        runners = {g: spec.build() for g, spec in hosted}
+        device = build_device(hosted, cores=cores)
     except BaseException as e:  # say why, then end: the gateway decides what to do
         text = str(e) if isinstance(e, SensaiError) else f"{type(e).__name__}: {e}"
         try:
@@ -36,10 +37,9 @@ def process_main(rx, tx, hosted: list, fault: Fault, seed: int,
         finally:
             return
     spec = hosted[0][1] if hosted else None
-    serve_connection(rx, tx, WorkerCore(runners, delay=fault.delay, corrupt=fault.corrupt,
+    serve_connection(rx, tx, WorkerCore(device, delay=fault.delay, corrupt=fault.corrupt,
                                         seed=seed, batching=batching),
-                     Ready(os.getpid(), spec.device if spec else "cpu",
-                           next(iter(runners.values())).runtime if runners else None))
+                     Ready(os.getpid(), spec.device if spec else "cpu", device.runtime))
 
 
 class ProcessWorker(ConnectionWorker):
@@ -58,7 +58,7 @@ class ProcessWorker(ConnectionWorker):
         proc = ctx.Process(target=process_main, name=f"sensai-{self.name}", daemon=True,
                            args=(to_child_r, from_child_w, list(zip(self.groups, self.specs)),
                                  Fault(self.delay, self.corrupt),
-                                 self.seed + 7919 * inc.number, self.batching))
+                                 self.seed + 7919 * inc.number, self.batching, self.cores))
         proc.start()
         # Our copies of the child's ends: closing them lets EOF reach us when the child dies.
         to_child_r.close()

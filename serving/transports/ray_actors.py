@@ -38,7 +38,9 @@ from sensai.raycluster import error_text, share
 from ..core.messages import Batching, Fault, Ready
 from ..core.placement import Placement, spread
 from ..core.wakeup import keep_cores_awake
+from ..workers.device_runner import DeviceLaunch, DeviceRunner, build_device, wait_devices
 from ..workers.loop import WorkerCore
+from ..workers.runners import Computed
 from .base import Capabilities, Sink
 from .connection import (ConnectionIncarnation, ConnectionWorker, accept, cut, dial,
                          serve_connection)
@@ -48,18 +50,28 @@ log = logging.getLogger(__name__)
 ACCEPT_S = 60.0  # how long an actor's socket waits for the gateway to connect
 
 
-class OneAtATime:
-    """A runner shared by the gateways a worker serves (several Serve ingress replicas, each over
-    its own socket): one call at a time, as a runner's static buffers (CUDA graphs) require."""
+class OneAtATime(DeviceRunner):
+    """A device shared by the gateways a worker serves (several Serve ingress replicas, each over
+    its own socket): one call at a time, waited for, as a runner's static buffers (CUDA graphs)
+    require."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.runtime = runner.runtime
+    def __init__(self, device: DeviceRunner):
+        super().__init__(device.groups, device.widths, device=device.device, name=device.name)
+        self.inner = device
+        self.runtime = device.runtime
         self.lock = threading.Lock()
 
-    def run(self, x: np.ndarray) -> np.ndarray:
+    def launch(self, parts, groups) -> DeviceLaunch:
         with self.lock:
-            return self.runner.run(x)
+            one = self.inner.launch(parts, groups)
+            wait_devices((one,))
+            done = []
+            for g in groups:
+                try:
+                    done.append(Computed(one.result(g)))
+                except Exception as e:  # that group's failure, kept for its requests
+                    done.append(Computed(error=e))
+        return DeviceLaunch(done, {g: (i, None) for i, g in enumerate(groups)})
 
 
 class RayWorkerBody:
@@ -80,13 +92,14 @@ class RayWorkerBody:
         self.name = name
         self.seed = seed
         specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
-        self.runners = {g: OneAtATime(spec.build()) for g, spec in specs}
+        ctx = ray.get_runtime_context()
+        cores = max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
+        self.runners = OneAtATime(build_device(specs, cores=cores))
         # What runs, which differs from the spec where CUDA graphs fell back to eager.
-        self.runtime = next(iter(self.runners.values())).runtime if self.runners else None
+        self.runtime = self.runners.runtime
         self.lock = threading.Lock()
         self.conns: dict[str, Connection] = {}  # owner -> its gateway's socket
         self.watches: dict[str, threading.Event] = {}  # owner -> its watch call's release
-        ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
         # Its node's idle cores, held for the actor's life (the process ending withdraws it),
         # as the operator set it: "on" on a node that refuses fails the worker, as it fails

@@ -29,6 +29,7 @@ from typing import Sequence
 from sensai.errors import SensaiError
 
 from ..core.messages import Done, Fault, Output, Run, Skip
+from ..workers.device_runner import build_device
 from ..workers.loop import Stop, WorkerCore, per_request
 from .base import Capabilities, Incarnation, Sink, WorkerHandle
 from .spread import CoreSpread
@@ -65,9 +66,9 @@ class ThreadWorker(WorkerHandle):
     def _main(self, inc: ThreadIncarnation) -> None:
         detail = "its thread ended"
         try:
-            runners = {g: spec.build() for g, spec in zip(self.groups, self.specs)}
-            if runners:  # what runs, which differs from the spec where CUDA graphs fell back
-                self.runtime = next(iter(runners.values())).runtime
+            runners = build_device(list(zip(self.groups, self.specs)), cores=self.cores)
+            # What runs, which differs from the spec where CUDA graphs fell back.
+            self.runtime = runners.runtime
             inc.core = WorkerCore(runners, delay=self.delay, corrupt=self.corrupt,
                                   seed=self.seed + 7919 * inc.number, batching=self.batching)
         except BaseException as e:  # reported by wait_ready; the supervisor decides

@@ -40,6 +40,7 @@ from sensai.errors import SensaiError
 from ..core.faults import parse_delay
 from ..core.messages import Batching, Dones, Fault, Outputs, Run, RunFailed, Skip
 from . import devicewire as w
+from .device_runner import DeviceRunner, build_device
 from .loop import Stop, WorkerCore
 from .runners import RunnerSpec
 
@@ -61,6 +62,7 @@ class DevicePlan:
     batching: Batching
     fault: Fault = Fault()
     seed: int = 0
+    cores: int = 1  # the CPU cores its subnets' one call may use side by side
 
     @property
     def device(self) -> str:
@@ -109,7 +111,7 @@ class Link:
 class DeviceServer:
     """The device process's body once its runners are built (see :func:`device_main`)."""
 
-    def __init__(self, plan: DevicePlan, runners: dict, listener: socket.socket,
+    def __init__(self, plan: DevicePlan, runners: DeviceRunner, listener: socket.socket,
                  runtime: str | None):
         self.plan = plan
         self.listener = listener
@@ -213,8 +215,8 @@ class DeviceServer:
                 raise w.WireError("a short run")
             wire, slot, rows, hedge_s, primaries, n = w.RUN_HEAD.unpack_from(body)
             groups, at = w.groups_of(body, w.RUN_HEAD.size, n)
-            runners = core.runners
-            if primaries > n or any(g not in runners for g in groups):
+            hosted = core.groups
+            if primaries > n or any(g not in hosted for g in groups):
                 raise w.WireError(f"a run of groups {groups} this device does not host")
             if slot < 0:
                 x = np.array(w.array_of(body, at))  # the read buffer is reused: a copy
@@ -330,14 +332,13 @@ def device_main(plan: DevicePlan, report) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
     try:
-        runners = {g: spec.build() for g, spec in plan.hosted}
+        runners = build_device(plan.hosted, cores=plan.cores)
         listener = listen(plan.address)
     except BaseException as e:
         report.send(("failed", str(e) if isinstance(e, SensaiError)
                      else f"{type(e).__name__}: {e}"))
         return
-    runtime = next(iter(runners.values())).runtime if runners else None
-    server = DeviceServer(plan, runners, listener, runtime)
+    server = DeviceServer(plan, runners, listener, runners.runtime)
     signal.signal(signal.SIGTERM, lambda *_: stop(server))
     report.send(("ready", os.getpid()))
     report.close()

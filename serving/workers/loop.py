@@ -1,22 +1,22 @@
 """What every worker does with a request, whatever transport carries it: the one in-worker loop.
 
-A worker hosts the runners of its groups (a device process: every subnet of one GPU).
-:meth:`WorkerCore.serve` takes the runs waiting on its queue together as one batch
-(:class:`~sensai.serving.core.messages.Batching`: at most ``max_rows`` image rows of any subnet;
-by default only what is queued already, so a request alone never waits for company), whatever
-groups they ask for and in whatever order they came, and computes each group once for all the
-rows that need it: its own groups first, every one launched before any is waited for
-(:func:`~.runners.launch`, :func:`~.runners.wait_all`: on a GPU each subnet on its own stream,
-one wait for all), then the copies of other workers' groups.  Each request gets exactly its own
-rows back, sent as soon as its group is computed (:class:`~sensai.serving.core.messages.Outputs`,
-one per launch), and its Done after its last group
-(:class:`~sensai.serving.core.messages.Dones`, one per batch); transports that carry
+A worker is one device (:class:`~.device_runner.DeviceRunner`: every subnet placed on it,
+computed in one call).  :meth:`WorkerCore.serve` takes the runs waiting on its queue together as
+one batch (:class:`~sensai.serving.core.messages.Batching`: at most ``max_rows`` image rows of
+any subnet; by default only what is queued already, so a request alone never waits for company),
+whatever groups they ask for and in whatever order they came, and computes every group that the
+same rows need in one device call: the usual batch (every run asking for every group the device
+holds) is one call, one wait.  Copies of other workers' groups join that call unless a run hedges
+them (then they are a call of their own, after the own groups are answered).  Each request gets
+exactly its own rows back, sent as soon as its call is computed
+(:class:`~sensai.serving.core.messages.Outputs`, one per group), and its Done after its last
+group (:class:`~sensai.serving.core.messages.Dones`, one per batch); transports that carry
 per-request events split them (:func:`~sensai.serving.core.messages.each`).  While a GPU
 computes one batch, the next gathers on the queue, so batches grow with the load by themselves;
-and where the runners compute apart from the host (GPUs, the sim runtime), the next batch is
+and where the device computes apart from the host (GPUs, the sim runtime), the next batch is
 launched before the one in flight is answered, so the host's work overlaps the device's
 (``Batching.overlap``, see :meth:`WorkerCore.serve`).
-A batch costs each runner one call where its requests one by one cost one each (and a small
+A batch costs the device one call where its requests one by one cost one each (and a small
 CNN's call is mostly overhead), so batching lifts what a worker answers per second exactly
 when requests queue.
 
@@ -50,7 +50,8 @@ import numpy as np
 from ..core.faults import DelaySpec, corrupt_output
 from ..core.messages import (BatchCounts, Batching, Dones, Fault, Output, Outputs, Run, RunFailed,
                              Skip, each)
-from .runners import Runner, launch, wait_all
+from .device_runner import DeviceLaunch, DeviceRunner, as_device, wait_devices
+from .runners import Runner
 
 EVERY = "every"  # a skip of every group of a request (Skip.groups is None)
 MEMORY = 4096  # requests a worker remembers skips for (a late Skip must find its request)
@@ -84,24 +85,29 @@ def per_request(emit: Callable[[object], None]) -> Callable[[object], None]:
 
 
 class WorkerCore:
-    def __init__(self, runners: Mapping[int, Runner], *, delay: DelaySpec | None = None,
+    """The loop of one worker over its device (:class:`~.device_runner.DeviceRunner`, or a
+    mapping of group -> runner, computed one after the other)."""
+
+    def __init__(self, runners: DeviceRunner | Mapping[int, Runner], *,
+                 delay: DelaySpec | None = None,
                  corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
                  origin: Callable[[int], int] | None = None,
                  flush: Callable[[], None] | None = None):
-        self.runners = dict(runners)
+        self.device = as_device(runners)
+        self.groups = frozenset(self.device.groups)
         self.origin = origin  # request -> who sent it, where several do (a device process)
         # Called once the own groups' events, and once a batch's Dones, are all emitted: where
         # emit only queues (a device process), that is when they leave, together.
         self.flush = flush or (lambda: None)
         self.delay, self.corrupt = delay, bool(corrupt)
         self.batching = batching or Batching()
-        # Overlap a batch's answers with the next batch's device time: only where every launch
+        # Overlap a batch's answers with the next batch's device time: only where a launch
         # returns before its device is done (a CPU runner computes as it launches, so the next
         # batch would only delay this one's answers).
-        self.overlap = self.batching.overlap and bool(self.runners) and all(
-            getattr(r, "overlaps", False) for r in self.runners.values())
+        self.overlap = self.batching.overlap and self.device.overlaps
         self.counts = BatchCounts()  # the loop's batches of runs
-        self.group_counts = {g: BatchCounts() for g in self.runners}  # each subnet's launches
+        self.group_counts = {g: BatchCounts() for g in self.device.groups}  # each subnet's
+        self.calls = 0  # the device's calls (each computes every group it is asked for)
         self.rng = random.Random(seed)
         self.cv = threading.Condition()
         self.skips: OrderedDict[int, set[int] | str] = OrderedDict()
@@ -177,17 +183,25 @@ class WorkerCore:
         # right after a wake-up every lock taken on the request's path costs (cold caches).
         if self.skipped(req, group):
             return None
-        event = self.alone(group, req, x)
+        event = self.alone((group,), req, x)[0]
         return event if type(event) is RunFailed else Output(req, group, event.out, event.ms)
 
-    def alone(self, group: int, req: int, x: np.ndarray) -> Outputs | RunFailed:
-        """Group ``group`` of one request, in a runner call of its own."""
+    def alone(self, groups: Sequence[int], req: int, x: np.ndarray) -> list[Outputs | RunFailed]:
+        """Groups ``groups`` of one request, in a device call of their own."""
         t0 = time.perf_counter()
+        one = self.device.launch((x,), groups)
+        self.calls += 1
+        wait_devices((one,))
+        ms = (time.perf_counter() - t0) * 1e3
+        return [self.single(g, req, *self.picked(one, g), ms) for g in groups]
+
+    @staticmethod
+    def picked(one: DeviceLaunch, g: int) -> tuple[np.ndarray | None, Exception | None]:
+        """Group ``g``'s rows of launch ``one``, or the error they failed with."""
         try:
-            out, error = np.asarray(self.runners[group].run(x), dtype=np.float32), None
+            return np.asarray(one.result(g), dtype=np.float32), None
         except Exception as e:  # one subnet failing must not take the worker down
-            out, error = None, e
-        return self.single(group, req, out, error, (time.perf_counter() - t0) * 1e3)
+            return None, e
 
     def single(self, group: int, req: int, out: np.ndarray | None, error: Exception | None,
                ms: float) -> Outputs | RunFailed:
@@ -226,16 +240,16 @@ class WorkerCore:
 
     @staticmethod
     def tasks(batch: Sequence[Run]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-        """A batch's work, each group -> its runs' places in ``batch``: the worker's own groups,
-        and the copies of other workers' groups."""
+        """A batch's work, each group -> its runs' places in ``batch``: the worker's own groups
+        (and the copies, unless some run hedges them), and the copies of other workers'
+        groups."""
         own: dict[int, list[int]] = {}
         copies: dict[int, list[int]] = {}
+        # Copies nobody waits to hedge are computed in the same call as the own groups.
+        hedged = any(m.hedge_s > 0 for m in batch)
         for i, m in enumerate(batch):
             groups = m.groups
-            if len(groups) == 1 and m.primaries == 1:  # a worker's own group alone: the usual
-                own.setdefault(groups[0], []).append(i)
-                continue
-            p = m.primaries
+            p = m.primaries if hedged else len(groups)
             for j, g in enumerate(groups):
                 (own if j < p else copies).setdefault(g, []).append(i)
         return own, copies
@@ -272,16 +286,17 @@ class WorkerCore:
     def launch(self, tasks: Mapping[int, list[int]], batch: Sequence[Run], skipped: list[int],
                emit: Callable[[object], None]) -> None:
         """Each group of ``tasks`` (group -> its runs' places in ``batch``) on the rows of its
-        runs not skipped: every launch made before any is waited for, then emitted."""
+        runs not skipped: every call made before any is waited for, then emitted."""
         self.collect(self.launches(tasks, batch, skipped), emit)
 
     def launches(self, tasks: Mapping[int, list[int]], batch: Sequence[Run],
                  skipped: list[int]) -> list[tuple]:
-        """Each group of ``tasks`` launched on the rows of its runs not skipped (counted in
-        ``skipped``), nothing waited for: (group, runs, launch, start, seconds it took where it
-        computed as it launched)."""
-        launched = []
+        """The groups of ``tasks`` computed on the rows of their runs not skipped (counted in
+        ``skipped``), nothing waited for: one device call for all the groups that the same runs
+        need (the usual: every group, every run), one per kind of rows.  Each is (groups, runs,
+        launch, start, seconds it took where it computed as it launched)."""
         some_skipped = self.skips or self.closing
+        calls: dict[tuple[int, ...], list[int]] = {}  # the runs' places -> their groups
         for g, places in tasks.items():
             if some_skipped:
                 live = []
@@ -289,12 +304,14 @@ class WorkerCore:
                     if self.skipped(batch[i].req, g):
                         skipped[i] += 1
                     else:
-                        live.append(batch[i])
+                        live.append(i)
                 if not live:
                     continue
-            else:
-                live = [batch[i] for i in places]
-            runner = self.runners[g]
+                places = live
+            calls.setdefault(tuple(places), []).append(g)
+        launched = []
+        for places, groups in calls.items():
+            live = [batch[i] for i in places]
             if len(live) > 1 and len({row_kind(m.x) for m in live}) > 1:
                 kinds: dict[tuple, list[Run]] = {}
                 for m in live:
@@ -304,31 +321,31 @@ class WorkerCore:
                 parts = [live]
             for runs in parts:
                 t0 = time.perf_counter()
-                one = launch(runner, [m.x for m in runs])
-                # A runner that computed as it launched (CPUs) took its own time; the others
+                one = self.device.launch([m.x for m in runs], groups)
+                self.calls += 1
+                # A device that computed as it launched (CPUs) took its own time; the others
                 # are done when the wait below is.
-                took = time.perf_counter() - t0 if type(one).waits is None else None
-                launched.append((g, runs, one, t0, took))
+                took = time.perf_counter() - t0 if one.computed else None
+                launched.append((groups, runs, one, t0, took))
         return launched
 
     def collect(self, launched: list[tuple], emit: Callable[[object], None]) -> None:
         """Wait once for every one of ``launched`` (see :meth:`launches`), then emit each."""
         if not launched:
             return
-        wait_all([one for _, _, one, _, _ in launched])
+        wait_devices([one for _, _, one, _, _ in launched])
         done = time.perf_counter()
-        for g, runs, one, t0, took in launched:
-            self.answer(g, runs, one, ((done - t0) if took is None else took) * 1e3, emit)
+        for groups, runs, one, t0, took in launched:
+            ms = ((done - t0) if took is None else took) * 1e3
+            for g in groups:
+                self.answer(g, runs, one, ms, emit)
 
-    def answer(self, g: int, runs: Sequence[Run], one, ms: float,
+    def answer(self, g: int, runs: Sequence[Run], one: DeviceLaunch, ms: float,
                emit: Callable[[object], None]) -> None:
-        """Emit launch ``one`` of group ``g`` for ``runs``: each request's rows, or (when the
+        """Emit group ``g`` of launch ``one`` for ``runs``: each request's rows, or (when the
         batch failed, or answered other rows than it was given) each request again alone, so
         that only one that fails alone fails, with its own error."""
-        try:
-            out, error = np.asarray(one.result(), dtype=np.float32), None
-        except Exception as e:
-            out, error = None, e
+        out, error = self.picked(one, g)
         n = len(runs)
         if n == 1:
             m = runs[0]
@@ -343,7 +360,7 @@ class WorkerCore:
                          sizes, ms))
             return
         for m in runs:
-            emit(self.alone(g, m.req, m.x))
+            emit(self.alone((g,), m.req, m.x)[0])
 
     def count(self, g: int, requests: int, rows: int) -> None:
         c = self.group_counts[g]

@@ -126,15 +126,17 @@ class OrtRunner:
     runtime = "onnx"
 
     def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
-                 name: str | None = None, num_outputs: int | None = None):
+                 name: str | None = None, num_outputs: int | None = None, inter_op: int = 1):
         import onnxruntime as ort  # only the onnx runtime needs it
 
         opts = ort.SessionOptions()
-        # One thread per worker: parallelism comes from running workers side by side, and
+        # One intra-op thread by default: parallelism comes from running a device's branches side
+        # by side (``inter_op``: the parallel executor's threads, one per branch and core), and
         # intra-op threads of several sessions on few cores only fight each other.
         opts.intra_op_num_threads = max(1, int(threads))
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.inter_op_num_threads = max(1, int(inter_op))
+        opts.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if inter_op > 1
+                               else ort.ExecutionMode.ORT_SEQUENTIAL)
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         providers: list = ["CPUExecutionProvider"]
         if device.startswith("cuda"):
@@ -152,6 +154,7 @@ class OrtRunner:
             raise CheckpointError(f"onnxruntime cannot load {what}: "
                                   f"{str(e).splitlines()[0]}") from None
         self.input_name = self.session.get_inputs()[0].name
+        self.output_names = [o.name for o in self.session.get_outputs()]
         out = self.session.get_outputs()[0]
         self.output_name = out.name
         width = out.shape[-1] if out.shape else None
@@ -163,6 +166,10 @@ class OrtRunner:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         return self.session.run([self.output_name], {self.input_name: x})[0]
+
+    def run_outputs(self, x: np.ndarray, names: Sequence[str]) -> list[np.ndarray]:
+        """The outputs ``names`` on ``x``: only the nodes they need are computed."""
+        return self.session.run(list(names), {self.input_name: x})
 
 
 class TorchRunner:
@@ -239,13 +246,8 @@ class RunnerSpec:
         elif self.resolved_runtime() == "onnx":
             if not self.onnx_path:
                 raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
-            if self.onnx_blob is not None:
-                onnx = verify_bytes(fetch(self.onnx_blob), self.onnx_sha256,
-                                    f"ONNX file of {self.name} ({self.onnx_path})")
-            else:
-                onnx = verify_file(Path(self.onnx_path), self.onnx_sha256, "ONNX file")
-            runner = OrtRunner(onnx, threads=self.threads, device=self.device,
-                                       name=self.name, num_outputs=self.num_outputs or None)
+            runner = OrtRunner(self.onnx_bytes(), threads=self.threads, device=self.device,
+                               name=self.name, num_outputs=self.num_outputs or None)
         else:
             # torch only on this branch: ONNX-only workers never import it.
             import torch
@@ -262,6 +264,22 @@ class RunnerSpec:
             # first request does not pay for it.
             runner.run(np.zeros((1, *self.input_shape), dtype=np.float32))
         return runner
+
+    def onnx_bytes(self) -> bytes:
+        """The subnet's ONNX graph, read once and checked against its hash (shipped or from its
+        file)."""
+        if not self.onnx_path:
+            raise CheckpointError(f"{self.name} has no ONNX file; use the torch runtime")
+        if self.onnx_blob is not None:
+            return verify_bytes(fetch(self.onnx_blob), self.onnx_sha256,
+                                f"ONNX file of {self.name} ({self.onnx_path})")
+        if not self.onnx_sha256:
+            raise CheckpointError(f"ONNX file {self.onnx_path} has no sha256 in the manifest; "
+                                  "refusing to load what cannot be checked")
+        path = Path(self.onnx_path)
+        if not path.is_file():
+            raise CheckpointError(f"ONNX file {path} does not exist")
+        return verify_bytes(path.read_bytes(), self.onnx_sha256, f"ONNX file {path}")
 
     def torch_model(self):
         """The torch network: a copy of ``module`` (the worker's own), or rebuilt from the

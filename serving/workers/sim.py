@@ -75,6 +75,7 @@ class SimRunner:
         self.num_outputs = max(1, int(num_outputs))
         self.launch_s = launch_ms / 1e3
         self.busy_until = 0.0
+        self.launches = 0
         self.unread: SimLaunch | None = None  # holds the staging buffer until it is done
         self.staged = np.zeros((max(1, batch_rows), *self.input_shape), dtype=np.float32)
 
@@ -98,6 +99,7 @@ class SimRunner:
             np.concatenate(parts, out=staged)
         out = sim_scores(staged, self.num_outputs)
         now = time.perf_counter()
+        self.launches += 1
         end = max(now, self.busy_until) + self.launch_s
         self.busy_until = end
         self.unread = SimLaunch(end, out)
