@@ -67,6 +67,13 @@ def rows_of(path: Path, run: dict) -> list[list[str]]:
                          transport, fmt(lat["p50"], 3), fmt(lat["p99"], 3),
                          fmt(replay, 4) if replay is not None else "-",
                          fmt(t.get("top1"), 4)])
+        one = s.get("one_call")
+        if one:  # the compute alone that class parallel's rows are judged against
+            rows.append([path.parent.name, run["model"],
+                         "x".join(map(str, run["input_shape"][1:])), str(one.get("runtime")),
+                         f"one call of every subnet ({one.get('kind')})", "inprocess, alone",
+                         fmt(one["ms"]["p50"], 3), fmt(one["ms"]["p99"], 3),
+                         fmt(one.get("graph_replay_ms"), 4), "-"])
     return rows
 
 

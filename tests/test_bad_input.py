@@ -139,6 +139,18 @@ def test_multipart_without_image_field(client, good_png):
     assert_still_serving(client, good_png)
 
 
+def test_multipart_beyond_the_parsers_limits_is_a_400(client, good_png):
+    """More form fields than the route reads, a second file: refused with the parser's reason,
+    never a 500, whichever HTTP path parsed it."""
+    fields = {f"f{i}": str(i) for i in range(10)}
+    r = client.post("/v1/predict", data=fields, files={"image": ("x.png", good_png, "image/png")})
+    assert_error(r, 400, "malformed multipart", "fields")
+    files = [("image", ("x.png", good_png, "image/png")), ("other", ("y.png", good_png,
+                                                                     "image/png"))]
+    assert_error(client.post("/v1/predict", files=files), 400, "malformed multipart", "files")
+    assert_still_serving(client, good_png)
+
+
 def test_decompression_bomb_real_pixels(client, good_png):
     data = solid_png(3000, 3000)  # 9 M pixels in a few KB
     assert len(data) < MAX_BODY

@@ -315,16 +315,27 @@ def test_targets_are_stated(short_run):
     t = result["targets"]
     assert t["model"] == "fmnist_cnn" and t["statistic"] == "p50"
     # Only the sets for every model apply to a fmnist_cnn artifact.
-    assert [s["name"] for s in t["sets"]] == ["fan-out overhead",
+    unit = "the device as the unit: serving adds little to one call of every subnet"
+    assert [s["name"] for s in t["sets"]] == [unit, "fan-out overhead",
                                               "overhead above each transport's floor"]
-    (check,) = t["sets"][0]["checks"]
+    # Issue 60: class parallel against one call of every subnet, measured in the same run.
+    one = result["strategies"]["class-parallel"]["one_call"]
+    assert one["subnets"] == 5 and one["device"] == "cpu" and one["ms"]["p50"] > 0
     cp = result["strategies"]["class-parallel"]["transports"]
+    over = {c["name"]: c for c in t["sets"][0]["checks"]}
+    assert over["over_one_call_http_v2_ms"]["value"] == pytest.approx(
+        cp["http-v2"]["latency_ms"]["p50"] - one["ms"]["p50"], abs=1e-3)
+    assert over["over_one_call_http_v2_ms"]["limit"] == 0.35
+    assert over["inprocess_vs_one_call"]["value"] == pytest.approx(
+        cp["inprocess"]["latency_ms"]["p50"] / one["ms"]["p50"], rel=1e-3)
+    assert "One call of every subnet (5 on one device" in (short_run[0] / "bench.md").read_text()
+    (check,) = t["sets"][1]["checks"]
     assert check["name"] == "fanout_overhead_ms" and check["transport"] == "http"
     assert check["value"] == cp["http"]["breakdown_ms"]["p50"]["latency_minus_compute"]
     assert check["inprocess_value"] == cp["inprocess"]["breakdown_ms"]["p50"][
         "latency_minus_compute"]
     # Per transport, against the same client's bare request on the same server (issue 10).
-    per = {c["name"]: c for c in t["sets"][1]["checks"]}
+    per = {c["name"]: c for c in t["sets"][2]["checks"]}
     assert {n: (c["transport"], c["limit"]) for n, c in per.items()} == {
         "over_floor_http_v2_ms": ("http-v2", 0.5), "over_floor_png_upload_ms": ("http", 0.8),
         "fanout_overhead_inprocess_ms": ("inprocess", 0.15)}
@@ -334,7 +345,7 @@ def test_targets_are_stated(short_run):
         assert "bare GET" in per[name]["rule"] and per[name]["reference_transport"] == "inprocess"
     assert per["fanout_overhead_inprocess_ms"]["value"] == cp["inprocess"]["breakdown_ms"][
         "p50"]["latency_minus_compute"]
-    checks = [check, *per.values()]
+    checks = [*over.values(), check, *per.values()]
     for c in checks:
         assert isinstance(c["met"], bool) and c["met"] == (c["value"] <= c["limit"])
         assert c["status"] == ("met" if c["met"] else "not met")
@@ -364,7 +375,8 @@ def test_targets_of_another_model_are_not_reported(short_run):
     checks = {c["name"]: c for s in evaluate_targets(as_vgg)["sets"] for c in s["checks"]}
     assert set(checks) == {"class_parallel_vs_single", "class_parallel_vs_model_parallel",
                            "accuracy_loss_points", "fanout_overhead_ms", "over_floor_http_v2_ms",
-                           "over_floor_png_upload_ms", "fanout_overhead_inprocess_ms"}
+                           "over_floor_png_upload_ms", "fanout_overhead_inprocess_ms",
+                           "over_one_call_http_v2_ms", "inprocess_vs_one_call"}
     p50 = {k: result["strategies"][k]["transports"]["http"]["latency_ms"]["p50"] for k in STRATS}
     assert checks["class_parallel_vs_single"]["value"] == pytest.approx(
         p50["class-parallel"] / p50["single"], rel=1e-3)
@@ -398,6 +410,7 @@ def test_targets_of_another_model_are_not_reported(short_run):
     mine = copy.deepcopy(result)
     mine["targets"] = evaluate_targets(mine, table)
     assert [s["name"] for s in mine["targets"]["sets"]] == [
+        "the device as the unit: serving adds little to one call of every subnet",
         "fan-out overhead", "overhead above each transport's floor", "tight fan-out"]
     text = render_markdown(mine)
     assert "tight fan-out" in text and "resnet20 only" not in text
@@ -551,8 +564,9 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     remote = [c for c in checks if c["transport"] != "inprocess"]
     assert remote and all(c["met"] is None and c["status"] == "not measured"
                           and c["why_not_measured"] for c in remote)
-    (local,) = [c for c in checks if c["transport"] == "inprocess"]
-    assert local["name"] == "fanout_overhead_inprocess_ms" and isinstance(local["met"], bool)
+    local = {c["name"]: c for c in checks if c["transport"] == "inprocess"}
+    assert set(local) == {"fanout_overhead_inprocess_ms", "inprocess_vs_one_call"}
+    assert all(isinstance(c["met"], bool) for c in local.values())
     assert result["targets"]["all_met"] is None
     assert (out / "bench.png").is_file() and (out / "bench.md").is_file()
     assert not (out / "models").exists() or not list((out / "models").glob("stage_*.onnx"))

@@ -19,7 +19,8 @@ LEVEL_KEYS = {"concurrency", "seconds", "requests", "status_counts", "ok", "erro
               "client_cpu_share", "machine_busy_cores"}
 SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50_c1",
                  "flagship_vs_triton", "overload_goodput_share", "overload_admitted_p99",
-                 "overload_refused_p99", "overload_within_deadline"]
+                 "overload_refused_p99", "overload_within_deadline", "c1_over_one_call_ms",
+                 "gpu_vs_original_rps"]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,16 @@ def test_the_targets_are_reported(sweep_run):
     ceiling = by["c16_vs_noop_route"]["ceiling"]
     assert ceiling >= 0.95 * by["c16_vs_noop_route"]["value"] > 0
     assert "(the cores at this CPU per answer: at most " in (out / "load.md").read_text()
+    # Issue 60: one image served against one call of every subnet, measured before the servers.
+    one = result["one_call"]
+    assert one["subnets"] == 5 and one["device"] == "cpu" and one["ms"]["p50"] > 0
+    assert by["c1_over_one_call_ms"]["value"] == pytest.approx(
+        c["levels"][0]["latency_ok_ms"]["p50"] - one["ms"]["p50"], abs=1e-3)
+    assert by["c1_over_one_call_ms"]["status"] in ("met", "not met")
+    assert "One call of every subnet, in process" in (out / "load.md").read_text()
+    # The GPU's answers/s target is not claimed on a CPU, and no single was swept.
+    assert by["gpu_vs_original_rps"]["conditions_met"] is False
+    assert by["gpu_vs_original_rps"]["status"] == "not measured"
 
 
 def test_the_cores_ceiling_counts_the_server_and_the_clients_cpu_per_answer():

@@ -1,5 +1,5 @@
 """The device as the unit: one call runs every subnet placed on a device, and a request makes one
-run per device.
+run per device; every place that runs workers in processes runs them in device processes.
 
 A device's one call (a merged ONNX Runtime session, torch branches, the sim runtime's one
 launch) must answer exactly what its subnets answer one by one, for plain and residual networks
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from sensai.artifact import load_artifact
 from sensai.data import normalize
 from sensai.serving.core.messages import Batching, Done, Output, Run
 from sensai.serving.core.settings import GatewaySettings
-from sensai.serving.engine.plan import class_parallel_plan, host_devices, worker_count
+from sensai.serving.engine.plan import class_parallel_plan, worker_count
 from sensai.serving.launch.build import build_predictor
 from sensai.serving.workers.device_runner import (EachRunner, OrtDevice, SharedRunner, SimDevice,
                                                   build_device, merge_branches)
@@ -178,25 +179,23 @@ def test_a_failing_device_call_fails_only_its_own_requests(tiny_artifact, images
     assert answered >= {(r, g) for r in (1, 3) for g in range(5)}
 
 
-def test_the_default_places_every_subnet_on_the_one_cpu_device(tiny_artifact):
+def test_one_worker_places_every_subnet_on_the_one_cpu_device(tiny_artifact):
     art = load_artifact(tiny_artifact)
-    s = GatewaySettings(device="cpu")
-    assert host_devices("cpu", "auto") == 1 and worker_count(s, 5) == 1
+    s = GatewaySettings(device="cpu", workers=1)
+    assert worker_count(s, 5) == 1 and worker_count(GatewaySettings(), 5) == 5
     plan = class_parallel_plan(art, s)
     assert [wp.groups for wp in plan.workers] == [(0, 1, 2, 3, 4)]
     # Copies need devices of their own; each hosts every group (its own ones first).
-    r1 = class_parallel_plan(art, s.model_copy(update={"redundancy": 1}))
+    r1 = class_parallel_plan(art, s.model_copy(update={"workers": 2, "redundancy": 1}))
     assert len(r1.workers) == 2 and all(sorted(wp.groups) == list(range(5)) for wp in r1.workers)
-    # Set: several devices cut from the cores; other backends keep a worker per group.
-    assert worker_count(s.model_copy(update={"workers": 3}), 5) == 3
-    assert worker_count(s.model_copy(update={"backend": "ray"}), 5) == 5
+    assert r1.workers[0].groups[:3] == (0, 2, 4) and r1.workers[1].groups[:2] == (1, 3)
 
 
 @pytest.mark.parametrize("backend", ["local", "processes"])
 def test_a_request_makes_one_run_per_device(backend, tiny_artifact, images, u8, fmnist_spec):
-    """Counted at the devices: six requests on the default placement are six device runs,
-    however many subnets; the answers are the offline ones."""
-    settings = GatewaySettings(backend=backend, device="cpu", deadline_s=30)
+    """Counted at the devices: six requests to one device are six device runs, however many
+    subnets; the answers are the offline ones."""
+    settings = GatewaySettings(backend=backend, device="cpu", deadline_s=30, workers=1)
     pred = build_predictor(tiny_artifact, settings)
     try:
         assert len(pred.workers) == 1 and pred.workers[0].groups == (0, 1, 2, 3, 4)
@@ -216,7 +215,7 @@ def test_redundancy_keeps_answering_when_a_device_is_killed(tiny_artifact, image
     """Redundancy 1: two devices, each with every group; one killed under load loses no
     answer."""
     settings = GatewaySettings(backend="processes", device="cpu", deadline_s=30, redundancy=1,
-                               restart_delay_s=5)
+                               workers=2, restart_delay_s=5)
     pred = build_predictor(tiny_artifact, settings)
     try:
         assert len(pred.workers) == 2
@@ -241,3 +240,23 @@ def test_each_runner_is_what_plain_runner_mappings_become(tiny_artifact):
     runners = {g: s.build() for g, s in enumerate(runner_specs(art, device="cpu"))}
     core = WorkerCore(runners)
     assert isinstance(core.device, EachRunner) and core.groups == frozenset(range(5))
+
+
+def test_bench_robust_on_processes_measures_the_device_processes_of_serve(tiny_artifact,
+                                                                          tmp_path):
+    """``sensai bench-robust --backend processes``: its predictors run on device processes of
+    their own (the transport ``sensai serve``'s gateways use); a killed one is restarted and,
+    under r = 1, costs no answer."""
+    from sensai.bench.robust import run_robust_bench
+
+    out = tmp_path / "robust"
+    res = run_robust_bench(tiny_artifact, out, backend="processes", redundancies=(1,),
+                           images=20, warmup=2, rounds=1, delay="fixed:50ms", straggler=2,
+                           victim=1, kill_at=0.25, restart_delay_s=1.0, progress=False,
+                           command="test")
+    on_disk = json.loads((out / "robust.json").read_text())
+    assert on_disk["worker_transport"] == {"r=1": {"kind": "processes", "device_processes": 5}}
+    failure = res["configs"]["r=1"]["scenarios"]["failure"]
+    assert failure["killed_pid"] and failure["restarted"] and failure["rejoined"]
+    assert failure["errors"] == 0 and failure["wrong"] == 0
+    assert failure["answered"] == failure["requests"] == 20  # two per class

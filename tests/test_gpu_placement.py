@@ -27,7 +27,7 @@ from sensai.serving.engine.plan import class_parallel_plan, worker_devices
 from sensai.serving.launch.fleet import device_plans
 from sensai.serving.transports.ray_actors import actor_class, actor_resources
 from sensai.serving.workers.graphs import buckets_up_to
-from sensai.serving.workers.runners import runner_specs
+from sensai.serving.workers.runners import RunnerSpec, runner_specs
 
 FAKE_GPUS = 4
 
@@ -141,14 +141,15 @@ def fake_gpu_ray():
 
 
 def placed(workers: int, device: str = "auto") -> tuple[dict, list[tuple]]:
-    """``workers`` worker actors sized by the Ray backend for this cluster, each hosting no
-    subnet; returns their Ray options and what each saw inside: (its device, as it reports it
+    """``workers`` worker actors sized by the Ray backend for this cluster, each hosting one
+    simulated subnet (no GPU is touched); returns their Ray options and what each saw inside: (its device, as it reports it
     to the gateway, Ray's GPU ids, CUDA_VISIBLE_DEVICES)."""
     import ray
 
     cpus, gpus = cluster_resources()
     opts, _ = actor_resources(workers, cpus, gpus, device=device)
-    actors = [actor_class().options(**opts).remote(f"worker-{w}", [], w)
+    sim = RunnerSpec(name="sim", input_shape=(1, 28, 28), runtime="sim", num_outputs=2)
+    actors = [actor_class().options(**opts).remote(f"worker-{w}", [(0, sim)], w)
               for w in range(workers)]
 
     def inside(body) -> tuple:  # runs in the actor, on its RayWorkerBody

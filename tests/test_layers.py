@@ -236,7 +236,7 @@ def test_onnx_only_paths_load_nothing_heavy():
     heavy = top_level_heavy()
     light = ("sensai.artifact", "sensai.manifest", "sensai.models", "sensai.spec",
              "sensai.serving.workers.runners", "sensai.serving.workers.loop",
-             "sensai.serving.transports.processes", "sensai.serving.transports.threads",
+             "sensai.serving.transports.devices", "sensai.serving.transports.threads",
              "sensai.serving.engine.predictor", "sensai.serving.engine.pool",
              "sensai.serving.engine.plan", "sensai.serving.gateway.app",
              "sensai.serving.gateway.imaging", "sensai.serving.launch.build",

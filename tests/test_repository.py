@@ -365,22 +365,28 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
     assert out.returncode != 0 and "needs a model repository" in out.stderr
     add_version(repo, MODEL, tiny_artifact)
     assert sorted(versions(repo, MODEL)) == [1, 2]
-    out = subprocess.run([*sensai, "serve", str(repo), "--backend", "processes",
+    out = subprocess.run([*sensai, "serve", str(repo), "--backend", "local",
                           "--device-processes", "1"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "sensai serve: error: --device-processes does not apply here (a model repository's "
-        "workers are worker processes of the gateway, one per worker)"]
+        "workers on the local backend run in no device process; use --backend processes)"]
     token = tmp_path / "token"
     token.write_text("a-token-of-enough-length\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [*sensai, "serve", str(repo), "--port", str(port), "--device", "cpu",
-            "--model-control", "explicit", "--repository-token-file", str(token)]
+            "--model-control", "explicit", "--repository-token-file", str(token),
+            "--backend", "processes", "--device-processes", "1"]
     with server_process(argv) as proc:
         wait_for_server(proc, url, timeout_s=60)
         r = httpx.post(f"{url}/v1/predict", content=png(images[0]))
         assert (r.json()["model"], r.json()["model_version"]) == (MODEL, "2")
+        # The version's workers: device processes of its own, reached as sensai serve's are.
+        predictor = httpx.get(f"{url}/v1/models").json()["predictor"]
+        assert predictor["transport"] == {"kind": "processes", "device_processes": 1}
+        assert {w["transport"] for w in predictor["workers"]} == {"devices"}
+        assert len({w["pid"] for w in predictor["workers"]}) == 1
         assert httpx.post(f"{url}/v2/repository/index").status_code == 401
         r = httpx.post(f"{url}/v2/repository/models/{MODEL}/unload",
                        headers={"Authorization": "Bearer a-token-of-enough-length"})

@@ -196,7 +196,10 @@ def test_process_workers_give_the_same_scores(tiny_artifact, fmnist_test, fmnist
     np.testing.assert_allclose(out.scores, offline_scores(tiny_artifact, images, fmnist_spec),
                                atol=2e-5)
     workers = pred.describe()["workers"]
-    assert workers[0]["transport"] == "processes" and workers[0]["pid"] != os.getpid()
+    # The device processes sensai serve's gateways reach, started for this predictor alone.
+    assert pred.describe()["transport"] == {"kind": "processes", "device_processes": 5}
+    assert all(w["transport"] == "devices" and w["device_process"] for w in workers)
+    assert workers[0]["pid"] != os.getpid()
 
 
 @pytest.mark.parametrize("slow_worker", [0, 4])

@@ -38,6 +38,7 @@ from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings,
 from .latency_report import plot, render_markdown
 from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS,
                     UNTIMED_TRANSPORTS, WARMUP, strategy_key)
+from .one_call import one_call_reference
 from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
@@ -225,6 +226,11 @@ def run_bench(
             cp = result["strategies"]["class-parallel"]
             cp.update(isolated_compute(recipes["class-parallel"], imgs, isolated_images,
                                        cores=cores, threads=threads, bar=bar))
+        if "class-parallel" in strategies:
+            bar.set_description("class-parallel: one call of every subnet")
+            result["strategies"]["class-parallel"]["one_call"] = one_call_reference(
+                artifact, imgs.xs, device=resolved_device, runtime=runtime, threads=threads,
+                cores=cores)
         # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
         for key in ("class-parallel", "single"):
             if key in strategies and key in result["strategies"]:

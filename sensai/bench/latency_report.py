@@ -322,6 +322,7 @@ def render_markdown(result: dict) -> str:
             + (f"; with {m['usable_cores']} usable core(s) the subnets of one image cannot all be "
                f"done in less than {fmt(floor)} ms (the core-bound floor)"
                if floor is not None else "") + ".", ""]
+    lines += one_call_lines(cp)
     for key in ("class-parallel", "single"):
         replay = (result["strategies"].get(key) or {}).get("graph_replay_ms")
         if replay:
@@ -421,3 +422,21 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8, loc="best")
     ax.grid(axis="x", alpha=0.3)
     save_figure(fig, path)
+
+
+def one_call_lines(cp: dict | None) -> list[str]:
+    """The one-call reference (:mod:`.one_call`) beside class parallel: its latency, and how
+    far class parallel's own p50 is from it on each transport."""
+    one = (cp or {}).get("one_call")
+    if not one or not one["ms"]["p50"]:
+        return []
+    ref = one["ms"]["p50"]
+    gaps = [f"{t} +{fmt(rep['latency_ms']['p50'] - ref)} ms"
+            for t, rep in cp.get("transports", {}).items() if rep["latency_ms"]["p50"]]
+    cores = f", {one['cores']} core(s)" if one.get("cores") else ""
+    replay = (f"; its one CUDA graph replays in {fmt(one['graph_replay_ms'], 4)} ms"
+              if one.get("graph_replay_ms") else "")
+    return [f"One call of every subnet ({one['subnets']} on one device: {one['kind']}, "
+            f"{one['runtime']} on {one['device']}{cores}; in process, nothing else running): "
+            f"p50 {fmt(ref)} ms, p99 {fmt(one['ms']['p99'])} ms{replay}. Class parallel's p50 "
+            "over it: " + (", ".join(gaps) or "-") + ".", ""]

@@ -35,6 +35,7 @@ from .names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS, SWEEP_OV
 from .peers import MODEL as PEER_MODEL
 from .peers import Peers, unavailable
 from .perf_analyzer import PerfAnalyzer, for_sweep, missing, sweep_settings
+from .one_call import one_call_reference
 from .robust import offline_reference
 from .targets import evaluate_sweep_targets
 
@@ -358,6 +359,12 @@ def run_load_sweep(
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
     tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
     bar = options.progress_bar("bench-load --sweep")
+    if any(key.startswith("class-parallel") for key in configs):
+        # Before any server starts: the device's compute alone, nothing competing for it.
+        bar.set_description("one call of every subnet, in process")
+        result["one_call"] = one_call_reference(
+            artifact, imgs.xs, device=gs.device, runtime=gs.runtime,
+            threads=gs.threads_per_worker, sim_launch_ms=gs.sim_launch_ms)
     procs: list[HttpClientProcess] = []
     try:
         with sigterm_as_exit():

@@ -242,6 +242,7 @@ def render_markdown(result: dict) -> str:
            "its rows; answers checked against the simulation's own offline."
            if g.get("runtime") == "sim" else ""),
         "",
+        *one_call_text(result),
         "## Targets",
         "",
         md_table(TARGET_HEADER, target_rows(result)),
@@ -303,3 +304,16 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     save_figure(fig, path)
+
+
+def one_call_text(result: dict) -> list[str]:
+    """The one-call reference measured before the servers started (:mod:`.one_call`)."""
+    one = result.get("one_call")
+    if not one:
+        return []
+    cores = f", {one['cores']} core(s)" if one.get("cores") else ""
+    return [f"One call of every subnet, in process (the compute alone, nothing else running; "
+            f"{one['subnets']} subnets on one device: {one['kind']}, {one['runtime']} on "
+            f"{one['device']}{cores}): p50 {fmt(one['ms']['p50'], 3)} ms, p99 "
+            f"{fmt(one['ms']['p99'], 3)} ms.  A served image at 1 in flight is measured against "
+            "it (target c1_over_one_call_ms).", ""]

@@ -252,12 +252,19 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
             workers = WorkerSet(recipe.names, recipe.specs, settings)
             predictor = BASELINES[key](workers, artifact.spec, key)
             described = workers.describe()
+    served_by = len(described)
+    if parallel:  # a worker is a device hosting several subnets: each subnet's first host
+        hosts = {}
+        for w in described:
+            for g in w.get("groups") or ():
+                hosts.setdefault(g, w)
+        described = [hosts.get(i, {}) for i in range(len(recipe.specs))]
     per_worker = [dict(info, name=name, **_worker_fields(w, spec))
                   for info, name, w, spec in zip(recipe.workers, recipe.names, described,
                                                  recipe.specs)]
     info = {
         "label": label(key),
-        "workers": len(per_worker),
+        "workers": served_by,
         "backend": backend if parallel else "local",
         "per_worker": per_worker,
         "params_max_per_worker": max(w["params"] for w in per_worker),

@@ -57,6 +57,24 @@ class Ratio:
 
 
 @dataclass(frozen=True)
+class Latency:
+    """p50 latency of ``strategy``, ms."""
+
+    strategy: str
+    unit = "ms"
+
+    def rule(self, limit: float) -> str:
+        return f"p50({_name(self.strategy)}) <= {limit:g} ms"
+
+    def value(self, result: dict, transport: str) -> float | None:
+        rep = _rep(result, self.strategy, transport)
+        return None if rep is None else rep["latency_ms"]["p50"]
+
+    def needs(self, transport: str) -> str:
+        return f"needs {self.strategy} measured over {transport}"
+
+
+@dataclass(frozen=True)
 class FanoutOverhead:
     """p50 of (class-parallel latency - the slowest subnet's compute), ms: what fan-out, merge
     and (over HTTP) the request cost on top of the floor."""
@@ -188,6 +206,36 @@ class AddedOver:
 
 
 @dataclass(frozen=True)
+class OverOneCall:
+    """p50 of class parallel minus p50 of the one-call reference (every subnet in one device
+    call, in process, nothing else running: :mod:`.one_call`), ms - or, with ``ratio``, the
+    one over the other: what serving adds to the device's compute."""
+
+    ratio: bool = False
+
+    @property
+    def unit(self) -> str:
+        return "x" if self.ratio else "ms"
+
+    def rule(self, limit: float) -> str:
+        if self.ratio:
+            return f"p50(class parallel) <= {limit:g} x p50(one call of every subnet)"
+        return f"p50(class parallel) - p50(one call of every subnet) <= {limit:g} ms"
+
+    def value(self, result: dict, transport: str) -> float | None:
+        rep = _rep(result, "class-parallel", transport)
+        ref = ((result.get("strategies", {}).get("class-parallel", {}).get("one_call") or {})
+               .get("ms") or {}).get("p50")
+        if rep is None or not ref or not rep["latency_ms"]["p50"]:
+            return None
+        mine = rep["latency_ms"]["p50"]
+        return round(mine / ref if self.ratio else mine - ref, 4)
+
+    def needs(self, transport: str) -> str:
+        return f"needs class-parallel measured over {transport} and its one-call reference"
+
+
+@dataclass(frozen=True)
 class ShrinkFactor:
     """How many times fewer parameters the largest subnet has than the original (reported as
     its inverse, so that lower is better like every other measure)."""
@@ -208,8 +256,8 @@ class ShrinkFactor:
 @dataclass(frozen=True)
 class Target:
     name: str
-    measure: (Ratio | FanoutOverhead | OverFloor | AccuracyLoss | OverheadAgainstPeer
-              | OverGraphReplay | AddedOver | ShrinkFactor)
+    measure: (Ratio | Latency | FanoutOverhead | OverFloor | AccuracyLoss | OverheadAgainstPeer
+              | OverGraphReplay | AddedOver | OverOneCall | ShrinkFactor)
     limit: float
     transport: str | None = None  # None: the set's
 
@@ -262,6 +310,16 @@ TARGET_SETS: tuple[TargetSet, ...] = (
               targets=(
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.7),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
+    TargetSet("the device as the unit: serving adds little to one call of every subnet",
+              models=EVERY_MODEL, origin="issue 60", transport="http-v2", targets=(
+                  Target("over_one_call_http_v2_ms", OverOneCall(), 0.35),
+                  Target("inprocess_vs_one_call", OverOneCall(ratio=True), 1.1,
+                         transport="inprocess"))),
+    TargetSet("the device as the unit on a GPU", models=EVERY_MODEL, gpu=True,
+              origin="issue 60", transport="inprocess", targets=(
+                  Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.8),
+                  Target("http_v2_p50_ms", Latency("class-parallel"), 1.0,
+                         transport="http-v2"))),
     TargetSet("fan-out overhead", models=EVERY_MODEL, origin="the gateway's cost", targets=(
         Target("fanout_overhead_ms", FanoutOverhead(), 1.5),)),
     TargetSet("overhead above each transport's floor", models=EVERY_MODEL,
@@ -465,6 +523,9 @@ def cores_ceiling(row: dict | None, usable_cores: int | None,
     return usable_cores * 1e3 / (server_ms + client_ms) if server_ms + client_ms > 0 else None
 
 
+ONE_CALL_MARGIN_MS = 0.35  # what serving may add to one image's device call (issue 60)
+
+
 def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
     """The sweep's targets for the class-parallel configuration with batching, each reported as
     met / not met / not measured with the condition it is stated for."""
@@ -533,6 +594,38 @@ def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
         check("overload_within_deadline", "overload: no admitted (200) request answered later "
               "than the deadline after it was due", over_max, deadline_ms, "ms", False,
               any_model, "needs the overload phase"),
+        *device_unit_checks(result, check),
     ]
     return {"config": SWEEP_CONFIG, "checks": checks, "all_met": all_met(checks),
             "conditions_met": all(c["conditions_met"] for c in checks)}
+
+
+def device_unit_checks(result: dict[str, Any], check) -> list[dict[str, Any]]:
+    """The sweep's targets of the device as the unit (issue 60): one image (1 in flight)
+    within a margin of the one-call reference; on a GPU, the class-parallel answers/s against
+    the original's behind the same gateway (at least as many at 28x28, twice at 224x224)."""
+    cfg = result["configs"]
+    ours, single = cfg.get(SWEEP_CONFIG), cfg.get("single")
+    ref = ((result.get("one_call") or {}).get("ms") or {}).get("p50")
+    c1 = _ok(_level(ours, 1), "p50")
+    side = min((result.get("input_shape") or [0, 0, 0])[1:] or [0])
+    on_gpu = str((result.get("one_call") or {}).get("device", "")).startswith("cuda")
+    want = 2.0 if side >= 224 else 1.0
+
+    def best(config: dict | None) -> float | None:
+        if not config or "levels" not in config:
+            return None
+        return max((r["throughput_rps"] or 0.0 for r in config["levels"]), default=None)
+
+    return [
+        check("c1_over_one_call_ms", f"1 in flight: p50 - p50(one call of every subnet, in "
+              f"process) <= {ONE_CALL_MARGIN_MS:g} ms",
+              None if c1 is None or not ref else round(c1 - ref, 4), ONE_CALL_MARGIN_MS, "ms",
+              False, {"conditions_met": True, "conditions": "any artifact"},
+              "needs the level 1 and the one-call reference"),
+        check("gpu_vs_original_rps", f"on a GPU: best answers/s >= {want:g} x the original's "
+              "behind the same gateway", _ratio(best(ours), best(single), 3), want, "x", True,
+              {"conditions_met": on_gpu, "conditions": f"a GPU (this run: "
+                                                       f"{(result.get('one_call') or {}).get('device')})"},
+              "needs class-parallel and single swept"),
+    ]

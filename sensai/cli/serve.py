@@ -316,8 +316,10 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     if (settings.gateway_replicas or 1) > 1:
         raise SensaiError(f"--gateway-replicas {settings.gateway_replicas}: a model repository "
                           "is served by one gateway process")
-    refuse_device_processes(args, settings, "a model repository's workers are worker "
-                                            "processes of the gateway, one per worker")
+    if settings.backend != "processes":  # a version's own device processes, or none
+        refuse_device_processes(args, settings, "a model repository's workers on the "
+                                f"{settings.backend} backend run in no device process; use "
+                                "--backend processes")
     repo = Path(args.artifact)
     if not model_names(repo) and settings.model_control == "none":
         raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"

@@ -52,8 +52,8 @@ class GatewaySettings(BaseSettings):
                                      "Serve application, gateway included; sensai serve only)")
     workers: int | None = Field(
         None, ge=1, description="workers, each a device running all of its subnets in one call "
-                                "(default: local and processes one per device - the CPU, or "
-                                "each GPU - and one per copy; other backends one per group)")
+                                "(default: one per group; 1: every subnet in one call of one "
+                                "device)")
     redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic placement)")
     vote: bool = Field(False, description="decide a group by r+1 agreeing of 2r+1 copies")
     hedge_ms: float = Field(0.0, ge=0, description="a worker waits up to this long before "

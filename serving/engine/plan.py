@@ -22,7 +22,7 @@ from sensai.models import device_for_worker
 
 from ..core.faults import DelaySpec, Faults
 from ..core.messages import Batching
-from ..core.placement import Placement, copies_for
+from ..core.placement import Placement
 from ..core.settings import CPU_BATCH_ROWS, GatewaySettings, default_batch_rows
 from ..workers.runners import RunnerSpec, runner_specs
 
@@ -75,37 +75,10 @@ class ServingPlan:
         return self.settings.hang_timeout() if self.watch_hangs else None
 
 
-# Backends whose workers are the host's devices: a worker runs every subnet placed on its device in
-# one call.  The others place one worker per group by default: Ray's actors spread over a
-# cluster's nodes, Triton's models (one per subnet).
-DEVICE_BACKENDS = ("local", "processes")
-
-
-def host_devices(device: str, runtime: str) -> int:
-    """The devices a host's subnets are placed on by default: one per GPU (``auto`` or
-    ``cuda`` with n GPUs), else one, the CPU with every core as its executor's threads (or the
-    sim runtime's simulated GPU): on CPUs one call of every branch measured faster than several
-    devices of a few cores each (BENCHMARKS.md, "The device as the unit")."""
-    if runtime == "sim" or device == "cpu" or str(device).startswith("cuda:"):
-        return 1
-    first = device_for_worker(0, device)
-    if not first.startswith("cuda"):
-        return 1
-    import torch  # loaded by device_for_worker
-
-    return max(1, torch.cuda.device_count())
-
-
 def worker_count(settings: GatewaySettings, groups: int) -> int:
-    """How many workers ``settings`` place ``groups`` subnets on: as set, else on the local and
-    processes backends one per device (:func:`host_devices`) and at least one per copy of a
-    group, elsewhere one per group."""
-    s = settings
-    if s.workers is not None:
-        return s.workers
-    if s.backend not in DEVICE_BACKENDS:
-        return groups
-    return max(copies_for(s.redundancy, s.vote), min(groups, host_devices(s.device, s.runtime)))
+    """How many workers ``settings`` place ``groups`` subnets on: as set (``--workers 1``: one
+    device running every subnet in one call), else one per group."""
+    return settings.workers if settings.workers is not None else groups
 
 
 def cpu_cores(workers: int) -> int:
@@ -134,8 +107,7 @@ def class_parallel_plan(artifact: Artifact, settings: GatewaySettings, *,
                         faults: Faults | None = None, seed: int = 0,
                         watch_hangs: bool = True) -> ServingPlan:
     """The plan of ``artifact``'s class-parallel workers under ``settings``: ``workers``
-    (default :func:`worker_count`: one per device) workers, each hosting its groups in one
-    call, each group on ``redundancy + 1`` of them (``2r + 1`` in vote mode).
+    (default :func:`worker_count`) workers, each a device computing its groups in one call, each group on ``redundancy + 1`` of them (``2r + 1`` in vote mode).
     ``specs``: the subnets' recipes (default :func:`subnet_specs`); ``own_devices``: each
     worker on a device of its own (:func:`worker_devices`), else on its recipes' (a Ray worker
     picks its own); ``faults``: injected per worker."""

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 from sensai.merge import ranking
 
@@ -107,8 +108,11 @@ async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
         if ctype.startswith("multipart/form-data"):
             try:
                 form = await request.form(max_files=1, max_fields=8)
-            except StarletteHTTPException as e:  # starlette reports multipart syntax errors so
-                raise InputError(f"malformed multipart body: {e.detail}") from None
+            # Starlette raises its parser's own exception (limits, syntax) where the scope has no
+            # app (the protocol-level path), an HTTPException where it has one.
+            except (StarletteHTTPException, MultiPartException) as e:
+                why = e.detail if isinstance(e, StarletteHTTPException) else e.message
+                raise InputError(f"malformed multipart body: {why}") from None
             try:
                 field = form.get("image")
                 if field is None:

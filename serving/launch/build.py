@@ -24,9 +24,9 @@ from ..core.faults import Faults
 from ..core.settings import GatewaySettings, check_backend, check_faults, load_settings
 from ..engine.plan import class_parallel_plan, subnet_specs
 from ..engine.predictor import ClassParallelPredictor
-from ..transports.processes import Processes
 from ..transports.ray_actors import RayActors, actor_resources, node_options
 from ..transports.threads import Threads
+from .fleet import Fleet, OwnDevices
 from .triton_repo import export_triton_repo, triton_model_name
 from .tritonserver import TRITON_HINT, TritonServerProcess, find_tritonserver
 
@@ -63,10 +63,17 @@ def build_predictor(artifact_dir: str | Path, settings: GatewaySettings | None =
     if s.backend == "ray":
         artifact_dir = Path(artifact_dir).resolve()  # actors may run in other directories
     artifact = load_artifact(artifact_dir)
-    if s.backend in ("local", "processes"):
+    if s.backend == "local":
         plan = class_parallel_plan(artifact, s, faults=faults, seed=seed)
-        transport = Threads(spread_cores=s.spread_cores) if s.backend == "local" else Processes()
-        return ClassParallelPredictor(artifact, plan, transport)
+        return ClassParallelPredictor(artifact, plan, Threads(spread_cores=s.spread_cores))
+    if s.backend == "processes":  # the device processes sensai serve's gateways reach, its own
+        fleet = Fleet(artifact_dir, s, processes=0, faults=faults, seed=seed)
+        transport = OwnDevices(fleet, row_shape=tuple(artifact.spec.input_shape))
+        try:
+            return ClassParallelPredictor(artifact, fleet.plan, transport)
+        except BaseException:
+            transport.close()
+            raise
     if s.backend == "triton":
         from ..transports.triton import Triton
 

@@ -207,8 +207,9 @@ def serve_gateway(gp: GatewayPlan, report, runner: asyncio.Runner) -> None:
 class Member:
     """One process of the fleet: what starts it again, and its restarts."""
 
-    def __init__(self, name: str, target, args: tuple, role: str):
+    def __init__(self, name: str, target, args: tuple, role: str, *, daemon: bool = False):
         self.name, self.target, self.args, self.role = name, target, args, role
+        self.daemon = daemon  # ended with this process (a predictor's own device processes)
         self.process: multiprocessing.Process | None = None
         self.pid: int | None = None
         self.started_at = 0.0
@@ -221,7 +222,7 @@ class Member:
         """Spawn it; returns the end of its report pipe."""
         rx, tx = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=self.target, args=(*self.args, tx),
-                                   name=f"sensai-{self.name}", daemon=False)
+                                   name=f"sensai-{self.name}", daemon=self.daemon)
         self.process.start()
         tx.close()
         self.pid = self.process.pid
@@ -252,12 +253,13 @@ def await_report(member: Member, rx, timeout: float) -> None:
 class Fleet:
     """``artifact_dir`` served by ``processes`` gateway processes over device processes (see the
     module); :meth:`start` blocks until all are up, :meth:`watch` restarts the dead until
-    :meth:`stop`."""
+    :meth:`stop`.  ``processes`` 0: the device processes alone, for a predictor of this process
+    (:class:`OwnDevices`)."""
 
     def __init__(self, artifact_dir: str | Path, settings: GatewaySettings, *,
                  processes: int, faults: Faults | None = None, seed: int = 0):
-        if processes < 1:
-            raise SensaiError("a server needs at least one gateway process")
+        if processes < 0:
+            raise SensaiError("a server's gateway processes cannot be fewer than none")
         self.artifact_dir = str(Path(artifact_dir).resolve())
         self.settings = settings
         self.processes = processes
@@ -266,6 +268,7 @@ class Fleet:
         self.folder: Path | None = None
         self.port_holder: socket.socket | None = None
         self.device_plans: list[DevicePlan] = []
+        self.addresses: dict[int, str] = {}  # each worker's device process
         self.devices: list[Member] = []
         self.gateways: list[Member] = []
         self.plan: ServingPlan | None = None
@@ -293,23 +296,27 @@ class Fleet:
         artifact = load_artifact(self.artifact_dir)  # fails fast with one line
         self.plan = class_parallel_plan(artifact, s, faults=self.faults, seed=self.seed)
         self.folder = Path(tempfile.mkdtemp(prefix="sensai-serve-"))
-        (self.folder / "metrics").mkdir()
-        # Holds the port (bound, never listening: it takes no connection) from now until the
-        # end, so a restarted gateway gets it back, and port 0 becomes a number.
-        try:
-            self.port_holder = listening_socket(s.host, s.port, shared=True)
-        except OSError as e:
-            raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
-                              f"({e.strerror or e})") from None
-        self.device_plans, addresses = device_plans(self.plan, self.folder)
-        self.devices = [Member(p.name, device_main, (p,), "device") for p in self.device_plans]
+        if self.processes:
+            (self.folder / "metrics").mkdir()
+            # Holds the port (bound, never listening: it takes no connection) from now until
+            # the end, so a restarted gateway gets it back, and port 0 becomes a number.
+            try:
+                self.port_holder = listening_socket(s.host, s.port, shared=True)
+            except OSError as e:
+                raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
+                                  f"({e.strerror or e})") from None
+        self.device_plans, self.addresses = device_plans(self.plan, self.folder)
+        self.devices = [Member(p.name, device_main, (p,), "device", daemon=not self.processes)
+                        for p in self.device_plans]
         waiting = [(m, m.start(self.ctx)) for m in self.devices]
         for m, rx in waiting:
             await_report(m, rx, self.plan.load_timeout_s)
+        if not self.processes:
+            return
         gateway_plan = replace(self.plan, settings=share(s, self.processes).model_copy(
             update={"port": self.port}))
         self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
-            i, self.processes, self.artifact_dir, gateway_plan, addresses,
+            i, self.processes, self.artifact_dir, gateway_plan, self.addresses,
             str(self.folder / "metrics"), s.max_predictions),), "gateway")
             for i in range(self.processes)]
         waiting = [(m, m.start(self.ctx)) for m in self.gateways]
@@ -414,3 +421,53 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class OwnDevices(Devices):
+    """The processes backend under one predictor of this process (what :func:`build_predictor`
+    gives: the model repository's versions, ``sensai predict``, the benchmark): device
+    processes of its own - a :class:`Fleet` without gateway processes - reached over the same
+    links as a gateway process reaches its server's.  A thread of its own starts them and
+    restarts the dead (a device process dies with the thread that started it, so never a
+    caller's, which may be short-lived); another runs the loop the answers are read on (no
+    gateway's loop need run: ``sensai predict`` has none)."""
+
+    name = "processes"
+
+    def __init__(self, fleet: Fleet, *, row_shape: tuple[int, ...]):
+        self.fleet = fleet
+        started, failed = threading.Event(), []
+        self.keeper = threading.Thread(target=self.keep, args=(started, failed), daemon=True,
+                                       name="sensai-device-keeper")
+        self.keeper.start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        loop = asyncio.new_event_loop()
+        self.reader = threading.Thread(target=loop.run_forever, daemon=True,
+                                       name="sensai-device-answers")
+        self.reader.start()
+        plan = fleet.plan
+        super().__init__(fleet.addresses, row_shape=row_shape, loop=loop,
+                         slots_per_worker=SLOTS_PER_PREDICTION * plan.settings.max_predictions,
+                         load_timeout_s=plan.load_timeout_s)
+
+    def keep(self, started: threading.Event, failed: list) -> None:
+        try:
+            self.fleet.start()
+        except BaseException as e:  # raised in the caller's thread
+            failed.append(e)
+            return
+        finally:
+            started.set()
+        self.fleet.watch()
+
+    def describe(self) -> dict:
+        return {"kind": "processes", "device_processes": len(self.links)}
+
+    def close(self) -> None:
+        super().close()
+        self.fleet.stop()
+        self.keeper.join(5.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.reader.join(5.0)

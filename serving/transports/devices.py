@@ -348,6 +348,8 @@ class DeviceWorker(WorkerHandle):
 
     def wait_ready(self, timeout: float) -> None:
         self.wait_loaded(self.inc, timeout)
+        if self.delay is not None or self.corrupt:  # injected faults outlive a restart
+            self.send(Fault(self.delay, self.corrupt, self.seed + 7919 * self.generation))
 
     def send(self, msg) -> None:
         self.link.send(self, msg)

@@ -74,6 +74,15 @@ class OneAtATime(DeviceRunner):
         return DeviceLaunch(done, {g: (i, None) for i, g in enumerate(groups)})
 
 
+def assigned_cores(ctx) -> int:
+    """The CPU cores Ray gave this actor (its device's executor threads); 1 outside an actor
+    (a body built in the driver, as a test of a replica's start does), where Ray has none."""
+    try:
+        return max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
+    except AssertionError:  # Ray asserts it is called in a worker process
+        return 1
+
+
 class RayWorkerBody:
     """The worker inside a Ray actor or a Serve replica: its hosted subnets' runners, served to
     each gateway over a socket of its own (:meth:`channel`) by the in-worker loop of
@@ -93,7 +102,7 @@ class RayWorkerBody:
         self.seed = seed
         specs = [(g, replace(spec, device=self.device)) for g, spec in hosted]
         ctx = ray.get_runtime_context()
-        cores = max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
+        cores = assigned_cores(ctx)
         self.runners = OneAtATime(build_device(specs, cores=cores))
         # What runs, which differs from the spec where CUDA graphs fell back to eager.
         self.runtime = self.runners.runtime

@@ -163,9 +163,16 @@ class OrtDevice(DeviceRunner):
         threads = max(first.threads, cores) if branches == 1 else first.threads
         self.runner = OrtRunner(model, threads=threads, device=first.device, name=self.name,
                                 inter_op=min(cores, branches),
-                                num_outputs=first.num_outputs if branches == 1 else None)
+                                num_outputs=(first.num_outputs or None) if branches == 1 else None)
         names = self.runner.output_names
         self.outputs = {g: names[i] for i, g in enumerate(specs)} if outputs is None else outputs
+        shapes = {o.name: o.shape for o in self.runner.session.get_outputs()}
+        for g, s in specs.items():  # refused at load, not on every request
+            shape = shapes.get(self.outputs[g])
+            width = shape[-1] if shape else None
+            if s.num_outputs and isinstance(width, int) and width != s.num_outputs:
+                raise CheckpointError(f"{s.onnx_path or s.name} gives {width} outputs per "
+                                      f"image, the manifest says {s.num_outputs}")
 
     def launch(self, parts: Sequence[np.ndarray], groups: Sequence[int]) -> DeviceLaunch:
         try:
