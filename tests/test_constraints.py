@@ -6,6 +6,7 @@ the README's two commands give without this test failing first)."""
 from __future__ import annotations
 
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -28,13 +29,22 @@ def pins() -> dict[str, str]:
     return out
 
 
+def installed() -> dict[str, str]:
+    """What pip installed into the environment: its site-packages only. Ray puts its vendored
+    copies (ray/thirdparty_files: psutil, colorama) on sys.path once imported; they are Ray's
+    files, not distributions pip could pin."""
+    site = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    return {canonical(d.metadata["Name"]): d.version
+            for d in metadata.distributions(path=sorted(site))}
+
+
 def test_every_installed_distribution_is_pinned_at_its_version():
     pinned = pins()
-    installed = {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    drift = {n: (pinned.get(n), v) for n, v in installed.items()
+    drift = {n: (pinned.get(n), v) for n, v in installed().items()
              if n not in OWN and pinned.get(n) != v}
     assert not drift, ("deploy/constraints.txt differs from the environment as (pinned, "
                        f"installed); regenerate it with pip freeze --exclude-editable: {drift}")
     # What the errors of a fresh install were about (issue 61): the web stack is held.
+    assert "ray" in installed() and "torch" in installed()  # the scan saw the environment
     for name in ("fastapi", "starlette", "python-multipart", "uvicorn", "torch", "ray"):
         assert name in pinned, name
