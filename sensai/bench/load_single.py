@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 
 from sensai.artifact import Artifact, load_artifact, subnet_name
-from sensai.checkpoint import save_weights
+from sensai.checkpoint import load_trained_model, save_weights
 from sensai.export import export_onnx
+from sensai.flops import count_flops
 from sensai.fsutil import sha256_file
-from sensai.manifest import SubnetRecord, save_manifest
+from sensai.manifest import (DecompositionManifest, ModelRecord, SourceInfo, SubnetRecord,
+                             save_manifest)
 from sensai.models import classifier_layer
 
 from .strategies import load_original
@@ -48,25 +50,43 @@ def original_as_artifact(artifact: Artifact, out_dir: Path,
     """The one-group artifact of ``artifact``'s original model in ``out_dir`` (weights, ONNX,
     manifest), and the original's own ONNX file (``out_dir/full.onnx``)."""
     model, record = load_original(artifact)
-    m = artifact.manifest
-    shape = m.dataset.input_shape
+    return one_group_artifact(model, record, artifact.manifest.source.model_dir, out_dir,
+                              check_batch)
+
+
+def model_dir_as_artifact(model_dir: str | Path, out_dir: Path,
+                          check_batch: torch.Tensor | None = None) -> tuple[Artifact, Path]:
+    """The same of a model ``sensai train`` (or ``sensai import``) wrote to ``model_dir``
+    (a registry architecture: nothing the record names is imported)."""
+    model, record = load_trained_model(model_dir)
+    return one_group_artifact(model, record, model_dir, out_dir, check_batch)
+
+
+def one_group_artifact(model: torch.nn.Module, record: ModelRecord, model_dir: str | Path,
+                       out_dir: Path, check_batch: torch.Tensor | None
+                       ) -> tuple[Artifact, Path]:
+    shape = tuple(record.dataset.input_shape)
     out_dir.mkdir(parents=True, exist_ok=True)
     full = out_dir / "full.onnx"
     export_onnx(model, shape, full, check_batch=check_batch)
+    flops = count_flops(model, shape)
     model = with_not_mine_head(model)
     sub = Path("subnets")
     (out_dir / sub).mkdir(exist_ok=True)
     weights, onnx = sub / f"{subnet_name(0)}.safetensors", sub / f"{subnet_name(0)}.onnx"
     weights_sha = save_weights(out_dir / weights, model)
     export_onnx(model, shape, out_dir / onnx, check_batch=check_batch)
-    classes = list(range(m.num_classes))
-    view = m.model_copy(update={
-        "groups": [classes], "grouping": {"algorithm": "none: the original model, one group"},
-        "pruning": {}, "retrain": {}, "evaluation": {}, "stages": {},
-        "subnets": [SubnetRecord(
-            index=0, classes=classes, head="group", num_outputs=m.num_classes + 1,
+    classes = list(range(record.num_classes))
+    manifest = DecompositionManifest(
+        model=record.model, in_channels=record.in_channels, num_classes=record.num_classes,
+        dataset=record.dataset,
+        source=SourceInfo(model=record.model, model_dir=str(Path(model_dir).resolve()),
+                          weights_sha256=record.weights_sha256, params=record.params,
+                          flops=flops, test_top1=record.test_top1),
+        groups=[classes], grouping={"algorithm": "none: the original model, one group"},
+        subnets=[SubnetRecord(
+            index=0, classes=classes, head="group", num_outputs=record.num_classes + 1,
             weights=str(weights), weights_sha256=weights_sha, onnx=str(onnx),
-            onnx_sha256=sha256_file(out_dir / onnx), params=m.source.params,
-            flops=m.source.flops)]})
-    save_manifest(out_dir, view)
+            onnx_sha256=sha256_file(out_dir / onnx), params=record.params, flops=flops)])
+    save_manifest(out_dir, manifest)
     return load_artifact(out_dir), full

@@ -28,7 +28,7 @@ from .gateway_process import served, sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
 from .load import LoadOptions, LoadRun, overload_cap, reference_runtime, request_timeout
 from .load_single import original_as_artifact
-from .machine import split_cores
+from .machine import split_cores, tree_rss_mb
 from .load_sweep_report import plot, render_markdown
 from .names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
                     SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
@@ -172,18 +172,26 @@ class Sweep:
     def __init__(self, options: LoadOptions, *, out: Path, procs: list[HttpClientProcess],
                  levels: Sequence[int], level_s: float, warmup_s: float, overload_s: float,
                  gs, transport: str, usable_cores: int | None, bar,
-                 perf: PerfAnalyzer | None = None, own_client: bool = True):
+                 perf: PerfAnalyzer | None = None, own_client: bool = True,
+                 bare_route: bool = True):
         self.options, self.out, self.procs, self.levels = options, out, procs, list(levels)
         self.level_s, self.warmup_s, self.overload_s = level_s, warmup_s, overload_s
         self.overload_factor, self.progress = options.overload_factor, options.progress
         self.gs, self.timeout_s, self.transport = gs, request_timeout(gs), transport
         self.usable_cores, self.bar = usable_cores, bar
         self.perf, self.own_client = perf, own_client
+        self.bare_route = bare_route  # off: no GET /v2/health/live phase (sensai plan)
+
+    def use(self, gs) -> None:
+        """The settings of the server measured next (its request timeout, its gateway count
+        for the batching counters)."""
+        self.gs, self.timeout_s = gs, request_timeout(gs)
 
     def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
-                transport: str) -> dict[str, Any]:
-        """Warm-up, the closed-loop levels, the bare route, the overload, on one server."""
-        rep: dict[str, Any] = {"label": CONFIG_LABELS[key], "transport": transport}
+                transport: str, label: str | None = None) -> dict[str, Any]:
+        """Warm-up, the closed-loop levels, the bare route, the overload, on one server; a
+        gateway's process tree's memory after each level."""
+        rep: dict[str, Any] = {"label": label or CONFIG_LABELS[key], "transport": transport}
         if not self.own_client:
             return self.perf_analyzer(rep | {"transport": "http-v2"}, key, server.url, model)
         request = {"transport": transport, "model": model}
@@ -200,9 +208,12 @@ class Sweep:
                             self.usable_cores)
             if gateway:
                 row["batching"] = rows_per_batch(before, batching_counters(server.url, gateways))
+                row["server_tree_rss_mb"] = tree_rss_mb(server.pid)
             rep["levels"].append(row)
         # Right after bench-load's own levels, before the overload leaves the server shedding.
         self.perf_analyzer(rep, key, server.url, model)
+        if not self.bare_route:
+            return rep
         noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
                        timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
                        progress=self.progress, request={"transport": "live"}, metrics=False)
@@ -242,14 +253,15 @@ class Sweep:
         return rep
 
     def gateway(self, key: str, root: Path, env: dict[str, str],
-                expected: list[int]) -> dict[str, Any]:
-        gateway = self.options.gateway(root, env, self.out / f"gateway-{key}.log")
+                expected: list[int], label: str | None = None,
+                args: Sequence[str] = ()) -> dict[str, Any]:
+        gateway = self.options.gateway(root, env, self.out / f"gateway-{key}.log", args)
         try:
             self.bar.set_description(f"{key}: starting the gateway")
             gateway.launch()
             gateway.wait_ready(self.options.startup_timeout_s)
             rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
-                               transport=self.transport)
+                               transport=self.transport, label=label)
         finally:
             gateway.stop()
         rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,

@@ -175,6 +175,16 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
+def tree_rss_mb(pid: int | None) -> float | None:
+    """The resident sets of process ``pid`` and every process below it, summed, in MB
+    (10^6 bytes); None when it is gone.  Pages two processes share count twice: an upper
+    bound of what the tree holds."""
+    own = None if pid is None else process_rss_bytes(pid)
+    if own is None:
+        return None
+    return round((own + sum(process_rss_bytes(p) or 0 for p in descendant_pids(pid))) / 1e6, 1)
+
+
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
     """Peak resident set (``VmHWM``) of process ``pid`` (default: this one) since the last
     :func:`reset_peak_rss` or since it started; None when it is gone."""

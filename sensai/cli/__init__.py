@@ -17,9 +17,9 @@ from typing import Callable
 
 from sensai.errors import SensaiError
 
-from . import bench, decompose, demo, perf, predict, serve, train
+from . import bench, decompose, demo, perf, plan, predict, serve, train
 
-COMMAND_GROUPS = (train, decompose, serve, predict, bench, perf, demo)
+COMMAND_GROUPS = (train, decompose, serve, predict, bench, plan, perf, demo)
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -83,7 +83,7 @@ def bench_args(p) -> None:
     p.add_argument("--spread-cores", action="store_true",
                    help="as for 'sensai serve': class parallel's local worker threads are moved "
                         "apart when two share a core (default: off)")
-    _images_args(p, "real test images timed one at a time")
+    images_args(p, "real test images timed one at a time")
 
 
 def _parser(sub, name: str, func, *, arguments, help: str, description: str) -> None:
@@ -99,7 +99,7 @@ def _parser(sub, name: str, func, *, arguments, help: str, description: str) -> 
     p.set_defaults(func=func, parser=p)
 
 
-def _images_args(p, images: str) -> None:
+def images_args(p, images: str) -> None:
     """The test images, and how the run reports its progress."""
     p.add_argument("--images", type=int, default=200, help=f"{images} (default: %(default)s)")
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
@@ -232,7 +232,7 @@ def robust_args(p) -> None:
                    help="per-request deadline in seconds (default: the gateway's, 5, or "
                         "$SENSAI_DEADLINE_S)")
     _worker_args(p)
-    _images_args(p, "real test images per scenario")
+    images_args(p, "real test images per scenario")
 
 
 def cmd_bench_robust(args) -> int:
@@ -290,9 +290,7 @@ def load_args(p) -> None:
     p.add_argument("--max-predictions", type=int, default=None,
                    help="SENSAI_MAX_PREDICTIONS for the gateway: requests in the predictor at "
                         "once (default: 32, or as set)")
-    p.add_argument("--env", action="append", default=[], metavar="SENSAI_NAME=VALUE",
-                   help="another gateway setting for the gateway's environment, e.g. "
-                        "SENSAI_REDUNDANCY=1 (repeatable)")
+    gateway_client_args(p)
     p.add_argument("--runtime", choices=RUNTIMES, default=None,
                    help="the gateway's runtime, as 'sensai serve --runtime' (SENSAI_RUNTIME); "
                         "sim: a simulated GPU (a fixed time per launch, every subnet in one "
@@ -302,12 +300,6 @@ def load_args(p) -> None:
                    help="--runtime sim: the time per launch (SENSAI_SIM_LAUNCH_MS; default: 0.3)")
     p.add_argument("--concurrency", "-c", type=int, default=16,
                    help="soak (and warm-up): requests always in flight (default: %(default)s)")
-    p.add_argument("--clients", type=int, default=2,
-                   help="client processes sharing the load (default: %(default)s)")
-    p.add_argument("--client-cores", type=int, default=0, metavar="K",
-                   help="the client processes on the last K usable cores, the gateway and "
-                        "every process it starts on the others (taskset); 0: both anywhere "
-                        "(default: %(default)s)")
     p.add_argument("--warmup-seconds", type=float, default=None,
                    help="warm-up at the soak's concurrency, not counted (default: 30; with "
                         f"--sweep {SWEEP_WARMUP_S:g} per configuration, at 16 in flight)")
@@ -339,8 +331,6 @@ def load_args(p) -> None:
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="RSS sampling period, and the bins of the timelines (default: "
                         "%(default)s)")
-    p.add_argument("--startup-timeout", type=float, default=180.0,
-                   help="seconds the gateway may take to become ready (default: %(default)s)")
     sweep = p.add_argument_group(
         "sweep", "--sweep: instead of the soak, a throughput-latency sweep of several "
                  "configurations, each started in turn: closed loops at each of --levels in "
@@ -375,15 +365,56 @@ def load_args(p) -> None:
                             "windows a level; its CSV's rows (p50/p90/p99, infer/s, the server's "
                             "queue and compute) beside bench-load's own, labelled perf_analyzer. "
                             "Not on PATH: also: a warning and the rest runs; only: refused")
-    _images_args(p, "real test images, sent in turn")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the gateway's settings from a deployment file 'sensai plan' wrote "
+                        "(measured for this artifact), under the flags given")
+    images_args(p, "real test images, sent in turn")
+
+
+def gateway_client_args(p) -> None:
+    """How a command that starts 'sensai serve' and loads it (bench-load, plan) sets the
+    gateway up and drives it."""
+    p.add_argument("--env", action="append", default=[], metavar="SENSAI_NAME=VALUE",
+                   help="another gateway setting for the gateway's environment, e.g. "
+                        "SENSAI_REDUNDANCY=1 (repeatable; sensai plan: every candidate keeps "
+                        "it, and the deployment file holds it)")
+    p.add_argument("--clients", type=int, default=2,
+                   help="client processes sharing the load (default: %(default)s)")
+    p.add_argument("--client-cores", type=int, default=0, metavar="K",
+                   help="the client processes on the last K usable cores, the gateway and "
+                        "every process it starts on the others (taskset); 0: both anywhere "
+                        "(default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="seconds the gateway may take to become ready (default: %(default)s)")
+
+
+def config_settings(path: str | None, artifact: str) -> dict:
+    """A deployment file's settings as the gateway's environment variables (its backend and
+    deadline as their own keys), after checking it was measured with ``artifact``."""
+    if path is None:
+        return {}
+    from sensai.artifact import load_artifact
+    from sensai.serving.core.settings import read_config
+
+    from .serve import check_config_artifact
+
+    settings, _ = read_config(path)
+    check_config_artifact(path, load_artifact(artifact))
+    return {k if k in ("backend", "deadline_s") else f"SENSAI_{k.upper()}": str(v).lower()
+            if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
 def cmd_bench_load(args) -> int:
     from sensai.bench.load import LoadOptions, parse_env
 
+    config = config_settings(args.config, args.artifact)
+    backend, deadline = config.pop("backend", None), config.pop("deadline_s", None)
+    backend = args.backend or backend
+    deadline = args.deadline if args.deadline is not None else deadline
     options = LoadOptions(
-        backend=args.backend, deadline_s=args.deadline, max_requests=args.max_requests,
-        max_predictions=args.max_predictions, env=parse_env(args.env) | {
+        backend=backend, deadline_s=None if deadline is None else float(deadline),
+        max_requests=args.max_requests,
+        max_predictions=args.max_predictions, env=config | parse_env(args.env) | {
             name: str(value) for name, value in (("SENSAI_RUNTIME", args.runtime),
                                                  ("SENSAI_SIM_LAUNCH_MS", args.sim_launch_ms))
             if value is not None},
@@ -481,7 +512,7 @@ def swap_args(p) -> None:
     p.add_argument("--keep-repo", action="store_true",
                    help="keep the model repository written in --out (default: removed at the "
                         "end)")
-    _images_args(p, "real test images, sent in turn")
+    images_args(p, "real test images, sent in turn")
 
 
 def cmd_bench_swap(args) -> int:

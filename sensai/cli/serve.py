@@ -17,7 +17,8 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import (BACKENDS, GPU_WAITS, LOG_LEVELS, RUNTIMES,
-                                          GatewaySettings, load_settings, setting_name)
+                                          GatewaySettings, load_settings, read_config,
+                                          setting_name)
 from sensai.serving.core.wakeup import MODES, keep_cores_awake
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,10 @@ def register(sub) -> None:
                         "line); without one it answers loopback clients only")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="the HTTP server's log level (default: info)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a deployment file 'sensai plan' wrote (its chosen settings, for the "
+                        "artifact it measured): its settings over the SENSAI_* variables, the "
+                        "flags given over both")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
 
     p = sub.add_parser("export", help="add an artifact to a model repository as a new version")
@@ -206,9 +211,15 @@ def setting_flags(p: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def settings_from(args) -> GatewaySettings:
-    """SENSAI_* environment variables, overridden by the flags given."""
+    """SENSAI_* environment variables, overridden by a ``--config`` file's settings, overridden
+    by the flags given."""
     flags = getattr(args, "flags", {})
     given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    if getattr(args, "config", None):
+        from_file, _ = read_config(args.config)
+        flags = {**flags, **{f: f"--config {args.config}: {f}" for f in from_file
+                             if f not in given}}
+        given = {**from_file, **given}
     if getattr(args, "repository_token_file", None):
         given["repository_token"] = read_token(args.repository_token_file)
     if getattr(args, "processes", False):
@@ -216,6 +227,19 @@ def settings_from(args) -> GatewaySettings:
             raise SensaiError(f"--processes means --backend processes, not {given['backend']}")
         given["backend"] = "processes"
     return load_settings(given, {**flags, "backend": "--backend"})
+
+
+def check_config_artifact(path: str, artifact) -> None:
+    """A deployment file serves the artifact it was measured with (its manifest's hash), so
+    what is served is what was measured."""
+    from sensai.fsutil import sha256_file
+
+    measured = read_config(path)[1]
+    want = measured.get("manifest_sha256")
+    if want and sha256_file(artifact.root / "manifest.json") != want:
+        raise SensaiError(f"--config {path} was measured with {measured.get('path')}, not "
+                          f"{artifact.root} (manifest hash differs); run 'sensai plan' on "
+                          "this artifact")
 
 
 def read_token(path: str) -> str:
@@ -254,12 +278,17 @@ def cmd_serve(args) -> int:
     from sensai.serving.launch.build import build_predictor, launch_triton
 
     settings = settings_from(args)
+    if args.config and is_repository(args.artifact):
+        raise SensaiError(f"--config {args.config}: a deployment file is measured for one "
+                          "artifact, not a model repository")
     if is_repository(args.artifact):
         return serve_repository(args, settings)
     if settings.model_control != "none":
         raise SensaiError(f"--model-control {settings.model_control} needs a model repository "
                           "(REPO/<model>/<version>/, see 'sensai export'), not one artifact")
     artifact = load_artifact(args.artifact)  # fails fast with one line
+    if args.config:
+        check_config_artifact(args.config, artifact)
     workers = check_redundancy(len(artifact.subnets),
                                worker_count(settings, len(artifact.subnets)),
                                settings.redundancy, settings.vote)

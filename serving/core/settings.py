@@ -9,7 +9,9 @@ is documented in deploy/README.md ("Settings"; a test keeps the two in step).
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Mapping
 
 from pydantic import Field, ValidationError, field_validator
@@ -38,6 +40,10 @@ ENV_PREFIX = "SENSAI_"
 FLEET_BACKENDS = ("local", "processes")
 AUTO_GATEWAYS_FROM = 4
 AUTO_GATEWAYS_MAX = 8
+SECRETS = ("repository_token",)
+# A deployment written to a file (``sensai plan``) that ``sensai serve --config`` reads.
+CONFIG_KIND = "sensai-serve-config"
+CONFIG_SCHEMA = 1
 
 
 class GatewaySettings(BaseSettings):
@@ -216,6 +222,13 @@ class GatewaySettings(BaseSettings):
             return self.max_decoded_bytes
         return 4 * self.image_pixels(input_shape)
 
+    def changed(self) -> dict:
+        """The settings set to something other than their defaults (what ``/v1/models``
+        reports), secrets left out."""
+        defaults = type(self).model_fields
+        return {f: getattr(self, f) for f in defaults
+                if f not in SECRETS and getattr(self, f) != defaults[f].default}
+
     def first_set(self, fields) -> str | None:
         """The first of ``fields`` set to something other than its default (None: none is)."""
         defaults = type(self).model_fields
@@ -351,3 +364,38 @@ def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> Ga
         raise SensaiError(explain(e, names)) from None
     check_backend(settings, names)
     return settings
+
+
+def read_config(path: str | Path) -> tuple[dict, dict]:
+    """A deployment file's settings (field -> value, checked to be settings; their values are
+    checked as the command line's are, by :func:`load_settings`) and what it was measured with
+    (``artifact``: path and manifest hash), or a one-line :class:`SensaiError`."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise SensaiError(f"--config {path}: cannot read it ({getattr(e, 'strerror', None) or e})"
+                          ) from None
+    except ValueError as e:
+        raise SensaiError(f"--config {path}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != CONFIG_KIND:
+        raise SensaiError(f"--config {path}: not a deployment file (kind {CONFIG_KIND!r}, as "
+                          "'sensai plan' writes)")
+    if doc.get("schema_version") != CONFIG_SCHEMA:
+        raise SensaiError(f"--config {path}: schema_version {doc.get('schema_version')!r}, this "
+                          f"sensai reads {CONFIG_SCHEMA}")
+    settings = doc.get("settings")
+    if not isinstance(settings, dict):
+        raise SensaiError(f"--config {path}: 'settings' must be an object of setting: value")
+    unknown = sorted(set(settings) - set(GatewaySettings.model_fields))
+    if unknown:
+        raise SensaiError(f"--config {path}: unknown setting {unknown[0]!r} (see "
+                          "deploy/README.md, Settings)")
+    secret = next((k for k in settings if k in SECRETS), None)
+    if secret:
+        raise SensaiError(f"--config {path}: {secret} does not belong in a file that is shared; "
+                          "use its flag")
+    artifact = doc.get("artifact") or {}
+    if not isinstance(artifact, dict):
+        raise SensaiError(f"--config {path}: 'artifact' must be an object")
+    return dict(settings), artifact

@@ -60,7 +60,8 @@ def add_control_routes(app: FastAPI) -> None:
         except ServingError:
             default = {}
         return ModelInfo(**default, models=served, pid=os.getpid(),
-                         cores_awake=gw.cores_awake.describe() if gw.cores_awake else None)
+                         cores_awake=gw.cores_awake.describe() if gw.cores_awake else None,
+                         settings=gw.settings.changed())
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(gw: GatewayDep):

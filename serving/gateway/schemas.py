@@ -81,6 +81,9 @@ class ModelInfo(BaseModel):
     cores_awake: dict[str, Any] | None = Field(
         None, description="whether the gateway holds idle cores out of deep sleep (mode, held, "
                           "latency_us, and why not when it does not)")
+    settings: dict[str, Any] | None = Field(
+        None, description="the gateway's settings that differ from their defaults (given by "
+                          "flags, SENSAI_* variables or a --config file), secrets left out")
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
