@@ -112,6 +112,7 @@ def test_an_unreachable_budget_is_said_in_one_line_and_the_closest_written(
     (["--max-memory-mb", "0"], "--max-memory-mb must be a positive number"),
     (["--levels", "0"], "--levels"),
     (["--env", "SENSAI_NOPE=1"], "--env SENSAI_NOPE: not a gateway setting"),
+    (["--out", "/proc/no/such"], "cannot write to output directory /proc/no/such"),
 ])
 def test_bad_constraints_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv,
                                                   message):
@@ -128,7 +129,7 @@ def test_a_model_of_another_question_is_refused(tiny_artifact, tmp_path, capsys)
     other.mkdir()
     m = load_manifest(tiny_artifact)
     shutil.copytree(tiny_artifact / "subnets", other / "subnets")
-    bigger = m.dataset.model_copy(update={"input_shape": [1, 32, 32]})
+    bigger = m.dataset.model_copy(update={"input_shape": (1, 32, 32)})
     save_manifest(other, m.model_copy(update={"dataset": bigger}))
     assert main(["plan", str(tiny_artifact), str(other), "--out", str(tmp_path / "o")]) == 2
     assert "a plan compares deployments of one model" in capsys.readouterr().err
@@ -224,3 +225,20 @@ def test_a_flag_wins_over_the_file_which_wins_over_the_environment(monkeypatch, 
     s = settings_from(top.parse_args(["serve", "ART", "--config", str(path), "-r", "2"]))
     assert (s.max_requests, s.redundancy) == (64, 2)
     assert s.changed() == {"max_requests": 64, "redundancy": 2, "max_predictions": 4}
+
+
+def test_the_full_grid_counts_a_default_named_outright_once():
+    import itertools
+
+    from sensai.bench.plan import axes, effective
+
+    grid = axes(groups=2, cores=2)
+    assert grid["workers"] == [None, 1] and axes(groups=1, cores=2)["workers"] == [None]
+    assert axes(groups=5, cores=16)["gateway_replicas"] == [None, 1, 2, 4, 8]
+    combos = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
+    distinct = {effective({k: v for k, v in c.items() if v is not None}, 2, 2) for c in combos}
+    # On 2 cores one gateway process is the default: gateway_replicas=1 names it outright.
+    assert len(combos) == 36 and len(distinct) == 24
+    # From 4 cores up the processes backend starts half the cores' gateway processes itself.
+    assert effective({"backend": "processes"}, 2, 8) == effective(
+        {"backend": "processes", "gateway_replicas": 4}, 2, 8)

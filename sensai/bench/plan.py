@@ -90,6 +90,10 @@ def settings_text(planned: dict[str, Any]) -> str:
 def resolve_models(paths: Sequence[str | Path], out: Path) -> list[Artifact]:
     """The artifacts to serve: each artifact as it is, each trained model directory as its
     one-group artifact (under ``out/models/``); they must answer the same question."""
+    try:  # before anything is written under it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
     arts = []
     for i, path in enumerate(paths):
         path = Path(path)
