@@ -334,7 +334,7 @@ def test_targets_are_stated(short_run):
     assert check["value"] == cp["http"]["breakdown_ms"]["p50"]["latency_minus_compute"]
     assert check["inprocess_value"] == cp["inprocess"]["breakdown_ms"]["p50"][
         "latency_minus_compute"]
-    # Per transport, against the same client's bare request on the same server (issue 10).
+    # Per transport, against the same client's bare request on the same server.
     per = {c["name"]: c for c in t["sets"][2]["checks"]}
     assert {n: (c["transport"], c["limit"]) for n, c in per.items()} == {
         "over_floor_http_v2_ms": ("http-v2", 0.5), "over_floor_png_upload_ms": ("http", 0.8),

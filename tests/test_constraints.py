@@ -44,7 +44,7 @@ def test_every_installed_distribution_is_pinned_at_its_version():
              if n not in OWN and pinned.get(n) != v}
     assert not drift, ("deploy/constraints.txt differs from the environment as (pinned, "
                        f"installed); regenerate it with pip freeze --exclude-editable: {drift}")
-    # What the errors of a fresh install were about (issue 61): the web stack is held.
+    # What a fresh install's 500s on multipart uploads came from: the web stack is held.
     assert "ray" in installed() and "torch" in installed()  # the scan saw the environment
     for name in ("fastapi", "starlette", "python-multipart", "uvicorn", "torch", "ray"):
         assert name in pinned, name

@@ -14,9 +14,11 @@ client competes with the server.  Targets: :func:`~.targets.evaluate_sweep_targe
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -158,12 +160,33 @@ def rows_per_batch(before: list[dict] | None, after: list[dict] | None) -> list[
     return out
 
 
-def server_gateways(gs, client_cores: int) -> int:
-    """The gateway processes the server starts: it counts the cores it may run on, which
-    ``--client-cores`` leaves it (see :func:`~sensai.bench.machine.split_cores`), not this
-    process's."""
+def server_core_count(client_cores: int) -> int:
+    """The cores the server may run on: those ``--client-cores`` leaves it (see
+    :func:`~sensai.bench.machine.split_cores`), else every core this process may use."""
     server_cores = split_cores(client_cores)[0]
-    return gs.gateway_processes(len(server_cores) if server_cores else None)
+    return len(server_cores) if server_cores else len(os.sched_getaffinity(0))
+
+
+def server_gateways(gs, client_cores: int) -> int:
+    """The gateway processes the server starts: it counts the cores it may run on, not this
+    process's."""
+    return gs.gateway_processes(server_core_count(client_cores))
+
+
+@contextmanager
+def client_processes(options: LoadOptions, imgs, spec) -> Iterator[list[HttpClientProcess]]:
+    """The client processes, holding the test images as PNGs and as tensors, closed after
+    (on SIGTERM too)."""
+    tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
+    procs: list[HttpClientProcess] = []
+    try:
+        with sigterm_as_exit():
+            procs = [options.client(imgs.pngs, tensors, [1, *spec.input_shape])
+                     for _ in range(options.clients)]
+            yield procs
+    finally:
+        for p in procs:
+            p.close()
 
 
 class Sweep:
@@ -369,7 +392,6 @@ def run_load_sweep(
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
                       spec=spec, settings=settings)
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
     bar = options.progress_bar("bench-load --sweep")
     if any(key.startswith("class-parallel") for key in configs):
         # Before any server starts: the device's compute alone, nothing competing for it.
@@ -377,11 +399,8 @@ def run_load_sweep(
         result["one_call"] = one_call_reference(
             artifact, imgs.xs, device=gs.device, runtime=gs.runtime,
             threads=gs.threads_per_worker, sim_launch_ms=gs.sim_launch_ms)
-    procs: list[HttpClientProcess] = []
     try:
-        with sigterm_as_exit():
-            procs = [options.client(imgs.pngs, tensors, [1, *spec.input_shape])
-                     for _ in range(options.clients)]
+        with client_processes(options, imgs, spec) as procs:
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
                           warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,
@@ -400,8 +419,6 @@ def run_load_sweep(
                     expected_original if single else expected)
     finally:
         bar.close()
-        for p in procs:
-            p.close()
     result["configs"] = {key: results[key] for key in configs}
     result["targets"] = evaluate_sweep_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .load_report import TARGET_HEADER, latency_target, retry_after_text, target_rows
-from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, server_cores,
+from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_p99_plot, server_cores,
                      status_codes, text_table)
 
 LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
@@ -296,14 +296,9 @@ def plot(result: dict, path: Path) -> None:
             ax.plot([o["goodput_rps"]], [o["latency_ok_ms"]["p99"]], marker="X", ms=9, ls="",
                     color=color)
     ax.plot([], [], marker="X", ls="", color="black", label="overload (goodput, admitted p99)")
-    ax.set_yscale("log")
-    ax.set_xlabel("throughput (answers 200 per second)")
-    ax.set_ylabel("p99 latency (ms, log)")
-    ax.set_title(f"{result['model']}: p99 latency against throughput (closed loops, labelled "
-                 f"by requests in flight; {result['settings']['transport']})")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, which="both")
-    save_figure(fig, path)
+    save_p99_plot(fig, ax, f"{result['model']}: p99 latency against throughput (closed loops, "
+                           f"labelled by requests in flight; {result['settings']['transport']})",
+                  path)
 
 
 def one_call_text(result: dict) -> list[str]:

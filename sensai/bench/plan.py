@@ -16,13 +16,11 @@ meets the constraints, ``deployment.json`` (else ``closest.json``).
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import httpx
 
@@ -33,12 +31,10 @@ from sensai.manifest import MANIFEST
 from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySettings,
                                           load_settings)
 
-from .gateway_process import sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
 from .load import LoadOptions, reference_runtime
 from .load_single import model_dir_as_artifact
-from .load_sweep import Sweep, check_sweep_settings
-from .machine import split_cores
+from .load_sweep import Sweep, check_sweep_settings, client_processes, server_core_count
 from .plan_judge import OBJECTIVE_TEXT, Constraints
 from .plan_report import plot, render_markdown
 from .robust import offline_reference
@@ -81,6 +77,15 @@ def effective(settings: dict[str, Any], groups: int, cores: int) -> tuple:
     one candidate)."""
     gs = GatewaySettings(**settings)
     return (gs.workers or groups, gs.backend, gs.gateway_processes(cores), gs.batch_max_rows)
+
+
+def deployment_doc(artifact: str, manifest_sha256: str, settings: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """What ``sensai serve ART --config FILE`` reads: every setting the deployment changes, and
+    the artifact it is measured with."""
+    return {"kind": CONFIG_KIND, "schema_version": CONFIG_SCHEMA,
+            "artifact": {"path": artifact, "manifest_sha256": manifest_sha256},
+            "settings": settings}
 
 
 def settings_text(planned: dict[str, Any]) -> str:
@@ -134,17 +139,9 @@ class Planner:
         self.measured: list[dict[str, Any]] = []
         self.seen: dict[tuple, dict[str, Any]] = {}  # (entry, effective, confirming) -> it
 
-    def deployment(self, entry: Entry, planned: dict[str, Any]) -> dict[str, Any]:
-        """The deployment file of ``planned`` on ``entry``: every setting it changes."""
-        settings = {**self.base, **{k: v for k, v in planned.items() if v is not None}}
-        return {"kind": CONFIG_KIND, "schema_version": CONFIG_SCHEMA,
-                "artifact": {"path": str(entry.root),
-                             "manifest_sha256": entry.manifest_sha256},
-                "settings": settings}
-
     def measure(self, entry: Entry, planned: dict[str, Any], phase: str) -> dict[str, Any]:
         planned = {k: v for k, v in planned.items() if v is not None}
-        doc = self.deployment(entry, planned)
+        doc = deployment_doc(str(entry.root), entry.manifest_sha256, {**self.base, **planned})
         key = (entry.name, effective(doc["settings"], entry.groups, self.cores),
                phase == "confirm")
         if key in self.seen:
@@ -239,27 +236,6 @@ def planned_base(gs: GatewaySettings) -> dict[str, Any]:
     return {k: v for k, v in gs.changed().items() if k not in NOT_PLANNED}
 
 
-@contextmanager
-def client_processes(options: LoadOptions, imgs, spec) -> Iterator[list]:
-    """bench-load's client processes with the test images (PNGs and tensors), closed after."""
-    tensors = [x.astype("float32").tobytes() for x in imgs.xs]
-    procs = []
-    try:
-        with sigterm_as_exit():
-            procs = [options.client(imgs.pngs, tensors, [1, *spec.input_shape])
-                     for _ in range(options.clients)]
-            yield procs
-    finally:
-        for p in procs:
-            p.close()
-
-
-def server_core_count(options: LoadOptions) -> int:
-    """The cores the gateway may run on (what it counts to choose its gateway processes)."""
-    server_cores = split_cores(options.client_cores)[0]
-    return len(server_cores) if server_cores else len(os.sched_getaffinity(0))
-
-
 def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Constraints,
              options: LoadOptions = LoadOptions(), *, search: str = "quick",
              levels: Sequence[int] = PLAN_LEVELS, level_s: float = PLAN_LEVEL_S,
@@ -282,12 +258,12 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
                      [int(i) for i in offline_reference(a, imgs.xs, runtime=reference).argmax(1)],
                      sha256_file(a.root / MANIFEST))
                for name, a in zip(entry_names(arts), arts)]
-    cores = server_core_count(options)
+    cores, base = server_core_count(options.client_cores), planned_base(gs)
     settings = {"constraints": asdict(constraints), "search": search, "levels": levels,
                 "level_s": level_s, "warmup_s": warmup_s, "transport": transport,
                 "confirm": CONFIRM, "confirm_level_s": level_s * CONFIRM_FACTOR,
                 "clients": options.clients, "images": len(imgs), "seed": options.seed,
-                "server_cores": cores, "fixed_settings": planned_base(gs),
+                "server_cores": cores, "fixed_settings": base,
                 "models": [{"name": e.name, "artifact": str(e.root), "groups": e.groups}
                            for e in entries]}
     result = envelope("sensai-plan", command=options.command, artifact=arts[0], spec=spec,
@@ -299,7 +275,7 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
                           warmup_s=warmup_s, overload_s=0.0, gs=gs, transport=transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,
                           bare_route=False)
-            planner = Planner(sweep, entries, planned_base(gs), constraints, out, cores,
+            planner = Planner(sweep, entries, base, constraints, out, cores,
                               level_s, bar)
             planner.quick() if search == "quick" else planner.full()
             planner.confirm()
@@ -324,12 +300,9 @@ def decide(measured: list[dict[str, Any]], constraints: Constraints, out: Path
     if kept:  # what the defaults do is what every other host does too
         chosen = defaults
     meets = chosen["verdict"]["meets"]
-    doc = {"kind": CONFIG_KIND, "schema_version": CONFIG_SCHEMA,
-           "artifact": {"path": chosen["artifact"],
-                        "manifest_sha256": chosen["manifest_sha256"]},
-           "settings": chosen["settings"],
-           "plan": {"constraints": asdict(constraints), "meets": meets,
-                    "summary": chosen["summary"], "label": chosen["label"]}}
+    doc = deployment_doc(chosen["artifact"], chosen["manifest_sha256"], chosen["settings"]) | {
+        "plan": {"constraints": asdict(constraints), "meets": meets,
+                 "summary": chosen["summary"], "label": chosen["label"]}}
     target = out / ("deployment.json" if meets else "closest.json")
     other = out / ("closest.json" if meets else "deployment.json")
     other.unlink(missing_ok=True)  # a previous plan's choice no longer stands

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .render import SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, text_table
+from .render import SHARED_CORES, fmt, machine_line, md_table, pyplot, save_p99_plot, text_table
 
 HEADER = ["#", "phase", "deployment", "one image p50 / p99 (ms)", "answers/s within budget",
           "best answers/s", "memory (MB)", "meets", "why not"]
@@ -83,11 +83,6 @@ def plot(result: dict, path: Path) -> None:
     budget = result["settings"]["constraints"]["latency_budget_ms"]
     if budget:
         ax.axhline(budget, color="crimson", ls="--", label=f"p99 budget {budget:g} ms")
-    ax.set_yscale("log")
-    ax.set_xlabel("throughput (answers 200 per second)")
-    ax.set_ylabel("p99 latency (ms, log)")
-    ax.set_title(f"{result['model']}: the confirmed deployments, p99 against throughput "
-                 f"({', '.join(map(str, result['settings']['levels']))} in flight)")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, which="both")
-    save_figure(fig, path)
+    save_p99_plot(fig, ax, f"{result['model']}: the confirmed deployments, p99 against "
+                           f"throughput ({', '.join(map(str, result['settings']['levels']))} "
+                           "in flight)", path)

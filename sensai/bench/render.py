@@ -99,6 +99,17 @@ def horizontal_boxplot(ax, data: Sequence[Sequence[float]], labels: Sequence[str
     ax.invert_yaxis()
 
 
+def save_p99_plot(fig, ax, title: str, path: Path) -> None:
+    """A p99-latency-against-throughput plot (load --sweep, plan), its axes labelled, saved."""
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (answers 200 per second)")
+    ax.set_ylabel("p99 latency (ms, log)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
+    save_figure(fig, path)
+
+
 def save_figure(fig, path: Path) -> None:
     plt = pyplot()
     fig.tight_layout()

@@ -311,12 +311,14 @@ TARGET_SETS: tuple[TargetSet, ...] = (
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.7),
                   Target("accuracy_loss_points", AccuracyLoss(), 0.5))),
     TargetSet("the device as the unit: serving adds little to one call of every subnet",
-              models=EVERY_MODEL, origin="issue 60", transport="http-v2", targets=(
+              models=EVERY_MODEL, origin="a device runs its subnets in one call",
+              transport="http-v2", targets=(
                   Target("over_one_call_http_v2_ms", OverOneCall(), 0.35),
                   Target("inprocess_vs_one_call", OverOneCall(ratio=True), 1.1,
                          transport="inprocess"))),
     TargetSet("the device as the unit on a GPU", models=EVERY_MODEL, gpu=True,
-              origin="issue 60", transport="inprocess", targets=(
+              origin="a device runs its subnets in one call", transport="inprocess",
+              targets=(
                   Target("class_parallel_vs_single", Ratio("class-parallel", "single"), 0.8),
                   Target("http_v2_p50_ms", Latency("class-parallel"), 1.0,
                          transport="http-v2"))),
@@ -523,7 +525,7 @@ def cores_ceiling(row: dict | None, usable_cores: int | None,
     return usable_cores * 1e3 / (server_ms + client_ms) if server_ms + client_ms > 0 else None
 
 
-ONE_CALL_MARGIN_MS = 0.35  # what serving may add to one image's device call (issue 60)
+ONE_CALL_MARGIN_MS = 0.35  # what serving may add to one image's device call
 
 
 def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
@@ -601,7 +603,7 @@ def evaluate_sweep_targets(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def device_unit_checks(result: dict[str, Any], check) -> list[dict[str, Any]]:
-    """The sweep's targets of the device as the unit (issue 60): one image (1 in flight)
+    """The sweep's targets of the device as the unit: one image (1 in flight)
     within a margin of the one-call reference; on a GPU, the class-parallel answers/s against
     the original's behind the same gateway (at least as many at 28x28, twice at 224x224)."""
     cfg = result["configs"]

@@ -275,8 +275,7 @@ def register_load(sub) -> None:
 
 
 def load_args(p) -> None:
-    from sensai.bench.names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS,
-                                    SWEEP_OVERLOAD_S, SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
+    from sensai.bench.names import SWEEP_OVERLOAD_S, SWEEP_WARMUP_S
 
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
@@ -331,6 +330,18 @@ def load_args(p) -> None:
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="RSS sampling period, and the bins of the timelines (default: "
                         "%(default)s)")
+    load_sweep_args(p)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the gateway's settings from a deployment file 'sensai plan' wrote "
+                        "(measured for this artifact), under the flags given")
+    images_args(p, "real test images, sent in turn")
+
+
+def load_sweep_args(p) -> None:
+    """bench-load --sweep's own options."""
+    from sensai.bench.names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS,
+                                    SWEEP_TRANSPORTS)
+
     sweep = p.add_argument_group(
         "sweep", "--sweep: instead of the soak, a throughput-latency sweep of several "
                  "configurations, each started in turn: closed loops at each of --levels in "
@@ -365,10 +376,6 @@ def load_args(p) -> None:
                             "windows a level; its CSV's rows (p50/p90/p99, infer/s, the server's "
                             "queue and compute) beside bench-load's own, labelled perf_analyzer. "
                             "Not on PATH: also: a warning and the rest runs; only: refused")
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help="the gateway's settings from a deployment file 'sensai plan' wrote "
-                        "(measured for this artifact), under the flags given")
-    images_args(p, "real test images, sent in turn")
 
 
 def gateway_client_args(p) -> None:
@@ -398,8 +405,8 @@ def config_settings(path: str | None, artifact: str) -> dict:
 
     from .serve import check_config_artifact
 
-    settings, _ = read_config(path)
-    check_config_artifact(path, load_artifact(artifact))
+    settings, measured = read_config(path)
+    check_config_artifact(path, measured, load_artifact(artifact))
     return {k if k in ("backend", "deadline_s") else f"SENSAI_{k.upper()}": str(v).lower()
             if isinstance(v, bool) else str(v) for k, v in settings.items()}
 

@@ -122,6 +122,22 @@ def register(sub) -> None:
                    help="seconds a request may take, from its arrival (default 5)")
     add_runtime_args(p)
     add_host_args(p)
+    add_placement_args(p)
+    add_redundancy_args(p)
+    add_batching_args(p)
+    add_repository_args(p)
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="the HTTP server's log level (default: info)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a deployment file 'sensai plan' wrote (its chosen settings, for the "
+                        "artifact it measured): its settings over the SENSAI_* variables, the "
+                        "flags given over both")
+    p.set_defaults(func=cmd_serve, flags=setting_flags(p))
+    register_export(sub)
+
+
+def add_placement_args(p) -> None:
+    """Where the workers and gateway processes run, per backend."""
     p.add_argument("--ray-address", default=None,
                    help="ray and ray-serve backends: existing cluster (e.g. auto, or HEAD:6379); "
                         "default: start a local Ray instance on 127.0.0.1")
@@ -145,7 +161,9 @@ def register(sub) -> None:
     p.add_argument("--triton-url", default=None,
                    help="triton backend: host:port of a running Triton HTTP endpoint serving "
                         "'sensai export-triton' models; default: launch tritonserver if found")
-    add_redundancy_args(p)
+
+
+def add_batching_args(p) -> None:
     g = p.add_argument_group(
         "batching", "A worker runs the requests it finds waiting as one batch "
                     "(deploy/README.md, 'Micro-batching').")
@@ -156,6 +174,9 @@ def register(sub) -> None:
     g.add_argument("--batch-delay-us", dest="batch_delay_us", type=float, default=None,
                    metavar="US", help="how long a request may wait for company (default: 0, "
                                       "only what is queued already is batched)")
+
+
+def add_repository_args(p) -> None:
     g = p.add_argument_group(
         "model repository", "Serving a repository: every model's versions as its version "
                             "policy says; the control API loads, swaps and unloads them "
@@ -172,14 +193,10 @@ def register(sub) -> None:
     g.add_argument("--repository-token-file", default=None, metavar="FILE",
                    help="the repository API then asks for this bearer token (the file's first "
                         "line); without one it answers loopback clients only")
-    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
-                   help="the HTTP server's log level (default: info)")
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help="a deployment file 'sensai plan' wrote (its chosen settings, for the "
-                        "artifact it measured): its settings over the SENSAI_* variables, the "
-                        "flags given over both")
-    p.set_defaults(func=cmd_serve, flags=setting_flags(p))
 
+
+def register_export(sub) -> None:
+    """``sensai export`` and ``sensai export-triton``: an artifact into a model repository."""
     p = sub.add_parser("export", help="add an artifact to a model repository as a new version")
     p.add_argument("artifact", help="artifact directory")
     p.add_argument("--repository", required=True, help="model repository (created if missing)")
@@ -210,13 +227,14 @@ def setting_flags(p: argparse.ArgumentParser) -> dict[str, str]:
             if a.option_strings and a.dest in GatewaySettings.model_fields}
 
 
-def settings_from(args) -> GatewaySettings:
-    """SENSAI_* environment variables, overridden by a ``--config`` file's settings, overridden
-    by the flags given."""
+def settings_from(args, config: tuple[dict, dict] | None = None) -> GatewaySettings:
+    """SENSAI_* environment variables, overridden by a ``--config`` file's settings (``config``:
+    what :func:`read_config` made of it, else it is read here), overridden by the flags
+    given."""
     flags = getattr(args, "flags", {})
     given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
     if getattr(args, "config", None):
-        from_file, _ = read_config(args.config)
+        from_file, _ = config or read_config(args.config)
         flags = {**flags, **{f: f"--config {args.config}: {f}" for f in from_file
                              if f not in given}}
         given = {**from_file, **given}
@@ -229,12 +247,12 @@ def settings_from(args) -> GatewaySettings:
     return load_settings(given, {**flags, "backend": "--backend"})
 
 
-def check_config_artifact(path: str, artifact) -> None:
-    """A deployment file serves the artifact it was measured with (its manifest's hash), so
-    what is served is what was measured."""
+def check_config_artifact(path: str, measured: dict, artifact) -> None:
+    """A deployment file (at ``path``, measured with ``measured``: its ``artifact``) serves the
+    artifact it was measured with (its manifest's hash), so what is served is what was
+    measured."""
     from sensai.fsutil import sha256_file
 
-    measured = read_config(path)[1]
     want = measured.get("manifest_sha256")
     if want and sha256_file(artifact.root / "manifest.json") != want:
         raise SensaiError(f"--config {path} was measured with {measured.get('path')}, not "
@@ -277,7 +295,8 @@ def cmd_serve(args) -> int:
     from sensai.serving.gateway.app import create_app
     from sensai.serving.launch.build import build_predictor, launch_triton
 
-    settings = settings_from(args)
+    config = read_config(args.config) if args.config else None
+    settings = settings_from(args, config)
     if args.config and is_repository(args.artifact):
         raise SensaiError(f"--config {args.config}: a deployment file is measured for one "
                           "artifact, not a model repository")
@@ -288,7 +307,7 @@ def cmd_serve(args) -> int:
                           "(REPO/<model>/<version>/, see 'sensai export'), not one artifact")
     artifact = load_artifact(args.artifact)  # fails fast with one line
     if args.config:
-        check_config_artifact(args.config, artifact)
+        check_config_artifact(args.config, config[1], artifact)
     workers = check_redundancy(len(artifact.subnets),
                                worker_count(settings, len(artifact.subnets)),
                                settings.redundancy, settings.vote)
