@@ -91,7 +91,7 @@ class DecomposeConfig:
     subnet's classes, distillation from the original at weight 0.7 and AdamW at lr 5e-3.
     Retraining dominates the cost: ``samples_per_subnet`` trades accuracy for time.  CUDA
     retrains in the same small batches: larger ones at a scaled learning rate lost accuracy at
-    20x (BENCHMARKS.md, "Retraining in larger batches"); there each step is one captured graph
+    20x (BENCHMARKS.md, "What was tried and not kept"); there each step is one captured graph
     launch instead (:mod:`sensai.train_step`).
     """
 
