@@ -38,7 +38,7 @@ MAX_PIXELS = 4_000_000
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
     server = start_gateway(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
-                           max_body_bytes=MAX_BODY, max_image_pixels=MAX_PIXELS, max_batch=8)
+                           max_body_bytes=MAX_BODY, max_image_pixels=MAX_PIXELS, max_request_rows=8)
     yield server
     server.stop()
 
@@ -297,7 +297,7 @@ def test_v2_malformed_requests(client, good_tensor, good_png):
     t = _tensor(good_tensor)
     t["shape"] = [2, 1, 28, "28"]
     assert_error(_infer_json(client, {"inputs": [t]}), 400, "shape")
-    big = np.zeros((9, 1, 28, 28), np.float32)  # max_batch is 8 here
+    big = np.zeros((9, 1, 28, 28), np.float32)  # max_request_rows is 8 here
     assert_error(_infer_json(client, {"inputs": [_tensor(big)]}), 400, "batch size", "8")
     r = client.post("/v2/models/sensai/infer", content=b"x" * 10,
                     headers={"content-encoding": "br"})

@@ -149,8 +149,9 @@ def test_the_gateway_process_is_gone(load_run):
     (["--env", "FOO=1"], "--env FOO: not a gateway setting"),
     (["--env", "SENSAI_PORT=9000"], "set by the benchmark itself"),
     (["--env", "SENSAI_MAX_REQUESTS"], "--env wants NAME=VALUE"),
-    (["--max-requests", "0"], "invalid gateway setting max_requests"),
-    (["--deadline", "0"], "invalid gateway setting deadline_s"),
+    (["--env", "SENSAI_MAX_REQUESTS=0"], "invalid gateway setting max_requests"),
+    (["--env", "SENSAI_DEADLINE_S=0"], "invalid gateway setting deadline_s"),
+    (["--env", "SENSAI_DEADLINE_S=soon"], "--env SENSAI_DEADLINE_S=soon: not a number"),
     (["--overload-connections", "100000000"], "ulimit -n"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv, fragment):

@@ -257,7 +257,8 @@ def test_the_simulated_gpu_sweep_checks_every_answer_and_reports_each_subnets_ba
 
     out = tmp_path / "sim"
     assert main(["bench-load", str(tiny_artifact_g2), "--out", str(out), "--sweep",
-                 "--runtime", "sim", "--sim-launch-ms", "5", "--configs", "class-parallel",
+                 "--env", "SENSAI_RUNTIME=sim", "--env", "SENSAI_SIM_LAUNCH_MS=5",
+                 "--configs", "class-parallel",
                  "class-parallel-serial", "triton", "--levels", "1", "8", "--level-seconds", "1", "--warmup-seconds",
                  "0.5", "--overload-seconds", "0", "--images", "8", "--no-progress",
                  "--env", "SENSAI_GATEWAY_REPLICAS=2"]) == 0

@@ -45,7 +45,7 @@ def gateway(tiny_artifact):
     # A busy test machine can hold this process's event loop up for a moment; the loop-lag
     # shed (tested in test_hostile.py) must not turn these calls into 503s meanwhile.
     server, target = serve(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
-                           max_body_bytes=MAX_BODY, max_batch=16, max_loop_lag_s=5.0)
+                           max_body_bytes=MAX_BODY, max_request_rows=16, max_loop_lag_s=5.0)
     yield server, target
     server.stop()
 

@@ -253,10 +253,15 @@ def test_under_overload_the_protocol_sheds_at_once_and_keeps_the_connection(tiny
 
 def test_the_listen_backlog_is_sized_from_the_request_limit(gateway):
     """The kernel holds at most as many unaccepted connections as the gateway could admit
-    requests (``ss`` shows a listening socket's backlog as its Send-Q), unless set."""
+    requests (``ss`` shows a listening socket's backlog as its Send-Q)."""
     assert gateway.server.config.backlog == GatewaySettings().max_requests
     out = subprocess.run(["ss", "-ltnH", f"sport = :{gateway.port}"], capture_output=True,
                          text=True).stdout.split()
     if out:  # ss may be missing from a minimal image: the configuration is what was checked
         assert out[2] == str(GatewaySettings().max_requests), out
-    assert GatewaySettings(listen_backlog=50).backlog() == 50
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.server import uvicorn_config
+
+    app = create_app(gateway.server.config.app.state.gateway.models,
+                     GatewaySettings(max_requests=50), close_predictor=False)
+    assert uvicorn_config(app).backlog == 50

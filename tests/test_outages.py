@@ -189,9 +189,10 @@ def test_r1_killed_worker_loses_no_request_and_rejoins(backend, tiny_artifact, i
 def test_hung_worker_is_restarted_and_readiness_follows(backend, tiny_artifact, images):
     """Worker 1 gets stuck (alive, answering nothing): the request fails at its deadline, the
     watchdog ends and restarts the worker, readiness is false meanwhile, then all is well."""
-    # The deadline (1 s) passes before the watchdog gives up on the worker (3 s).
-    pred = make(tiny_artifact, backend, deadline_s=1.0, hang_timeout_s=3.0,
-                restart_delay_s=2.0)
+    # The deadline (1 s) passes before the watchdog gives up on the worker (twice the
+    # deadline, at least 3 s).
+    pred = make(tiny_artifact, backend, deadline_s=1.0, restart_delay_s=2.0)
+    assert pred.plan.settings.hang_timeout() == 3.0
     server = start_gateway(pred, deadline_s=1.0)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:

@@ -166,7 +166,7 @@ def test_a_deployment_file_serves_only_the_artifact_it_was_measured_with(
     from sensai.cli.bench import config_settings
     from sensai.fsutil import sha256_file
 
-    path = deployment(tmp_path / "d.json", settings={"runtime": "sim", "batch_overlap": False,
+    path = deployment(tmp_path / "d.json", settings={"runtime": "sim", "gpu_wait": "sleep",
                                                      "backend": "processes"},
                       artifact={"path": str(tiny_artifact),
                                 "manifest_sha256": sha256_file(tiny_artifact / "manifest.json")})
@@ -174,7 +174,7 @@ def test_a_deployment_file_serves_only_the_artifact_it_was_measured_with(
     assert "manifest hash differs" in capsys.readouterr().err
     # bench-load --config measures the same settings (as the gateway's environment).
     assert config_settings(str(path), str(tiny_artifact)) == {
-        "SENSAI_RUNTIME": "sim", "SENSAI_BATCH_OVERLAP": "false", "backend": "processes"}
+        "SENSAI_RUNTIME": "sim", "SENSAI_GPU_WAIT": "sleep", "backend": "processes"}
 
 
 def measured(p50, p99, rps, rss=100.0, errors=0):

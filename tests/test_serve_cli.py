@@ -35,7 +35,7 @@ def serve_cli(tiny_artifact):
             [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--backend",
              "ray-serve", "--ray-address", gcs, "--port", str(port), "--log-level", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=os.environ | {"SENSAI_MODEL_NAME": MODEL, "SENSAI_DEFAULT_TOP_K": "3",
+            env=os.environ | {"SENSAI_MODEL_NAME": MODEL, "SENSAI_MAX_REQUEST_ROWS": "3",
                             "SENSAI_DEADLINE_S": "30", "SENSAI_MAX_HEADER_BYTES": "4096"})
         try:
             url = f"http://127.0.0.1:{port}"
@@ -74,7 +74,7 @@ def test_answers_equal_offline_evaluation_one_at_a_time_and_16_at_once(
 
 def test_the_environment_settings_reach_the_application_and_its_ingress_serves(serve_cli,
                                                                              fmnist_test):
-    """SENSAI_MODEL_NAME, SENSAI_DEFAULT_TOP_K and SENSAI_MAX_HEADER_BYTES, read by the CLI,
+    """SENSAI_MODEL_NAME, SENSAI_MAX_REQUEST_ROWS and SENSAI_MAX_HEADER_BYTES, read by the CLI,
     are the Serve application's; the routes are served by the Serve ingress replica, a process
     of the Ray instance, not by the CLI, on its own port: Serve runs no HTTP proxy, and a head
     over the gateway's limit gets the gateway's 431."""
@@ -87,7 +87,11 @@ def test_the_environment_settings_reach_the_application_and_its_ingress_serves(s
     assert httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=30).status_code == 200
     _, images, _ = sample_images(fmnist_test, 1)
     r = httpx.post(f"{url}/v1/predict", content=png(images[0]), timeout=60)
-    assert r.status_code == 200 and len(r.json()["predictions"]) == 3
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 5
+    x = np.zeros((4, 1, 28, 28), np.float32)  # a batch over SENSAI_MAX_REQUEST_ROWS
+    r = httpx.post(f"{url}/v2/models/{MODEL}/infer", timeout=60, json={"inputs": [
+        {"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]})
+    assert r.status_code == 400 and "between 1 and 3" in r.json()["error"]
     assert info["pid"] != proc.pid and info["pid"] != os.getpid()
     with open(f"/proc/{info['pid']}/cmdline", "rb") as f:
         assert b"ServeReplica" in f.read()
@@ -131,7 +135,6 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
 
 
 @pytest.mark.parametrize("argv, env, fragment", [
-    ([], {"SENSAI_GATEWAY_CPUS": "0.5"}, "applies to --backend ray-serve only"),
     (["--gateway-replicas", "2", "--backend", "ray"], {},
      "--gateway-replicas does not apply to --backend ray"),
     (["--gateway-replicas", "2", "--backend", "triton"], {},

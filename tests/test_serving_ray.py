@@ -103,10 +103,10 @@ def test_the_settings_reach_the_serve_apps_workers_and_ingress(tiny_artifact):
     ingress takes as many requests as the gateway admits (it refuses the rest itself)."""
     app = build_app({"artifact": str(tiny_artifact),
                      "settings": {"redundancy": 1, "deadline_s": 7, "ray_cpus": 0.5,
-                                  "keep_cores_awake": "auto", "gateway_replicas": 3,
-                                  "gateway_cpus": 0.25}})
+                                  "keep_cores_awake": "auto", "gateway_replicas": 3}})
     ingress, (workers, artifact, settings, own_port) = bound(app)
-    assert ingress.num_replicas == 3 and ingress.ray_actor_options["num_cpus"] == 0.25
+    # An ingress replica takes a worker's CPUs, at most one.
+    assert ingress.num_replicas == 3 and ingress.ray_actor_options["num_cpus"] == 0.5
     assert own_port is False  # only through Serve's proxy unless asked
     assert ingress.name == "ServeIngress"
     # Three gateway processes share the workers: each admits a third of max_predictions.

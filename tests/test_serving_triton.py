@@ -86,7 +86,7 @@ def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
         export_triton_repo(tiny_artifact, out)
     assert (out / "keep.txt").read_text() == "mine"
     assert main(["export-triton", str(tiny_artifact), "--out", str(out), "--overwrite",
-                 "--max-batch", "0", "--instance-kind", "cpu"]) == 0
+                 "--max-batch-size", "0", "--instance-kind", "cpu"]) == 0
     assert "wrote 5 Triton models" in capsys.readouterr().out
     cfg = _config(out / "sensai_subnet_00" / "config.pbtxt")
     assert cfg.max_batch_size == 0 and list(cfg.input[0].dims) == [-1, 1, 28, 28]

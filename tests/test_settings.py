@@ -11,7 +11,8 @@ import pytest
 
 from sensai.cli.serve import register, settings_from
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import ENV_PREFIX, GatewaySettings, load_settings
+from sensai.serving.core.settings import (ENV_PREFIX, GatewaySettings, described, load_settings,
+                                          settings_table)
 
 README = Path(__file__).resolve().parents[1] / "deploy" / "README.md"
 
@@ -57,6 +58,30 @@ def test_every_serve_flag_is_documented():
     assert not missing, f"not in deploy/README.md: {missing}"
 
 
+def test_the_readme_table_is_the_one_made_from_the_declarations():
+    """deploy/README.md's settings table is exactly what the declarations make, so a setting's
+    help, flag and default are written in one place."""
+    text = README.read_text()
+    assert settings_table() in text, ("deploy/README.md's settings table differs from the "
+                                      "declarations: paste `python -m "
+                                      "sensai.serving.core.settings` over it")
+
+
+def test_every_flag_comes_from_the_declaration():
+    """serve's flag of a setting is the one declared, with the declared help and default."""
+    _, serve = parser()
+    by_dest = {a.dest: a for a in serve._actions if a.option_strings}
+    for field, info in GatewaySettings.model_fields.items():
+        flag = described(field).get("flag")
+        if flag is None:
+            assert field not in by_dest, field
+            continue
+        action = by_dest[field]
+        assert action.option_strings[0] == flag and action.default is None
+        assert action.help.startswith(info.description.replace("%", "%%")[:40])
+    assert "processes" not in by_dest  # no alias of --backend processes
+
+
 def test_the_table_names_no_setting_that_does_not_exist():
     fields = {f"{ENV_PREFIX}{f.upper()}" for f in GatewaySettings.model_fields}
     assert set(readme_rows()) - fields == set()
@@ -90,7 +115,7 @@ def test_host_tunings_are_off_by_default(monkeypatch):
     (["--restart-delay", "-2"], "--restart-delay must be >= 0, got -2"),
     (["--port", "70000"], "--port must be <= 65535, got 70000"),
     (["--backend", "triton", "-r", "1"], "Triton runs one model per subnet"),
-    (["--processes", "--backend", "ray"], "--processes means --backend processes"),
+    (["--backend", "ray", "--gateway-replicas", "2"], "--gateway-replicas does not apply"),
 ])
 def test_bad_values_are_refused_in_one_line_by_their_flag(argv, message):
     top, _ = parser()

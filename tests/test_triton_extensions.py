@@ -37,7 +37,7 @@ EXPECTED_EXTENSIONS = {"classification", "model_configuration", "binary_tensor_d
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
     s, target = serve_with_grpc(build_predictor(tiny_artifact, GatewaySettings(device="cpu")),
-                                max_batch=16, max_loop_lag_s=5.0)
+                                max_request_rows=16, max_loop_lag_s=5.0)
     yield s, target
     s.stop()
 

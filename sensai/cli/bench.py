@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
-from sensai.serving.core.settings import MODEL_RUNTIMES, RUNTIMES
+from sensai.serving.core.settings import MODEL_RUNTIMES
 from sensai.serving.core.wakeup import MODES
 
 from .train import add_device_arg
@@ -37,7 +37,7 @@ def bench_args(p) -> None:
     from sensai.bench.names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES,
                                     TRANSPORTS, WARMUP)
 
-    p.add_argument("--workers", "-K", type=int, default=None,
+    p.add_argument("--stages", "-K", dest="workers", type=int, default=None,
                    help="model-parallel stages, one worker each (default: G, as many as subnets)")
     p.add_argument("--replicas", type=int, default=None,
                    help="data-parallel replicas (default: the number of stages)")
@@ -280,23 +280,7 @@ def load_args(p) -> None:
     p.add_argument("--backend", choices=SERVE_BACKENDS, default=None,
                    help="the gateway's backend, as for 'sensai serve' (default: local, or "
                         "$SENSAI_BACKEND)")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="the gateway's whole-request deadline in seconds (default: 5, or "
-                        "$SENSAI_DEADLINE_S)")
-    p.add_argument("--max-requests", type=int, default=None,
-                   help="SENSAI_MAX_REQUESTS for the gateway: requests in flight before it "
-                        "answers 503 at once (default: 256, or as set)")
-    p.add_argument("--max-predictions", type=int, default=None,
-                   help="SENSAI_MAX_PREDICTIONS for the gateway: requests in the predictor at "
-                        "once (default: 32, or as set)")
     gateway_client_args(p)
-    p.add_argument("--runtime", choices=RUNTIMES, default=None,
-                   help="the gateway's runtime, as 'sensai serve --runtime' (SENSAI_RUNTIME); "
-                        "sim: a simulated GPU (a fixed time per launch, every subnet in one "
-                        "device process), every answer checked against the simulation's own "
-                        "(default: the gateway's, auto)")
-    p.add_argument("--sim-launch-ms", type=float, default=None, metavar="MS",
-                   help="--runtime sim: the time per launch (SENSAI_SIM_LAUNCH_MS; default: 0.3)")
     p.add_argument("--concurrency", "-c", type=int, default=16,
                    help="soak (and warm-up): requests always in flight (default: %(default)s)")
     p.add_argument("--warmup-seconds", type=float, default=None,
@@ -382,9 +366,10 @@ def gateway_client_args(p) -> None:
     """How a command that starts 'sensai serve' and loads it (bench-load, plan) sets the
     gateway up and drives it."""
     p.add_argument("--env", action="append", default=[], metavar="SENSAI_NAME=VALUE",
-                   help="another gateway setting for the gateway's environment, e.g. "
-                        "SENSAI_REDUNDANCY=1 (repeatable; sensai plan: every candidate keeps "
-                        "it, and the deployment file holds it)")
+                   help="a gateway setting for the gateway's environment, e.g. "
+                        "SENSAI_REDUNDANCY=1, SENSAI_DEADLINE_S=2, SENSAI_RUNTIME=sim "
+                        "(repeatable; every setting of deploy/README.md's table; sensai plan: "
+                        "every candidate keeps it, and the deployment file holds it)")
     p.add_argument("--clients", type=int, default=2,
                    help="client processes sharing the load (default: %(default)s)")
     p.add_argument("--client-cores", type=int, default=0, metavar="K",
@@ -411,20 +396,31 @@ def config_settings(path: str | None, artifact: str) -> dict:
             if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
+def env_number(name: str, value: str | None, kind):
+    """A setting the load's own arithmetic reads too (its deadline, its limits), as a number,
+    or one line naming it."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise SensaiError(f"--env {name}={value}: not a number") from None
+
+
 def cmd_bench_load(args) -> int:
     from sensai.bench.load import LoadOptions, parse_env
 
     config = config_settings(args.config, args.artifact)
     backend, deadline = config.pop("backend", None), config.pop("deadline_s", None)
-    backend = args.backend or backend
-    deadline = args.deadline if args.deadline is not None else deadline
+    env = config | parse_env(args.env)
+    deadline = env.pop("SENSAI_DEADLINE_S", deadline)
     options = LoadOptions(
-        backend=backend, deadline_s=None if deadline is None else float(deadline),
-        max_requests=args.max_requests,
-        max_predictions=args.max_predictions, env=config | parse_env(args.env) | {
-            name: str(value) for name, value in (("SENSAI_RUNTIME", args.runtime),
-                                                 ("SENSAI_SIM_LAUNCH_MS", args.sim_launch_ms))
-            if value is not None},
+        backend=args.backend or backend,
+        deadline_s=env_number("SENSAI_DEADLINE_S", deadline, float),
+        max_requests=env_number("SENSAI_MAX_REQUESTS", env.pop("SENSAI_MAX_REQUESTS", None), int),
+        max_predictions=env_number("SENSAI_MAX_PREDICTIONS",
+                                   env.pop("SENSAI_MAX_PREDICTIONS", None), int),
+        env=env,
         startup_timeout_s=args.startup_timeout, clients=args.clients,
         client_cores=args.client_cores, overload_factor=args.overload_factor,
         retry_after=not args.ignore_retry_after,

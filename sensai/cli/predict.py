@@ -15,7 +15,12 @@ from sensai.errors import SensaiError
 from sensai.serving.core.settings import MODEL_RUNTIMES
 from sensai.serving.core.wakeup import keep_cores_awake
 
-from .serve import add_host_args, add_runtime_args, setting_flags, settings_from
+from .serve import settings_from
+from .settings_args import add_setting_flags, setting_flags
+
+# The settings a prediction in this process reads: where and how the subnets run.
+PREDICT_SETTINGS = ("backend", "device", "runtime", "threads_per_worker", "trust_model_code",
+                    "keep_cores_awake", "spread_cores")
 
 
 def register(sub) -> None:
@@ -35,8 +40,7 @@ def add_predict_args(p) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help=f"send the image this many more times (after {WARMUP} warm-up requests, "
                         "as sensai bench) and print latency percentiles to stderr")
-    add_runtime_args(p, MODEL_RUNTIMES)
-    add_host_args(p)
+    add_setting_flags(p, PREDICT_SETTINGS, choices={"runtime": MODEL_RUNTIMES})
     p.set_defaults(func=cmd_predict, flags=setting_flags(p), warmup=WARMUP)
 
 

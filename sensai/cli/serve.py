@@ -16,10 +16,11 @@ import threading
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import (BACKENDS, GPU_WAITS, LOG_LEVELS, RUNTIMES,
-                                          GatewaySettings, load_settings, read_config,
+from sensai.serving.core.settings import (GatewaySettings, load_settings, read_config,
                                           setting_name)
-from sensai.serving.core.wakeup import MODES, keep_cores_awake
+from sensai.serving.core.wakeup import keep_cores_awake
+
+from .settings_args import add_setting_flags, setting_flags
 
 log = logging.getLogger(__name__)
 
@@ -28,171 +29,32 @@ log = logging.getLogger(__name__)
 REPOSITORY_RAY_SHARE = 0.5
 
 
-# Every flag that sets a GatewaySettings field has that field as its ``dest`` and no default of
-# its own (None: not given), so the settings model keeps the one default and SENSAI_* variables
-# still apply; ``setting_flags`` reads the flag of each field back from the parser.
-
-
-def add_runtime_args(p: argparse.ArgumentParser, runtimes=RUNTIMES) -> None:
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="where the workers run: local (threads of this process, the default), "
-                        "processes (processes of their own, one per CPU worker), ray (actors "
-                        "on a Ray cluster), triton (a Triton server), ray-serve ('sensai "
-                        "serve' only: the Ray Serve "
-                        "application, its gateway a Serve replica serving on --host/--port)")
-    p.add_argument("--processes", action="store_true", help="same as --backend processes")
-    p.add_argument("--device", default=None,
-                   help="auto (one GPU per worker round robin, else CPU), cpu, cuda:N "
-                        "(default: auto)")
-    p.add_argument("--runtime", choices=runtimes, default=None,
-                   help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where a "
-                        "network cannot be captured); torch: eager"
-                        + ("; sim: a simulated GPU, a fixed time per launch whatever the rows "
-                           "(--sim-launch-ms), every subnet in one device process, answers "
-                           "that are not the model's: for measuring the serving path"
-                           if "sim" in runtimes else "") + " (default: auto)")
-    if "sim" in runtimes:
-        p.add_argument("--sim-launch-ms", dest="sim_launch_ms", type=float, default=None,
-                       metavar="MS", help="--runtime sim: time per launch (default: 0.3)")
-    p.add_argument("--gpu-wait", dest="gpu_wait", choices=GPU_WAITS, default=None,
-                   help="how a worker waits for its GPU's batch: spin (answers sooner, keeps "
-                        "a core busy) or sleep (default: spin)")
-    p.add_argument("--threads", dest="threads_per_worker", type=int, default=None, metavar="N",
-                   help="intra-op threads per subnet (default: 1)")
-    p.add_argument("--trust-model-code", action="store_true", default=None,
-                   help="let the torch runtime import an architecture the manifest names as "
-                        "package.module:factory (that runs its code)")
-
-
-def add_host_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "host tuning", "Opt-in, off by default: they change the machine, not only this process "
-                       "(deploy/README.md, 'Latency').")
-    g.add_argument("--keep-cores-awake", choices=MODES, default=None,
-                   help="while serving, ask the kernel that idle cores poll instead of sleeping "
-                        "deeply (/dev/cpu_dma_latency, root only; each wake-up is on a request's "
-                        "path): off (the default), auto (when this process may), on (or refuse "
-                        "to start)")
-    g.add_argument("--spread-cores", action="store_true", default=None,
-                   help="local backend: move a worker thread to another core when it ran a "
-                        "request on the core of another worker of that request "
-                        "(sched_setaffinity)")
-
-
-def add_redundancy_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "redundancy",
-        "Host every group's subnet on several workers (cyclic placement) so an answer does not "
-        "wait for the slowest worker and survives a dead one.  Dead or hung workers are "
-        "restarted (on Ray, by Ray).")
-    g.add_argument("--redundancy", "-r", type=int, default=None, metavar="R",
-                   help="extra copies of every group: worker w also hosts groups w+1..w+R "
-                        "(mod W) (default: 0)")
-    g.add_argument("--workers", type=int, default=None, metavar="W",
-                   help="workers (default: G, one per group)")
-    g.add_argument("--vote", action="store_true", default=None,
-                   help="2R+1 copies per group; a group is answered when R+1 copies agree "
-                        "(outvotes up to R wrong copies)")
-    g.add_argument("--hedge-ms", type=float, default=None,
-                   help="a worker waits up to this long before computing copies, which are "
-                        "skipped if their group is answered meanwhile (default: 0)")
-    g.add_argument("--restart-delay", dest="restart_delay_s", type=float, default=None,
-                   metavar="SECONDS", help="wait before restarting a dead worker (default: 0)")
-    g.add_argument("--inject-delay", action="append", default=[], metavar="W=SPEC",
-                   help="TESTING ONLY: worker W sleeps before each request, e.g. 2=exp:20ms, "
-                        "1=fixed:50ms@0.1 (10%% of requests)")
-
-
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe "
                                      "v2) and, with --grpc-port, KServe v2 over gRPC",
-                       description="Every option but --inject-delay and --processes sets the "
-                                   "gateway setting of the same meaning; unset options keep "
-                                   "the SENSAI_* environment variable, else the default "
-                                   "(deploy/README.md, 'Settings').")
+                       description="Every option but --inject-delay, --repository-token-file "
+                                   "and --config sets the gateway setting of the same "
+                                   "meaning; unset options keep the SENSAI_* environment "
+                                   "variable, else the default (deploy/README.md, "
+                                   "'Settings').")
     p.add_argument("artifact", metavar="ARTIFACT_OR_REPOSITORY",
                    help="artifact directory written by 'sensai decompose', or a model repository "
                         "(REPO/<model>/<version>/ each an artifact, see 'sensai export')")
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--grpc-port", type=int, default=None,
-                   help="also serve KServe v2 over gRPC on this port, same host (default: off)")
-    p.add_argument("--model-name", default=None, help="name under /v2/models (default sensai)")
-    p.add_argument("--deadline", dest="deadline_s", type=float, default=None, metavar="SECONDS",
-                   help="seconds a request may take, from its arrival (default 5)")
-    add_runtime_args(p)
-    add_host_args(p)
-    add_placement_args(p)
-    add_redundancy_args(p)
-    add_batching_args(p)
-    add_repository_args(p)
-    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
-                   help="the HTTP server's log level (default: info)")
+    groups = add_setting_flags(p)
+    groups["redundancy"].add_argument(
+        "--inject-delay", action="append", default=[], metavar="W=SPEC",
+        help="TESTING ONLY: worker W sleeps before each request, e.g. 2=exp:20ms, "
+             "1=fixed:50ms@0.1 (10%% of requests)")
+    groups["model repository"].add_argument(
+        "--repository-token-file", default=None, metavar="FILE",
+        help="the repository API then asks for this bearer token (the file's first line); "
+             "without one it answers loopback clients only")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a deployment file 'sensai plan' wrote (its chosen settings, for the "
                         "artifact it measured): its settings over the SENSAI_* variables, the "
                         "flags given over both")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
     register_export(sub)
-
-
-def add_placement_args(p) -> None:
-    """Where the workers and gateway processes run, per backend."""
-    p.add_argument("--ray-address", default=None,
-                   help="ray and ray-serve backends: existing cluster (e.g. auto, or HEAD:6379); "
-                        "default: start a local Ray instance on 127.0.0.1")
-    p.add_argument("--ray-cpus", type=float, default=None,
-                   help="ray backend: CPUs per worker actor (default: 1, or an even share that "
-                        "fits the cluster)")
-    p.add_argument("--gateway-replicas", type=int, default=None, metavar="N",
-                   help="gateway processes sharing --port; on the processes backend, and on "
-                        "the local backend above 1, the subnets run in device processes (one "
-                        "per GPU, one per CPU worker) that batch for all of them (default: "
-                        "half the cores, at most 8, 1 below 4 cores or for a repository); "
-                        "ray-serve: the application's ingress replicas (default: 1)")
-    p.add_argument("--device-processes", type=int, default=None, metavar="N",
-                   help="where the subnets run in device processes: N of them for the CPU "
-                        "workers, round robin, each computing its subnets one after the other "
-                        "(more answers per second on few cores, a lone request a little "
-                        "later; default: one per worker; GPUs: one per GPU)")
-    p.add_argument("--gateway-cpus", type=float, default=None,
-                   help="ray-serve backend: CPUs per gateway process (default: 1, or a "
-                        "worker's share when that is less)")
-    p.add_argument("--triton-url", default=None,
-                   help="triton backend: host:port of a running Triton HTTP endpoint serving "
-                        "'sensai export-triton' models; default: launch tritonserver if found")
-
-
-def add_batching_args(p) -> None:
-    g = p.add_argument_group(
-        "batching", "A worker runs the requests it finds waiting as one batch "
-                    "(deploy/README.md, 'Micro-batching').")
-    g.add_argument("--batch-max-rows", dest="batch_max_rows", type=int, default=None,
-                   metavar="N", help="most image rows of one subnet in one batch (1: no "
-                                     "batching; default: 8 on CPUs, 128 on GPUs and --runtime "
-                                     "sim)")
-    g.add_argument("--batch-delay-us", dest="batch_delay_us", type=float, default=None,
-                   metavar="US", help="how long a request may wait for company (default: 0, "
-                                      "only what is queued already is batched)")
-
-
-def add_repository_args(p) -> None:
-    g = p.add_argument_group(
-        "model repository", "Serving a repository: every model's versions as its version "
-                            "policy says; the control API loads, swaps and unloads them "
-                            "without a restart (deploy/README.md, 'Model repository').")
-    g.add_argument("--model-control", choices=("none", "explicit", "poll"), default=None,
-                   help="none: the repository as it was at start (default); explicit: the "
-                        "/v2/repository API loads and unloads; poll: the files are watched")
-    g.add_argument("--version-policy", default=None, metavar="POLICY",
-                   help="latest[:N] (default latest:1), all, or specific:V[,V...]; a model's "
-                        "sensai-model.json overrides it")
-    g.add_argument("--repository-poll", dest="repository_poll_s", type=float, default=None,
-                   metavar="SECONDS", help="--model-control poll: seconds between looks "
-                                           "(default 15)")
-    g.add_argument("--repository-token-file", default=None, metavar="FILE",
-                   help="the repository API then asks for this bearer token (the file's first "
-                        "line); without one it answers loopback clients only")
 
 
 def register_export(sub) -> None:
@@ -211,20 +73,14 @@ def register_export(sub) -> None:
     p.add_argument("--backend", choices=("onnxruntime", "python"), default="onnxruntime",
                    help="Triton backend: onnxruntime (Triton containers) or python (ONNX Runtime "
                         "inside the Python backend, e.g. the nvidia-pytriton tritonserver)")
-    p.add_argument("--max-batch", type=int, default=64, help="max_batch_size (0: no batching)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="Triton's max_batch_size (0: no batching)")
     p.add_argument("--instance-kind", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--gpus", type=int, default=0,
                    help="pin subnet i to GPU i %% N (KIND_GPU); 0: use --instance-kind")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per model instance")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_export_triton)
-
-
-def setting_flags(p: argparse.ArgumentParser) -> dict[str, str]:
-    """Each settings field that ``p`` has a flag for -> that flag (argparse keeps its actions
-    only in ``_actions``)."""
-    return {a.dest: a.option_strings[0] for a in p._actions
-            if a.option_strings and a.dest in GatewaySettings.model_fields}
 
 
 def settings_from(args, config: tuple[dict, dict] | None = None) -> GatewaySettings:
@@ -240,10 +96,6 @@ def settings_from(args, config: tuple[dict, dict] | None = None) -> GatewaySetti
         given = {**from_file, **given}
     if getattr(args, "repository_token_file", None):
         given["repository_token"] = read_token(args.repository_token_file)
-    if getattr(args, "processes", False):
-        if given.get("backend", "processes") != "processes":
-            raise SensaiError(f"--processes means --backend processes, not {given['backend']}")
-        given["backend"] = "processes"
     return load_settings(given, {**flags, "backend": "--backend"})
 
 
@@ -514,7 +366,7 @@ def cmd_export_triton(args) -> int:
     from sensai.serving.launch.triton_repo import export_triton_repo
 
     names = export_triton_repo(args.artifact, args.out, backend=args.backend,
-                               max_batch_size=args.max_batch, instance_kind=args.instance_kind,
+                               max_batch_size=args.max_batch_size, instance_kind=args.instance_kind,
                                gpus=args.gpus, threads=args.threads, overwrite=args.overwrite)
     print(f"wrote {len(names)} Triton models ({args.backend}) to {args.out}: {', '.join(names)}")
     return 0

@@ -10,6 +10,7 @@ is documented in deploy/README.md ("Settings"; a test keeps the two in step).
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Mapping
@@ -41,156 +42,211 @@ FLEET_BACKENDS = ("local", "processes")
 AUTO_GATEWAYS_FROM = 4
 AUTO_GATEWAYS_MAX = 8
 SECRETS = ("repository_token",)
+HANG_FLOOR_S = 3.0
 # A deployment written to a file (``sensai plan``) that ``sensai serve --config`` reads.
 CONFIG_KIND = "sensai-serve-config"
 CONFIG_SCHEMA = 1
+
+
+def setting(default, help: str, *, flag: str | None = None, short: str | None = None,
+            group: str = "server", metavar: str | None = None, default_doc: str | None = None,
+            choices: tuple[str, ...] | None = None, **constraints):
+    """A settings field and everything said of it, once: its ``help`` (the CLI's and
+    deploy/README.md's), the ``flag`` of ``sensai serve`` that sets it (None: the environment
+    variable and a deployment file only), its help ``group``, how its default reads
+    (``default_doc``, where the default is derived) and its ``choices``."""
+    extra = {"flag": flag, "short": short, "group": group, "metavar": metavar,
+             "default_doc": default_doc, "choices": list(choices) if choices else None}
+    if choices:
+        constraints["pattern"] = f"^({'|'.join(choices)})$"
+    return Field(default, description=help, json_schema_extra=extra, **constraints)
 
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
                                       protected_namespaces=())
 
-    model_name: str = Field("sensai", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
-                            description="name served under the KServe v2 API")
-    backend: str = Field("local", pattern=f"^({'|'.join(BACKENDS)})$",
-                         description="where the workers run: local (threads of the gateway), "
-                                     "processes, ray (actors), triton, ray-serve (the Ray "
-                                     "Serve application, gateway included; sensai serve only)")
-    workers: int | None = Field(
-        None, ge=1, description="workers, each a device running all of its subnets in one call "
-                                "(default: one per group; 1: every subnet in one call of one "
-                                "device)")
-    redundancy: int = Field(0, ge=0, description="extra copies of every group (cyclic placement)")
-    vote: bool = Field(False, description="decide a group by r+1 agreeing of 2r+1 copies")
-    hedge_ms: float = Field(0.0, ge=0, description="a worker waits up to this long before "
-                            "computing copies, skipped if their group is answered meanwhile")
-    restart_delay_s: float = Field(0.0, ge=0, description="wait before restarting a dead worker")
-    max_body_bytes: int = Field(8 << 20, ge=1024, description="larger requests get 413")
-    max_image_pixels: int | None = Field(
-        None, ge=1, description="width x height limit of an uploaded image (default: 4096 x the "
-                                "model's input pixels, between 4 and 25 million)")
-    max_decoded_bytes: int | None = Field(
-        None, ge=1024, description="memory an uploaded image may take decoded (width x height x "
-                                   "bytes per pixel; default: 4 bytes per pixel of the image "
-                                   "size limit, an 8-bit RGBA picture of the largest size)")
-    max_requests: int = Field(256, ge=1, description="requests in flight (health checks and "
-                              "metrics excepted); beyond it: 503 with Retry-After")
-    max_predictions: int = Field(32, ge=1, description="most requests in the predictor at once "
-                                 "(the adaptive limit's ceiling); as many more may wait, a place "
-                                 "reserved at admission, until a line stands; beyond: 503 at "
-                                 "admission (ray-serve: shared by its gateway processes)")
-    latency_target_s: float | None = Field(
-        None, gt=0, description="from a request's first byte to its answer: the predictor's "
-                                "limit adapts (AIMD) so that at most 1 request in 20 takes "
-                                "longer, and a request that waited longer than this before it "
-                                "could be admitted gets 503 (default: a quarter of the "
-                                "deadline)")
-    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within "
-                                  "this long (408)")
-    max_header_bytes: int = Field(16384, ge=1024, description="a request head (request line "
-                                  "and headers) over this: 431, connection closed")
-    head_timeout_s: float = Field(10.0, gt=0, description="a request head must arrive within "
-                                  "this long of its first byte or of the connection (408)")
-    max_connections: int = Field(1000, ge=1, description="open connections; one more closes "
-                                 "the one waiting longest without a complete request head (else "
-                                 "the longest idle one), or when all have a request in "
-                                 "progress gets 503 with Retry-After")
-    max_connections_per_client: int | None = Field(
-        None, ge=1, description="open connections of one client address; one more gets 503 "
-                                "(default: no bound but max_connections: behind a proxy every "
-                                "client has one address)")
-    listen_backlog: int | None = Field(
-        None, ge=1, description="connections the kernel holds for the gateway before it "
-                                "accepts them (default: max_requests: more could not be "
-                                "admitted anyway)")
-    max_loop_lag_s: float | None = Field(
-        None, gt=0, description="while the event loop runs this late, new requests get 503 at "
-                                "once (default: a quarter of the deadline, at most 0.25 s)")
-    http_fast_path: bool = Field(True, description="the gateway dispatches its prediction "
-                                 "routes itself, past FastAPI's router (same answers, less "
-                                 "CPU); off: FastAPI dispatches them as every other route")
-    max_batch: int = Field(64, ge=1, description="largest batch accepted by v2 infer")
-    batch_max_rows: int | None = Field(
-        None, ge=1, description="most image rows a worker runs as one batch of each subnet, of "
-                                "the requests it finds waiting (1: one request at a time; a "
-                                "larger v2 batch still runs whole, alone; default: "
-                                f"{CPU_BATCH_ROWS} on CPUs, {GPU_BATCH_ROWS} on GPUs and the "
-                                "sim runtime)")
-    batch_delay_us: float = Field(0.0, ge=0, description="how long a worker may hold a request "
-                                  "back waiting for company (0: it batches only what is queued "
-                                  "already, a request alone never waits)")
-    batch_overlap: bool = Field(True, description="a worker whose subnets run on a GPU (or "
-                                "the sim runtime) launches the next batch of what is queued "
-                                "before it answers the batch the device is computing, so the "
-                                "host's work overlaps the device's (no effect on CPUs, where a "
-                                "launch computes)")
-    deadline_s: float = Field(5.0, gt=0, description="deadline of a whole request, from its "
-                              "arrival (body, decoding, waiting, the subnets)")
-    hang_timeout_s: float | None = Field(
-        None, gt=0, description="a worker with work in flight that answers nothing for this long "
-                                "is restarted (default: max(10 s, 2 x deadline))")
-    threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each subnet runner")
-    default_top_k: int = Field(5, ge=1)
-    runtime: str = Field("auto", pattern=f"^({'|'.join(RUNTIMES)})$",
-                         description="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    gpu_wait: str = Field("spin", pattern=f"^({'|'.join(GPU_WAITS)})$",
-                          description="how a worker waits for its GPU's batch: spin (answers "
-                                      "sooner, keeps a core busy) or sleep (leaves the core to "
-                                      "others); either holds no interpreter lock")
-    sim_launch_ms: float = Field(0.3, ge=0, description="--runtime sim: the simulated GPU's time "
-                                 "per launch, whatever its rows")
-    trust_model_code: bool = Field(False, description="allow the torch runtime to import an "
-                                   "architecture the manifest names as package.module:factory")
-    ray_address: str | None = Field(None, description="existing Ray cluster (None: start locally)")
-    ray_cpus: float | None = Field(None, gt=0, description="CPUs per Ray worker (default: 1, or "
-                                   "an even share when the cluster has fewer)")
-    gateway_replicas: int | None = Field(
-        None, ge=1, description="gateway processes sharing the port; on the processes backend "
-                                "(serving one artifact), and on the local backend with more than "
-                                "one, each subnet runs in a device process that batches the "
-                                "rows of all of them (default: 1 on fewer than 4 cores, else "
-                                "half the cores, at most 8; 1 when serving a model "
-                                "repository); ray-serve: the Serve application's ingress "
-                                "replicas on a node (default 1)")
-    device_processes: int | None = Field(
-        None, ge=1, description="the device processes the CPU workers share, where the "
-                                "subnets run in device processes, the workers round robin "
-                                "(default: one per worker; GPUs keep one per GPU; refused "
-                                "with redundancy or a vote: a copy is there to outlive its "
-                                "primary's process)")
-    gateway_cpus: float | None = Field(None, ge=0, description="ray-serve: CPUs per ingress "
-                                       "replica (default: 1, or a worker's share when that is "
-                                       "less)")
-    triton_url: str | None = Field(None, description="host:port of a running Triton HTTP endpoint")
-    keep_cores_awake: str = Field(
-        "off", pattern=f"^({'|'.join(MODES)})$",
-        description="host tuning, opt-in: while serving, ask the kernel that idle cores poll "
-                    "instead of sleeping deeply (PM QoS, /dev/cpu_dma_latency, root only): off, "
-                    "auto (when this process may), on (or refuse to start)")
-    spread_cores: bool = Field(
-        False, description="host tuning, opt-in (local backend): move a worker thread to "
-                           "another core when it ran a request on the same core as another "
-                           "worker of that request (sched_setaffinity)")
-    model_control: str = Field(
-        "none", pattern="^(none|explicit|poll)$",
-        description="a model repository's control API (/v2/repository/...): none (off), "
-                    "explicit (index, load, unload), poll (index; the files are watched)")
-    repository_poll_s: float = Field(15.0, gt=0, description="model_control poll: how often "
-                                     "the repository is looked at")
-    version_policy: str = Field("latest:1", description="which versions of each repository "
-                                "model are served: latest[:N], all, specific:V[,V...] (a model's "
-                                "own sensai-model.json overrides it)")
-    repository_token: str | None = Field(
-        None, min_length=16, description="a bearer token the repository API then asks for; "
-                                         "without one it answers loopback clients only")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    grpc_port: int | None = Field(None, ge=0, le=65535,
-                                  description="also serve KServe v2 over gRPC on this port, same "
-                                              "host (None: off; 0: the kernel picks one)")
-    log_level: str = Field("info", pattern=f"^({'|'.join(LOG_LEVELS)})$",
-                           description="the HTTP server's log level")
+    # -- the server
+    host: str = setting("127.0.0.1", "bind address", flag="--host", metavar="ADDRESS")
+    port: int = setting(8000, "HTTP port", flag="--port", metavar="PORT", ge=0, le=65535)
+    grpc_port: int | None = setting(
+        None, "also serve KServe v2 over gRPC on this port, same host (0: any free port)",
+        flag="--grpc-port", metavar="PORT", default_doc="off", ge=0, le=65535)
+    model_name: str = setting("sensai", "the model's name under the KServe v2 API",
+                              flag="--model-name", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    deadline_s: float = setting(
+        5.0, "deadline of a whole request, from its first byte (body, decoding, waiting, the "
+             "subnets); a worker holding work that answers nothing for twice this (at least "
+             f"{HANG_FLOOR_S:g} s) is ended and restarted", flag="--deadline", metavar="SECONDS",
+        gt=0)
+    log_level: str = setting("info", "the HTTP server's log level", flag="--log-level",
+                             choices=LOG_LEVELS)
+    # -- where and how the subnets run
+    backend: str = setting(
+        "local", "where the workers run: local (threads of the gateway's process), processes "
+                 "(device processes), ray (actors on a Ray cluster), triton (a Triton server), "
+                 "ray-serve ('sensai serve' only: the Ray Serve application, its gateway a "
+                 "Serve replica serving on --host/--port; see \"Ray Serve\")",
+        flag="--backend", group="runtime", choices=BACKENDS)
+    device: str = setting(
+        "auto", "auto or cuda (worker i on GPU i mod n; auto: the CPU without GPUs, cuda: an "
+                "error), cpu, cuda:N (every worker on GPU N); on Ray and Ray Serve: auto, cpu "
+                "or cuda (a GPU, or a share of one, per worker)", flag="--device",
+        group="runtime")
+    runtime: str = setting(
+        "auto", "auto (ONNX Runtime on CPUs, CUDA graphs on GPUs, eager torch where a network "
+                "cannot be captured), onnx, torch (eager), cuda-graph (a capture failure is an "
+                "error); sim: a simulated GPU, a fixed time per launch whatever the rows, answers "
+                "that are not the model's, for measuring the serving path without a GPU (see "
+                "\"On GPUs\")", flag="--runtime", group="runtime", choices=RUNTIMES)
+    sim_launch_ms: float = setting(
+        0.3, "--runtime sim: the simulated GPU's time per launch, whatever its rows",
+        flag="--sim-launch-ms", group="runtime", metavar="MS", ge=0)
+    gpu_wait: str = setting(
+        "spin", "how a worker's thread waits for its GPU's batch: spin (answers sooner, keeps "
+                "a core busy) or sleep; either way it holds no interpreter lock",
+        flag="--gpu-wait", group="runtime", choices=GPU_WAITS)
+    threads_per_worker: int = setting(
+        1, "intra-op threads of each subnet runner (on Ray: from the worker's CPUs)",
+        flag="--threads", group="runtime", metavar="N", ge=1)
+    trust_model_code: bool = setting(
+        False, "let the torch runtime import an architecture the manifest names as "
+               "package.module:factory (that runs its code)", flag="--trust-model-code",
+        group="runtime")
+    # -- placement
+    workers: int | None = setting(
+        None, "workers, each a device that runs all of its subnets in one call (1: every "
+              "subnet in one call; see \"What a device is\")", flag="--workers",
+        group="placement", metavar="W", default_doc="one per group", ge=1)
+    gateway_replicas: int | None = setting(
+        None, "gateway processes sharing the port: on the processes backend (one artifact), "
+              "and on the local backend above 1, the subnets run in device processes shared "
+              "by all of them (\"Several gateway processes\"); ray-serve: the application's "
+              "ingress replicas on a node (\"Ray Serve\"); refused on ray and triton",
+        flag="--gateway-replicas", group="placement", metavar="N",
+        default_doc="local and processes: 1 on fewer than 4 cores, else half the cores, at "
+                    "most 8 (1 for a model repository); ray-serve: 1", ge=1)
+    device_processes: int | None = setting(
+        None, "the device processes the CPU workers share, round robin, where the subnets run "
+              "in device processes (\"Several gateway processes\"): fewer answer more on few "
+              "cores, a lone request a little later; GPUs keep one per GPU; refused with "
+              "redundancy, a vote or injected faults, and where the subnets run in none (ray, "
+              "triton, ray-serve, the local backend with one gateway process, a model "
+              "repository)", flag="--device-processes", group="placement", metavar="N",
+        default_doc="one per worker", ge=1)
+    ray_address: str | None = setting(
+        None, "ray and ray-serve backends: the cluster to join (e.g. auto, HEAD:6379)",
+        flag="--ray-address", group="placement", metavar="ADDRESS", default_doc="start a local Ray")
+    ray_cpus: float | None = setting(
+        None, "CPUs per Ray worker actor or Serve worker replica (a Serve ingress replica "
+              "takes the same, at most 1)", flag="--ray-cpus", group="placement", metavar="CPUS",
+        default_doc="1, or an even share that fits", gt=0)
+    triton_url: str | None = setting(
+        None, "triton backend: host:port of a running Triton HTTP endpoint serving 'sensai "
+              "export-triton' models", flag="--triton-url", group="placement", metavar="HOST:PORT",
+        default_doc="launch tritonserver")
+    # -- redundancy
+    redundancy: int = setting(
+        0, "extra copies of every group: worker w also hosts groups w+1..w+R (mod W), so an "
+           "answer does not wait for the slowest worker and survives a dead one",
+        flag="--redundancy", short="-r", group="redundancy", metavar="R", ge=0)
+    vote: bool = setting(False, "2R+1 copies of every group, a group decided when R+1 agree "
+                                "(outvotes up to R wrong copies)", flag="--vote",
+                         group="redundancy")
+    hedge_ms: float = setting(
+        0.0, "a worker waits up to this long before computing copies, skipped if their group "
+             "is answered meanwhile", flag="--hedge-ms", group="redundancy", metavar="MS", ge=0)
+    restart_delay_s: float = setting(0.0, "wait before restarting a dead worker",
+                                     flag="--restart-delay", group="redundancy",
+                                     metavar="SECONDS", ge=0)
+    # -- batching
+    batch_max_rows: int | None = setting(
+        None, "most image rows of each subnet a worker runs as one batch of the requests it "
+              "finds waiting (1: one request at a time; a larger v2 batch still runs whole, "
+              "alone); on GPUs the CUDA graphs are captured up to it; see \"Micro-batching\"",
+        flag="--batch-max-rows", group="batching", metavar="N",
+        default_doc=f"{CPU_BATCH_ROWS} on CPUs, {GPU_BATCH_ROWS} on GPUs and --runtime sim",
+        ge=1)
+    batch_delay_us: float = setting(
+        0.0, "how long a worker may hold a request back waiting for company (0: only what is "
+             "queued already is batched, a request alone never waits)",
+        flag="--batch-delay-us", group="batching", metavar="US", ge=0)
+    # -- limits
+    max_request_rows: int = setting(64, "largest batch a KServe v2 request may carry",
+                                    group="limits", ge=1)
+    max_body_bytes: int = setting(8 << 20, "larger request bodies: 413", group="limits",
+                                  default_doc="8 MiB", ge=1024)
+    max_image_pixels: int | None = setting(
+        None, "width x height limit of an uploaded picture (larger: 413 from its header)",
+        group="limits",
+        default_doc="4,096 x the model's input pixels, between 4 and 25 million", ge=1)
+    max_decoded_bytes: int | None = setting(
+        None, "memory an uploaded picture may take decoded (width x height x bytes per pixel; "
+              "larger: 413)", group="limits",
+        default_doc="4 bytes x the pixel limit (16 MB for a 28x28 model)", ge=1024)
+    max_requests: int = setting(
+        256, "requests in flight (health checks and metrics excepted); beyond: 503 + "
+             "Retry-After at once; at most half of them may be waiting for the rest of a body; "
+             "the kernel holds as many connections before they are accepted", group="limits",
+        ge=1)
+    max_predictions: int = setting(
+        32, "most requests in the predictor at once, the ceiling of its adaptive limit; as "
+            "many more may wait, a place reserved at admission, until a line stands (see "
+            "\"Overload\"); beyond: 503 + Retry-After at admission (several gateway processes "
+            "share the workers: each holds 1/N of it)", group="limits", ge=1)
+    latency_target_s: float | None = setting(
+        None, "from a request's first byte to its answer: the predictor's limit adapts so that "
+              "at most 1 request in 20 takes longer, and a request that waited longer than "
+              "this before it could be admitted is refused; see \"Overload\"", group="limits",
+        default_doc="a quarter of the deadline", gt=0)
+    max_loop_lag_s: float | None = setting(
+        None, "while the event loop runs this late (measured by a 20 ms timer), new requests "
+              "get 503 at once; the lag also counts against every request's deadline",
+        group="limits", default_doc="a quarter of the deadline, at most 0.25 s", gt=0)
+    body_timeout_s: float = setting(10.0, "a request body must arrive within this (408)",
+                                    group="limits", gt=0)
+    max_header_bytes: int = setting(
+        16384, "a request head (request line and headers) over this: 431, connection closed",
+        group="limits", default_doc="16 KiB", ge=1024)
+    head_timeout_s: float = setting(
+        10.0, "a request head must arrive within this of its first byte (or of the "
+              "connection's opening): 408, connection closed", group="limits", gt=0)
+    max_connections: int = setting(
+        1000, "open connections; one more closes the connection that has waited longest "
+              "without a complete request head (with a 503), else the longest idle kept-alive "
+              "one; when every one has a request in progress, the new one gets 503 + "
+              "Retry-After and is closed", group="limits", ge=1)
+    max_connections_per_client: int | None = setting(
+        None, "open connections of one client address; one more gets 503 + Retry-After and is "
+              "closed (behind a proxy every client has the proxy's address)", group="limits",
+        default_doc="no bound but max_connections", ge=1)
+    # -- host tuning
+    keep_cores_awake: str = setting(
+        "off", "host tuning, opt-in: while serving, ask the kernel that idle cores poll "
+               "instead of sleeping deeply (PM QoS, /dev/cpu_dma_latency, root only): off, auto "
+               "(when this process may), on (or refuse to start); see \"Latency\"",
+        flag="--keep-cores-awake", group="host tuning", choices=MODES)
+    spread_cores: bool = setting(
+        False, "host tuning, opt-in (local backend): move a worker thread to another core when "
+               "it ran a request on the core of another worker of that request "
+               "(sched_setaffinity); see \"Latency\"", flag="--spread-cores",
+        group="host tuning")
+    # -- a model repository
+    model_control: str = setting(
+        "none", "a model repository's API (/v2/repository/...): none (off), explicit (index, "
+                "load, unload), poll (index; the files are watched)", flag="--model-control",
+        group="model repository", choices=("none", "explicit", "poll"))
+    version_policy: str = setting(
+        "latest:1", "which versions of each repository model are served: latest[:N], all, "
+                    "specific:V[,V...] (a model's sensai-model.json overrides it)",
+        flag="--version-policy", group="model repository", metavar="POLICY")
+    repository_poll_s: float = setting(
+        15.0, "with --model-control poll: seconds between looks at the repository",
+        flag="--repository-poll", group="model repository", metavar="SECONDS", gt=0)
+    repository_token: str | None = setting(
+        None, "a bearer token (16+ characters) the repository API then asks for; 'sensai "
+              "serve' reads it from the first line of --repository-token-file",
+        group="model repository", default_doc="none: loopback clients only", min_length=16)
 
     @field_validator("keep_cores_awake", mode="before")
     @classmethod
@@ -254,26 +310,25 @@ class GatewaySettings(BaseSettings):
             return workers
         return min(self.device_processes, workers)
 
-    def backlog(self) -> int:
-        return self.listen_backlog if self.listen_backlog is not None else self.max_requests
-
     def hang_timeout(self) -> float:
-        return self.hang_timeout_s or max(10.0, 2 * self.deadline_s)
+        """How long a worker with work in flight may answer nothing before it is ended and
+        restarted: twice a request's deadline (by then every request it holds has failed),
+        at least a few seconds so that a busy host's pause is not taken for a hang."""
+        return max(HANG_FLOOR_S, 2 * self.deadline_s)
 
 
 # What each backend cannot honour, and why: a setting set to anything but its default there is
 # refused before anything starts (Ray, Triton, workers), never ignored.
 ONE_MODEL_PER_SUBNET = ("Triton runs one model per subnet, and this needs workers that host "
                         "several; use the local, processes or ray backend")
-SERVE_ONLY = {"gateway_cpus": "the other backends do not reserve CPUs for a gateway"}
 DEVICE_PROCESSES = {"device_processes": "its workers do not run in device processes; use the "
                                         "local or processes backend"}
 ONE_GATEWAY = {"gateway_replicas": "each gateway process would start workers of its own; use the "
                                    "local or processes backend, or ray-serve"}
 NOT_ON = {
-    "local": SERVE_ONLY, "processes": SERVE_ONLY,
-    "ray": {**SERVE_ONLY, **ONE_GATEWAY, **DEVICE_PROCESSES},
-    "triton": {**SERVE_ONLY, **ONE_GATEWAY, **DEVICE_PROCESSES,
+    "local": {}, "processes": {},
+    "ray": {**ONE_GATEWAY, **DEVICE_PROCESSES},
+    "triton": {**ONE_GATEWAY, **DEVICE_PROCESSES,
                "redundancy": ONE_MODEL_PER_SUBNET, "vote": ONE_MODEL_PER_SUBNET,
                "hedge_ms": ONE_MODEL_PER_SUBNET},
     "ray-serve": {
@@ -281,7 +336,6 @@ NOT_ON = {
         "grpc_port": "the Serve ingress has no gRPC server",
         "spread_cores": "it moves the local backend's worker threads",
         "restart_delay_s": "Serve restarts replicas itself",
-        "hang_timeout_s": "Serve watches and restarts replicas itself",
         "triton_url": "it is the triton backend's",
     },
 }
@@ -313,8 +367,7 @@ def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None =
         refused = refused | PROXY_HELD
     field = settings.first_set(refused)
     if field is not None:
-        scope = ("applies to --backend ray-serve only" if field in SERVE_ONLY
-                 else f"does not apply to --backend {settings.backend}")
+        scope = f"does not apply to --backend {settings.backend}"
         raise SensaiError(f"{setting_name(field, names)} {scope} ({refused[field]})")
 
 
@@ -399,3 +452,40 @@ def read_config(path: str | Path) -> tuple[dict, dict]:
     if not isinstance(artifact, dict):
         raise SensaiError(f"--config {path}: 'artifact' must be an object")
     return dict(settings), artifact
+
+
+def described(field: str) -> dict:
+    """What :func:`setting` declared of ``field`` beside its help: flag, short, group, metavar,
+    default_doc, choices."""
+    return GatewaySettings.model_fields[field].json_schema_extra or {}
+
+
+def default_text(field: str) -> str:
+    """How ``field``'s default reads to a person."""
+    doc = described(field).get("default_doc")
+    if doc:
+        return doc
+    v = GatewaySettings.model_fields[field].default
+    if isinstance(v, bool):
+        return str(v).lower()
+    return "none" if v is None else number(v) if not isinstance(v, str) else v
+
+
+def settings_table() -> str:
+    """deploy/README.md's settings table, made from the declarations (a test keeps the README's
+    copy equal to it; ``python -m sensai.serving.core.settings`` prints it)."""
+    def code(text: str) -> str:
+        return re.sub(r"(?<![\w`-])(--[a-z][a-z0-9-]*)", r"`\1`", text)
+
+    rows = ["| setting (environment variable) | flag of `sensai serve` | default | what |",
+            "|---|---|---|---|"]
+    for field, info in GatewaySettings.model_fields.items():
+        d = described(field)
+        flags = ", ".join(f"`{f}`" for f in (d.get("flag"), d.get("short")) if f)
+        rows.append(f"| `{ENV_PREFIX}{field.upper()}` | {flags} | {default_text(field)} | "
+                    f"{code(info.description or '')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table for deploy/README.md
+    print(settings_table(), end="")

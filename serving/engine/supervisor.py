@@ -10,7 +10,7 @@ closed at shutdown).
   attempts back off exponentially (up to 30 s).  Transports whose workers cannot come back
   (Triton) stay down until their infrastructure is healthy again.
 * **Hang**: a watchdog gives up on a worker that has work in flight but has not answered anything
-  for ``hang_timeout_s`` - it is ended (killed, or abandoned for a thread) and restarted like a
+  for the settings' ``hang_timeout()`` - it is ended (killed, or abandoned for a thread) and restarted like a
   dead one.  A slow but progressing worker is never a hang.
 """
 

@@ -10,7 +10,8 @@ Routes
 * the KServe v2 repository extension (``/v2/repository/...``).
 
 :func:`create_app` only assembles: the prediction routes
-(:mod:`~sensai.serving.gateway.predict_routes`, dispatched by the gateway's middleware itself),
+(:mod:`~sensai.serving.gateway.predict_routes`, always dispatched by the gateway's middleware
+itself),
 the others (:mod:`~.control_routes`, :mod:`~.repository_api`), the middleware that admits, limits
 and measures every request (:mod:`~.middleware`), the one translation of errors into HTTP
 answers (:mod:`~.http_errors`) and what runs beside the requests (:mod:`~.lifespan`).  With
@@ -79,13 +80,11 @@ def create_app(served: Predictor | ServedModels, settings: GatewaySettings | Non
     errors.install(app)
     predictions = PredictRoutes(gw, errors)
     predictions.register(app)
-    app.add_middleware(GatewayMiddleware, gateway=gw,
-                       predictions=predictions if settings.http_fast_path else None)
-    if settings.http_fast_path:
-        # What the HTTP protocol runs for a prediction, past FastAPI's stack: the same
-        # middleware, inside the error middleware FastAPI would have put around it.
-        app.state.lean = LeanRoutes(predictions.match, ServerErrorMiddleware(
-            GatewayMiddleware(app, gw, predictions), handler=errors.handler))
+    app.add_middleware(GatewayMiddleware, gateway=gw, predictions=predictions)
+    # What the HTTP protocol runs for a prediction, past FastAPI's stack: the same middleware,
+    # inside the error middleware FastAPI would have put around it.
+    app.state.lean = LeanRoutes(predictions.match, ServerErrorMiddleware(
+        GatewayMiddleware(app, gw, predictions), handler=errors.handler))
     add_control_routes(app)
     add_repository_routes(app)
     return app

@@ -91,7 +91,7 @@ async def v2_infer(gw: Gateway, mv: ModelVersion, req: oip.InferRequest, deadlin
     answer is encoded (:func:`answered`)."""
     try:
         await read_shared_inputs(gw, req)
-        x = oip.input_batch(req, mv.spec, gw.settings.max_batch)
+        x = oip.input_batch(req, mv.spec, gw.settings.max_request_rows)
         pred = await predict(gw, mv, x, oip.allow_partial(req), deadline, request_id, ticket,
                              clock)
         outputs = oip.infer_outputs(req, pred.scores, mv.spec.classes, pred.covered_classes)
@@ -215,7 +215,7 @@ def v2_model_config(gw: Gateway, mv: ModelVersion) -> dict:
     return {
         "name": mv.name,
         "platform": "sensai",
-        "max_batch_size": gw.settings.max_batch,
+        "max_batch_size": gw.settings.max_request_rows,
         "input": [{"name": oip.INPUT_NAME, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
                    "dims": list(spec.input_shape)}],
         "output": [{"name": "scores", "data_type": "TYPE_FP32", "dims": [spec.num_classes]},

@@ -78,10 +78,10 @@ class BodyLimit:
 
 
 class GatewayMiddleware:
-    """``predictions``: the prediction routes, dispatched here past FastAPI's router (None:
-    FastAPI dispatches them)."""
+    """``predictions``: the prediction routes, dispatched here past FastAPI's router (their
+    one dispatch)."""
 
-    def __init__(self, app, gateway: Gateway, predictions: PredictRoutes | None = None):
+    def __init__(self, app, gateway: Gateway, predictions: PredictRoutes):
         self.app = app
         self.gw = gateway
         self.predictions = predictions
@@ -140,7 +140,7 @@ class GatewayMiddleware:
                         [(b"connection", b"close")])
             return
         receive = BodyLimit(receive, limit, ticket)
-        route = self.predictions.match(scope) if self.predictions is not None else None
+        route = self.predictions.match(scope)
         if route is not None:
             await self.predictions.dispatch(scope, receive, send, *route)
         else:

@@ -51,7 +51,7 @@ class ModelTable:
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics | None = None):
         self.settings = settings
-        self.metrics = metrics or GatewayMetrics(settings.max_batch)  # the gateway's, which serves these models
+        self.metrics = metrics or GatewayMetrics(settings.max_request_rows)  # the gateway's, which serves these models
         self.models: dict[str, dict[str, ModelVersion]] = {}
         self.latest: dict[str, ModelVersion] = {}  # each model's highest ready version
 

@@ -7,9 +7,11 @@ and response-model validation cost more than the rest of the request), and
 :class:`PredictRoutes` dispatches them itself from the gateway's middleware
 (:class:`~.middleware.GatewayMiddleware`), past Starlette's router and exception middleware:
 the same endpoint functions, errors translated by the same rules
-(:class:`~.http_errors.ErrorTranslator`).  They are registered with FastAPI too, which documents
-them and dispatches them where the gateway's own dispatch is off
-(``settings.http_fast_path``)."""
+(:class:`~.http_errors.ErrorTranslator`).  This is their one way in, whichever HTTP server runs
+the app: uvicorn's httptools protocol reaches the middleware on a lean cycle
+(:mod:`~.lean_cycle`), its h11 protocol and Serve's proxy through FastAPI's stack.  They are
+registered with FastAPI too, but only so that its OpenAPI document describes them and the
+metrics name their routes: the middleware answers them before FastAPI's router sees them."""
 
 from __future__ import annotations
 
@@ -46,11 +48,13 @@ INFER = "/v2/models/{model_name}/infer"
 INFER_VERSION = "/v2/models/{model_name}/versions/{version}/infer"
 JSON_TYPE = "application/json"
 MATCHED = "sensai.prediction_route"  # the scope's key for match's answer
+DEFAULT_TOP_K = 5  # classes in an answer whose request names no top_k
 
 
 class PredictQuery(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
-    top_k: int | None = Field(None, ge=1, description="how many classes (at most the model's)")
+    top_k: int | None = Field(None, ge=1, description="how many classes (at most the model's; "
+                                                       f"default {DEFAULT_TOP_K})")
     allow_partial: bool = Field(
         False, description="when some classes have no live subnet copy, answer over the "
                            "others (flagged degraded) instead of 503/504")
@@ -191,7 +195,7 @@ class PredictRoutes:
                 gw.metrics.stats.failure(mv.name, mv.version, clock)
                 raise
         rows = top_k_rows(pred.scores,
-                          query.top_k or min(gw.settings.default_top_k, len(classes)),
+                          query.top_k or min(DEFAULT_TOP_K, len(classes)),
                           classes, pred.covered_classes)
         timings = dict(pred.timings_ms)
         timings["decode"] = round((t1 - t0) * 1e3, 3)
@@ -237,7 +241,7 @@ class PredictRoutes:
         answered(gw, mv, len(pred.scores), pred, clock)
         return Response(content, headers=out_headers, media_type=media)
 
-    # -- FastAPI's view of them (the documentation, and its dispatch when ours is off)
+    # -- FastAPI's view of them (the OpenAPI document, the route names of the metrics)
 
     def register(self, app: FastAPI) -> None:
         """Add the routes to ``app``, first: a request is matched against the routes in

@@ -47,7 +47,7 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
                           access_log=False, timeout_graceful_shutdown=graceful_s,
                           http=http_protocol(limits, gate, count, getattr(state, "lean", None)),
-                          backlog=limits.backlog(),
+                          backlog=limits.max_requests,
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 

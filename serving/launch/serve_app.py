@@ -194,7 +194,8 @@ def build_app(args: dict) -> serve.Application:
         bound.append(SubnetWorker.options(name=wp.name, num_replicas=1,
                                           ray_actor_options=per_worker[w]).bind(
             wp.name, spec_dicts, w, s.keep_cores_awake))
-    gateway_cpus = s.gateway_cpus if s.gateway_cpus is not None else min(1.0, base["num_cpus"])
+    # An ingress replica is one event loop: a core at most, less where a worker gets less.
+    gateway_cpus = min(1.0, base["num_cpus"])
     # The workers are shared: each gateway process admits its part of what they may hold, or
     # N processes would queue N times as much on them.
     s = s.model_copy(update={"max_predictions": -(-s.max_predictions // s.gateway_processes())})

@@ -250,7 +250,7 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
         raise SensaiError(f"unknown instance kind {instance_kind!r}; choose one of "
                           f"{', '.join(INSTANCE_KINDS)}")
     if max_batch_size < 0 or gpus < 0:
-        raise SensaiError("--max-batch and --gpus must be >= 0")
+        raise SensaiError("--max-batch-size and --gpus must be >= 0")
     artifact, out = load_artifact(artifact_dir), Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise SensaiError(f"{out} exists and is not empty (pass --overwrite to replace it)")
