@@ -141,16 +141,17 @@ def recorded_core(log: list, launch_ms: float, overlap: bool, broken: set = froz
                 r.log.append(("launch", r.name, None))
                 raise RuntimeError(f"{r.name} failed")
             r.launch = fail
+        r.overlaps = overlap  # a device whose launch computes (a CPU's) is never overlapped
         runners[g] = r
-    return WorkerCore(runners, batching=Batching(max_rows=1, overlap=overlap))
+    return WorkerCore(runners, batching=Batching(max_rows=1))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_next_batch_is_launched_while_the_device_computes_the_one_in_flight(overlap):
     """Four requests queued, one row of each subnet per batch, on the simulated GPU: with
-    overlap (the default on GPUs) every batch after the first is launched before the batch in
+    overlap (always, on GPUs) every batch after the first is launched before the batch in
     flight is answered, so the host's work for one runs while the device computes the other;
-    without it, one batch at a time.  Either way each request gets exactly its own rows back,
+    on a device whose launch computes, one batch at a time.  Either way each request gets exactly its own rows back,
     and its Done after them."""
     x = rows(4)
     log: list = []
@@ -247,7 +248,6 @@ def test_cpu_runners_are_never_overlapped(tiny_artifact):
     specs = runner_specs(load_artifact(tiny_artifact), device="cpu", runtime="onnx")
     core = WorkerCore({i: s.build() for i, s in enumerate(specs)}, batching=Batching())
     assert core.overlap is False
-    assert WorkerCore(sims(0.0), batching=Batching(overlap=False)).overlap is False
     assert WorkerCore(sims(0.0), batching=Batching()).overlap is True
 
 

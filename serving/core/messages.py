@@ -48,12 +48,11 @@ class Batching:
     """How a worker batches the runs it finds waiting: at most ``max_rows`` image rows in one
     batch (a run with more still goes, alone and whole; 1: no batching), and a lone run may be
     held up to ``delay_us`` for company (0: only what is already queued is batched, nothing ever
-    waits); with ``overlap``, runners that compute apart from the host (a GPU's) get the next
-    batch launched before the previous one is answered."""
+    waits).  Where runners compute apart from the host (a GPU's), the next batch is always
+    launched before the previous one is answered (:class:`~sensai.serving.workers.loop.WorkerCore`)."""
 
     max_rows: int = 8
     delay_us: float = 0.0
-    overlap: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -285,11 +285,6 @@ class GatewaySettings(BaseSettings):
         return {f: getattr(self, f) for f in defaults
                 if f not in SECRETS and getattr(self, f) != defaults[f].default}
 
-    def first_set(self, fields) -> str | None:
-        """The first of ``fields`` set to something other than its default (None: none is)."""
-        defaults = type(self).model_fields
-        return next((f for f in fields if getattr(self, f) != defaults[f].default), None)
-
     def gateway_processes(self, cores: int | None = None) -> int:
         """Gateway processes sharing the port: as set, else chosen from ``cores`` (default:
         the cores this process may run on) where the backend runs its workers in device
@@ -357,6 +352,12 @@ def default_batch_rows(device: str, runtime: str) -> int:
     return GPU_BATCH_ROWS if gpu_like else CPU_BATCH_ROWS
 
 
+def first_set(settings: GatewaySettings, fields) -> str | None:
+    """The first of ``fields`` set to something other than its default (None: none is)."""
+    defaults = GatewaySettings.model_fields
+    return next((f for f in fields if getattr(settings, f) != defaults[f].default), None)
+
+
 def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None = None, *,
                   behind_proxy: bool = False) -> None:
     """One line for the first setting ``settings.backend`` cannot honour that is set
@@ -365,7 +366,7 @@ def check_backend(settings: "GatewaySettings", names: Mapping[str, str] | None =
     refused = NOT_ON[settings.backend]
     if behind_proxy:
         refused = refused | PROXY_HELD
-    field = settings.first_set(refused)
+    field = first_set(settings, refused)
     if field is not None:
         scope = f"does not apply to --backend {settings.backend}"
         raise SensaiError(f"{setting_name(field, names)} {scope} ({refused[field]})")

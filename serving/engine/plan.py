@@ -68,7 +68,7 @@ class ServingPlan:
             first = next((spec for wp in self.workers for spec in wp.specs), None)
             rows = (default_batch_rows(first.device, first.resolved_runtime()) if first
                     else CPU_BATCH_ROWS)
-        object.__setattr__(self, "batching", Batching(rows, s.batch_delay_us, True))
+        object.__setattr__(self, "batching", Batching(rows, s.batch_delay_us))
 
     @property
     def hang_timeout_s(self) -> float | None:

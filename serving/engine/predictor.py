@@ -65,6 +65,100 @@ class _Request:
         self.timed_out = False
 
 
+class Answers:
+    """How a finished request is answered: its decided groups' outputs merged by the rule
+    offline evaluation uses (over the answered groups only, for a partial answer), with its
+    timings and who answered each group; or the error that names the classes left without an
+    answer.  It counts each worker's deciding and outvoted copies, and the degraded answers."""
+
+    def __init__(self, artifact: Artifact, redundancy: int, worker_names: list[str]):
+        manifest = artifact.manifest
+        self.manifest = manifest
+        self.classes = artifact.spec.classes
+        self.redundancy = redundancy
+        self.groups = [list(g) for g in manifest.groups]
+        self.outputs = [s.num_outputs for s in manifest.subnets]
+        self.merge = Merger(self.groups, self.outputs, manifest.num_classes)
+        self.names = [subnet_name(g) for g in range(len(self.groups))]
+        self.compute_keys = ["compute." + n for n in self.names]
+        self.every_group = list(range(len(self.groups)))
+        self.worker_names = worker_names
+        n = len(worker_names)
+        self.answered = [0] * n  # per worker: groups its copy decided
+        self.outvoted = [0] * n
+        self.degraded = 0
+
+    def answer(self, req: _Request, given: float) -> Prediction:
+        dec = req.decoder
+        if dec.complete:  # every request but a degraded or failed one
+            missing, covered, merge = None, self.every_group, self.merge
+        else:
+            missing = dec.undecided()
+            if not (req.allow_partial and dec.decided):
+                self.fail(req, missing, given)
+            covered = sorted(dec.decided)
+            # The same rule over the answered groups: 0 for the classes of the others.
+            merge = merger(tuple(tuple(self.groups[g]) for g in covered),
+                           tuple(self.outputs[g] for g in covered), self.manifest.num_classes)
+        decided = [dec.decided[g] for g in covered]
+        parts = req.parts
+        t2 = time.perf_counter()
+        scores = merge([d.output for d in decided], [parts.get(g) for g in covered])
+        t3 = time.perf_counter()
+        # Unrounded: this runs on every request, after the last subnet answered.
+        names, keys, workers = self.names, self.compute_keys, self.worker_names
+        arrival, compute = req.arrival_ms, req.compute_ms
+        timings, answered_by = {}, {}
+        for g, d in zip(covered, decided):
+            name = names[g]
+            timings[name] = arrival[g]
+            timings[keys[g]] = compute[g]
+            answered_by[name] = workers[d.worker]
+            self.answered[d.worker] += 1
+            for w in d.outvoted:
+                self.outvoted[w] += 1
+        spent = compute.values()
+        timings["compute"] = max(spent)  # the slowest subnet: the floor
+        timings["compute_sum"] = sum(spent)
+        timings["merge"] = (t3 - t2) * 1e3
+        timings["total"] = (t3 - req.t0) * 1e3
+        if not missing:
+            return Prediction(scores, timings, answered_by=answered_by)
+        self.degraded += 1
+        log.warning("request %d answered degraded: no answer for %s", req.id,
+                    self.describe_groups(missing))
+        return Prediction(scores, timings, degraded=True,
+                          covered_classes=sorted(c for g in covered for c in self.groups[g]),
+                          missing_classes=self.class_names(missing), answered_by=answered_by)
+
+    def fail(self, req: _Request, missing: list[int], given: float) -> None:
+        dec = req.decoder
+        if req.timed_out:
+            waiting = sorted({self.worker_names[w] for g in missing for w in dec.waiting_on(g)})
+            raise SubnetTimeout(
+                f"no answer within the {given:.3g} s deadline for classes "
+                f"{self.describe_groups(missing)} (waiting for "
+                f"{', '.join(waiting) or 'no live worker'})",
+                subnet=subnet_name(missing[0]), missing_classes=self.class_names(missing))
+        missing = dec.unreachable() or missing  # name the groups out of reach
+        reasons = sorted({r for g in missing for r in dec.lost_reasons.get(g, [])})
+        raise SubnetFailed(
+            f"no live copy of classes {self.describe_groups(missing)} "
+            f"({'; '.join(reasons) or 'copies lost'}; redundancy {self.redundancy}); "
+            "retry, or allow a partial answer over the other classes",
+            subnet=subnet_name(missing[0]), missing_classes=self.class_names(missing))
+
+    def class_names(self, groups) -> list[str]:
+        names = self.classes
+        return [names[c] for g in sorted(groups) for c in self.groups[g]]
+
+    def describe_groups(self, groups) -> str:
+        names = self.classes
+        return "; ".join(f"{subnet_name(g)}: " + ", ".join(f"{c} ({names[c]})"
+                                                           for c in self.groups[g])
+                         for g in sorted(groups))
+
+
 class ClassParallelPredictor:
     """``artifact``'s subnets on the workers ``plan`` lays out, over ``transport``; blocks until
     every worker is ready.  ``hedge_ms`` (a setting): a worker computes its own groups at once
@@ -91,23 +185,21 @@ class ClassParallelPredictor:
         self.hosts = [list(h) for h in self.placement.hosts]
         self._single_copy = all(len(h) == 1 for h in self.hosts)
         self.need = self.placement.need
-        self._outputs = [s.num_outputs for s in manifest.subnets]
-        self._merge = Merger(self.groups, self._outputs, manifest.num_classes)
-        self._names = [subnet_name(g) for g in range(len(self.groups))]
-        self._compute_keys = ["compute." + n for n in self._names]
-        self._every_group = list(range(len(self.groups)))
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
-        n = len(self.placement.workers)
-        self.answered = [0] * n  # per worker: groups its copy decided
-        self.outvoted = [0] * n
-        self.degraded_answers = 0
         self.pool = WorkerPool(plan, transport, self)
         self.lock = self.pool.lock  # one lock for the workers' records and the requests'
         self.workers = self.pool.workers
-        self._worker_names = [w.name for w in self.workers]
+        self.answers = Answers(artifact, self.placement.redundancy,
+                               [w.name for w in self.workers])
+        # The answers' own lists, which they count into: readable here as before.
+        self.answered, self.outvoted = self.answers.answered, self.answers.outvoted
         self._runs = [(w.groups, self.placement.primaries(w.index)) for w in self.workers]
         self.pool.start()
+
+    @property
+    def degraded_answers(self) -> int:
+        return self.answers.degraded
 
     # -- the request path
 
@@ -157,7 +249,7 @@ class ClassParallelPredictor:
                     busy = self.pool.busy_with(req.id, req.dispatched)
                 for w in busy:
                     w.handle.send(Skip(req.id, None))
-        return self._answer(req, given)
+        return self.answers.answer(req, given)
 
     def _expire(self, req: _Request) -> None:
         with self.lock:
@@ -165,66 +257,6 @@ class ClassParallelPredictor:
                 req.done = True
                 req.timed_out = True
         resolve(req.future)
-
-    def _answer(self, req: _Request, given: float) -> Prediction:
-        dec = req.decoder
-        if dec.complete:  # every request but a degraded or failed one
-            missing, covered, merge = None, self._every_group, self._merge
-        else:
-            missing = dec.undecided()
-            if not (req.allow_partial and dec.decided):
-                self._fail(req, missing, given)
-            covered = sorted(dec.decided)
-            # The same rule over the answered groups: 0 for the classes of the others.
-            merge = merger(tuple(tuple(self.groups[g]) for g in covered),
-                           tuple(self._outputs[g] for g in covered), self.manifest.num_classes)
-        decided = [dec.decided[g] for g in covered]
-        parts = req.parts
-        t2 = time.perf_counter()
-        scores = merge([d.output for d in decided], [parts.get(g) for g in covered])
-        t3 = time.perf_counter()
-        # Unrounded: this runs on every request, after the last subnet answered.
-        names, keys, workers = self._names, self._compute_keys, self._worker_names
-        arrival, compute = req.arrival_ms, req.compute_ms
-        timings, answered_by = {}, {}
-        for g, d in zip(covered, decided):
-            name = names[g]
-            timings[name] = arrival[g]
-            timings[keys[g]] = compute[g]
-            answered_by[name] = workers[d.worker]
-            self.answered[d.worker] += 1
-            for w in d.outvoted:
-                self.outvoted[w] += 1
-        spent = compute.values()
-        timings["compute"] = max(spent)  # the slowest subnet: the floor
-        timings["compute_sum"] = sum(spent)
-        timings["merge"] = (t3 - t2) * 1e3
-        timings["total"] = (t3 - req.t0) * 1e3
-        if not missing:
-            return Prediction(scores, timings, answered_by=answered_by)
-        self.degraded_answers += 1
-        log.warning("request %d answered degraded: no answer for %s", req.id,
-                    self._describe_groups(missing))
-        return Prediction(scores, timings, degraded=True,
-                          covered_classes=sorted(c for g in covered for c in self.groups[g]),
-                          missing_classes=self._class_names(missing), answered_by=answered_by)
-
-    def _fail(self, req: _Request, missing: list[int], given: float) -> None:
-        dec = req.decoder
-        if req.timed_out:
-            waiting = sorted({self.workers[w].name for g in missing for w in dec.waiting_on(g)})
-            raise SubnetTimeout(
-                f"no answer within the {given:.3g} s deadline for classes "
-                f"{self._describe_groups(missing)} (waiting for "
-                f"{', '.join(waiting) or 'no live worker'})",
-                subnet=subnet_name(missing[0]), missing_classes=self._class_names(missing))
-        missing = dec.unreachable() or missing  # name the groups out of reach
-        reasons = sorted({r for g in missing for r in dec.lost_reasons.get(g, [])})
-        raise SubnetFailed(
-            f"no live copy of classes {self._describe_groups(missing)} "
-            f"({'; '.join(reasons) or 'copies lost'}; redundancy {self.placement.redundancy}); "
-            "retry, or allow a partial answer over the other classes",
-            subnet=subnet_name(missing[0]), missing_classes=self._class_names(missing))
 
     # -- what the pool hears from the workers (any thread)
 
@@ -243,9 +275,10 @@ class ClassParallelPredictor:
                 out = event.output
                 if out.ndim == 1:
                     out = out[:, None]
-                if out.shape[-1] != self._outputs[g]:
+                width = self.answers.outputs[g]
+                if out.shape[-1] != width:
                     log.error("%s answered %s with shape %s, expected [B, %d]", w.name,
-                              subnet_name(g), out.shape, self._outputs[g])
+                              subnet_name(g), out.shape, width)
                     dec.lose(w.index, g, f"{w.name} answered a wrong shape")
                 elif dec.add(g, w.index, out):
                     req.arrival_ms[g] = (time.perf_counter() - req.t0) * 1e3
@@ -270,7 +303,7 @@ class ClassParallelPredictor:
             # here, off the request's path; the answer then only combines the shares.  (The last
             # group's is left to the event loop: working it out before waking the loop gains
             # nothing, as nothing else runs then.)
-            req.parts[g] = self._merge.part(share)
+            req.parts[g] = self.answers.merge.part(share)
 
     def lost(self, w: Worker, requests: list[int], reason: str) -> None:
         """``w`` went down: its copies of ``requests`` will not arrive."""
@@ -294,16 +327,6 @@ class ClassParallelPredictor:
         up = self.pool.up()
         return (all(sum(1 for w in h if w in up) >= self.need for h in self.hosts)
                 and self.transport.healthy())
-
-    def _class_names(self, groups) -> list[str]:
-        names = self.spec.classes
-        return [names[c] for g in sorted(groups) for c in self.groups[g]]
-
-    def _describe_groups(self, groups) -> str:
-        names = self.spec.classes
-        return "; ".join(f"{subnet_name(g)}: " + ", ".join(f"{c} ({names[c]})"
-                                                           for c in self.groups[g])
-                         for g in sorted(groups))
 
     def describe(self) -> dict:
         classes = self.spec.classes

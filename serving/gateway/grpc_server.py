@@ -203,25 +203,25 @@ class Call(NamedTuple):
     ticket: Ticket | None
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """The gateway's v2 routes as gRPC methods: admission, deadline, metrics and errors as HTTP
-    has them (``ServerLive``/``ServerReady`` are never turned away, like ``/v2/health/*``)."""
+class Calls:
+    """The gateway's rules around every gRPC call, as around an HTTP request: admission,
+    deadline, metrics, and its failure as the call's status."""
 
     def __init__(self, gw: Gateway):
         self.gw = gw
 
-    async def _serve(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
-                     gated: bool = True, prediction: bool = False) -> Any:
-        """``work(call)`` (see :meth:`_call`), its refusal the call's status."""
+    async def serve(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
+                    gated: bool = True, prediction: bool = False) -> Any:
+        """``work(call)`` (see :meth:`call`), its refusal the call's status."""
         try:
-            return await self._call(method, context, work, gated=gated, prediction=prediction)
+            return await self.call(method, context, work, gated=gated, prediction=prediction)
         except ServingError as exc:
             if exc.status == 500:
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-            await self._abort(context, exc)
+            await self.abort(context, exc)
 
-    async def _call(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
-                    gated: bool = True, prediction: bool = False) -> Any:
+    async def call(self, method: str, context, work: Callable[[Call], Awaitable[Any]], *,
+                   gated: bool = True, prediction: bool = False) -> Any:
         """``work(call)`` as the gateway serves an HTTP request: admitted (``gated``; a
         ``prediction`` takes a place at the predictor) from the moment the call reached this
         servicer (gRPC gives no earlier one), its deadline the gateway's or the client's,
@@ -265,7 +265,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 metrics.errors.labels(route, str(status), reason).inc()
 
     @staticmethod
-    async def _abort(context, exc: ServingError) -> None:
+    async def abort(context, exc: ServingError) -> None:
         trailer = []
         if exc.retry_after is not None:
             trailer.append(("retry-after", f"{max(1, round(exc.retry_after))}"))
@@ -277,28 +277,38 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                          else grpc.StatusCode.UNAVAILABLE)
         await context.abort(code, str(exc))
 
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """The gateway's v2 routes as gRPC methods: admission, deadline, metrics and errors as HTTP
+    has them (:class:`Calls`; ``ServerLive``/``ServerReady`` are never turned away, like
+    ``/v2/health/*``)."""
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+        self.calls = Calls(gw)
+
     # -- health and metadata
 
     async def ServerLive(self, request, context):
         async def work(_):
             return pb.ServerLiveResponse(live=True)
-        return await self._serve("ServerLive", context, work, gated=False)
+        return await self.calls.serve("ServerLive", context, work, gated=False)
 
     async def ServerReady(self, request, context):
         async def work(_):
             return pb.ServerReadyResponse(ready=await asyncio.to_thread(server_ready, self.gw))
-        return await self._serve("ServerReady", context, work, gated=False)
+        return await self.calls.serve("ServerReady", context, work, gated=False)
 
     async def ModelReady(self, request, context):
         async def work(_):
             mv = self.gw.models.route(request.name, request.version or None)
             return pb.ModelReadyResponse(ready=await asyncio.to_thread(version_ready, mv))
-        return await self._serve("ModelReady", context, work)
+        return await self.calls.serve("ModelReady", context, work)
 
     async def ServerMetadata(self, request, context):
         async def work(_):
             return pb.ServerMetadataResponse(**v2_server_metadata(self.gw))
-        return await self._serve("ServerMetadata", context, work)
+        return await self.calls.serve("ServerMetadata", context, work)
 
     async def ModelMetadata(self, request, context):
         async def work(_):
@@ -307,7 +317,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelMetadataResponse(
                 name=m["name"], versions=m["versions"], platform=m["platform"],
                 inputs=_tensor_metadata(m["inputs"]), outputs=_tensor_metadata(m["outputs"]))
-        return await self._serve("ModelMetadata", context, work)
+        return await self.calls.serve("ModelMetadata", context, work)
 
     async def ModelConfig(self, request, context):
         async def work(_):
@@ -315,7 +325,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                                                    request.version or None))
             return pb.ModelConfigResponse(
                 config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
-        return await self._serve("ModelConfig", context, work)
+        return await self.calls.serve("ModelConfig", context, work)
 
     # -- inference
 
@@ -342,8 +352,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return work
 
     async def ModelInfer(self, request, context):
-        return await self._serve("ModelInfer", context, self.infer_work(request),
-                                 prediction=True)
+        return await self.calls.serve("ModelInfer", context, self.infer_work(request),
+                                      prediction=True)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Each request of the stream answered on it as it is done (its id says which); a
@@ -352,8 +362,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(msg: pb.ModelInferRequest) -> None:
             try:
-                resp = await self._call("ModelStreamInfer", context, self.infer_work(msg),
-                                        prediction=True)
+                resp = await self.calls.call("ModelStreamInfer", context,
+                                             self.infer_work(msg), prediction=True)
                 await answers.put(pb.ModelStreamInferResponse(infer_response=resp))
             except ServingError as exc:
                 await answers.put(pb.ModelStreamInferResponse(
@@ -390,7 +400,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 row.pop("class_parallel")  # gRPC's message has no field for it
             return json_format.ParseDict(answer, pb.ModelStatisticsResponse(),
                                          ignore_unknown_fields=True)
-        return await self._serve("ModelStatistics", context, work)
+        return await self.calls.serve("ModelStatistics", context, work)
 
     # -- system shared memory (Triton's extension)
 
@@ -400,20 +410,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.SystemSharedMemoryStatusResponse(regions={
                 r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r)
                 for r in regions})
-        return await self._serve("SystemSharedMemoryStatus", context, work)
+        return await self.calls.serve("SystemSharedMemoryStatus", context, work)
 
     async def SystemSharedMemoryRegister(self, request, context):
         async def work(_):
             self.gw.shared_memory.register(request.name, request.key, request.offset,
                                            request.byte_size, client=peer_host(context))
             return pb.SystemSharedMemoryRegisterResponse()
-        return await self._serve("SystemSharedMemoryRegister", context, work)
+        return await self.calls.serve("SystemSharedMemoryRegister", context, work)
 
     async def SystemSharedMemoryUnregister(self, request, context):
         async def work(_):
             self.gw.shared_memory.unregister(request.name or None)
             return pb.SystemSharedMemoryUnregisterResponse()
-        return await self._serve("SystemSharedMemoryUnregister", context, work)
+        return await self.calls.serve("SystemSharedMemoryUnregister", context, work)
 
     # No CUDA region can be registered (CudaSharedMemoryRegister is UNIMPLEMENTED), so these
     # have nothing to list or let go: clients that clean up every kind of region (perf_analyzer
@@ -423,12 +433,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if request.name:
                 raise InputError(f"unknown CUDA shared memory region {request.name!r}")
             return pb.CudaSharedMemoryStatusResponse()
-        return await self._serve("CudaSharedMemoryStatus", context, work)
+        return await self.calls.serve("CudaSharedMemoryStatus", context, work)
 
     async def CudaSharedMemoryUnregister(self, request, context):
         async def work(_):
             return pb.CudaSharedMemoryUnregisterResponse()
-        return await self._serve("CudaSharedMemoryUnregister", context, work)
+        return await self.calls.serve("CudaSharedMemoryUnregister", context, work)
 
     # -- the model repository (KServe v2 repository extension, as Triton's)
 
@@ -443,7 +453,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             rows = self.gw.models.index(ready_only=request.ready)
             return pb.RepositoryIndexResponse(models=[
                 pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
-        return await self._serve("RepositoryIndex", context, work, gated=False)
+        return await self.calls.serve("RepositoryIndex", context, work, gated=False)
 
     async def RepositoryModelLoad(self, request, context):
         async def work(_):
@@ -453,14 +463,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                  "the repository")
             await self.gw.models.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
-        return await self._serve("RepositoryModelLoad", context, work, gated=False)
+        return await self.calls.serve("RepositoryModelLoad", context, work, gated=False)
 
     async def RepositoryModelUnload(self, request, context):
         async def work(_):
             self._check_access(context, changes=True)
             await self.gw.models.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-        return await self._serve("RepositoryModelUnload", context, work, gated=False)
+        return await self.calls.serve("RepositoryModelUnload", context, work, gated=False)
 
 
 def unimplemented(method: str):

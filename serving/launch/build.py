@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from sensai.artifact import load_artifact
+from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
 from sensai.optional import require
 from sensai.raycluster import alive_nodes, cluster_resources, connect
@@ -75,16 +75,29 @@ def build_predictor(artifact_dir: str | Path, settings: GatewaySettings | None =
             transport.close()
             raise
     if s.backend == "triton":
-        from ..transports.triton import Triton
+        return triton_predictor(artifact, s, seed=seed)
+    return ray_predictor(artifact, s, faults=faults, seed=seed, ray_share=ray_share)
 
-        if not s.triton_url:
-            raise SensaiError("the triton backend needs the URL of a Triton server "
-                              "(--triton-url host:port)")
-        specs = subnet_specs(artifact, s, device="cpu", runtime="onnx")
-        plan = class_parallel_plan(artifact, s, specs=specs, own_devices=False, seed=seed)
-        models = [triton_model_name(g) for g in range(len(specs))]
-        return ClassParallelPredictor(artifact, plan,
-                                      Triton(s.triton_url, models, timeout_s=s.deadline_s))
+
+def triton_predictor(artifact: Artifact, s: GatewaySettings, *,
+                     seed: int) -> ClassParallelPredictor:
+    """The predictor over the Triton server at ``s.triton_url``, which serves the subnets."""
+    from ..transports.triton import Triton
+
+    if not s.triton_url:
+        raise SensaiError("the triton backend needs the URL of a Triton server "
+                          "(--triton-url host:port)")
+    specs = subnet_specs(artifact, s, device="cpu", runtime="onnx")
+    plan = class_parallel_plan(artifact, s, specs=specs, own_devices=False, seed=seed)
+    models = [triton_model_name(g) for g in range(len(specs))]
+    return ClassParallelPredictor(artifact, plan,
+                                  Triton(s.triton_url, models, timeout_s=s.deadline_s))
+
+
+def ray_predictor(artifact: Artifact, s: GatewaySettings, *, faults: Faults | None, seed: int,
+                  ray_share: float) -> ClassParallelPredictor:
+    """The predictor over Ray actors on the cluster at ``s.ray_address`` (see
+    :func:`build_predictor` for ``ray_share``)."""
     # The device is chosen inside each actor (the GPU Ray gives it, else CPU); the CPU specs
     # check the files now.
     specs = subnet_specs(artifact, s, device="cpu")

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,30 +37,129 @@ log = logging.getLogger(__name__)
 
 DIAL_RETRY_S = 0.05
 READY_TIMEOUT_S = 30.0
+# The answers go through the link, not straight to the sink: only the link knows whether the
+# worker's incarnation that sent a request still runs over it.
+Deliver = Callable[["DeviceWorker", object], None]
+
+
+class InFlight:
+    """The requests in flight on one device process, by wire id: each one's worker, request and
+    slot, so that the device's answers find their requests; and the runs framed but not sent
+    yet.  Changed under ``lock`` (the link's: a run's frame is made and sent under it); the
+    answers' reader looks a wire up without it, as an answer whose request is gone is dropped
+    either way."""
+
+    def __init__(self, slots: int, row_shape: tuple[int, ...], lock: threading.Lock):
+        self.slots = w.Slots(slots, 1, row_shape)
+        self.lock = lock
+        self.pending: dict[int, tuple[DeviceWorker, int, int]] = {}  # wire -> handle, req, slot
+        self.wires: dict[tuple[int, int], int] = {}  # (worker, req) -> wire
+        self.ids = itertools.count(1)
+        self.outbox: list[bytes] = []  # runs held until their request's runs are all out
+
+    def forget(self) -> None:
+        """The connection is over: no request is in flight on it, every slot is free (call
+        holding ``lock``)."""
+        self.pending.clear()
+        self.wires.clear()
+        self.outbox = []
+        self.slots.free = list(range(self.slots.count - 1, -1, -1))
+
+    def run_frame(self, handle: "DeviceWorker", run: Run) -> bytes:
+        """``run`` as a frame, its rows in a free slot when they fit one (call holding
+        ``lock``)."""
+        wire = next(self.ids)
+        x, slots = run.x, self.slots
+        head = (wire, -1, len(x), run.hedge_s, run.primaries, len(run.groups))
+        if slots.free and slots.fits(x):
+            slot = slots.free.pop()
+            slots.put(slot, x)
+            data = w.frame(w.RUN, w.RUN_HEAD.pack(wire, slot, *head[2:]),
+                           w.groups_bytes(run.groups))
+        else:
+            slot = -1
+            data = w.frame(w.RUN, w.RUN_HEAD.pack(*head), w.groups_bytes(run.groups),
+                           w.array_bytes(np.asarray(x)))
+        self.pending[wire] = (handle, run.req, slot)
+        self.wires[(handle.index, run.req)] = wire
+        return data
+
+    def skip_frame(self, handle: "DeviceWorker", msg: Skip) -> bytes | None:
+        """``msg`` as a frame; None when its request is not in flight here (call holding
+        ``lock``)."""
+        wire = self.wires.get((handle.index, msg.req))
+        if wire is None:
+            return None
+        groups = () if msg.groups is None else msg.groups
+        return w.frame(w.SKIP, w.SKIP_HEAD.pack(
+            wire, w.EVERY if msg.groups is None else len(groups)), w.groups_bytes(groups))
+
+    def outputs(self, body: memoryview, deliver: Deliver) -> None:
+        """An OUTPUTS frame: each request's rows of one group."""
+        group, ms, wires, sizes, out = w.parse_outputs(body)
+        out = np.array(out)  # the frame's bytes are read-only; one copy for all requests
+        pending = self.pending
+        if len(wires) == 1:
+            to = pending.get(int(wires[0]))
+            if to is not None:
+                deliver(to[0], Output(to[1], group, out, ms))
+            return
+        at = 0
+        for wire, n in zip(wires.tolist(), sizes.tolist()):
+            to = pending.get(wire)
+            if to is not None:
+                deliver(to[0], Output(to[1], group, out[at:at + n], ms))
+            at += n
+
+    def dones(self, body: memoryview, deliver: Deliver) -> None:
+        """A DONES frame: its requests are no longer in flight, their slots free again."""
+        wires, skipped, counts = w.parse_dones(body)
+        ended = []
+        with self.lock:
+            pending, free = self.pending, self.slots.free
+            for wire, n in zip(wires.tolist(), skipped.tolist()):
+                to = pending.pop(wire, None)
+                if to is not None:
+                    self.wires.pop((to[0].index, to[1]), None)
+                    if to[2] >= 0:
+                        free.append(to[2])
+                    ended.append((to[0], to[1], n))
+        made: dict[int, BatchCounts | None] = {}
+        for handle, req, n in ended:
+            first = handle.groups[0] if handle.groups else -1
+            if first not in made:
+                c = counts.get(first)
+                made[first] = BatchCounts(*c) if c is not None else None
+            deliver(handle, Done(req, n, made[first]))
+
+    def failed(self, body: memoryview, deliver: Deliver) -> None:
+        """A FAILED frame: one group of one request failed."""
+        wire, group = w.FAILED_HEAD.unpack_from(body)
+        to = self.pending.get(wire)
+        if to is not None:
+            deliver(to[0], RunFailed(to[1], group,
+                                     bytes(body[w.FAILED_HEAD.size:]).decode(errors="replace")))
 
 
 class DeviceLink:
     """This gateway's connection to one device process, shared by the workers it hosts: the
-    slots, the requests in flight on it (by wire id), and the incarnations of the workers that
-    wait on it or run over it."""
+    connection itself (dialed, read on the gateway's loop, written under ``lock``), the requests
+    in flight on it (:class:`InFlight`), and the incarnations of the workers that wait on it or
+    run over it."""
 
     def __init__(self, address: str, *, slots: int, row_shape: tuple[int, ...],
                  loop: asyncio.AbstractEventLoop):
         self.address = address
         self.loop = loop  # where the answers are read
         self.frames = w.FrameReader()
-        self.slots = w.Slots(slots, 1, row_shape)
         self.lock = threading.Lock()  # the connection, the maps, the slots, a frame's send
+        self.inflight = InFlight(slots, row_shape, self.lock)
         self.sock: socket.socket | None = None
         self.info: dict | None = None  # the device's READY
         self.attached: dict[int, tuple[DeviceWorker, Incarnation]] = {}
-        self.pending: dict[int, tuple[DeviceWorker, int, int]] = {}  # wire -> handle, req, slot
-        self.wires: dict[tuple[int, int], int] = {}  # (worker, req) -> wire
-        self.ids = itertools.count(1)
         self.pongs: dict[int, threading.Event] = {}
         self.dialing = False
         self.closed = False
-        self.outbox: list[bytes] = []  # runs held until their request's runs are all out
 
     # -- connection
 
@@ -87,12 +186,13 @@ class DeviceLink:
     def dial(self, timeout: float) -> None:
         deadline, why = time.monotonic() + timeout, "no device process answered"
         sock = None
+        slots = self.inflight.slots
         while not self.closed and time.monotonic() < deadline:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.address)
-                hello = w.control(w.HELLO, self.slots.describe())
-                socket.send_fds(sock, [hello], [self.slots.fd])
+                hello = w.control(w.HELLO, slots.describe())
+                socket.send_fds(sock, [hello], [slots.fd])
                 sock.settimeout(READY_TIMEOUT_S)
                 info = self.await_ready(sock)
                 sock.settimeout(None)
@@ -162,10 +262,7 @@ class DeviceLink:
             if self.sock is sock:
                 self.sock = None
             lost, self.attached = list(self.attached.values()), {}
-            self.pending.clear()
-            self.wires.clear()
-            self.outbox = []
-            self.slots.free = list(range(self.slots.count - 1, -1, -1))
+            self.inflight.forget()
             self.frames = w.FrameReader()
         sock.close()
         for handle, inc in lost:
@@ -176,46 +273,11 @@ class DeviceLink:
 
     def handle(self, kind: int, body: memoryview) -> None:
         if kind == w.OUTPUTS:
-            group, ms, wires, sizes, out = w.parse_outputs(body)
-            out = np.array(out)  # the frame's bytes are read-only; one copy for all requests
-            pending = self.pending
-            if len(wires) == 1:
-                to = pending.get(int(wires[0]))
-                if to is not None:
-                    self.deliver(to[0], Output(to[1], group, out, ms))
-                return
-            at = 0
-            for wire, n in zip(wires.tolist(), sizes.tolist()):
-                to = pending.get(wire)
-                if to is not None:
-                    self.deliver(to[0], Output(to[1], group, out[at:at + n], ms))
-                at += n
+            self.inflight.outputs(body, self.deliver)
         elif kind == w.DONES:
-            wires, skipped, counts = w.parse_dones(body)
-            ended = []
-            with self.lock:
-                pending, free = self.pending, self.slots.free
-                for wire, n in zip(wires.tolist(), skipped.tolist()):
-                    to = pending.pop(wire, None)
-                    if to is not None:
-                        self.wires.pop((to[0].index, to[1]), None)
-                        if to[2] >= 0:
-                            free.append(to[2])
-                        ended.append((to[0], to[1], n))
-            made: dict[int, BatchCounts | None] = {}
-            for handle, req, n in ended:
-                first = handle.groups[0] if handle.groups else -1
-                if first not in made:
-                    c = counts.get(first)
-                    made[first] = BatchCounts(*c) if c is not None else None
-                self.deliver(handle, Done(req, n, made[first]))
+            self.inflight.dones(body, self.deliver)
         elif kind == w.FAILED:
-            wire, group = w.FAILED_HEAD.unpack_from(body)
-            to = self.pending.get(wire)
-            if to is not None:
-                self.deliver(to[0], RunFailed(to[1], group,
-                                              bytes(body[w.FAILED_HEAD.size:]).decode(
-                                                  errors="replace")))
+            self.inflight.failed(body, self.deliver)
         elif kind == w.PONG:
             answered = self.pongs.get(w.TOKEN.unpack_from(body)[0])
             if answered is not None:
@@ -234,27 +296,25 @@ class DeviceLink:
         """``msg`` to the device process: a Run waits in the outbox for :meth:`push` (the
         request's other runs join it), anything else leaves at once, after the outbox."""
         kind = type(msg)
+        inflight = self.inflight
         with self.lock:
             sock = self.sock
             if sock is None or handle.index not in self.attached:
                 return  # down: the pool has been or will be told
             if kind is Run:
-                self.outbox.append(self.run_frame(handle, msg))
+                inflight.outbox.append(inflight.run_frame(handle, msg))
                 return
             if kind is Skip:
-                wire = self.wires.get((handle.index, msg.req))
-                if wire is None:
+                data = inflight.skip_frame(handle, msg)
+                if data is None:
                     return
-                groups = () if msg.groups is None else msg.groups
-                data = w.frame(w.SKIP, w.SKIP_HEAD.pack(
-                    wire, w.EVERY if msg.groups is None else len(groups)), w.groups_bytes(groups))
             elif kind is Fault:
                 data = w.control(w.FAULT, {"delay": None if msg.delay is None else str(msg.delay),
                                            "corrupt": bool(msg.corrupt), "seed": msg.seed})
             else:
                 raise TypeError(f"a {kind.__name__} for a device process")
-            if self.outbox:
-                data, self.outbox = b"".join((*self.outbox, data)), []
+            if inflight.outbox:
+                data, inflight.outbox = b"".join((*inflight.outbox, data)), []
             try:
                 sock.sendall(data)
             except OSError:
@@ -262,10 +322,11 @@ class DeviceLink:
 
     def push(self) -> None:
         """Send the runs held in the outbox, in one write."""
+        inflight = self.inflight
         with self.lock:
-            if not self.outbox:
+            if not inflight.outbox:
                 return
-            data, self.outbox = b"".join(self.outbox), []
+            data, inflight.outbox = b"".join(inflight.outbox), []
             sock = self.sock
             if sock is None:
                 return
@@ -273,25 +334,6 @@ class DeviceLink:
                 sock.sendall(data)
             except OSError:
                 pass  # the reader sees the end and reports it
-
-    def run_frame(self, handle: "DeviceWorker", run: Run) -> bytes:
-        """``run`` as a frame, its rows in a free slot when they fit one (call holding
-        ``lock``)."""
-        wire = next(self.ids)
-        x, slots = run.x, self.slots
-        head = (wire, -1, len(x), run.hedge_s, run.primaries, len(run.groups))
-        if slots.free and slots.fits(x):
-            slot = slots.free.pop()
-            slots.put(slot, x)
-            data = w.frame(w.RUN, w.RUN_HEAD.pack(wire, slot, *head[2:]),
-                           w.groups_bytes(run.groups))
-        else:
-            slot = -1
-            data = w.frame(w.RUN, w.RUN_HEAD.pack(*head), w.groups_bytes(run.groups),
-                           w.array_bytes(np.asarray(x)))
-        self.pending[wire] = (handle, run.req, slot)
-        self.wires[(handle.index, run.req)] = wire
-        return data
 
     def ping(self, timeout: float) -> bool:
         token = next(TOKENS)
@@ -424,7 +466,7 @@ class Devices:
     def flush(self) -> None:
         self.flushing = False
         for link in self.links.values():
-            if link.outbox:
+            if link.inflight.outbox:
                 link.push()
 
     def healthy(self) -> bool:

@@ -15,7 +15,7 @@ per-request events split them (:func:`~sensai.serving.core.messages.each`).  Whi
 computes one batch, the next gathers on the queue, so batches grow with the load by themselves;
 and where the device computes apart from the host (GPUs, the sim runtime), the next batch is
 launched before the one in flight is answered, so the host's work overlaps the device's
-(``Batching.overlap``, see :meth:`WorkerCore.serve`).
+(where the runners' devices compute apart from the host, see :meth:`WorkerCore.serve`).
 A batch costs the device one call where its requests one by one cost one each (and a small
 CNN's call is mostly overhead), so batching lifts what a worker answers per second exactly
 when requests queue.
@@ -84,37 +84,18 @@ def per_request(emit: Callable[[object], None]) -> Callable[[object], None]:
     return split
 
 
-class WorkerCore:
-    """The loop of one worker over its device (:class:`~.device_runner.DeviceRunner`, or a
-    mapping of group -> runner, computed one after the other)."""
+class Control:
+    """What any thread may change about a worker's requests, under the one condition variable
+    that every wait of the loop sleeps on (delay, hedge, company): the injected faults, the
+    skips, each request's hedge deadline, and the worker's end."""
 
-    def __init__(self, runners: DeviceRunner | Mapping[int, Runner], *,
-                 delay: DelaySpec | None = None,
-                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
-                 origin: Callable[[int], int] | None = None,
-                 flush: Callable[[], None] | None = None):
-        self.device = as_device(runners)
-        self.groups = frozenset(self.device.groups)
-        self.origin = origin  # request -> who sent it, where several do (a device process)
-        # Called once the own groups' events, and once a batch's Dones, are all emitted: where
-        # emit only queues (a device process), that is when they leave, together.
-        self.flush = flush or (lambda: None)
+    def __init__(self, delay: DelaySpec | None, corrupt: bool, seed: int):
         self.delay, self.corrupt = delay, bool(corrupt)
-        self.batching = batching or Batching()
-        # Overlap a batch's answers with the next batch's device time: only where a launch
-        # returns before its device is done (a CPU runner computes as it launches, so the next
-        # batch would only delay this one's answers).
-        self.overlap = self.batching.overlap and self.device.overlaps
-        self.counts = BatchCounts()  # the loop's batches of runs
-        self.group_counts = {g: BatchCounts() for g in self.device.groups}  # each subnet's
-        self.calls = 0  # the device's calls (each computes every group it is asked for)
         self.rng = random.Random(seed)
         self.cv = threading.Condition()
         self.skips: OrderedDict[int, set[int] | str] = OrderedDict()
         self.hedge_until: dict[int, float] = {}
         self.closing = False
-
-    # -- control (any thread)
 
     def fault(self, f: Fault) -> None:
         with self.cv:
@@ -148,8 +129,6 @@ class WorkerCore:
         s = self.skips.get(req)
         return s is not None and (s is EVERY or group in s)
 
-    # -- one request
-
     def begin(self, req: int) -> None:
         """The injected delay of this request, if any (cut short when the request is dropped;
         an injected hang only ends with the worker)."""
@@ -173,18 +152,87 @@ class WorkerCore:
             self.cv.wait_for(lambda: all(self.skipped(r, g) for r, g, _ in waits),
                              timeout=max(0.0, until - time.perf_counter()))
 
-    def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
-                hedge_s: float = 0.0) -> Output | RunFailed | None:
-        """Group ``group`` of request ``req`` alone: its output, a failure, or None when
-        skipped."""
-        if copy and hedge_s > 0:
-            self.hedge(((req, group, hedge_s),))
-        # Without a hedge wait no lock: the skip may land an instant later either way, and
-        # right after a wake-up every lock taken on the request's path costs (cold caches).
-        if self.skipped(req, group):
-            return None
-        event = self.alone((group,), req, x)[0]
-        return event if type(event) is RunFailed else Output(req, group, event.out, event.ms)
+    def end(self, req: int) -> None:
+        if req not in self.skips and req not in self.hedge_until:
+            return  # the usual case; a Skip arriving after this check ages out of MEMORY
+        with self.cv:
+            self.skips.pop(req, None)
+            self.hedge_until.pop(req, None)
+
+
+def tasks(batch: Sequence[Run]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """A batch's work, each group -> its runs' places in ``batch``: the worker's own groups
+    (and the copies, unless some run hedges them), and the copies of other workers' groups."""
+    own: dict[int, list[int]] = {}
+    copies: dict[int, list[int]] = {}
+    # Copies nobody waits to hedge are computed in the same call as the own groups.
+    hedged = any(m.hedge_s > 0 for m in batch)
+    for i, m in enumerate(batch):
+        groups = m.groups
+        p = m.primaries if hedged else len(groups)
+        for j, g in enumerate(groups):
+            (own if j < p else copies).setdefault(g, []).append(i)
+    return own, copies
+
+
+def gather(first: Run, runs: "queue.SimpleQueue", batching: Batching, control: Control,
+           hold: bool = True) -> tuple[list[Run], int, object]:
+    """``first`` and the runs queued behind it that fit its batch (at most ``max_rows`` rows of
+    any group); how many of them were held back waiting for company (never any without
+    ``hold``: a batch in flight is waiting to be answered); and the message taken that ends the
+    batch (None: none taken)."""
+    most = batching.max_rows
+    delay_us = batching.delay_us if hold else 0.0
+    batch = [first]
+    n = rows(first)
+    if n is None:
+        return batch, 0, None
+    filled = dict.fromkeys(first.groups, n)  # rows per group
+    held, deadline = 0, None
+    while True:
+        if not runs.empty():  # the one reader: what is there stays there
+            msg = runs.get_nowait()
+        elif delay_us <= 0 or min(filled.values()) >= most:
+            break
+        else:
+            now = time.perf_counter()
+            if deadline is None:
+                deadline = now + delay_us / 1e6
+            if now >= deadline or control.closing:
+                break
+            held = len(batch)  # every one of them waits now
+            try:
+                msg = runs.get(timeout=deadline - now)
+            except queue.Empty:
+                break
+        if type(msg) is not Run or getattr(msg.x, "ndim", 0) < 1:
+            return batch, held, msg
+        k, groups = len(msg.x), msg.groups
+        if len(groups) == 1:  # the usual: one group
+            now_filled = filled.get(groups[0], 0) + k
+            if now_filled > most:
+                return batch, held, msg
+            filled[groups[0]] = now_filled
+        else:
+            if any(filled.get(g, 0) + k > most for g in groups):
+                return batch, held, msg
+            for g in groups:
+                filled[g] = filled.get(g, 0) + k
+        batch.append(msg)
+
+    return batch, held, None
+
+
+class DeviceCalls:
+    """The device calls of one worker: each group of a batch computed on the rows of its runs
+    not skipped, and each request's rows (or its failure) emitted once computed; the calls and
+    each subnet's batches counted."""
+
+    def __init__(self, device: DeviceRunner, control: Control):
+        self.device = device
+        self.control = control  # the skips, and whether outputs are corrupted
+        self.calls = 0  # the device's calls (each computes every group it is asked for)
+        self.group_counts = {g: BatchCounts() for g in device.groups}  # each subnet's
 
     def alone(self, groups: Sequence[int], req: int, x: np.ndarray) -> list[Outputs | RunFailed]:
         """Groups ``groups`` of one request, in a device call of their own."""
@@ -208,80 +256,8 @@ class WorkerCore:
         """One request's answer from group ``group``: its rows, or its failure."""
         if error is not None:
             return RunFailed(req, group, f"{type(error).__name__}: {error}")
-        return Outputs(group, (req,), corrupt_output(out) if self.corrupt else out,
+        return Outputs(group, (req,), corrupt_output(out) if self.control.corrupt else out,
                        (len(out) if out.ndim else 1,), ms)
-
-    def end(self, req: int) -> None:
-        if req not in self.skips and req not in self.hedge_until:
-            return  # the usual case; a Skip arriving after this check ages out of MEMORY
-        with self.cv:
-            self.skips.pop(req, None)
-            self.hedge_until.pop(req, None)
-
-    # -- batches of requests
-
-    def run(self, batch: Sequence[Run], emit: Callable[[object], None]) -> None:
-        """All of a batch of runs: its own groups launched together, their outputs (or
-        failures) once computed; then the copies, after their hedge; then the Dones."""
-        if self.delay is not None:
-            for m in batch:
-                self.begin(m.req)
-        own, copies = self.tasks(batch)
-        skipped = [0] * len(batch)
-        self.launch(own, batch, skipped, emit)
-        if copies:
-            self.flush()
-            waits = [(batch[i].req, g, batch[i].hedge_s) for g, idx in copies.items()
-                     for i in idx if batch[i].hedge_s > 0]
-            if waits:
-                self.hedge(waits)
-            self.launch(copies, batch, skipped, emit)
-        self.close(batch, skipped, emit)
-
-    @staticmethod
-    def tasks(batch: Sequence[Run]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-        """A batch's work, each group -> its runs' places in ``batch``: the worker's own groups
-        (and the copies, unless some run hedges them), and the copies of other workers'
-        groups."""
-        own: dict[int, list[int]] = {}
-        copies: dict[int, list[int]] = {}
-        # Copies nobody waits to hedge are computed in the same call as the own groups.
-        hedged = any(m.hedge_s > 0 for m in batch)
-        for i, m in enumerate(batch):
-            groups = m.groups
-            p = m.primaries if hedged else len(groups)
-            for j, g in enumerate(groups):
-                (own if j < p else copies).setdefault(g, []).append(i)
-        return own, copies
-
-    def close(self, batch: Sequence[Run], skipped: list[int],
-              emit: Callable[[object], None]) -> None:
-        """A batch's end: what the worker remembered of its requests let go, its Dones."""
-        if self.skips or self.hedge_until:
-            for m in batch:
-                self.end(m.req)
-        core = self.counts
-        counts = {g: BatchCounts(c.batches, c.requests, c.largest, core.held, core.mixed, c.rows)
-                  for g, c in self.group_counts.items()}
-        emit(Dones([m.req for m in batch], skipped, [m.groups[0] if m.groups else -1
-                                                     for m in batch], counts))
-        self.flush()
-
-    def start(self, batch: Sequence[Run]) -> "Started | None":
-        """Launch a batch's groups and return without waiting for them (see :meth:`serve`):
-        None where it needs the whole of :meth:`run` (injected delays, copies to hedge)."""
-        if self.delay is not None:
-            return None
-        own, copies = self.tasks(batch)
-        if copies:
-            return None
-        skipped = [0] * len(batch)
-        return Started(batch, skipped, self.launches(own, batch, skipped))
-
-    def finish(self, started: "Started", emit: Callable[[object], None]) -> None:
-        """A batch :meth:`start` launched: its outputs once computed, then its Dones."""
-        self.collect(started.launched, emit)
-        self.close(started.batch, started.skipped, emit)
 
     def launch(self, tasks: Mapping[int, list[int]], batch: Sequence[Run], skipped: list[int],
                emit: Callable[[object], None]) -> None:
@@ -295,13 +271,14 @@ class WorkerCore:
         ``skipped``), nothing waited for: one device call for all the groups that the same runs
         need (the usual: every group, every run), one per kind of rows.  Each is (groups, runs,
         launch, start, seconds it took where it computed as it launched)."""
-        some_skipped = self.skips or self.closing
+        control = self.control
+        some_skipped = control.skips or control.closing
         calls: dict[tuple[int, ...], list[int]] = {}  # the runs' places -> their groups
         for g, places in tasks.items():
             if some_skipped:
                 live = []
                 for i in places:
-                    if self.skipped(batch[i].req, g):
+                    if control.skipped(batch[i].req, g):
                         skipped[i] += 1
                     else:
                         live.append(i)
@@ -356,8 +333,8 @@ class WorkerCore:
         total = sum(sizes)
         self.count(g, n, total)
         if error is None and out.ndim >= 1 and len(out) == total:
-            emit(Outputs(g, [m.req for m in runs], corrupt_output(out) if self.corrupt else out,
-                         sizes, ms))
+            emit(Outputs(g, [m.req for m in runs],
+                         corrupt_output(out) if self.control.corrupt else out, sizes, ms))
             return
         for m in runs:
             emit(self.alone((g,), m.req, m.x)[0])
@@ -367,52 +344,144 @@ class WorkerCore:
         self.group_counts[g] = BatchCounts(c.batches + 1, c.requests + requests,
                                            max(c.largest, requests), 0, 0, c.rows + rows)
 
+
+class WorkerCore:
+    """The loop of one worker over its device (:class:`~.device_runner.DeviceRunner`, or a
+    mapping of group -> runner, computed one after the other): batches gathered from its queue
+    (:func:`gather`), their device calls (:class:`DeviceCalls`), and what other threads say
+    about its requests (:class:`Control`)."""
+
+    def __init__(self, runners: DeviceRunner | Mapping[int, Runner], *,
+                 delay: DelaySpec | None = None,
+                 corrupt: bool = False, seed: int = 0, batching: Batching | None = None,
+                 origin: Callable[[int], int] | None = None,
+                 flush: Callable[[], None] | None = None):
+        self.device = as_device(runners)
+        self.groups = frozenset(self.device.groups)
+        self.origin = origin  # request -> who sent it, where several do (a device process)
+        # Called once the own groups' events, and once a batch's Dones, are all emitted: where
+        # emit only queues (a device process), that is when they leave, together.
+        self.flush = flush or (lambda: None)
+        self.control = Control(delay, corrupt, seed)
+        self.device_calls = DeviceCalls(self.device, self.control)
+        self.batching = batching or Batching()
+        # Overlap a batch's answers with the next batch's device time: only where a launch
+        # returns before its device is done (a CPU runner computes as it launches, so the next
+        # batch would only delay this one's answers).
+        self.overlap = self.device.overlaps
+        self.counts = BatchCounts()  # the loop's batches of runs
+
+    @property
+    def calls(self) -> int:
+        """The device's calls (each computes every group it is asked for)."""
+        return self.device_calls.calls
+
+    @property
+    def group_counts(self) -> dict[int, BatchCounts]:
+        """Each subnet's batches."""
+        return self.device_calls.group_counts
+
+    # -- control (any thread): see Control
+
+    def fault(self, f: Fault) -> None:
+        self.control.fault(f)
+
+    def skip(self, s: Skip) -> None:
+        self.control.skip(s)
+
+    def skip_all(self) -> None:
+        self.control.skip_all()
+
+    def skipped(self, req: int, group: int) -> bool:
+        return self.control.skipped(req, group)
+
+    # -- one request
+
+    def begin(self, req: int) -> None:
+        self.control.begin(req)
+
+    def hedge(self, waits: Sequence[tuple[int, int, float]]) -> None:
+        self.control.hedge(waits)
+
+    def end(self, req: int) -> None:
+        self.control.end(req)
+
+    def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
+                hedge_s: float = 0.0) -> Output | RunFailed | None:
+        """Group ``group`` of request ``req`` alone: its output, a failure, or None when
+        skipped."""
+        if copy and hedge_s > 0:
+            self.control.hedge(((req, group, hedge_s),))
+        # Without a hedge wait no lock: the skip may land an instant later either way, and
+        # right after a wake-up every lock taken on the request's path costs (cold caches).
+        if self.control.skipped(req, group):
+            return None
+        event = self.device_calls.alone((group,), req, x)[0]
+        return event if type(event) is RunFailed else Output(req, group, event.out, event.ms)
+
+    # -- batches of requests
+
     def gather(self, first: Run, runs: "queue.SimpleQueue", hold: bool = True
                ) -> tuple[list[Run], int, object]:
-        """``first`` and the runs queued behind it that fit its batch (at most ``max_rows``
-        rows of any group); how many of them were held back waiting for company (never any
-        without ``hold``: a batch in flight is waiting to be answered); and the message taken
-        that ends the batch (None: none taken)."""
-        most = self.batching.max_rows
-        delay_us = self.batching.delay_us if hold else 0.0
-        batch = [first]
-        n = rows(first)
-        if n is None:
-            return batch, 0, None
-        filled = dict.fromkeys(first.groups, n)  # rows per group
-        held, deadline = 0, None
-        while True:
-            if not runs.empty():  # the one reader: what is there stays there
-                msg = runs.get_nowait()
-            elif delay_us <= 0 or min(filled.values()) >= most:
-                break
-            else:
-                now = time.perf_counter()
-                if deadline is None:
-                    deadline = now + delay_us / 1e6
-                if now >= deadline or self.closing:
-                    break
-                held = len(batch)  # every one of them waits now
-                try:
-                    msg = runs.get(timeout=deadline - now)
-                except queue.Empty:
-                    break
-            if type(msg) is not Run or getattr(msg.x, "ndim", 0) < 1:
-                return batch, held, msg
-            k, groups = len(msg.x), msg.groups
-            if len(groups) == 1:  # the usual: one group
-                now_filled = filled.get(groups[0], 0) + k
-                if now_filled > most:
-                    return batch, held, msg
-                filled[groups[0]] = now_filled
-            else:
-                if any(filled.get(g, 0) + k > most for g in groups):
-                    return batch, held, msg
-                for g in groups:
-                    filled[g] = filled.get(g, 0) + k
-            batch.append(msg)
+        """See :func:`gather`, under this worker's batching."""
+        return gather(first, runs, self.batching, self.control, hold)
 
-        return batch, held, None
+    def run(self, batch: Sequence[Run], emit: Callable[[object], None]) -> None:
+        """All of a batch of runs: its own groups launched together, their outputs (or
+        failures) once computed; then the copies, after their hedge; then the Dones."""
+        control, calls = self.control, self.device_calls
+        if control.delay is not None:
+            for m in batch:
+                control.begin(m.req)
+        own, copies = tasks(batch)
+        skipped = [0] * len(batch)
+        calls.launch(own, batch, skipped, emit)
+        if copies:
+            self.flush()
+            waits = [(batch[i].req, g, batch[i].hedge_s) for g, idx in copies.items()
+                     for i in idx if batch[i].hedge_s > 0]
+            if waits:
+                control.hedge(waits)
+            calls.launch(copies, batch, skipped, emit)
+        self.close(batch, skipped, emit)
+
+    def close(self, batch: Sequence[Run], skipped: list[int],
+              emit: Callable[[object], None]) -> None:
+        """A batch's end: what the worker remembered of its requests let go, its Dones."""
+        control = self.control
+        if control.skips or control.hedge_until:
+            for m in batch:
+                control.end(m.req)
+        core = self.counts
+        counts = {g: BatchCounts(c.batches, c.requests, c.largest, core.held, core.mixed, c.rows)
+                  for g, c in self.device_calls.group_counts.items()}
+        emit(Dones([m.req for m in batch], skipped, [m.groups[0] if m.groups else -1
+                                                     for m in batch], counts))
+        self.flush()
+
+    def start(self, batch: Sequence[Run]) -> "Started | None":
+        """Launch a batch's groups and return without waiting for them (see :meth:`serve`):
+        None where it needs the whole of :meth:`run` (injected delays, copies to hedge)."""
+        if self.control.delay is not None:
+            return None
+        own, copies = tasks(batch)
+        if copies:
+            return None
+        skipped = [0] * len(batch)
+        return Started(batch, skipped, self.device_calls.launches(own, batch, skipped))
+
+    def finish(self, started: "Started", emit: Callable[[object], None]) -> None:
+        """A batch :meth:`start` launched: its outputs once computed, then its Dones."""
+        self.device_calls.collect(started.launched, emit)
+        self.close(started.batch, started.skipped, emit)
+
+    def tally(self, batch: Sequence[Run], held: int) -> None:
+        """Count a gathered batch in :attr:`counts`."""
+        n = len(batch)
+        mixed = self.origin is not None and n > 1 and len(
+            {self.origin(m.req) for m in batch}) > 1
+        self.counts = self.counts + BatchCounts(
+            1, n, n, held, int(mixed), sum(rows(m) or 1 for m in batch))
 
     def serve(self, runs: "queue.SimpleQueue", emit: Callable[[object], None],
               alive: Callable[[], bool] = lambda: True) -> None:
@@ -449,12 +518,9 @@ class WorkerCore:
                     return
                 msg.reply()  # a ping: proves the loop is not stuck
                 continue
-            batch, held, ahead = self.gather(msg, runs, hold=pending is None)
-            n = len(batch)
-            mixed = self.origin is not None and n > 1 and len(
-                {self.origin(m.req) for m in batch}) > 1
-            self.counts = self.counts + BatchCounts(
-                1, n, n, held, int(mixed), sum(rows(m) or 1 for m in batch))
+            batch, held, ahead = gather(msg, runs, self.batching, self.control,
+                                        hold=pending is None)
+            self.tally(batch, held)
             started = self.start(batch) if self.overlap else None
             if pending is not None:
                 self.finish(pending, emit)
@@ -465,7 +531,7 @@ class WorkerCore:
 
 class Started:
     """A batch :meth:`WorkerCore.start` launched: its runs, how many of each were skipped, and
-    its launches (see :meth:`WorkerCore.launches`)."""
+    its launches (see :meth:`DeviceCalls.launches`)."""
 
     __slots__ = ("batch", "skipped", "launched")
 
