@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -243,7 +243,7 @@ def _resolve_spec(record: ModelRecord, data_dir: str | None) -> DatasetSpec:
 # Stage 1: grouping
 
 
-def _stage_grouping(layout, model, spec, train, n_groups, cfg, device) -> tuple[list[list[int]], dict, bool]:
+def stage_grouping(layout, model, spec, train, n_groups, cfg, device) -> tuple[list[list[int]], dict, bool]:
     saved = read_json(layout.grouping_json)
     if saved and saved.get("n_groups") == n_groups and saved.get("groups"):
         groups = [[int(c) for c in g] for g in saved["groups"]]
@@ -417,6 +417,39 @@ def evaluate_models(original: nn.Module | None, subnets: list[nn.Module], groups
 # The pipeline
 
 
+@dataclass
+class DecomposeRun:
+    """What every stage of one decomposition reads: the source model and its data, the settings,
+    and where the stages leave their results."""
+
+    layout: Layout
+    stages: Stages
+    config: DecomposeConfig
+    model_dir: Path
+    model: nn.Module
+    record: ModelRecord
+    spec: DatasetSpec
+    n_groups: int
+    device: str  # as asked: "auto" lets Ray choose each retraining task's GPU
+    dev: torch.device
+    trust_code: bool
+    policy: PruningPolicy
+    schedule: list[PruningPolicy]
+    retrain_settings: RetrainSettings
+    workers: int
+    on_ray: bool
+    example: torch.Tensor
+    orig_params: int
+    orig_flops: int
+    train: ImageDataset | None = None
+
+    def train_set(self) -> ImageDataset:
+        # Read on first use: a re-run whose stages are all done never needs it.
+        if self.train is None:
+            self.train = load_split(self.spec, "train")
+        return self.train
+
+
 def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
               config: DecomposeConfig = DecomposeConfig(), device: str = "auto",
               data_dir: str | None = None, workers: int | None = None, use_ray: bool = True,
@@ -448,12 +481,38 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     config = config.validate()
     dev = select_device(str(device))
     if workers is not None and workers < 1:
-        raise SensaiError(f"--workers must be at least 1, got {workers}")
+        raise SensaiError(f"--retrain-jobs must be at least 1, got {workers}")
     if eval_limit is not None and eval_limit < 1:
         raise SensaiError(f"--eval-limit must be at least 1, got {eval_limit}")
     on_ray = (use_ray and retrain_fn is None and config.retrain_epochs > 0
               and ray_or_in_process(ray_address))
-    model_dir = Path(model_dir)
+    run = open_run(Path(model_dir), out_dir, groups, config, device=device, dev=dev,
+                   data_dir=data_dir, workers=workers, on_ray=on_ray, force=force,
+                   trust_code=trust_code, compile_=compile_, capture=capture)
+
+    t0 = time.perf_counter()
+    group_list, grouping_method, did = stage_grouping(run.layout, run.model, run.spec,
+                                                      run.train_set, run.n_groups, config, dev)
+    run.stages.run("grouping", time.perf_counter() - t0, did)
+    binary = all(len(g) == 1 for g in group_list)
+    log.info("groups: %s", "; ".join(",".join(run.spec.classes[c] for c in g) for g in group_list))
+    layers, stats = stage_stats(run, group_list)
+    pruned_meta = stage_prune(run, group_list, layers, stats, binary)
+    stage_retrain(run, group_list, pruned_meta, binary, retrain_fn, ray_address)
+    subnets, export_meta, test = stage_export(run, pruned_meta)
+    evaluation = stage_evaluate(run, subnets, group_list, export_meta, test, eval_limit)
+    write_artifact(run, group_list, grouping_method, len(layers), pruned_meta, export_meta,
+                   evaluation)
+    log.info("decomposition done in %.1f s: %s", time.perf_counter() - t_start, run.layout.root)
+    return load_manifest(run.layout.root)
+
+
+def open_run(model_dir: Path, out_dir: str | Path, groups: int, config: DecomposeConfig, *,
+             device: str, dev: torch.device, data_dir: str | None, workers: int | None,
+             on_ray: bool, force: bool, trust_code: bool, compile_: bool,
+             capture: bool) -> DecomposeRun:
+    """Load the source model, check ``groups`` and its data against it, and take ``out_dir``
+    (refused when it holds a decomposition made with other settings, unless ``force``)."""
     model, record = load_trained_model(model_dir, trust_code=trust_code)
     n_groups = _check_groups(groups, record.num_classes)
     spec = _resolve_spec(record, data_dir)
@@ -471,56 +530,54 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         # most of the time); on CPUs one per core.
         workers = (max(torch.cuda.device_count(), n_groups) if dev.type == "cuda"
                    else usable_cores()) or 1
-    stages = Stages(layout.stages)
-    example = torch.zeros(1, *spec.input_shape)
-    orig_params = count_params(model)
-    orig_flops = count_flops(model, spec.input_shape)
-    train: ImageDataset | None = None
+    return DecomposeRun(
+        layout=layout, stages=Stages(layout.stages), config=config, model_dir=model_dir,
+        model=model, record=record, spec=spec, n_groups=n_groups, device=device, dev=dev,
+        trust_code=trust_code, policy=policy, schedule=schedule,
+        retrain_settings=retrain_settings, workers=workers, on_ray=on_ray,
+        example=torch.zeros(1, *spec.input_shape), orig_params=count_params(model),
+        orig_flops=count_flops(model, spec.input_shape))
 
-    def train_set() -> ImageDataset:
-        nonlocal train
-        if train is None:
-            train = load_split(spec, "train")
-        return train
 
-    # ---- 1. grouping
+def stage_stats(run: DecomposeRun, group_list: list[list[int]]) -> tuple[list, dict[int, dict]]:
+    """The prunable layers, and their activation statistics on each group's own training images."""
     t0 = time.perf_counter()
-    group_list, grouping_method, did = _stage_grouping(layout, model, spec, train_set, n_groups,
-                                                       config, dev)
-    stages.run("grouping", time.perf_counter() - t0, did)
-    binary = all(len(g) == 1 for g in group_list)
-    log.info("groups: %s", "; ".join(",".join(spec.classes[c] for c in g) for g in group_list))
-
-    # ---- 2. activation statistics on each group's own training images
-    t0 = time.perf_counter()
-    layers = find_prunable(model, example, residual=config.prune_residual)
+    config = run.config
+    layers = find_prunable(run.model, run.example, residual=config.prune_residual)
     if not layers:
-        raise SensaiError(f"{record.model} has no prunable conv -> ReLU layers")
+        raise SensaiError(f"{run.record.model} has no prunable conv -> ReLU layers")
     relus = sorted({r for layer in layers for r in layer.relus})
     stats: dict[int, dict] = {}
     did = False
     for g, classes in enumerate(tqdm(group_list, desc="stats: groups", unit="group")):
-        s = _load_stats(layout.stats(g))
+        s = _load_stats(run.layout.stats(g))
         if s is None or set(s) != set(relus):
-            idx = _group_indices(train_set().labels, classes, config.stats_per_class, config.seed)
-            s = collect_stats(model, train_set(), spec, dev, idx, config.zero_threshold, relus,
-                              progress=f"stats group {g:02d}")
-            _save_stats(layout.stats(g), s)
+            idx = _group_indices(run.train_set().labels, classes, config.stats_per_class,
+                                 config.seed)
+            s = collect_stats(run.model, run.train_set(), run.spec, run.dev, idx,
+                              config.zero_threshold, relus, progress=f"stats group {g:02d}")
+            _save_stats(run.layout.stats(g), s)
             did = True
         stats[g] = s
-    stages.run("stats", time.perf_counter() - t0, did)
+    run.stages.run("stats", time.perf_counter() - t0, did)
+    return layers, stats
 
-    # ---- 3. pruning + new heads
+
+def stage_prune(run: DecomposeRun, group_list: list[list[int]], layers: list,
+                stats: dict[int, dict], binary: bool) -> dict[int, dict]:
+    """Per group, the pruned subnet with its new head; returns each one's record."""
     t0 = time.perf_counter()
+    layout, spec = run.layout, run.spec
     did = False
     pruned_meta: dict[int, dict] = {}
     for g, classes in enumerate(tqdm(group_list, desc="prune: subnets", unit="subnet")):
         meta = read_json(layout.pruned_meta(g))
         if not (meta and meta.get("classes") == classes and meta.get("stats_sha256") ==
-                sha256_file(layout.stats(g)) and file_ok(layout.pruned(g), meta.get("weights_sha256"))):
-            pruned, keep = prune_to_policy(copy.deepcopy(model), layers, stats[g], schedule[0],
-                                           example)
-            sub = make_head(pruned, classes, binary=binary, seed=config.seed + g)
+                sha256_file(layout.stats(g)) and
+                file_ok(layout.pruned(g), meta.get("weights_sha256"))):
+            pruned, keep = prune_to_policy(copy.deepcopy(run.model), layers, stats[g],
+                                           run.schedule[0], run.example)
+            sub = make_head(pruned, classes, binary=binary, seed=run.config.seed + g)
             sha = save_weights(layout.pruned(g), sub)
             meta = {"classes": classes, "head": "binary" if binary else "group",
                     "num_outputs": 1 if binary else len(classes) + 1, "weights_sha256": sha,
@@ -531,108 +588,162 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             write_json_atomic(layout.pruned_meta(g), meta)
             did = True
         pruned_meta[g] = meta
-    stages.run("prune", time.perf_counter() - t0, did)
+    run.stages.run("prune", time.perf_counter() - t0, did)
+    return pruned_meta
 
-    # ---- 4. retraining, each subnet saved as soon as it is back
-    t0 = time.perf_counter()
-    todo = []
-    for g in range(n_groups):
+
+@dataclass
+class Retraining:
+    """The retraining stage's state: the subnets still to retrain, what each trains on, and the
+    ones that failed."""
+
+    run: DecomposeRun
+    group_list: list[list[int]]
+    pruned_meta: dict[int, dict]
+    binary: bool
+    todo: list[int]
+    plans: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    teacher: np.ndarray | None = None
+    failures: dict[int, str] = field(default_factory=dict)
+
+    def plan(self) -> None:
+        """Each subnet's balanced plan, and the original's logits on the images the plans use
+        when they are distilled from."""
+        run, config = self.run, self.run.config
+        confusion = None
+        if self.todo and config.retrain_epochs > 0 and config.hard_negatives > 0:
+            # Hard negatives are picked by the original model's beliefs about a stratified pool
+            # of training images as large as one subnet's epoch (all of them for the default
+            # budgets), so asking the teacher costs no more than one subnet's retraining pass.
+            pool = stratified_subset(run.train_set().labels, run.retrain_settings.samples,
+                                     config.seed)
+            confusion = _softmax(self.teacher_logits(pool))  # NaN rows (not in the pool) stay NaN
+        self.plans = {g: retrain_plan(run.train_set().labels, self.group_list[g],
+                                      run.retrain_settings, binary=self.binary, subnet_seed=g,
+                                      confusion=None if confusion is None else
+                                      confusion[:, self.group_list[g]].sum(axis=1))
+                      for g in self.todo} if config.retrain_epochs > 0 else {}
+        if self.plans and config.distill > 0:
+            # The hard-negative pool need not cover every positive, so fill in what the plans use.
+            needed = np.unique(np.concatenate([idx for idx, _ in self.plans.values()]))
+            self.teacher = self.teacher_logits(needed)
+
+    def teacher_logits(self, needed: np.ndarray) -> np.ndarray:
+        run = self.run
+        return _teacher_logits(run.layout, run.model, run.train_set(), run.spec, run.dev, needed)
+
+    def later_steps(self) -> dict:
+        """What an iterative schedule's retraining job needs to prune further on its own."""
+        run, config = self.run, self.run.config
+        if len(run.schedule) == 1:
+            return {}
+        return {"schedule": [p.to_dict() for p in run.schedule[1:]],
+                "prune": {"reference": [run.orig_params, run.orig_flops],
+                          "residual": config.prune_residual,
+                          "zero_threshold": config.zero_threshold,
+                          "stats_images": config.stats_per_class * max(len(c) for c in
+                                                                       self.group_list)}}
+
+    def jobs(self) -> Iterator[dict]:
+        run, later_steps = self.run, self.later_steps()
+        for g in self.todo:
+            state = load_weights(run.layout.pruned(g), self.pruned_meta[g]["weights_sha256"])
+            idx, targets = self.plans.pop(g)
+            uniq, positions = np.unique(idx, return_inverse=True)
+            soft = (soft_targets(self.teacher[uniq], self.group_list[g], binary=self.binary,
+                                 temperature=run.config.distill_temperature)
+                    if self.teacher is not None else None)
+            yield {"index": g, "soft": soft, "arch": run.record.model,
+                   "num_outputs": self.pruned_meta[g]["num_outputs"],
+                   "in_channels": run.record.in_channels, "state": state,
+                   "trust_code": run.trust_code,
+                   "images": _gather(run.train_set(), uniq),
+                   "positions": positions.astype(np.int64),
+                   "targets": targets, "spec": run.spec.to_dict(),
+                   "settings": run.retrain_settings.to_dict(), "binary": self.binary, **later_steps}
+
+    def on_done(self, g: int, state: dict, metrics: dict) -> None:
+        run = self.run
+        sub = build_from_weights(run.record.model, self.pruned_meta[g]["num_outputs"],
+                                 run.record.in_channels, state, f"retrained subnet {g}",
+                                 trust_code=run.trust_code)
+        sha = save_weights(run.layout.root / run.layout.weights_rel(g), sub)
+        # An iterative schedule prunes during retraining: the size is the retrained subnet's.
+        write_json_atomic(run.layout.retrain_meta(g), {
+            "from_sha256": self.pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
+            "metrics": metrics, "widths": {k: int(v) for k, v in layer_widths(sub).items()},
+            "params": count_params(sub), "flops": count_flops(sub, run.spec.input_shape)})
+
+    def launch(self, retrain_fn: Callable | None, ray_address: str | None) -> None:
+        run, todo = self.run, self.todo
+        if run.config.retrain_epochs == 0:
+            for g in todo:  # no retraining asked for: the pruned subnet is the result
+                self.on_done(g, load_weights(run.layout.pruned(g),
+                                             self.pruned_meta[g]["weights_sha256"]),
+                             {"samples": 0, "seconds": 0.0})
+            return
+        at_once = min(run.workers, len(todo))
+        where = f"{at_once} Ray workers" if run.on_ray else "in process"
+        images = sum(len(idx) for idx, _ in self.plans.values())
+        with RetrainProgress(len(todo), images, f"retrain {len(todo)} subnets ({where})") as bar:
+            if run.on_ray:
+                run_on_ray(self.jobs(), at_once, str(run.dev) if run.device != "auto" else "auto",
+                           bar, self.on_done, self.failures, ray_address)
+            else:
+                run_in_process(self.jobs(), retrain_fn or retrain_state, str(run.dev), bar,
+                               self.on_done, self.failures,
+                               at_once=at_once if run.dev.type == "cuda" else 1)
+
+
+def retrain_todo(run: DecomposeRun, pruned_meta: dict[int, dict]) -> list[int]:
+    """The subnets with no retrained weights from their current pruned weights."""
+    layout, todo = run.layout, []
+    for g in range(run.n_groups):
         meta = read_json(layout.retrain_meta(g))
         if not (meta and meta.get("from_sha256") == pruned_meta[g]["weights_sha256"] and
                 file_ok(layout.root / layout.weights_rel(g), meta.get("weights_sha256"))):
             todo.append(g)
-    failures: dict[int, str] = {}
+    return todo
 
-    def on_done(g: int, state: dict, metrics: dict) -> None:
-        sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
-                                 state, f"retrained subnet {g}", trust_code=trust_code)
-        sha = save_weights(layout.root / layout.weights_rel(g), sub)
-        # An iterative schedule prunes during retraining: the size is the retrained subnet's.
-        write_json_atomic(layout.retrain_meta(g), {
-            "from_sha256": pruned_meta[g]["weights_sha256"], "weights_sha256": sha,
-            "metrics": metrics, "widths": {k: int(v) for k, v in layer_widths(sub).items()},
-            "params": count_params(sub), "flops": count_flops(sub, spec.input_shape)})
 
-    teacher = confusion = None
-    if todo and config.retrain_epochs > 0 and config.hard_negatives > 0:
-        # Hard negatives are picked by the original model's beliefs about a stratified pool of
-        # training images as large as one subnet's epoch (all of them for the default budgets),
-        # so asking the teacher costs no more than one subnet's retraining pass.
-        pool = stratified_subset(train_set().labels, retrain_settings.samples, config.seed)
-        teacher = _teacher_logits(layout, model, train_set(), spec, dev, pool)
-        confusion = _softmax(teacher)  # NaN rows (not in the pool) stay NaN
-    plans = {g: retrain_plan(train_set().labels, group_list[g], retrain_settings, binary=binary,
-                             subnet_seed=g,
-                             confusion=None if confusion is None else
-                             confusion[:, group_list[g]].sum(axis=1))
-             for g in todo} if config.retrain_epochs > 0 else {}
-    if plans and config.distill > 0:
-        # The hard-negative pool need not cover every positive, so fill in what the plans use.
-        needed = np.unique(np.concatenate([idx for idx, _ in plans.values()]))
-        teacher = _teacher_logits(layout, model, train_set(), spec, dev, needed)
-    else:
-        teacher = None
-
-    later_steps = {} if len(schedule) == 1 else {
-        "schedule": [p.to_dict() for p in schedule[1:]],
-        "prune": {"reference": [orig_params, orig_flops], "residual": config.prune_residual,
-                  "zero_threshold": config.zero_threshold,
-                  "stats_images": config.stats_per_class * max(len(c) for c in group_list)}}
-
-    def jobs() -> Iterator[dict]:
-        for g in todo:
-            state = load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"])
-            idx, targets = plans.pop(g)
-            uniq, positions = np.unique(idx, return_inverse=True)
-            soft = (soft_targets(teacher[uniq], group_list[g], binary=binary,
-                                 temperature=config.distill_temperature)
-                    if teacher is not None else None)
-            yield {"index": g, "soft": soft, "arch": record.model,
-                   "num_outputs": pruned_meta[g]["num_outputs"],
-                   "in_channels": record.in_channels, "state": state, "trust_code": trust_code,
-                   "images": _gather(train_set(), uniq), "positions": positions.astype(np.int64),
-                   "targets": targets, "spec": spec.to_dict(), "settings": retrain_settings.to_dict(),
-                   "binary": binary, **later_steps}
-
-    if todo:
-        if config.retrain_epochs == 0:
-            for g in todo:  # no retraining asked for: the pruned subnet is the result
-                on_done(g, load_weights(layout.pruned(g), pruned_meta[g]["weights_sha256"]),
-                        {"samples": 0, "seconds": 0.0})
-        else:
-            where = (f"{min(workers, len(todo))} Ray workers" if on_ray else "in process")
-            images = sum(len(idx) for idx, _ in plans.values())
-            with RetrainProgress(len(todo), images, f"retrain {len(todo)} subnets ({where})") as bar:
-                if on_ray:
-                    run_on_ray(jobs(), min(workers, len(todo)),
-                               str(dev) if device != "auto" else "auto", bar, on_done, failures,
-                               ray_address)
-                else:
-                    run_in_process(jobs(), retrain_fn or retrain_state, str(dev), bar, on_done,
-                                   failures, at_once=min(workers, len(todo))
-                                   if dev.type == "cuda" else 1)
-    stages.run("retrain", time.perf_counter() - t0, bool(todo), done=not failures)
+def stage_retrain(run: DecomposeRun, group_list: list[list[int]], pruned_meta: dict[int, dict],
+                  binary: bool, retrain_fn: Callable | None, ray_address: str | None) -> None:
+    """Retrain every subnet not yet retrained, each saved as soon as it is back; raises
+    :class:`RetrainFailed` after all the others are saved when some could not be retrained."""
+    t0 = time.perf_counter()
+    retraining = Retraining(run, group_list, pruned_meta, binary, retrain_todo(run, pruned_meta))
+    retraining.plan()
+    if retraining.todo:
+        retraining.launch(retrain_fn, ray_address)
+    failures = retraining.failures
+    run.stages.run("retrain", time.perf_counter() - t0, bool(retraining.todo), done=not failures)
     if failures:
-        done = n_groups - len(failures)
+        done = run.n_groups - len(failures)
         detail = "; ".join(f"subnet {g} (classes {group_list[g]}): {why}"
                            for g, why in sorted(failures.items()))
-        raise RetrainFailed(f"retraining failed for {len(failures)} of {n_groups} subnets - "
-                            f"{detail}. The other {done} are saved in {layout.root / 'subnets'}; "
-                            "re-run the same command to retrain only the missing ones", failures)
+        saved_in = run.layout.root / "subnets"
+        raise RetrainFailed(f"retraining failed for {len(failures)} of {run.n_groups} subnets - "
+                            f"{detail}. The other {done} are saved in {saved_in}; re-run the same "
+                            "command to retrain only the missing ones", failures)
 
-    # ---- 5. ONNX export, checked against torch on real test images
+
+def stage_export(run: DecomposeRun, pruned_meta: dict[int, dict]
+                 ) -> tuple[list[nn.Module], dict[int, dict], ImageDataset]:
+    """ONNX per subnet, checked against torch on real test images; returns the retrained subnets,
+    each one's export record and the test split."""
     t0 = time.perf_counter()
+    layout, config, spec, record = run.layout, run.config, run.spec, run.record
     did = False
     test = load_split(spec, "test")
     check_idx = stratified_subset(test.labels, CHECK_IMAGES, config.seed)
     check_batch = normalize(torch.from_numpy(_gather(test, check_idx)), spec)
     subnets: list[nn.Module] = []
     export_meta: dict[int, dict] = {}
-    for g in tqdm(range(n_groups), desc="export: ONNX", unit="subnet"):
+    for g in tqdm(range(run.n_groups), desc="export: ONNX", unit="subnet"):
         w_sha = read_json(layout.retrain_meta(g))["weights_sha256"]
         sub = build_from_weights(record.model, pruned_meta[g]["num_outputs"], record.in_channels,
                                  load_weights(layout.root / layout.weights_rel(g), w_sha),
-                                 f"subnet {g}", trust_code=trust_code)
+                                 f"subnet {g}", trust_code=run.trust_code)
         subnets.append(sub)
         meta = read_json(layout.export_meta(g))
         if not (meta and meta.get("weights_sha256") == w_sha and meta.get("opset") == config.opset
@@ -644,25 +755,33 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
             write_json_atomic(layout.export_meta(g), meta)
             did = True
         export_meta[g] = meta
-    stages.run("export", time.perf_counter() - t0, did)
+    run.stages.run("export", time.perf_counter() - t0, did)
+    return subnets, export_meta, test
 
-    # ---- 6. evaluation on the test split
+
+def stage_evaluate(run: DecomposeRun, subnets: list[nn.Module], group_list: list[list[int]],
+                   export_meta: dict[int, dict], test: ImageDataset,
+                   eval_limit: int | None) -> dict[str, Any]:
+    """Original vs merged top-1 on the test split (``eval_limit``: a stratified subset)."""
     t0 = time.perf_counter()
-    weight_shas = [export_meta[g]["weights_sha256"] for g in range(n_groups)]
-    evaluation = read_json(layout.evaluation)
+    weight_shas = [export_meta[g]["weights_sha256"] for g in range(run.n_groups)]
+    evaluation = read_json(run.layout.evaluation)
     did = False
     if not (evaluation and evaluation.get("limit") == eval_limit and
             evaluation.get("weights_sha256") == weight_shas):
-        idx = stratified_subset(test.labels, eval_limit, config.seed) if eval_limit else None
-        evaluation = evaluate_models(model, subnets, group_list, test, spec, dev, indices=idx)
+        idx = stratified_subset(test.labels, eval_limit, run.config.seed) if eval_limit else None
+        evaluation = evaluate_models(run.model, subnets, group_list, test, run.spec, run.dev,
+                                     indices=idx)
         evaluation.update(limit=eval_limit, weights_sha256=weight_shas)
-        write_json_atomic(layout.evaluation, evaluation)
+        write_json_atomic(run.layout.evaluation, evaluation)
         did = True
-    stages.run("evaluate", time.perf_counter() - t0, did)
+    run.stages.run("evaluate", time.perf_counter() - t0, did)
+    return evaluation
 
-    # ---- 7. manifest + report
-    t0 = time.perf_counter()
-    records = []
+
+def subnet_records(run: DecomposeRun, group_list: list[list[int]], pruned_meta: dict[int, dict],
+                   export_meta: dict[int, dict], evaluation: dict[str, Any]) -> list[SubnetRecord]:
+    layout, records = run.layout, []
     for g, classes in enumerate(group_list):
         pg = evaluation["per_group"][g]
         accuracy = {k: pg[k] for k in ("decomposed_top1", "original_top1", "subnet_top1",
@@ -670,36 +789,44 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
         meta = {**pruned_meta[g], **read_json(layout.retrain_meta(g))}
         records.append(SubnetRecord(
             index=g, classes=classes, head=meta["head"], num_outputs=meta["num_outputs"],
-            weights=layout.weights_rel(g), weights_sha256=weight_shas[g], onnx=layout.onnx_rel(g),
-            onnx_sha256=export_meta[g]["onnx_sha256"],
+            weights=layout.weights_rel(g), weights_sha256=export_meta[g]["weights_sha256"],
+            onnx=layout.onnx_rel(g), onnx_sha256=export_meta[g]["onnx_sha256"],
             widths=meta["widths"], params=meta["params"], flops=meta["flops"], accuracy=accuracy))
-    retrain_info = {**retrain_settings.to_dict(), "workers": workers, "ray": on_ray,
+    return records
+
+
+def write_artifact(run: DecomposeRun, group_list: list[list[int]], grouping_method: dict,
+                   prunable_layers: int, pruned_meta: dict[int, dict],
+                   export_meta: dict[int, dict], evaluation: dict[str, Any]) -> None:
+    """``manifest.json`` and the report, the last stage: an artifact with a manifest is whole."""
+    t0 = time.perf_counter()
+    layout, config, record = run.layout, run.config, run.record
+    records = subnet_records(run, group_list, pruned_meta, export_meta, evaluation)
+    retrain_info = {**run.retrain_settings.to_dict(), "workers": run.workers, "ray": run.on_ray,
                     "balance": "k+1 target classes with equal samples; positives repeated",
                     "subnets": {str(g): (read_json(layout.retrain_meta(g)) or {}).get("metrics", {})
-                                for g in range(n_groups)}}
+                                for g in range(run.n_groups)}}
     manifest = DecompositionManifest(
         model=record.model, in_channels=record.in_channels, num_classes=record.num_classes,
-        dataset=DatasetInfo.from_spec(spec),
-        source=SourceInfo(model=record.model, model_dir=str(model_dir.resolve()),
-                          weights_sha256=record.weights_sha256, params=orig_params,
-                          flops=orig_flops, test_top1=record.test_top1),
+        dataset=DatasetInfo.from_spec(run.spec),
+        source=SourceInfo(model=record.model, model_dir=str(run.model_dir.resolve()),
+                          weights_sha256=record.weights_sha256, params=run.orig_params,
+                          flops=run.orig_flops, test_top1=record.test_top1),
         groups=group_list,
         grouping={**grouping_method, "features_per_class": config.features_per_class},
-        pruning={**policy.to_dict(), "zero_threshold": config.zero_threshold,
-                 "stats_per_class": config.stats_per_class, "prunable_layers": len(layers),
+        pruning={**run.policy.to_dict(), "zero_threshold": config.zero_threshold,
+                 "stats_per_class": config.stats_per_class, "prunable_layers": prunable_layers,
                  "steps": config.prune_steps,
                  "prune_residual": config.prune_residual},
         retrain=retrain_info,
         subnets=records,
         evaluation={k: v for k, v in evaluation.items() if k != "weights_sha256"},
     )
-    stages.run("artifact", time.perf_counter() - t0, True)
+    run.stages.run("artifact", time.perf_counter() - t0, True)
     manifest = DecompositionManifest.model_validate(
-        {**manifest.model_dump(mode="json"), "stages": stages.data})
+        {**manifest.model_dump(mode="json"), "stages": run.stages.data})
     save_manifest(layout.root, manifest)
-    write_report(layout.root, manifest, stages.seconds())
-    log.info("decomposition done in %.1f s: %s", time.perf_counter() - t_start, layout.root)
-    return load_manifest(layout.root)
+    write_report(layout.root, manifest, run.stages.seconds())
 
 
 def collect_stats(model, dataset, spec, device, indices, zero_threshold, relus, progress=None):

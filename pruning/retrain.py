@@ -31,7 +31,8 @@ from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec
 from sensai.errors import SensaiError
 from sensai.feed import DeviceImages, to_device
-from sensai.learning import StepLosses, fast_layout, optimizer_options, step_model, tune_for
+from sensai.learning import (StepLosses, fast_layout, optimizer_options, step_model, tune_for,
+                             warmup_cosine)
 from sensai.models import classifier_layer, count_params, select_device
 from sensai.train_step import TrainStep
 
@@ -192,6 +193,57 @@ def soft_targets(teacher_logits: np.ndarray, classes: Sequence[int], *, binary: 
     return np.concatenate([rest, mine], axis=1).astype(np.float32)
 
 
+def make_optimizer(model: nn.Module, settings: RetrainSettings,
+                   device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if settings.optimizer == "adam":
+        return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
+                                 **optimizer_options(device))
+    return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
+                           nesterov=settings.momentum > 0, weight_decay=settings.weight_decay,
+                           **optimizer_options(device))
+
+
+def soft_on_device(soft: np.ndarray | None, n_images: int, device: torch.device) -> torch.Tensor:
+    """The distillation targets, checked (one finite row per image) and moved to ``device``."""
+    if soft is None or len(soft) != n_images:
+        raise ValueError("distillation needs soft targets, one row per image")
+    if not np.isfinite(soft).all():
+        # A NaN target turns the first loss into NaN and reads as divergence; say what it is.
+        raise ValueError("soft targets are not all finite (teacher logits missing for some "
+                         "images)")
+    return to_device(torch.as_tensor(np.asarray(soft, dtype=np.float32)), device)
+
+
+def retrain_loss(weights: torch.Tensor, *, binary: bool, distill: float,
+                 temperature: float) -> Callable[..., torch.Tensor]:
+    """The class-weighted loss of a subnet's output against its hard targets ``y``, mixed at
+    ``distill`` with the loss against the soft targets ``q`` when they are given."""
+
+    def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+        w = weights[y]
+        if binary:
+            logit = out.reshape(-1)
+            hard = nn.functional.binary_cross_entropy_with_logits(logit, y.to(logit.dtype),
+                                                                  reduction="none")
+        else:
+            logp = torch.log_softmax(out, dim=1)
+            hard = -logp.gather(1, y[:, None])[:, 0]
+        loss = (w * hard).sum() / w.sum()
+        if q is None:
+            return loss
+        # Softened as the targets were; T^2 keeps the gradient's scale independent of T (Hinton).
+        t = temperature
+        if binary:
+            sq = nn.functional.binary_cross_entropy_with_logits(logit / t, q.reshape(-1),
+                                                                reduction="none")
+        else:
+            sq = -(q * torch.log_softmax(out / t, dim=1)).sum(dim=1)
+        return (1 - distill) * loss + distill * t * t * (w * sq).sum() / w.sum()
+
+    return loss_of
+
+
 def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
                   targets: np.ndarray, settings: RetrainSettings, *,
                   binary: bool, soft: np.ndarray | None = None,
@@ -213,15 +265,7 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
         raise ValueError("positions and targets differ in length")
     tune_for(device)
     model.to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if settings.optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=settings.lr,
-                                                       weight_decay=settings.weight_decay,
-                                                       **optimizer_options(device))
-    else:
-        opt = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                              nesterov=settings.momentum > 0, weight_decay=settings.weight_decay,
-                              **optimizer_options(device))
+    opt = make_optimizer(model, settings, device)
     # Each class of the group weighs as much as all negatives together (sensAI's rebalancing);
     # with the default equal-count sampling these weights are all 1.
     n_targets = 2 if binary else classifier_layer(model)[1].out_features
@@ -229,45 +273,13 @@ def retrain_model(model: nn.Module, images: DeviceImages, positions: np.ndarray,
                               device=device)
     distill = float(settings.distill)
     if distill > 0:
-        if soft is None or len(soft) != len(images):
-            raise ValueError("distillation needs soft targets, one row per image")
-        if not np.isfinite(soft).all():
-            # A NaN target turns the first loss into NaN and reads as divergence; say what it is.
-            raise ValueError("soft targets are not all finite (teacher logits missing for some "
-                             "images)")
-        soft_d = to_device(torch.as_tensor(np.asarray(soft, dtype=np.float32)), device)
-
-    def loss_of(out: torch.Tensor, y: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
-        w = weights[y]
-        if binary:
-            logit = out.reshape(-1)
-            hard = nn.functional.binary_cross_entropy_with_logits(logit, y.to(logit.dtype),
-                                                                  reduction="none")
-        else:
-            logp = torch.log_softmax(out, dim=1)
-            hard = -logp.gather(1, y[:, None])[:, 0]
-        loss = (w * hard).sum() / w.sum()
-        if q is None:
-            return loss
-        # Softened as the targets were; T^2 keeps the gradient's scale independent of T (Hinton).
-        t = settings.temperature
-        if binary:
-            sq = nn.functional.binary_cross_entropy_with_logits(logit / t, q.reshape(-1),
-                                                                reduction="none")
-        else:
-            sq = -(q * torch.log_softmax(out / t, dim=1)).sum(dim=1)
-        return (1 - distill) * loss + distill * t * t * (w * sq).sum() / w.sum()
-
+        soft_d = soft_on_device(soft, len(images), device)
+    loss_of = retrain_loss(weights, binary=binary, distill=distill,
+                           temperature=settings.temperature)
     total_steps = max(1, math.ceil(n / settings.batch_size))
-    warm = max(1, int(0.03 * total_steps))
-
-    def lr_at(step: int) -> float:
-        # The head is new: a short warm-up keeps its first large gradients from wrecking the
-        # pruned features, then cosine decay to zero.
-        if step < warm:
-            return settings.lr * (step + 1) / warm
-        return 0.5 * settings.lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
-
+    # The head is new: a short warm-up keeps its first large gradients from wrecking the
+    # pruned features, then cosine decay to zero.
+    lr_at = warmup_cosine(settings.lr, total_steps, warm=max(1, int(0.03 * total_steps)))
     gen = torch.Generator().manual_seed(settings.seed)
     targets_d = to_device(torch.from_numpy(np.asarray(targets, dtype=np.int64)), device)
     t0 = time.perf_counter()

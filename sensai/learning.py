@@ -6,6 +6,7 @@ both use these, so they live in the core rather than in either stage.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterator
 
@@ -18,6 +19,18 @@ from tqdm.auto import tqdm
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
 from sensai.feed import flips, mirror
+
+
+def warmup_cosine(lr: float, total_steps: int, warm: int) -> Callable[[int], float]:
+    """The learning rate at each step: a linear ramp to ``lr`` over ``warm`` steps, then cosine
+    decay to zero at ``total_steps`` (training and retraining alike)."""
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return lr * (step + 1) / warm
+        return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
+
+    return lr_at
 
 
 def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -236,7 +236,7 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
     (["--distill", "2"], "--distill"),
     (["--optimizer", "lbfgs"], "unknown optimizer"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
-    (["--workers", "0"], "--workers"),
+    (["--retrain-jobs", "0"], "--retrain-jobs"),
     (["--prune-steps", "0"], "--prune-steps: the number of pruning steps must be an integer from 1"),
     (["--prune-steps", "11"], "from 1 to 10"),
     (["--prune-steps", "2", "--policy", "keep"], "--prune-steps: an iterative schedule needs a size budget"),
@@ -350,7 +350,7 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         code = main(["decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
                      "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
                      "--samples-per-subnet", "384", "--batch-size", "64", "--eval-limit", "300",
-                     "--workers", "2", "--device", "cpu", "--tsne"])
+                     "--retrain-jobs", "2", "--device", "cpu", "--tsne"])
         captured = capsys.readouterr()
         assert code == 0, captured.err
         assert "decomposed fmnist_cnn into 2 subnets" in captured.out

@@ -65,8 +65,8 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert "--groups must be between 1 and 10" in err and "Traceback" not in err
     assert main(["demo", "--out", str(tmp_path / "d"), "--train-limit", "3"]) == 2
     assert "--train-limit must be at least 10" in capsys.readouterr().err
-    assert main(["demo", "--out", str(tmp_path / "d"), "--warmup", "1.5"]) == 2
-    assert "--warmup is a fraction of the steps" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--lr-warmup", "1.5"]) == 2
+    assert "--lr-warmup is a fraction of the steps" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
     assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

@@ -111,7 +111,7 @@ def test_the_test_split_is_measured_after_the_last_epoch_and_every_nth(
 
 def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1", "--train-limit", "300",
-               "--warmup", "0.25", "--device", "cpu", "--out", str(tmp_path / "t")])
+               "--lr-warmup", "0.25", "--device", "cpu", "--out", str(tmp_path / "t")])
     assert rc == 0 and "test top-1" in capsys.readouterr().out
     assert load_model_record(tmp_path / "t").train.warmup == 0.25  # the schedule is recorded
     rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "2",
@@ -133,7 +133,7 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--model", "vgg17", "--out", "{tmp}/x"], "unknown model 'vgg17'; known models:"),
     (["train", "--data-dir", "{tmp}/nothing", "--out", "{tmp}/x"], "dataset-fashion-mnist"),
     (["train", "--epochs", "0", "--out", "{tmp}/x"], "--epochs must be at least 1"),
-    (["train", "--warmup", "1", "--out", "{tmp}/x"], "--warmup is a fraction of the steps"),
+    (["train", "--lr-warmup", "1", "--out", "{tmp}/x"], "--lr-warmup is a fraction of the steps"),
     (["train", "--eval-every", "-1", "--out", "{tmp}/x"], "--eval-every must be 0"),
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),

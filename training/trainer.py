@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRe
                              save_model_record)
 from sensai.feed import DeviceImages, to_device
 from sensai.learning import (StepLosses, augment, fast_layout, optimizer_options, predict_logits,
-                             step_model, top1, tune_for)
+                             step_model, top1, tune_for, warmup_cosine)
 from sensai.models import count_params, create_model
 from sensai.train_step import TrainStep
 
@@ -59,7 +60,117 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
 
 def check_warmup(warmup: float) -> None:
     if not 0 <= warmup < 1:
-        raise SensaiError(f"--warmup is a fraction of the steps in [0, 1), got {warmup}")
+        raise SensaiError(f"--lr-warmup is a fraction of the steps in [0, 1), got {warmup}")
+
+
+def check_train_settings(epochs: int, batch_size: int, lr: float, eval_every: int,
+                         warmup: float) -> None:
+    if epochs < 1:
+        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
+    if batch_size < 1 or lr <= 0:
+        raise SensaiError("--batch-size and --lr must be positive")
+    if eval_every < 0:
+        raise SensaiError(f"--eval-every must be 0 (after the last epoch only) or more, got "
+                          f"{eval_every}")
+    check_warmup(warmup)
+
+
+def resume_point(out: Path, model: nn.Module, opt: torch.optim.Optimizer, settings: dict,
+                 epochs: int, resume: bool) -> tuple[int, list[dict], float]:
+    """The epochs done, their history and training seconds of an unfinished run in ``out`` with
+    the same ``settings`` (its weights and optimiser state loaded), else a fresh start."""
+    if not (resume and (out / STATE_JSON).is_file() and (out / STATE_WEIGHTS).is_file()):
+        return 0, [], 0.0
+    try:
+        saved = json.loads((out / STATE_JSON).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
+    if not isinstance(saved, dict) or saved.get("settings") != settings:
+        raise SensaiError(f"{out} holds an unfinished run with other settings; use another "
+                          f"--out or --no-resume to start over")
+    try:
+        meta = _load_state(out, model, opt)
+    except (CheckpointError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
+    log.info("resuming %s at epoch %d/%d", out, meta["epoch"] + 1, epochs)
+    return meta["epoch"], meta["history"], meta["seconds"]
+
+
+def epoch_batches(train_set: ImageDataset, spec: DatasetSpec, indices: np.ndarray,
+                  batch_size: int, seed: int, gen: torch.Generator,
+                  device: torch.device) -> Callable[[int], Iterator]:
+    """``epoch -> (x, y, size)`` batches on ``device``, shuffled and flipped by the epoch's seed."""
+    # In-memory splits go to the device once; a folder of files is read batch by batch.
+    held = labels = None
+    if isinstance(train_set, TensorImages):
+        held = DeviceImages(train_set.images, spec, device)
+        labels = to_device(torch.from_numpy(train_set.labels), device)
+
+    def batches(epoch: int):
+        order_seed = seed * 1000 + epoch
+        if held is not None:
+            # The order iterate_batches(shuffle=True) gives, the flips augment() draws.
+            order = np.random.default_rng(order_seed).permutation(indices)
+            for b in held.epoch(order, batch_size, generator=gen):
+                yield b.x, labels[b.positions], b.size
+            return
+        for x, y in iterate_batches(train_set, batch_size, indices=indices, shuffle=True,
+                                    seed=order_seed):
+            yield normalize(augment(x, gen).to(device), spec), y.to(device), len(y)
+
+    return batches
+
+
+def train_epoch(step: TrainStep, batches: Iterator, lr_at: Callable[[int], float],
+                first_step: int, losses: StepLosses, bar: tqdm, what: str) -> float:
+    """One epoch's steps; returns the mean loss (raises when it stops being finite)."""
+    for i, (x, y, size) in enumerate(batches):
+        losses.add(step(lr_at(first_step + i), x, y), size)
+        bar.update(size)
+        if losses.read_due():  # the only host waits inside an epoch
+            losses.stop_if_diverged(what)
+            bar.set_postfix(loss=f"{losses.mean():.3f}")
+    bar.close()
+    losses.stop_if_diverged(what)
+    return losses.mean()
+
+
+def epoch_entry(model: nn.Module, test_set: ImageDataset, spec: DatasetSpec,
+                device: torch.device, epoch: int, epochs: int, loss: float, *,
+                evaluate: bool) -> dict:
+    """The history entry of epoch ``epoch`` (1-based), with its test top-1 when ``evaluate``."""
+    entry = {"epoch": epoch, "loss": loss}
+    if evaluate:
+        entry["test_top1"] = top1(predict_logits(model, test_set, spec, device,
+                                                 progress="evaluate"), test_set.labels)
+        log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch, epochs, entry["loss"],
+                 entry["test_top1"])
+    else:
+        log.info("epoch %d/%d: loss %.4f", epoch, epochs, entry["loss"])
+    return entry
+
+
+def finish_training(out: Path, model: nn.Module, spec: DatasetSpec, settings: dict,
+                    history: list[dict], seconds: float, phases: dict[str, float], step_mode: str,
+                    device: torch.device) -> ModelRecord:
+    """Write the trained weights and ``model.json``, and drop the state kept for resuming."""
+    final_acc = history[-1].get("test_top1") if history else None
+    sha = save_weights(out / MODEL_WEIGHTS, model)
+    record = ModelRecord(
+        model=settings["model"], num_classes=spec.num_classes, in_channels=spec.in_channels,
+        dataset=DatasetInfo.from_spec(spec), weights_sha256=sha, params=count_params(model),
+        test_top1=final_acc,
+        train=TrainInfo(epochs=settings["epochs"], completed_epochs=len(history),
+                        lr=settings["lr"], warmup=settings["warmup"],
+                        batch_size=settings["batch_size"], seed=settings["seed"],
+                        train_limit=settings["train_limit"], images_per_epoch=settings["n_train"],
+                        device=str(device), seconds=round(seconds, 2), step=step_mode,
+                        phases=phases, history=history),
+    )
+    save_model_record(out, record)
+    (out / STATE_JSON).unlink(missing_ok=True)
+    (out / STATE_WEIGHTS).unlink(missing_ok=True)
+    return record
 
 
 def train(
@@ -93,14 +204,7 @@ def train(
     captured CUDA graph on CUDA (:class:`sensai.train_step.TrainStep`).
     """
     t_start = time.perf_counter()
-    if epochs < 1:
-        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
-    if batch_size < 1 or lr <= 0:
-        raise SensaiError("--batch-size and --lr must be positive")
-    if eval_every < 0:
-        raise SensaiError(f"--eval-every must be 0 (after the last epoch only) or more, got "
-                          f"{eval_every}")
-    check_warmup(warmup)
+    check_train_settings(epochs, batch_size, lr, eval_every, warmup)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -110,105 +214,38 @@ def train(
                           weight_decay=weight_decay, **optimizer_options(device))
     indices = stratified_subset(train_set.labels, train_limit, seed)
     steps_per_epoch = math.ceil(len(indices) / batch_size)
-    total_steps = epochs * steps_per_epoch
     settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=lr, warmup=warmup,
                     batch_size=batch_size, seed=seed, train_limit=train_limit, n_train=len(indices))
-
-    start_epoch, history, seconds = 0, [], 0.0
+    start_epoch, history, seconds = resume_point(out, model, opt, settings, epochs, resume)
     phases: dict[str, float] = {}
-    if resume and (out / STATE_JSON).is_file() and (out / STATE_WEIGHTS).is_file():
-        try:
-            saved = json.loads((out / STATE_JSON).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
-        if not isinstance(saved, dict) or saved.get("settings") != settings:
-            raise SensaiError(f"{out} holds an unfinished run with other settings; use another "
-                              f"--out or --no-resume to start over")
-        try:
-            meta = _load_state(out, model, opt)
-        except (CheckpointError, json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"cannot resume from {out}: {e}; use --no-resume to start over") from None
-        start_epoch, history, seconds = meta["epoch"], meta["history"], meta["seconds"]
-        log.info("resuming %s at epoch %d/%d", out, start_epoch + 1, epochs)
-
-    def lr_at(step: int) -> float:
-        # Linear warm-up over the first ``warmup`` of the steps, then cosine to zero.
-        warm = max(1, int(warmup * total_steps))
-        if step < warm:
-            return lr * (step + 1) / warm
-        return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, total_steps - warm)))
-
-    loss_fn = nn.CrossEntropyLoss()
+    total_steps = epochs * steps_per_epoch
+    lr_at = warmup_cosine(lr, total_steps, max(1, int(warmup * total_steps)))
     gen = torch.Generator().manual_seed(seed)
     tune_for(device)
-    # In-memory splits go to the device once; a folder of files is read batch by batch.
-    held = labels = None
-    if isinstance(train_set, TensorImages):
-        held = DeviceImages(train_set.images, spec, device)
-        labels = to_device(torch.from_numpy(train_set.labels), device)
-
-    def batches(epoch: int):
-        order_seed = seed * 1000 + epoch
-        if held is not None:
-            # The order iterate_batches(shuffle=True) gives, the flips augment() draws.
-            order = np.random.default_rng(order_seed).permutation(indices)
-            for b in held.epoch(order, batch_size, generator=gen):
-                yield b.x, labels[b.positions], b.size
-            return
-        for x, y in iterate_batches(train_set, batch_size, indices=indices, shuffle=True,
-                                    seed=order_seed):
-            yield normalize(augment(x, gen).to(device), spec), y.to(device), len(y)
+    batches = epoch_batches(train_set, spec, indices, batch_size, seed, gen, device)
 
     with fast_layout(model, device) as layout:
-        step = TrainStep(step_model(model, compile_), opt, loss_fn, device, capture=capture,
-                         prepare=layout, what="training")
+        step = TrainStep(step_model(model, compile_), opt, nn.CrossEntropyLoss(), device,
+                         capture=capture, prepare=layout, what="training")
         for epoch in range(start_epoch, epochs):
             gen.manual_seed(seed * 1000 + epoch)
             model.train()
             t0 = time.perf_counter()
             phases.setdefault("setup", round(t0 - t_start, 2))
-            losses = StepLosses(steps_per_epoch, device)
             bar = tqdm(total=len(indices), desc=f"train {model_name} epoch {epoch + 1}/{epochs}",
                        unit="img", leave=False)
-            for i, (x, y, size) in enumerate(batches(epoch)):
-                losses.add(step(lr_at(epoch * steps_per_epoch + i), x, y), size)
-                bar.update(size)
-                if losses.read_due():  # the only host waits inside an epoch
-                    losses.stop_if_diverged(f"training (epoch {epoch + 1})")
-                    bar.set_postfix(loss=f"{losses.mean():.3f}")
-            bar.close()
-            losses.stop_if_diverged(f"training (epoch {epoch + 1})")
+            loss = train_epoch(step, batches(epoch), lr_at, epoch * steps_per_epoch,
+                               StepLosses(steps_per_epoch, device), bar,
+                               f"training (epoch {epoch + 1})")
             seconds += time.perf_counter() - t0
-            entry = {"epoch": epoch + 1, "loss": losses.mean()}
             t1 = time.perf_counter()
-            if epoch + 1 == epochs or (eval_every and (epoch + 1) % eval_every == 0):
-                entry["test_top1"] = top1(predict_logits(model, test_set, spec, device,
-                                                         progress="evaluate"), test_set.labels)
-                log.info("epoch %d/%d: loss %.4f, test top-1 %.4f", epoch + 1, epochs,
-                         entry["loss"], entry["test_top1"])
-            else:
-                log.info("epoch %d/%d: loss %.4f", epoch + 1, epochs, entry["loss"])
+            entry = epoch_entry(model, test_set, spec, device, epoch + 1, epochs, loss,
+                                evaluate=epoch + 1 == epochs or
+                                bool(eval_every and (epoch + 1) % eval_every == 0))
             t2 = time.perf_counter()
             history.append(entry)
             _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,
                                               seconds=seconds))
             phases["evaluate"] = round(phases.get("evaluate", 0.0) + t2 - t1, 2)
             phases["save"] = round(phases.get("save", 0.0) + time.perf_counter() - t2, 2)
-
-    final_acc = history[-1].get("test_top1") if history else None
-    sha = save_weights(out / MODEL_WEIGHTS, model)
-    record = ModelRecord(
-        model=model_name, num_classes=spec.num_classes, in_channels=spec.in_channels,
-        dataset=DatasetInfo.from_spec(spec), weights_sha256=sha, params=count_params(model),
-        test_top1=final_acc,
-        train=TrainInfo(epochs=epochs, completed_epochs=len(history), lr=lr, warmup=warmup,
-                        batch_size=batch_size,
-                        seed=seed, train_limit=train_limit, images_per_epoch=len(indices),
-                        device=str(device), seconds=round(seconds, 2), step=step.mode,
-                        phases=phases,
-                        history=history),
-    )
-    save_model_record(out, record)
-    (out / STATE_JSON).unlink(missing_ok=True)
-    (out / STATE_WEIGHTS).unlink(missing_ok=True)
-    return record
+    return finish_training(out, model, spec, settings, history, seconds, phases, step.mode, device)

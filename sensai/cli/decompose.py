@@ -42,7 +42,26 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="artifact directory")
     p.add_argument("--data-dir", default=None,
                    help="where the model's dataset is (default: as recorded in model.json)")
-    g = p.add_argument_group("pruning")
+    add_pruning_args(p.add_argument_group("pruning"), d)
+    add_grouping_args(p.add_argument_group("grouping"), d)
+    retraining = p.add_argument_group("retraining")
+    add_retraining_args(retraining, d)
+    add_retraining_run_args(retraining)
+    p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
+    p.add_argument("--opset", type=int, default=d.opset, help="ONNX opset (default: %(default)s)")
+    p.add_argument("--eval-limit", type=int, default=None,
+                   help="evaluate on a stratified subset of this many test images (default: all)")
+    p.add_argument("--force", action="store_true",
+                   help="start over, replacing what an earlier decomposition wrote in --out")
+    p.add_argument("--trust-model-code", action="store_true",
+                   help="the model is a package.module:factory: import it (that runs its code)")
+    add_device_arg(p)
+    p.set_defaults(func=cmd_decompose)
+
+
+def add_pruning_args(g, d) -> None:
+    """How much of each subnet is kept, and by which rule (defaults: ``d``'s, a
+    :class:`DecomposeConfig`)."""
     g.add_argument("--policy", default=d.policy,
                    help="keep: the --keep-fraction most active channels per layer; threshold: "
                         "prune APoZ >= --theta1 unless mean |a| >= --theta2 (sensAI's rule); "
@@ -82,13 +101,19 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stats-per-class", type=int, default=d.stats_per_class,
                    help="training images per class the activation statistics are taken on "
                         "(default: %(default)s)")
-    g = p.add_argument_group("grouping")
+
+
+def add_grouping_args(g, d) -> None:
+    """How the classes are grouped into subnets."""
     g.add_argument("--tsne", action=argparse.BooleanOptionalAction, default=d.use_tsne,
                    help="cluster class centroids in a 2-D t-SNE embedding of the features instead "
                         "of the raw features (default: off)")
     g.add_argument("--features-per-class", type=int, default=d.features_per_class,
                    help="training images per class for the grouping features (default: %(default)s)")
-    g = p.add_argument_group("retraining")
+
+
+def add_retraining_args(g, d) -> None:
+    """What each subnet is retrained on, and how it learns."""
     g.add_argument("--retrain-epochs", type=int, default=d.retrain_epochs,
                    help="epochs per subnet, 0 = no retraining (default: %(default)s)")
     g.add_argument("--samples-per-subnet", type=int, default=d.samples_per_subnet,
@@ -112,7 +137,11 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
                    help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
     g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
-    g.add_argument("--workers", type=int, default=None,
+
+
+def add_retraining_run_args(g) -> None:
+    """Where and how the retraining runs (not among the artifact's recorded settings)."""
+    g.add_argument("--retrain-jobs", type=int, default=None, metavar="N",
                    help="subnets retrained at once (default: on GPUs all of them, sharing "
                         "the GPUs; on CPUs one per core)")
     g.add_argument("--compile", action="store_true",
@@ -123,21 +152,11 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
                         "eager steps (one launch per step); eager where capture fails, after one "
                         "warning line (default: on; the CPU runs eagerly)")
     g.add_argument("--no-ray", action="store_true",
-                   help="retrain the subnets in this process: on a GPU --workers at once, on "
+                   help="retrain the subnets in this process: on a GPU --retrain-jobs at once, on "
                         "the CPU one after another (what a machine without Ray does)")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: RAY_ADDRESS, "
                         "else a local instance)")
-    p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
-    p.add_argument("--opset", type=int, default=d.opset, help="ONNX opset (default: %(default)s)")
-    p.add_argument("--eval-limit", type=int, default=None,
-                   help="evaluate on a stratified subset of this many test images (default: all)")
-    p.add_argument("--force", action="store_true",
-                   help="start over, replacing what an earlier decomposition wrote in --out")
-    p.add_argument("--trust-model-code", action="store_true",
-                   help="the model is a package.module:factory: import it (that runs its code)")
-    add_device_arg(p)
-    p.set_defaults(func=cmd_decompose)
 
 
 def cmd_decompose(args) -> int:
@@ -157,7 +176,7 @@ def cmd_decompose(args) -> int:
         hard_negatives=args.hard_negatives, optimizer=args.optimizer,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
-                         device=args.device, data_dir=args.data_dir, workers=args.workers,
+                         device=args.device, data_dir=args.data_dir, workers=args.retrain_jobs,
                          compile_=args.compile, capture=args.capture,
                          use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit,
                          ray_address=args.ray_address, trust_code=args.trust_model_code)

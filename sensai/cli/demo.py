@@ -42,8 +42,9 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=DEMO_EPOCHS,
                    help="training epochs, one warm-up and cosine schedule over all (default: "
                         "%(default)s)")
-    p.add_argument("--warmup", type=float, default=DEMO_WARMUP,
-                   help="fraction of the training steps spent warming up (default: %(default)s)")
+    p.add_argument("--lr-warmup", type=float, default=DEMO_WARMUP,
+                   help="fraction of the training steps over which the learning rate ramps up "
+                        "(default: %(default)s)")
     p.add_argument("--groups", "-G", type=int, default=2,
                    help="subnets (default: %(default)s, one per core of this 2-core machine; "
                         "10 gives one binary subnet per class)")
@@ -90,55 +91,47 @@ def _step(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def cmd_demo(args) -> int:
-    import httpx
-    import numpy as np
-    import torch
+def check_demo_args(args):
+    """The dataset and decomposition settings, once every argument is checked (before any long
+    work)."""
+    from sensai.data import resolve_dataset
+    from sensai.errors import SensaiError
+    from sensai.models import list_models
+    from sensai.pruning.decompose import DecomposeConfig
+    from sensai.training.trainer import check_warmup
 
-    from sensai.bench.latency import run_bench
-    from sensai.bench.latency_report import render_table
-    from sensai.data import encode_png, load_split, resolve_dataset
-    from sensai.errors import CheckpointError, SensaiError
-    from sensai.manifest import load_model_record
-    from sensai.models import list_models, select_device
-    from sensai.pruning.decompose import DecomposeConfig, decompose
-    from sensai.pruning.errors import SettingsMismatch
-    from sensai.serving.core.settings import GatewaySettings
-    from sensai.serving.gateway.app import create_app
-    from sensai.serving.gateway.server import BackgroundServer
-    from sensai.serving.launch.build import build_predictor
-    from sensai.training.trainer import check_warmup, train
-
-    out = Path(args.out)
-    model_name = args.model
-    if model_name not in list_models():
-        raise SensaiError(f"--model {model_name!r} is not a registry model; choose one of: "
+    if args.model not in list_models():
+        raise SensaiError(f"--model {args.model!r} is not a registry model; choose one of: "
                           f"{', '.join(list_models())}")
-    model_dir, art = out / model_name, out / f"{model_name}_g{args.groups}"
     spec = resolve_dataset("fashion-mnist", args.data_dir)  # fail fast when the data is missing
     if not 1 <= args.groups <= spec.num_classes:
         raise SensaiError(f"--groups must be between 1 and {spec.num_classes}, got {args.groups}")
     if args.images < 1 or args.epochs < 1:
         raise SensaiError("--images and --epochs must be at least 1")
-    check_warmup(args.warmup)
+    check_warmup(args.lr_warmup)
     if args.train_limit is not None and args.train_limit < spec.num_classes:
         raise SensaiError(f"--train-limit must be at least {spec.num_classes} (one image a class)")
-    config = DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()
-    device = select_device(args.device)
-    t_start = time.perf_counter()
+    return spec, DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()
 
-    _step(f"1/5 train {model_name} on Fashion-MNIST ({args.epochs} epochs, {device})")
+
+def train_demo_model(args, spec, model_dir: Path, device):
+    """The demo model, trained here unless ``model_dir`` holds one trained with these settings."""
+    from sensai.data import load_split
+    from sensai.errors import CheckpointError, SensaiError
+    from sensai.manifest import load_model_record
+    from sensai.training.trainer import train
+
     try:
         record = load_model_record(model_dir)
         if (record.train is None or record.train.epochs != args.epochs
-                or record.train.warmup != args.warmup
+                or record.train.warmup != args.lr_warmup
                 or record.train.train_limit != args.train_limit):
             raise SensaiError("different run")
         print(f"already trained: {model_dir}")
     except SensaiError:
-        kwargs = dict(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
+        kwargs = dict(model_name=args.model, spec=spec, train_set=load_split(spec, "train"),
                       test_set=load_split(spec, "test"), out_dir=model_dir, epochs=args.epochs,
-                      warmup=args.warmup, train_limit=args.train_limit, device=device,
+                      warmup=args.lr_warmup, train_limit=args.train_limit, device=device,
                       eval_every=1)  # the convergence line below reads every epoch's top-1
         try:
             record = train(**kwargs)  # resumes an interrupted demo's training
@@ -147,8 +140,13 @@ def cmd_demo(args) -> int:
             record = train(**kwargs, resume=False)
     print(f"{record.model}: {record.params:,} params, test top-1 {record.test_top1:.4f}")
     print(training_progress(record))
+    return record
 
-    _step(f"2/5 decompose into {args.groups} class-parallel subnets")
+
+def decompose_demo_model(args, spec, model_dir: Path, art: Path, config, record) -> None:
+    from sensai.pruning.decompose import decompose
+    from sensai.pruning.errors import SettingsMismatch
+
     try:
         manifest = decompose(model_dir, art, groups=args.groups, config=config,
                              device=args.device, data_dir=args.data_dir)
@@ -169,6 +167,14 @@ def cmd_demo(args) -> int:
               f"{f' ({epochs} epochs)' if epochs else ''}, decomposed "
               f"{ev['decomposed_top1']:.4f}  (report: {art / 'report.md'})")
 
+
+def serve_and_predict(args, spec, art: Path) -> None:
+    """Steps 3 and 4: the subnets behind the HTTP gateway, and real test images sent to it."""
+    from sensai.serving.core.settings import GatewaySettings
+    from sensai.serving.gateway.app import create_app
+    from sensai.serving.gateway.server import BackgroundServer
+    from sensai.serving.launch.build import build_predictor
+
     _step("3/5 serve the subnets behind the HTTP gateway (local backend, ONNX Runtime)")
     settings = GatewaySettings(device=args.device)
     predictor = build_predictor(art, settings)
@@ -176,35 +182,47 @@ def cmd_demo(args) -> int:
     try:
         print(f"gateway listening on {server.url} (POST /v1/predict, /v2/models/sensai/infer, /metrics)")
         _step(f"4/5 predict {args.images} real test images over HTTP")
-        test = load_split(spec, "test")
-        idx = np.random.default_rng(0).choice(len(test), size=min(args.images, len(test)),
-                                              replace=False)
-        right = 0
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            for i in idx:
-                x, y = test[int(i)]
-                r = client.post("/v1/predict", files={"image": ("img.png", encode_png(x), "image/png")},
-                                params={"top_k": 1})
-                r.raise_for_status()
-                body = r.json()
-                best = body["predictions"][0]
-                right += int(best["index"] == y)
-                timing = body.get("timings_ms", {})
-                print(f"  test image {int(i):>5}: predicted {best['label']:<12} ({best['score']:.2f})"
-                      f"  truth {spec.classes[y]:<12} {'ok' if best['index'] == y else 'WRONG'}"
-                      f"  total {timing.get('total', float('nan')):.2f} ms")
-        print(f"{right}/{len(idx)} right")
+        predict_over_http(server.url, spec, args.images)
     finally:
         server.stop()
         import asyncio
 
         asyncio.run(predictor.close())
 
-    if args.no_bench:
-        return 0
-    _step("5/5 single-image latency: single device vs model parallel vs class parallel")
+
+def predict_over_http(url: str, spec, images: int) -> None:
+    import httpx
+    import numpy as np
+
+    from sensai.data import encode_png, load_split
+
+    test = load_split(spec, "test")
+    idx = np.random.default_rng(0).choice(len(test), size=min(images, len(test)), replace=False)
+    right = 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in idx:
+            x, y = test[int(i)]
+            r = client.post("/v1/predict", files={"image": ("img.png", encode_png(x), "image/png")},
+                            params={"top_k": 1})
+            r.raise_for_status()
+            body = r.json()
+            best = body["predictions"][0]
+            right += int(best["index"] == y)
+            timing = body.get("timings_ms", {})
+            print(f"  test image {int(i):>5}: predicted {best['label']:<12} ({best['score']:.2f})"
+                  f"  truth {spec.classes[y]:<12} {'ok' if best['index'] == y else 'WRONG'}"
+                  f"  total {timing.get('total', float('nan')):.2f} ms")
+    print(f"{right}/{len(idx)} right")
+
+
+def bench_demo(args, out: Path, art: Path) -> None:
+    import torch
+
+    from sensai.bench.latency import run_bench
+    from sensai.bench.latency_report import render_table
+
     torch.set_num_threads(1)
-    bench_dir = out / f"bench_{model_name}_g{args.groups}"
+    bench_dir = out / f"bench_{args.model}_g{args.groups}"
     # In process (the subnets' own gain) and over HTTP (what a caller sees); the other remote
     # transports are `sensai bench`'s.
     result = run_bench(art, bench_dir, images=args.bench_images, rounds=5,
@@ -215,5 +233,25 @@ def cmd_demo(args) -> int:
     # bench.md with their explanation.
     print(render_table(result, model_targets_only=True))
     print(f"\nfull results: {bench_dir / 'bench.md'} (plot: bench.png)")
+
+
+def cmd_demo(args) -> int:
+    from sensai.models import select_device
+
+    out = Path(args.out)
+    spec, config = check_demo_args(args)
+    model_dir, art = out / args.model, out / f"{args.model}_g{args.groups}"
+    device = select_device(args.device)
+    t_start = time.perf_counter()
+
+    _step(f"1/5 train {args.model} on Fashion-MNIST ({args.epochs} epochs, {device})")
+    record = train_demo_model(args, spec, model_dir, device)
+    _step(f"2/5 decompose into {args.groups} class-parallel subnets")
+    decompose_demo_model(args, spec, model_dir, art, config, record)
+    serve_and_predict(args, spec, art)
+    if args.no_bench:
+        return 0
+    _step("5/5 single-image latency: single device vs model parallel vs class parallel")
+    bench_demo(args, out, art)
     print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
     return 0

@@ -7,7 +7,6 @@ that command runs.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket

@@ -36,7 +36,7 @@ def register(sub) -> None:
     add_data_args(p)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default: 0.05)")
-    p.add_argument("--warmup", type=float, default=DEFAULT_WARMUP,
+    p.add_argument("--lr-warmup", type=float, default=DEFAULT_WARMUP,
                    help="fraction of all steps over which the learning rate ramps up to --lr, "
                         "before one cosine decay to zero (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128)
@@ -93,7 +93,7 @@ def cmd_train(args) -> int:
     device = select_device(args.device)
     record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
-                   lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
+                   lr=args.lr, warmup=args.lr_warmup, batch_size=args.batch_size, seed=args.seed,
                    train_limit=args.train_limit, device=device, resume=not args.no_resume,
                    compile_=args.compile, capture=args.capture, eval_every=args.eval_every)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "

@@ -30,10 +30,9 @@ its own, and when a batch's run fails its requests are run again one by one: onl
 fails alone fails, and one subnet failing fails only its own answers.  Skips can arrive at any
 time from another thread; they are applied under a condition variable the waits sleep on.
 
-Thread and process workers, device processes, and Ray actors over their socket, feed
-:meth:`WorkerCore.serve` a queue of :class:`~sensai.serving.core.messages.Run` messages; Ray Serve
-replicas call :meth:`WorkerCore.compute` once per (request, group), unbatched, and
-:meth:`WorkerCore.begin` / :meth:`WorkerCore.end` around a request.
+Thread and process workers, device processes, and Ray actors and Ray Serve replicas over their
+socket, feed :meth:`WorkerCore.serve` a queue of :class:`~sensai.serving.core.messages.Run`
+messages.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..core.faults import DelaySpec, corrupt_output
-from ..core.messages import (BatchCounts, Batching, Dones, Fault, Output, Outputs, Run, RunFailed,
+from ..core.messages import (BatchCounts, Batching, Dones, Fault, Outputs, Run, RunFailed,
                              Skip, each)
 from .device_runner import DeviceLaunch, DeviceRunner, as_device, wait_devices
 from .runners import Runner
@@ -394,30 +393,6 @@ class WorkerCore:
 
     def skipped(self, req: int, group: int) -> bool:
         return self.control.skipped(req, group)
-
-    # -- one request
-
-    def begin(self, req: int) -> None:
-        self.control.begin(req)
-
-    def hedge(self, waits: Sequence[tuple[int, int, float]]) -> None:
-        self.control.hedge(waits)
-
-    def end(self, req: int) -> None:
-        self.control.end(req)
-
-    def compute(self, req: int, group: int, x: np.ndarray, *, copy: bool = False,
-                hedge_s: float = 0.0) -> Output | RunFailed | None:
-        """Group ``group`` of request ``req`` alone: its output, a failure, or None when
-        skipped."""
-        if copy and hedge_s > 0:
-            self.control.hedge(((req, group, hedge_s),))
-        # Without a hedge wait no lock: the skip may land an instant later either way, and
-        # right after a wake-up every lock taken on the request's path costs (cold caches).
-        if self.control.skipped(req, group):
-            return None
-        event = self.device_calls.alone((group,), req, x)[0]
-        return event if type(event) is RunFailed else Output(req, group, event.out, event.ms)
 
     # -- batches of requests
 
