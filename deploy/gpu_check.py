@@ -32,6 +32,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sensai.bench.load_measures import gpu_busy
@@ -353,104 +354,165 @@ def decompose_cap(manifest: Path, groups: int, samples_per_subnet: int | None) -
     return int(CAP_SPARE * expected + CAP_EXTRA_S)
 
 
+@dataclass
+class BenchPart:
+    """The bench runs' part of the report: gpu-check.md's table rows and the notes under them,
+    gpu-check.json's summary of each run, and what is missing."""
+
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    summary: list[dict] = field(default_factory=list)
+    missing: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class LoadPart:
+    """The load sweeps' part of the report: gpu-check.md's sweep and level tables and each
+    sweep's own load.md, gpu-check.json's sweeps and levels, and what is missing."""
+
+    sweep_table: list[list[str]] = field(default_factory=list)
+    sweeps: list[dict] = field(default_factory=list)
+    appendix: list[str] = field(default_factory=list)
+    level_table: list[list[str]] = field(default_factory=list)
+    levels: list[dict] = field(default_factory=list)
+    missing: list[dict] = field(default_factory=list)
+
+
 def report(check: Path) -> int:
     if not check.is_dir():
         print(f"no folder {check}", file=sys.stderr)
         return 2
     steps, logged_cores = read_log(check)
     cores = machine_cores(logged_cores)
-    rows, notes, summary, missing = [], [], [], []
+    bench = bench_part(check, steps)
+    load = LoadPart()
+    for folder, step, label_ in SWEEPS:
+        add_sweep(load, check, folder, step, label_, steps)
+    offline = offline_rows(check / "models")
+    text = report_text(check, bench, load, offline, cores, steps)
+    write_text_atomic(check / "gpu-check.md", text)
+    write_json_atomic(check / "gpu-check.json",
+                      {"runs": bench.summary, "load_json": load.sweeps[0]["load_json"],
+                       "sweeps": load.sweeps, "levels": load.levels,
+                       "cores": cores, "steps": steps, "missing": bench.missing + load.missing,
+                       "offline": [dict(zip(OFFLINE_HEADER, r)) for r in offline]})
+    print(text)
+    return 0
+
+
+def bench_part(check: Path, steps: dict[str, str]) -> BenchPart:
+    """Every bench.json under ``check``, and a row for each bench step that left none."""
+    part = BenchPart()
     runs = sorted(check.glob("*/bench.json"))
     for path in runs:
-        try:
-            run = json.loads(path.read_text())
-            run_rows = rows_of(path, run)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            rows.append([path.parent.name, f"unreadable bench.json: {type(e).__name__}: {e}",
-                         *["-"] * (len(BENCH_HEADER) - 2)])
-            missing.append({"part": path.parent.name, "why": f"unreadable bench.json: {e}"})
-            continue
-        rows += run_rows
-        acc, shrink = run.get("accuracy") or {}, run.get("shrink") or {}
-        gpus = (run.get("machine") or {}).get("gpus") or []
-        card = gpus[0]["name"] if gpus and isinstance(gpus[0], dict) else (gpus or ["cpu"])[0]
-        notes.append(f"- {path.parent.name}: {card}; original top-1 "
-                     f"{fmt(acc.get('original_top1'), 4)}, decomposed "
-                     f"{fmt(acc.get('decomposed_top1'), 4)}; largest subnet "
-                     f"{fmt(shrink.get('params_ratio'), 1)}x fewer params; command: "
-                     f"`{run.get('command')}`")
-        try:
-            checks = all_checks(run.get("targets") or {})
-        except (KeyError, TypeError, ValueError, AttributeError):
-            checks = []
-        for c in checks:
-            notes.append(f"  - target {c['name']}: {c['rule']} ({c.get('transport')}): "
-                         f"{fmt(c['value'], 4)} -> {c['status'].upper()}")
-        summary.append({"run": path.parent.name, "bench_json": str(path), "card": card,
-                        "accuracy": acc, "shrink": shrink, "targets": run.get("targets")})
+        add_bench_run(part, path)
     # The bench steps that left no bench.json (bench-fmnist-torch writes fmnist_torch/).
     have = {p.parent.name for p in runs}
     for step in (s for s in steps if s.startswith("bench-")):
         run_dir = step[len("bench-"):].replace("-", "_", 1)
         if run_dir not in have:
             why = why_missing(step, steps, "bench.json")
-            rows.append([run_dir, why, *["-"] * (len(BENCH_HEADER) - 2)])
-            missing.append({"part": run_dir, "step": step, "why": why})
-    if not rows:
-        rows.append(["-", f"not run: no bench.json under {check}, and gpu-check.log has no "
-                     "word of a bench step",
-                     *["-"] * (len(BENCH_HEADER) - 2)])
-        missing.append({"part": "bench", "why": "no bench.json"})
+            part.rows.append([run_dir, why, *["-"] * (len(BENCH_HEADER) - 2)])
+            part.missing.append({"part": run_dir, "step": step, "why": why})
+    if not part.rows:
+        part.rows.append(["-", f"not run: no bench.json under {check}, and gpu-check.log has no "
+                          "word of a bench step",
+                          *["-"] * (len(BENCH_HEADER) - 2)])
+        part.missing.append({"part": "bench", "why": "no bench.json"})
+    return part
 
-    sweep_table, sweeps, appendix, level_table, levels = [], [], [], [], []
-    for folder, step, label_ in SWEEPS:
-        d = check / folder
-        util = gpu_util(d / "gpu-util.csv")
-        entry = {"label": label_, "dir": str(d), "step": step, "gpu_util": util,
-                 "load_json": None, "status": steps.get(step)}
-        result = None
-        try:
-            result = json.loads((d / "load.json").read_text())
-        except (OSError, ValueError) as e:
-            if (d / "load.json").is_file():
-                entry["why"] = f"unreadable load.json: {e}"
-        if isinstance(result, dict):
-            entry["load_json"] = str(d / "load.json")
-            entry["gateway_processes"] = (((result.get("settings") or {}).get("gateway") or {})
-                                          .get("gateway_processes"))
-            try:
-                sweep_table += sweep_rows(label_, result, util)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                sweep_table.append([label_, "-", f"unreadable load.json: {type(e).__name__}: {e}",
-                                    *["-"] * 7, util_text(util)])
-            try:
-                cells, data = level_rows(folder, result)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                why = f"unreadable load.json: {type(e).__name__}: {e}"
-                cells, data = [[folder, why, *["-"] * (len(LEVEL_HEADER) - 2)]], \
-                    [{"sweep": folder, "why": why}]
-            if not cells:
-                cells, data = [[folder, "load.json has no configurations",
-                                *["-"] * (len(LEVEL_HEADER) - 2)]], \
-                    [{"sweep": folder, "why": "load.json has no configurations"}]
-            level_table += cells
-            levels += data
-        else:
-            why = entry.get("why") or why_missing(step, steps, "load.json")
-            entry["why"] = why
-            sweep_table.append([label_, "-", why, *["-"] * 7, util_text(util)])
-            level_table.append([folder, why, *["-"] * (len(LEVEL_HEADER) - 2)])
-            levels.append({"sweep": folder, "why": why})
-            missing.append({"part": folder, "step": step, "why": why})
-        if (d / "load.md").is_file():
-            appendix.append(demoted((d / "load.md").read_text(errors="replace"), label_))
-        sweeps.append(entry)
 
+def add_bench_run(part: BenchPart, path: Path) -> None:
+    """One bench.json: its rows, a note of its card, accuracy and targets, its summary."""
+    try:
+        run = json.loads(path.read_text())
+        run_rows = rows_of(path, run)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        part.rows.append([path.parent.name, f"unreadable bench.json: {type(e).__name__}: {e}",
+                          *["-"] * (len(BENCH_HEADER) - 2)])
+        part.missing.append({"part": path.parent.name, "why": f"unreadable bench.json: {e}"})
+        return
+    part.rows += run_rows
+    acc, shrink = run.get("accuracy") or {}, run.get("shrink") or {}
+    gpus = (run.get("machine") or {}).get("gpus") or []
+    card = gpus[0]["name"] if gpus and isinstance(gpus[0], dict) else (gpus or ["cpu"])[0]
+    part.notes.append(f"- {path.parent.name}: {card}; original top-1 "
+                      f"{fmt(acc.get('original_top1'), 4)}, decomposed "
+                      f"{fmt(acc.get('decomposed_top1'), 4)}; largest subnet "
+                      f"{fmt(shrink.get('params_ratio'), 1)}x fewer params; command: "
+                      f"`{run.get('command')}`")
+    try:
+        checks = all_checks(run.get("targets") or {})
+    except (KeyError, TypeError, ValueError, AttributeError):
+        checks = []
+    for c in checks:
+        part.notes.append(f"  - target {c['name']}: {c['rule']} ({c.get('transport')}): "
+                          f"{fmt(c['value'], 4)} -> {c['status'].upper()}")
+    part.summary.append({"run": path.parent.name, "bench_json": str(path), "card": card,
+                         "accuracy": acc, "shrink": shrink, "targets": run.get("targets")})
+
+
+def add_sweep(part: LoadPart, check: Path, folder: str, step: str, label_: str,
+              steps: dict[str, str]) -> None:
+    """One sweep of step 3 (its folder under ``check``): its rows, or why it has none."""
+    d = check / folder
+    util = gpu_util(d / "gpu-util.csv")
+    entry = {"label": label_, "dir": str(d), "step": step, "gpu_util": util,
+             "load_json": None, "status": steps.get(step)}
+    result = None
+    try:
+        result = json.loads((d / "load.json").read_text())
+    except (OSError, ValueError) as e:
+        if (d / "load.json").is_file():
+            entry["why"] = f"unreadable load.json: {e}"
+    if isinstance(result, dict):
+        entry["load_json"] = str(d / "load.json")
+        entry["gateway_processes"] = (((result.get("settings") or {}).get("gateway") or {})
+                                      .get("gateway_processes"))
+        add_sweep_rows(part, folder, label_, result, util)
+    else:
+        why = entry.get("why") or why_missing(step, steps, "load.json")
+        entry["why"] = why
+        part.sweep_table.append([label_, "-", why, *["-"] * 7, util_text(util)])
+        part.level_table.append([folder, why, *["-"] * (len(LEVEL_HEADER) - 2)])
+        part.levels.append({"sweep": folder, "why": why})
+        part.missing.append({"part": folder, "step": step, "why": why})
+    if (d / "load.md").is_file():
+        part.appendix.append(demoted((d / "load.md").read_text(errors="replace"), label_))
+    part.sweeps.append(entry)
+
+
+def add_sweep_rows(part: LoadPart, folder: str, label_: str, result: dict,
+                   util: dict | None) -> None:
+    """A sweep's rows of the sweep table and of the level table (a row saying why where its
+    load.json cannot tell)."""
+    try:
+        part.sweep_table += sweep_rows(label_, result, util)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        part.sweep_table.append([label_, "-", f"unreadable load.json: {type(e).__name__}: {e}",
+                                 *["-"] * 7, util_text(util)])
+    try:
+        cells, data = level_rows(folder, result)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        why = f"unreadable load.json: {type(e).__name__}: {e}"
+        cells, data = [[folder, why, *["-"] * (len(LEVEL_HEADER) - 2)]], \
+            [{"sweep": folder, "why": why}]
+    if not cells:
+        cells, data = [[folder, "load.json has no configurations",
+                        *["-"] * (len(LEVEL_HEADER) - 2)]], \
+            [{"sweep": folder, "why": "load.json has no configurations"}]
+    part.level_table += cells
+    part.levels += data
+
+
+def report_text(check: Path, bench: BenchPart, load: LoadPart, offline: list[list[str]],
+                cores: dict, steps: dict[str, str]) -> str:
+    """gpu-check.md: the bench table, the sweeps, the offline work, the steps that did not
+    finish, then each sweep's own report."""
     failed = [f"- {name}: {why_missing(name, steps, 'output')}" for name, status in steps.items()
               if not status.startswith("done")]
-    offline = offline_rows(check / "models")
-    text = ("# gpu-check\n\n" + md_table(BENCH_HEADER, rows) + "\n\n"
-            + "".join(n + "\n" for n in notes)
+    text = ("# gpu-check\n\n" + md_table(BENCH_HEADER, bench.rows) + "\n\n"
+            + "".join(n + "\n" for n in bench.notes)
             + "\n## Under load\n\n"
             f"Cores: {fmt(cores['usable'])} usable (nproc), {fmt(cores['all'])} in all "
             f"(from {cores['source']}).  Each sweep: `sensai bench-load --sweep` of the "
@@ -458,7 +520,7 @@ def report(check: Path) -> int:
             "same gateway (single); best closed-loop level by 200/s; GPU busy: nvidia-smi's "
             "utilization.gpu every 0.5 s over the whole step (the gateways' start-ups included; - "
             "where nvidia-smi is not there or the step did not start).\n\n"
-            + md_table(SWEEP_HEADER, sweep_table) + "\n"
+            + md_table(SWEEP_HEADER, load.sweep_table) + "\n"
             + "\n### Each level\n\n"
             "Sweep: its folder under the check (load: gateway processes auto; load-sleep: the "
             "same, the GPU waited for by sleeping; load-n1: one gateway process).  Rows per batch: "
@@ -468,21 +530,14 @@ def report(check: Path) -> int:
             "the gateways over the level, in cores (near 1.00: that process is the wall); GPU "
             "busy: nvidia-smi's utilization.gpu over the level, sampled every 0.2 s "
             "(- where a figure was not recorded).\n\n"
-            + md_table(LEVEL_HEADER, level_table) + "\n"
+            + md_table(LEVEL_HEADER, load.level_table) + "\n"
             + "\n## Offline: training and decomposition\n\n"
             + (md_table(OFFLINE_HEADER, offline) if offline else
                f"No model.json or manifest.json under {check / 'models'}.") + "\n"
             + ("\nSteps skipped or failed:\n\n" + "\n".join(failed) + "\n" if failed else ""))
-    for part in appendix:
+    for part in load.appendix:
         text += "\n" + part
-    write_text_atomic(check / "gpu-check.md", text)
-    write_json_atomic(check / "gpu-check.json",
-                      {"runs": summary, "load_json": sweeps[0]["load_json"], "sweeps": sweeps,
-                       "levels": levels,
-                       "cores": cores, "steps": steps, "missing": missing,
-                       "offline": [dict(zip(OFFLINE_HEADER, r)) for r in offline]})
-    print(text)
-    return 0
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -545,7 +545,8 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
 
     out = tmp_path / "cli"
     code = main(["bench", str(artifact), "--out", str(out), "--images", "8", "--warmup", "1",
-                 "--rounds", "1", "--concurrency", "2", "--requests", "4", "--no-http",
+                 "--rounds", "1", "--concurrency", "2", "--requests", "4",
+                 "--transports", "inprocess",
                  "--strategies", "single", "class-parallel", "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
@@ -556,7 +557,8 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
     # The command that reproduces the run: the arguments given, none of the defaults.
     assert result["command"].startswith(f"sensai bench {artifact} --out {out} ")
-    for given in ("--images 8", "--rounds 1", "--strategies single class-parallel", "--no-http"):
+    for given in ("--images 8", "--rounds 1", "--strategies single class-parallel",
+                  "--transports inprocess"):
         assert given in result["command"]
     assert "--threads" not in result["command"] and "--seed" not in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]

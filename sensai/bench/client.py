@@ -382,120 +382,156 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     ``stop()`` true ends a closed loop early: each caller sends no more requests once its last
     is answered.  The collector is kept out of the phase (a full collection of this process's
     heap would stall the sending and show as server latency)."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    live = live_request(url)
-    out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [], "sent_in_time": 0,
-                           "wrong": 0, "failures": {}, "parked": 0}
-    if answers:
-        out |= {"image": [], "index": [], "version": []}
-    images = itertools.count(first)
-    budget = itertools.count() if count is None else iter(range(count))
-    conns = [_Connection(host, port) for _ in range(concurrency or preopen or connections)]
-    free: asyncio.Queue = asyncio.Queue()
+    phase = _LoadPhase(requests, url, count=count, opened=concurrency or preopen or connections,
+                       connections=connections, expected=expected, timeout_s=timeout_s,
+                       first=first, strict=strict, answers=answers, retry_after=retry_after,
+                       stop=stop)
+    return await phase.run(seconds, rate)
 
-    async def one(conn: _Connection, due: float) -> tuple[int, float]:
+
+class _LoadPhase:
+    """One :func:`load_phase`: what it sends and checks, its connections, and what it records
+    (``out``)."""
+
+    def __init__(self, requests: list[bytes], url: str, *, count: int | None, opened: int,
+                 connections: int, expected: list[int] | None, timeout_s: float, first: int,
+                 strict: bool, answers: bool, retry_after: bool, stop: Callable[[], bool]):
+        """``opened``: the connections opened before the phase starts; ``connections``: as
+        many as an open loop may hold."""
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.requests, self.url, self.expected, self.timeout_s = requests, url, expected, timeout_s
+        self.strict, self.answers, self.retry_after, self.stop = strict, answers, retry_after, stop
+        self.connections = connections
+        self.out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [],
+                                    "sent_in_time": 0, "wrong": 0, "failures": {}, "parked": 0}
+        if answers:
+            self.out |= {"image": [], "index": [], "version": []}
+        self.images = itertools.count(first)
+        self.budget = itertools.count() if count is None else iter(range(count))
+        self.conns = [_Connection(self.host, self.port) for _ in range(opened)]
+        self.free: asyncio.Queue = asyncio.Queue()
+        self.end = math.inf
+
+    async def run(self, seconds: float, rate: float) -> dict[str, Any]:
+        """The phase, closed loop or (given ``rate``) open; its record."""
+        live = live_request(self.url)
+        collecting = gc.isenabled()
+        try:
+            # Open the connections first, so the phase does not pay for TCP set-up.
+            await asyncio.gather(*(c.request(live) for c in self.conns))
+            gc.collect()
+            gc.disable()
+            cpu0 = time.process_time()
+            t0 = time.monotonic()
+            self.end = t0 + seconds
+            if rate:
+                await self.open_loop(t0, rate)
+            else:
+                await asyncio.gather(*(self.closed(c) for c in self.conns))
+        finally:
+            if collecting:
+                gc.enable()
+            for c in self.conns:
+                c.close()
+        out = self.out
+        out["t0"] = t0
+        out["seconds"] = time.monotonic() - t0
+        out["cpu_s"] = time.process_time() - cpu0  # this client process's own CPU in the phase
+        out["connections"] = len(self.conns)
+        return out
+
+    async def one(self, conn: _Connection, due: float) -> tuple[int, float]:
         """Send the next request on ``conn``: its status, and how long to wait before the next
         one on it (a 503's Retry-After, when honoured; else 0)."""
-        j = next(images) % len(requests)
+        j = next(self.images) % len(self.requests)
         status, index, version, wait = 0, None, None, 0.0
         try:
-            async with asyncio.timeout(timeout_s):
-                status, headers, body = await conn.request(requests[j])
-            if retry_after and status == 503 and b"retry-after" in headers:
+            async with asyncio.timeout(self.timeout_s):
+                status, headers, body = await conn.request(self.requests[j])
+            if self.retry_after and status == 503 and b"retry-after" in headers:
                 wait = float(headers[b"retry-after"])
-                out["parked"] += 1
-            if strict and status != 200 and not (status == 503 and b"retry-after" in headers):
-                raise RuntimeError(f"server at {url} answered {status}: "
+                self.out["parked"] += 1
+            if self.strict and status != 200 \
+                    and not (status == 503 and b"retry-after" in headers):
+                raise RuntimeError(f"server at {self.url} answered {status}: "
                                    f"{body[:200].decode(errors='replace')}")
-            if status == 200 and (expected is not None or answers):
+            if status == 200 and (self.expected is not None or self.answers):
                 index, version = _answer(headers, body)
-                if expected is not None and index != expected[j]:
-                    out["wrong"] += 1
+                if self.expected is not None and index != self.expected[j]:
+                    self.out["wrong"] += 1
         except (OSError, EOFError, TimeoutError) as e:
-            if strict:
+            if self.strict:
                 raise
-            out["failures"][type(e).__name__] = out["failures"].get(type(e).__name__, 0) + 1
+            self.failed(type(e).__name__)
         except (ValueError, KeyError, TypeError, IndexError):  # not an answer we can read
             if status == 200:
-                out["wrong"] += 1
+                self.out["wrong"] += 1
             else:
-                out["failures"]["BadResponse"] = out["failures"].get("BadResponse", 0) + 1
+                self.failed("BadResponse")
+        self.record(due, status, j, index, version)
+        return status, wait
+
+    def failed(self, kind: str) -> None:
+        self.out["failures"][kind] = self.out["failures"].get(kind, 0) + 1
+
+    def record(self, due: float, status: int, j: int, index: int | None,
+               version: str | None) -> None:
+        out = self.out
         out["t"].append(due)
         out["ms"].append((time.monotonic() - due) * 1e3)
         out["status"].append(status)
-        if answers:
+        if self.answers:
             out["image"].append(j)
             out["index"].append(index)
             out["version"].append(version)
-        return status, wait
 
-    async def closed(conn: _Connection) -> None:
-        while ((now := time.monotonic()) < end and not stop()
-               and next(budget, None) is not None):
-            status, wait = await one(conn, now)
+    async def closed(self, conn: _Connection) -> None:
+        while ((now := time.monotonic()) < self.end and not self.stop()
+               and next(self.budget, None) is not None):
+            status, wait = await self.one(conn, now)
             if not status:
                 await asyncio.sleep(0.05)  # no answer (server gone?): do not spin
             elif wait:
-                await asyncio.sleep(min(wait, max(0.0, end - time.monotonic())))
+                await asyncio.sleep(min(wait, max(0.0, self.end - time.monotonic())))
 
-    async def due_at(due: float) -> None:
-        if free.empty() and len(conns) < connections:
-            conn = _Connection(host, port)
-            conns.append(conn)
+    async def open_loop(self, t0: float, rate: float) -> None:
+        for c in self.conns:
+            self.free.put_nowait(c)
+        tasks: set[asyncio.Task] = set()
+        k = 0
+        while (due := t0 + k / rate) < self.end:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            task = asyncio.create_task(self.due_at(due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            k += 1
+        await asyncio.gather(*list(tasks))
+
+    async def due_at(self, due: float) -> None:
+        if self.free.empty() and len(self.conns) < self.connections:
+            conn = _Connection(self.host, self.port)
+            self.conns.append(conn)
         else:  # queued here when all the connections allowed are busy: counted as lag
-            conn = await free.get()
+            conn = await self.free.get()
         now = time.monotonic()
-        if retry_after and now >= end:  # a polite client sends no backlog after the phase
-            free.put_nowait(conn)
+        # A polite client sends no backlog after the phase.
+        if self.retry_after and now >= self.end:
+            self.free.put_nowait(conn)
             return
-        out["lag_ms"].append((now - due) * 1e3)
-        out["sent_in_time"] += now < end
+        self.out["lag_ms"].append((now - due) * 1e3)
+        self.out["sent_in_time"] += now < self.end
         wait = 0.0
         try:
             # A polite client sends when it may: its latency counts from then (its own waiting
             # is the send lag); else from when the request was due, so a stall of the server that
             # holds the client's connections counts in full.
-            wait = (await one(conn, now if retry_after else due))[1]
+            wait = (await self.one(conn, now if self.retry_after else due))[1]
         finally:
             if wait:
-                asyncio.get_running_loop().call_later(wait, free.put_nowait, conn)
+                asyncio.get_running_loop().call_later(wait, self.free.put_nowait, conn)
             else:
-                free.put_nowait(conn)
-
-    collecting = gc.isenabled()
-    try:
-        # Open the connections first, so the phase does not pay for TCP set-up.
-        await asyncio.gather(*(c.request(live) for c in conns))
-        gc.collect()
-        gc.disable()
-        cpu0 = time.process_time()
-        t0 = time.monotonic()
-        end = t0 + seconds
-        if rate:
-            for c in conns:
-                free.put_nowait(c)
-            tasks: set[asyncio.Task] = set()
-            k = 0
-            while (due := t0 + k / rate) < end:
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-                task = asyncio.create_task(due_at(due))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                k += 1
-            await asyncio.gather(*list(tasks))
-        else:
-            await asyncio.gather(*(closed(c) for c in conns))
-    finally:
-        if collecting:
-            gc.enable()
-        for c in conns:
-            c.close()
-    out["t0"] = t0
-    out["seconds"] = time.monotonic() - t0
-    out["cpu_s"] = time.process_time() - cpu0  # this client process's own CPU in the phase
-    out["connections"] = len(conns)
-    return out
+                self.free.put_nowait(conn)
 
 
 def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,

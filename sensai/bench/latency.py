@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -79,6 +80,33 @@ def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requ
                           f"{PEER_TRANSPORT} to --transports")
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """What the phases of one ``sensai bench`` run pass along of its options: the strategies,
+    transports, class-parallel backends and peers (each in canonical order), how every worker
+    runs, and how much is timed."""
+
+    strategies: list[str]
+    transports: list[str]
+    backends: list[str]
+    peers: list[str]
+    device: str
+    device_resolved: str
+    runtime: str
+    threads: int
+    warmup: int
+    rounds: int
+    concurrency: int
+    n_requests: int
+    isolated_images: int
+    ray_address: str | None
+    spread_cores: bool
+
+    @property
+    def needs_original(self) -> bool:
+        return any(s != "class-parallel" for s in self.strategies) or bool(self.peers)
+
+
 def run_bench(
     artifact_dir: str | Path,
     out_dir: str | Path,
@@ -122,133 +150,190 @@ def run_bench(
         ray_address=ray_address, peers=list(peers or []))
     if keep_awake is not None:
         check_mode(keep_awake)
-    strategies = [s for s in STRATEGIES if s in set(strategies)]  # canonical order
-    transports = [t for t in TRANSPORTS if t in set(transports)]
-    peers = [p for p in PEERS if p in set(peers or [])]
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
-    resolved_device = str(select_device(device))
-    if peers and resolve_runtime(runtime, resolved_device) != "onnx":
+    opts = BenchOptions(
+        strategies=[s for s in STRATEGIES if s in set(strategies)],  # canonical order
+        transports=[t for t in TRANSPORTS if t in set(transports)],
+        backends=backends, peers=[p for p in PEERS if p in set(peers or [])], device=device,
+        device_resolved=str(select_device(device)), runtime=runtime, threads=threads,
+        warmup=warmup, rounds=rounds, concurrency=concurrency,
+        n_requests=requests or max(images, 4 * concurrency), isolated_images=isolated_images,
+        ray_address=ray_address, spread_cores=spread_cores)
+    model, record = original_model(artifact, opts)
+    spec, out = inputs(artifact, data_dir, out_dir)
+    k, r = stages_and_replicas(artifact, opts, model, spec.input_shape, workers, replicas)
+    imgs = load_test_images(spec, images, seed, png="http" in opts.transports)
+    log.info("benchmarking %s (G=%d) on %d %s test images", artifact.manifest.model,
+             len(artifact.subnets), len(imgs), spec.name)
+    result = new_result(opts, artifact, spec, command=command, images=len(imgs), stages=k,
+                        replicas=r, seed=seed)
+    gateway, awake = hold_cores(keep_awake, opts, result)
+    bar = progress_bar(progress)
+    try:
+        recipes = prepare_recipes(artifact, opts, model, record, imgs, out / "models",
+                                  stages=k, replicas=r, result=result, bar=bar)
+        time_together(artifact, opts, recipes, imgs, result, gateway=gateway, log_dir=out,
+                      bar=bar)
+        time_alone(artifact, opts, recipes, imgs, result, bar)
+    finally:
+        bar.close()
+        awake.release()
+    result["accuracy"]["on_bench_images"] = _measured_top1(result, len(imgs))
+    result["targets"] = evaluate_targets(result)
+    finish(out, "bench", result, t_start, render_markdown, plot)
+    log.info("benchmark done in %.0f s -> %s", result["seconds"], out)
+    return result
+
+
+def original_model(artifact, opts: BenchOptions):
+    """The original model and its record where a baseline or a peer needs them, else (None,
+    None)."""
+    if opts.peers and resolve_runtime(opts.runtime, opts.device_resolved) != "onnx":
         raise SensaiError("the peers (--peers) serve the original model's ONNX file: use "
                           "--runtime onnx (or auto on a CPU)")
-    needs_original = any(s != "class-parallel" for s in strategies) or bool(peers)
-    model, record = load_original(artifact) if needs_original else (None, None)
-    spec, out = inputs(artifact, data_dir, out_dir)
-    g = len(artifact.subnets)
-    k = workers or g
-    if "model-parallel" in strategies:
-        k = stage_count(model, spec.input_shape, k, explicit=workers is not None)
-    r = replicas or k
-    if "class-parallel" in strategies:
-        # Fails now, not after the baselines are ready, when a subnet's file is missing.
-        runner_specs(artifact, device=device, runtime=runtime, threads=threads)
-    n_requests = requests or max(images, 4 * concurrency)
+    return load_original(artifact) if opts.needs_original else (None, None)
 
-    imgs = load_test_images(spec, images, seed, png="http" in transports)
-    n = len(imgs)
-    log.info("benchmarking %s (G=%d) on %d %s test images", artifact.manifest.model, g, n,
-             spec.name)
-    settings = {"strategies": strategies, "transports": transports, "images": n,
-                "warmup": warmup, "rounds": rounds, "concurrency": concurrency,
-                "throughput_requests": n_requests, "stages": k, "replicas": r, "subnets": g,
-                "class_parallel_backend": backends[0], "class_parallel_backends": backends,
-                "peers": peers, "ray_address": ray_address,
-                "threads_per_worker": threads,
-                "device": device, "device_resolved": resolved_device, "runtime": runtime,
-                "seed": seed, "batch": 1, "isolated_images": isolated_images}
+
+def stages_and_replicas(artifact, opts: BenchOptions, model, input_shape, workers: int | None,
+                        replicas: int | None) -> tuple[int, int]:
+    """K, model parallel's stages (``workers``, default G, as the model allows), and data
+    parallel's replicas (default K); class parallel's runners are checked here too."""
+    k = workers or len(artifact.subnets)
+    if "model-parallel" in opts.strategies:
+        k = stage_count(model, input_shape, k, explicit=workers is not None)
+    if "class-parallel" in opts.strategies:
+        # Fails now, not after the baselines are ready, when a subnet's file is missing.
+        runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads)
+    return k, replicas or k
+
+
+def new_result(opts: BenchOptions, artifact, spec, *, command: str | None, images: int,
+               stages: int, replicas: int, seed: int) -> dict[str, Any]:
+    """What bench.json opens with: the envelope and its settings, the artifact's accuracy and
+    shrink, no strategy yet."""
+    settings = {"strategies": opts.strategies, "transports": opts.transports, "images": images,
+                "warmup": opts.warmup, "rounds": opts.rounds, "concurrency": opts.concurrency,
+                "throughput_requests": opts.n_requests, "stages": stages, "replicas": replicas,
+                "subnets": len(artifact.subnets), "class_parallel_backend": opts.backends[0],
+                "class_parallel_backends": opts.backends, "peers": opts.peers,
+                "ray_address": opts.ray_address, "threads_per_worker": opts.threads,
+                "device": opts.device, "device_resolved": opts.device_resolved,
+                "runtime": opts.runtime, "seed": seed, "batch": 1,
+                "isolated_images": opts.isolated_images}
     result = envelope("sensai-bench", command=command, artifact=artifact, spec=spec,
                       settings=settings)
     result["accuracy"] = accuracy(artifact.manifest)
     result["shrink"] = shrink(artifact.manifest)
     result["strategies"] = {}
+    return result
+
+
+def hold_cores(keep_awake: str | None, opts: BenchOptions, result: dict[str, Any]):
+    """The gateway settings the served strategies take, and the idle cores kept awake as they
+    say for the whole run (release it at the end); both recorded in ``machine``."""
     # The gateway's defaults (and SENSAI_* variables), as serve.
     gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
     awake = keep_cores_awake(gateway.keep_cores_awake)
     result["machine"]["cores_awake"] = awake.describe()
-    result["machine"]["spread_cores"] = spread_cores
-    bar = progress_bar(progress)
-    try:
-        recipes: dict[str, Recipe] = {}
-        if needs_original:
-            # The peers serve the single device's ONNX file.
-            recipes, plan = prepare_baselines(
-                model, record, artifact, imgs, out / "models", stages=k, replicas=r,
-                strategies=[*strategies, "single"] if peers else strategies, device=device,
-                runtime=runtime, threads=threads, status=bar.set_description)
-            if plan is not None:
-                result["stage_plan"] = plan
-                settings["stages"] = plan["num_stages"]
-        if "class-parallel" in strategies:
-            recipes["class-parallel"] = prepare_class_parallel(
-                artifact, imgs, device=device, runtime=runtime, threads=threads)
-        built: list[Strategy] = []
-        running = Peers()
-        try:
-            for key in strategies:
-                pools = backends if key == "class-parallel" else ["local"]
-                for i, pool in enumerate(pools):
-                    name = strategy_key(pool, i == 0) if key == "class-parallel" else key
-                    bar.set_description(f"load {name}")
-                    s = build(recipes[key], artifact, backend=pool, device=device,
-                              runtime=runtime, threads=threads, settings=gateway,
-                              ray_address=ray_address, key=name, spread_cores=spread_cores,
-                              log_dir=out)
-                    if "untimed_transports" in s.info:  # those of this run only
-                        s.info["untimed_transports"] = {
-                            t: why for t, why in s.info["untimed_transports"].items()
-                            if t in transports}
-                    built.append(s)
-                    result["strategies"][name] = s.info
-            settings["runtime_resolved"] = sorted(
-                {str(w.get("runtime")) for s in built for w in s.info["per_worker"]})
-            if peers:
-                running.start(peers, Path(recipes["single"].specs[0].onnx_path),
-                              threads=threads, status=bar.set_description)
-                result["peers"] = running.report()  # each filled in as it is measured
-            timed = (warmup + n + n_requests) * (
-                sum(t not in s.info.get("untimed_transports", {}) for s in built
-                    for t in transports) + len(running.running))
-            alone = min(isolated_images, n) * (
-                (g if "class-parallel" in strategies else 0) + (1 if peers else 0))
-            bar.total = timed + alone
-            bar.refresh()
-            with quiet_gc():
-                run_like_the_gateway(_measure(
-                    built, running.running, imgs, transports, warmup=warmup, rounds=rounds,
-                    concurrency=concurrency, n_requests=n_requests, gateway=gateway, bar=bar))
-        finally:
-            running.stop()
-            for s in built:
-                _close(s)
-        # After the strategies and peers are stopped: each model alone, nothing else running.
-        cores = result["machine"].get("usable_cores") or 1
-        if "class-parallel" in strategies and isolated_images:
-            cp = result["strategies"]["class-parallel"]
-            cp.update(isolated_compute(recipes["class-parallel"], imgs, isolated_images,
-                                       cores=cores, threads=threads, bar=bar))
-        if "class-parallel" in strategies:
-            bar.set_description("class-parallel: one call of every subnet")
-            result["strategies"]["class-parallel"]["one_call"] = one_call_reference(
-                artifact, imgs.xs, device=resolved_device, runtime=runtime, threads=threads,
-                cores=cores)
-        # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
-        for key in ("class-parallel", "single"):
-            if key in strategies and key in result["strategies"]:
-                result["strategies"][key].update(graph_replay(recipes[key], bar))
-        if peers:
-            alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
-                                      threads=threads, bar=bar) if isolated_images else {})
-            result["comparison"] = comparison(
-                result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
-    finally:
-        bar.close()
-        awake.release()
+    result["machine"]["spread_cores"] = opts.spread_cores
+    return gateway, awake
 
-    result["accuracy"]["on_bench_images"] = _measured_top1(result, n)
-    result["targets"] = evaluate_targets(result)
-    finish(out, "bench", result, t_start, render_markdown, plot)
-    log.info("benchmark done in %.0f s -> %s", result["seconds"], out)
-    return result
+
+def prepare_recipes(artifact, opts: BenchOptions, model, record, imgs: TestImages,
+                    models_dir: Path, *, stages: int, replicas: int, result: dict[str, Any],
+                    bar) -> dict[str, Recipe]:
+    """Each strategy's recipe: the baselines' from the original model (and the single device's
+    where the peers need it), class parallel's from the artifact."""
+    recipes: dict[str, Recipe] = {}
+    if opts.needs_original:
+        # The peers serve the single device's ONNX file.
+        recipes, plan = prepare_baselines(
+            model, record, artifact, imgs, models_dir, stages=stages, replicas=replicas,
+            strategies=[*opts.strategies, "single"] if opts.peers else opts.strategies,
+            device=opts.device, runtime=opts.runtime, threads=opts.threads,
+            status=bar.set_description)
+        if plan is not None:
+            result["stage_plan"] = plan
+            result["settings"]["stages"] = plan["num_stages"]
+    if "class-parallel" in opts.strategies:
+        recipes["class-parallel"] = prepare_class_parallel(
+            artifact, imgs, device=opts.device, runtime=opts.runtime, threads=opts.threads)
+    return recipes
+
+
+def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs: TestImages,
+                  result: dict[str, Any], *, gateway: GatewaySettings, log_dir: Path,
+                  bar) -> None:
+    """Every strategy built (class parallel once per backend) and every peer started, then all
+    timed in the same rounds (:func:`_measure`); each stopped after, whatever happens."""
+    built: list[Strategy] = []
+    running = Peers()
+    try:
+        for key in opts.strategies:
+            pools = opts.backends if key == "class-parallel" else ["local"]
+            for i, pool in enumerate(pools):
+                name = strategy_key(pool, i == 0) if key == "class-parallel" else key
+                bar.set_description(f"load {name}")
+                s = build(recipes[key], artifact, backend=pool, device=opts.device,
+                          runtime=opts.runtime, threads=opts.threads, settings=gateway,
+                          ray_address=opts.ray_address, key=name,
+                          spread_cores=opts.spread_cores, log_dir=log_dir)
+                if "untimed_transports" in s.info:  # those of this run only
+                    s.info["untimed_transports"] = {
+                        t: why for t, why in s.info["untimed_transports"].items()
+                        if t in opts.transports}
+                built.append(s)
+                result["strategies"][name] = s.info
+        result["settings"]["runtime_resolved"] = sorted(
+            {str(w.get("runtime")) for s in built for w in s.info["per_worker"]})
+        if opts.peers:
+            running.start(opts.peers, Path(recipes["single"].specs[0].onnx_path),
+                          threads=opts.threads, status=bar.set_description)
+            result["peers"] = running.report()  # each filled in as it is measured
+        n = len(imgs)
+        timed = (opts.warmup + n + opts.n_requests) * (
+            sum(t not in s.info.get("untimed_transports", {}) for s in built
+                for t in opts.transports) + len(running.running))
+        alone = min(opts.isolated_images, n) * (
+            (len(artifact.subnets) if "class-parallel" in opts.strategies else 0)
+            + (1 if opts.peers else 0))
+        bar.total = timed + alone
+        bar.refresh()
+        with quiet_gc():
+            run_like_the_gateway(_measure(
+                built, running.running, imgs, opts.transports, warmup=opts.warmup,
+                rounds=opts.rounds, concurrency=opts.concurrency, n_requests=opts.n_requests,
+                gateway=gateway, bar=bar))
+    finally:
+        running.stop()
+        for s in built:
+            _close(s)
+
+
+def time_alone(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs: TestImages,
+               result: dict[str, Any], bar) -> None:
+    """After the strategies and peers are stopped: each model alone, nothing else running."""
+    cores = result["machine"].get("usable_cores") or 1
+    reports, isolated_images = result["strategies"], opts.isolated_images
+    if "class-parallel" in opts.strategies and isolated_images:
+        reports["class-parallel"].update(isolated_compute(
+            recipes["class-parallel"], imgs, isolated_images, cores=cores, threads=opts.threads,
+            bar=bar))
+    if "class-parallel" in opts.strategies:
+        bar.set_description("class-parallel: one call of every subnet")
+        reports["class-parallel"]["one_call"] = one_call_reference(
+            artifact, imgs.xs, device=opts.device_resolved, runtime=opts.runtime,
+            threads=opts.threads, cores=cores)
+    # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
+    for key in ("class-parallel", "single"):
+        if key in opts.strategies and key in reports:
+            reports[key].update(graph_replay(recipes[key], bar))
+    if opts.peers:
+        alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
+                                  threads=opts.threads, bar=bar) if isolated_images else {})
+        result["comparison"] = comparison(
+            result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
 
 
 def _close(s: Strategy) -> None:

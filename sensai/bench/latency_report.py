@@ -256,9 +256,16 @@ def idle_lines(result: dict) -> list[str]:
 
 
 def render_markdown(result: dict) -> str:
+    return "\n".join([*_intro(result), *_accuracy_section(result), *_latency_section(result),
+                      *_where_the_time_goes(result), *_per_worker_section(result),
+                      *_targets_section(result), *_closing_notes(result)])
+
+
+def _intro(result: dict) -> list[str]:
+    """The title, the command, what was measured and how, and the machine."""
     m, st, v = result["machine"], result["settings"], result["machine"]["versions"]
     gpu = ", ".join(f"{x['name']} ({x['memory_gb']} GB)" for x in m["gpus"]) or "none"
-    lines = [
+    return [
         f"# sensai bench: {result['model']} on {result['dataset']}",
         "",
         f"Command: `{result.get('command') or 'run_bench(...)'}`",
@@ -281,7 +288,12 @@ def render_markdown(result: dict) -> str:
         f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
         f"python {v.get('python')}.",
         "",
-        *_accuracy_section(result),
+    ]
+
+
+def _latency_section(result: dict) -> list[str]:
+    """The latency tables, the notes on them, and what their columns mean."""
+    return [
         "## Latency (ms, one image per request)",
         "",
         *_latency_tables(result),
@@ -297,9 +309,12 @@ def render_markdown(result: dict) -> str:
         "upload to /v1/predict (JSON answer); http-v2: the KServe v2 binary tensor (binary "
         "answer); grpc: KServe v2 ModelInfer with raw tensor contents.",
         "",
-        "## Where the time goes (mean ms; the parts add up to the mean latency)",
-        "",
     ]
+
+
+def _where_the_time_goes(result: dict) -> list[str]:
+    """The mean latency in parts, then class parallel's references: each subnet alone, one
+    call of every subnet, the CUDA-graph replays."""
     rows = []
     for key, s in result["strategies"].items():
         for transport, t in s["transports"].items():
@@ -308,10 +323,11 @@ def render_markdown(result: dict) -> str:
                          fmt(b["dispatch"]), fmt(b["http"]),
                          fmt((t.get("floor_ms") or {}).get("mean")), fmt(b["merge"], 3),
                          fmt(t["compute_sum_ms"]["mean"])])
-    lines += [md_table(["strategy", "transport", "latency", "compute (critical path)",
-                        "dispatch (in predictor)", "request + decode (outside)",
-                        "bare request (timed apart)", "merge",
-                        "work done (all workers)"], rows), ""]
+    lines = ["## Where the time goes (mean ms; the parts add up to the mean latency)", "",
+             md_table(["strategy", "transport", "latency", "compute (critical path)",
+                       "dispatch (in predictor)", "request + decode (outside)",
+                       "bare request (timed apart)", "merge",
+                       "work done (all workers)"], rows), ""]
     cp = result["strategies"].get("class-parallel")
     if cp and cp.get("isolated_compute_ms"):
         floor = cp.get("core_bound_floor_ms")
@@ -319,8 +335,8 @@ def render_markdown(result: dict) -> str:
             "Class parallel, each subnet alone (no neighbour competing for the cores): p50 "
             f"compute of the slowest {fmt(cp['isolated_compute_ms_p50_max'])} ms, sum over "
             f"subnets {fmt(cp['isolated_compute_ms_p50_sum'])} ms"
-            + (f"; with {m['usable_cores']} usable core(s) the subnets of one image cannot all be "
-               f"done in less than {fmt(floor)} ms (the core-bound floor)"
+            + (f"; with {result['machine']['usable_cores']} usable core(s) the subnets of one "
+               f"image cannot all be done in less than {fmt(floor)} ms (the core-bound floor)"
                if floor is not None else "") + ".", ""]
     lines += one_call_lines(cp)
     for key in ("class-parallel", "single"):
@@ -329,16 +345,22 @@ def render_markdown(result: dict) -> str:
             lines += [f"{label(key)}, CUDA-graph replay per image (the GPU's own time, CUDA "
                       "events, each worker alone): "
                       + ", ".join(f"{k} {fmt(v, 4)} ms" for k, v in replay.items()) + ".", ""]
-    remote = [b for b in _backends(st) if b != "local"]
+    return lines
+
+
+def _per_worker_section(result: dict) -> list[str]:
+    """Each strategy's size and memory per worker, model parallel's cut, class parallel's
+    nodes where they are several."""
+    remote = [b for b in _backends(result["settings"]) if b != "local"]
     elsewhere = (" (with --backend " + ", ".join(remote) + ", class parallel's workers live in "
                  "other processes, which these figures do not see)" if remote else "")
-    lines += ["## Per worker", "", md_table(WORKER_HEADER, worker_rows(result)), "",
-              "MACs: multiply-accumulates of convolutions and linear layers per image "
-              "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
-              "alive at once (a lower bound of the runtime's working memory). Memory is per "
-              "strategy, measured while it was loaded and warmed up: the workers are threads of "
-              "this process, so the figures are the growth of its RSS and of its peak RSS (the "
-              f"peak is reset before each strategy){elsewhere}.", ""]
+    lines = ["## Per worker", "", md_table(WORKER_HEADER, worker_rows(result)), "",
+             "MACs: multiply-accumulates of convolutions and linear layers per image "
+             "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
+             "alive at once (a lower bound of the runtime's working memory). Memory is per "
+             "strategy, measured while it was loaded and warmed up: the workers are threads of "
+             "this process, so the figures are the growth of its RSS and of its peak RSS (the "
+             f"peak is reset before each strategy){elsewhere}.", ""]
     if result.get("stage_plan"):
         p = result["stage_plan"]
         lines += [f"Model-parallel cut: {p['num_stages']} stages after "
@@ -351,7 +373,14 @@ def render_markdown(result: dict) -> str:
         lines += ["Class parallel's workers' nodes (Ray node id, first 8 characters): "
                   + ", ".join(f"{i}: {n[:8] if n else '-'}" for i, n in enumerate(nodes)) + ".",
                   ""]
-    lines += _targets_section(result)
+    return lines
+
+
+def _closing_notes(result: dict) -> list[str]:
+    """What the figures must be read against: workers waiting for a core, idle cores that
+    halt at once, a machine shared with other work."""
+    m, st = result["machine"], result["settings"]
+    lines = []
     busiest = max((s["workers"] for s in result["strategies"].values()), default=0)
     cores = m.get("usable_cores")
     if cores and not m["gpus"] and busiest * st["threads_per_worker"] > cores:
@@ -363,7 +392,7 @@ def render_markdown(result: dict) -> str:
     lines += [line for x in idle_lines(result) for line in (x, "")]
     lines += ["The machine's cores may have been shared with other work while this ran (see the "
               "load averages); compare figures from one run, not across runs.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:

@@ -422,6 +422,23 @@ class LoadRun:
         return health
 
 
+@dataclass(frozen=True)
+class SoakPlan:
+    """bench-load's own phases (what the sweep does not share, unlike :class:`LoadOptions`):
+    the closed loop's requests in flight, how long each phase runs, the overload's rate and
+    connections, the burst's uploads in flight, and how often the RSS is sampled."""
+
+    concurrency: int
+    warmup_s: float
+    soak_s: float
+    overload_s: float
+    overload_rate: float | None
+    overload_connections: int | None
+    burst_s: float
+    burst_concurrency: int
+    sample_s: float
+
+
 def run_load_bench(
     artifact_dir: str | Path,
     out_dir: str | Path,
@@ -446,6 +463,10 @@ def run_load_bench(
                         overload_s=overload_s, overload_rate=overload_rate,
                         overload_connections=overload_connections, sample_s=sample_s,
                         burst_s=burst_s, burst_concurrency=burst_concurrency)
+    plan = SoakPlan(concurrency=concurrency, warmup_s=warmup_s, soak_s=soak_s,
+                    overload_s=overload_s, overload_rate=overload_rate,
+                    overload_connections=overload_connections, burst_s=burst_s,
+                    burst_concurrency=burst_concurrency, sample_s=sample_s)
     gs, gateway_env = options.gateway_settings()
     if overload_connections is not None:
         check_open_files(overload_connections)
@@ -453,71 +474,30 @@ def run_load_bench(
     spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
 
-    clients, overload_factor = options.clients, options.overload_factor
     imgs = load_test_images(spec, options.images, options.seed, png=True)
     expected = [int(i) for i in offline_reference(artifact, imgs.xs,
                                                   runtime=reference_runtime(gs)).argmax(1)]
-    timeout_s = request_timeout(gs)
-    settings = {
-        "backend": gs.backend, "concurrency": concurrency, "clients": clients,
-        "warmup_s": warmup_s, "soak_s": soak_s, "overload_s": overload_s,
-        "overload_factor": overload_factor, "overload_rate_rps": overload_rate,
-        "overload_connections": overload_connections,
-        "overload_retry_after": "honoured" if options.retry_after else "ignored",
-        "burst_s": burst_s,
-        "burst_concurrency": burst_concurrency, "sample_s": sample_s,
-        "images": len(imgs), "seed": options.seed, "request_timeout_s": timeout_s,
-        "transport": "http",
-        "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
-        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
-                    "max_predictions": gs.max_predictions,
-                    "latency_target_s": gs.latency_target_s, "body_timeout_s": gs.body_timeout_s,
-                    "redundancy": gs.redundancy, "vote": gs.vote,
-                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
-                    "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
-        "gateway_env": gateway_env,
-    }
     result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
-                      settings=settings)
+                      settings=soak_settings(options, plan, gs, gateway_env, images=len(imgs)))
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
     gateway = options.gateway(artifact.root, gateway_env, out / "gateway.log")
     procs: list[HttpClientProcess] = []
-    phases: dict[str, Any] = {}
     bar = options.progress_bar("bench-load")
     run = None
     try:
         with sigterm_as_exit():
             bar.set_description("starting the gateway")
             gateway.launch()
-            procs = [options.client(imgs.pngs) for _ in range(clients)]
+            procs += [options.client(imgs.pngs) for _ in range(options.clients)]
             gateway.wait_ready(options.startup_timeout_s)
             run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
-                          timeout_s=timeout_s, sample_s=sample_s, bar=bar,
+                          timeout_s=request_timeout(gs), sample_s=sample_s, bar=bar,
                           progress=options.progress)
             run.sampler.sample("startup")
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
                     f"{gateway.startup_s} s; its output: {gateway.log_path}")
-            if warmup_s > 0:
-                phases["warmup"] = run.closed("warm-up", warmup_s)
-            phases["soak"] = soak = run.closed("soak", soak_s)
-            soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
-                           "with_descendants": rss_growth(run.sampler.samples, "soak",
-                                                          "tree_rss_mb")}
-            rate = overload_rate or overload_factor * (soak["throughput_rps"] or 0.0)
-            if rate > 0:
-                population = gs.max_requests + concurrency
-                cap = overload_connections or overload_cap(gs, rate, clients, population,
-                                                           options.retry_after)
-                phases["overload"] = run.overload(overload_s, rate, cap, min(cap, population),
-                                                  options.retry_after)
-                result["health_after"] = run.health()
-                if burst_s > 0:
-                    png, image = burst_image(artifact, spec, gs)
-                    procs.append(options.client([png]))
-                    result["burst"] = run.burst(procs[-1], image, burst_concurrency, burst_s)
-            else:
-                phases["overload"] = {"skipped": "the soak answered no request, so there is no "
-                                                 "rate to multiply; give --overload-rate"}
+            phases = soak_phases(run, plan, options, gs, procs, result, artifact=artifact,
+                                 spec=spec)
             run.sampler.sample("after")
     finally:
         bar.close()
@@ -530,3 +510,58 @@ def run_load_bench(
     result["targets"] = evaluate_load_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)
     return result
+
+
+def soak_settings(options: LoadOptions, plan: SoakPlan, gs: GatewaySettings,
+                  gateway_env: dict[str, str], *, images: int) -> dict[str, Any]:
+    """load.json's ``settings``."""
+    return {
+        "backend": gs.backend, "concurrency": plan.concurrency, "clients": options.clients,
+        "warmup_s": plan.warmup_s, "soak_s": plan.soak_s, "overload_s": plan.overload_s,
+        "overload_factor": options.overload_factor, "overload_rate_rps": plan.overload_rate,
+        "overload_connections": plan.overload_connections,
+        "overload_retry_after": "honoured" if options.retry_after else "ignored",
+        "burst_s": plan.burst_s,
+        "burst_concurrency": plan.burst_concurrency, "sample_s": plan.sample_s,
+        "images": images, "seed": options.seed, "request_timeout_s": request_timeout(gs),
+        "transport": "http",
+        "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions,
+                    "latency_target_s": gs.latency_target_s, "body_timeout_s": gs.body_timeout_s,
+                    "redundancy": gs.redundancy, "vote": gs.vote,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
+        "gateway_env": gateway_env,
+    }
+
+
+def soak_phases(run: LoadRun, plan: SoakPlan, options: LoadOptions, gs: GatewaySettings,
+                procs: list[HttpClientProcess], result: dict[str, Any], *, artifact,
+                spec) -> dict[str, Any]:
+    """The warm-up, the soak, then (at a rate the soak's throughput gives, unless one is set)
+    the overload, the health after it and the burst of ``artifact``'s largest legal image;
+    returns the phases (the health and the burst go into ``result``; the burst's client
+    process joins ``procs``)."""
+    phases: dict[str, Any] = {}
+    if plan.warmup_s > 0:
+        phases["warmup"] = run.closed("warm-up", plan.warmup_s)
+    phases["soak"] = soak = run.closed("soak", plan.soak_s)
+    soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
+                   "with_descendants": rss_growth(run.sampler.samples, "soak", "tree_rss_mb")}
+    rate = plan.overload_rate or options.overload_factor * (soak["throughput_rps"] or 0.0)
+    if rate > 0:
+        population = gs.max_requests + plan.concurrency
+        cap = plan.overload_connections or overload_cap(gs, rate, options.clients, population,
+                                                        options.retry_after)
+        phases["overload"] = run.overload(plan.overload_s, rate, cap, min(cap, population),
+                                          options.retry_after)
+        result["health_after"] = run.health()
+        if plan.burst_s > 0:
+            png, image = burst_image(artifact, spec, gs)
+            procs.append(options.client([png]))
+            result["burst"] = run.burst(procs[-1], image, plan.burst_concurrency, plan.burst_s)
+    else:
+        phases["overload"] = {"skipped": "the soak answered no request, so there is no "
+                                         "rate to multiply; give --overload-rate"}
+    return phases

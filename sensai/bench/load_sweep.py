@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -309,6 +310,21 @@ class Sweep:
         return rep
 
 
+@dataclass(frozen=True)
+class SweepPlan:
+    """What one sweep measures: its configurations, the levels in flight and how long each
+    phase runs, the transport every configuration is driven over, and how perf_analyzer
+    joins in."""
+
+    configs: list[str]
+    levels: list[int]
+    level_s: float
+    warmup_s: float
+    overload_s: float
+    transport: str
+    perf_analyzer: str | None
+
+
 def run_load_sweep(
     artifact_dir: str | Path,
     out_dir: str | Path,
@@ -341,56 +357,16 @@ def run_load_sweep(
     spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    results: dict[str, Any] = {}
-
-    original = full_onnx = None
-    if {"single", "triton"} & set(configs):
-        try:
-            original, full_onnx = original_as_artifact(artifact, out / "original",
-                                                       check_batch=imgs.batch(8))
-        except CheckpointError as e:
-            for key in {"single", "triton"} & set(configs):
-                results[key] = {"label": CONFIG_LABELS[key],
-                                "skipped": f"needs the original model: {e}"}
-    if "triton" in configs and "triton" not in results and gs.runtime == "sim":
-        results["triton"] = {"label": CONFIG_LABELS["triton"],
-                             "skipped": "the sim runtime simulates sensai's own workers only"}
-    if "triton" in configs and "triton" not in results:
-        reason = unavailable("triton")
-        if reason:
-            results["triton"] = {"label": CONFIG_LABELS["triton"],
-                                 "skipped": " ".join(reason.split())}
-    transport = sweep_transport(configs, transport, "triton" not in results)
-
-    reference = reference_runtime(gs)
-    expected = [int(i) for i in offline_reference(artifact, imgs.xs, runtime=reference).argmax(1)]
-    expected_original = ([int(i) for i in offline_reference(original, imgs.xs,
-                                                            runtime=reference).argmax(1)]
-                         if original is not None else None)
+    original, full_onnx, results = prepare_original(artifact, configs, out / "original",
+                                                    imgs, gs)
+    plan = SweepPlan(configs=configs, levels=levels, level_s=level_s, warmup_s=warmup_s,
+                     overload_s=overload_s, perf_analyzer=perf_analyzer,
+                     transport=sweep_transport(configs, transport, "triton" not in results))
+    expected, expected_original = expected_answers(artifact, original, imgs.xs, gs)
     perf = for_sweep(perf_analyzer, imgs.xs, out, level_s)
-    settings = {
-        "backend": gs.backend, "configs": configs, "levels": levels, "level_s": level_s,
-        "warmup_s": warmup_s, "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": overload_s,
-        "overload_factor": options.overload_factor,
-        "overload_retry_after": "honoured" if options.retry_after else "ignored",
-        "noop_concurrency": NOOP_CONCURRENCY,
-        "clients": options.clients, "images": len(imgs), "seed": options.seed,
-        "clients_on_cores": split_cores(options.client_cores)[1],
-        "transport": transport, "request_timeout_s": request_timeout(gs),
-        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
-                    "max_predictions": gs.max_predictions,
-                    "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
-                    "batch_delay_us": gs.batch_delay_us,
-                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
-                    "sim_launch_ms": gs.sim_launch_ms if gs.runtime == "sim" else None,
-                    "gpu_wait": gs.gpu_wait,
-                    "device": gs.device,
-                    "gateway_processes": server_gateways(gs, options.client_cores)},
-        "gateway_env": gateway_env, "config_env": CONFIG_ENV,
-        "perf_analyzer": sweep_settings(perf_analyzer, perf),
-    }
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
-                      spec=spec, settings=settings)
+                      spec=spec, settings=run_settings(plan, options, gs, gateway_env,
+                                                       images=len(imgs), perf=perf))
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
     bar = options.progress_bar("bench-load --sweep")
     if any(key.startswith("class-parallel") for key in configs):
@@ -402,7 +378,8 @@ def run_load_sweep(
     try:
         with client_processes(options, imgs, spec) as procs:
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
-                          warmup_s=warmup_s, overload_s=overload_s, gs=gs, transport=transport,
+                          warmup_s=warmup_s, overload_s=overload_s, gs=gs,
+                          transport=plan.transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,
                           perf=perf, own_client=perf_analyzer != "only")
             for key in configs:
@@ -423,3 +400,67 @@ def run_load_sweep(
     result["targets"] = evaluate_sweep_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)
     return result
+
+
+def prepare_original(artifact, configs: Sequence[str], original_dir: Path, imgs, gs
+                     ) -> tuple[Any, Path | None, dict[str, Any]]:
+    """The original model as a one-group artifact and its ONNX file, where ``single`` or
+    ``triton`` serves it (else None), and the reports of the configurations that cannot run
+    here, each with its reason."""
+    results: dict[str, Any] = {}
+    original = full_onnx = None
+    if {"single", "triton"} & set(configs):
+        try:
+            original, full_onnx = original_as_artifact(artifact, original_dir,
+                                                       check_batch=imgs.batch(8))
+        except CheckpointError as e:
+            for key in {"single", "triton"} & set(configs):
+                results[key] = {"label": CONFIG_LABELS[key],
+                                "skipped": f"needs the original model: {e}"}
+    if "triton" in configs and "triton" not in results and gs.runtime == "sim":
+        results["triton"] = {"label": CONFIG_LABELS["triton"],
+                             "skipped": "the sim runtime simulates sensai's own workers only"}
+    if "triton" in configs and "triton" not in results:
+        reason = unavailable("triton")
+        if reason:
+            results["triton"] = {"label": CONFIG_LABELS["triton"],
+                                 "skipped": " ".join(reason.split())}
+    return original, full_onnx, results
+
+
+def expected_answers(artifact, original, xs, gs) -> tuple[list[int], list[int] | None]:
+    """Offline evaluation's top-1 of each image, by the artifact and by the original (None
+    without it), computed as the gateway computes them (:func:`~.load.reference_runtime`)."""
+    reference = reference_runtime(gs)
+    expected = [int(i) for i in offline_reference(artifact, xs, runtime=reference).argmax(1)]
+    expected_original = ([int(i) for i in offline_reference(original, xs,
+                                                            runtime=reference).argmax(1)]
+                         if original is not None else None)
+    return expected, expected_original
+
+
+def run_settings(plan: SweepPlan, options: LoadOptions, gs, gateway_env: dict[str, str], *,
+                 images: int, perf: PerfAnalyzer | None) -> dict[str, Any]:
+    """load.json's ``settings``."""
+    return {
+        "backend": gs.backend, "configs": plan.configs, "levels": plan.levels,
+        "level_s": plan.level_s, "warmup_s": plan.warmup_s,
+        "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": plan.overload_s,
+        "overload_factor": options.overload_factor,
+        "overload_retry_after": "honoured" if options.retry_after else "ignored",
+        "noop_concurrency": NOOP_CONCURRENCY,
+        "clients": options.clients, "images": images, "seed": options.seed,
+        "clients_on_cores": split_cores(options.client_cores)[1],
+        "transport": plan.transport, "request_timeout_s": request_timeout(gs),
+        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
+                    "max_predictions": gs.max_predictions,
+                    "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
+                    "batch_delay_us": gs.batch_delay_us,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
+                    "sim_launch_ms": gs.sim_launch_ms if gs.runtime == "sim" else None,
+                    "gpu_wait": gs.gpu_wait,
+                    "device": gs.device,
+                    "gateway_processes": server_gateways(gs, options.client_cores)},
+        "gateway_env": gateway_env, "config_env": CONFIG_ENV,
+        "perf_analyzer": sweep_settings(plan.perf_analyzer, perf),
+    }

@@ -185,9 +185,16 @@ def render_table(result: dict) -> str:
 
 
 def render_markdown(result: dict) -> str:
+    return "\n".join([*_intro(result), *_measures(result), *one_call_text(result),
+                      *_tables(result), *_optional_sections(result),
+                      "![p99 latency against throughput](load.png)", "", SHARED_CORES, ""])
+
+
+def _intro(result: dict) -> list[str]:
+    """The title, the command, the configurations and the traffic."""
     st = result["settings"]
     g = st["gateway"]
-    lines = [
+    return [
         f"# sensai bench-load --sweep: {result['model']} on {result['dataset']}",
         "",
         f"Command: `{result.get('command') or 'run_load_sweep(...)'}`",
@@ -215,6 +222,13 @@ def render_markdown(result: dict) -> str:
         "closed-loop throughput (requests sent when due whatever the answers, latency from when "
         "each was due; " + retry_after_text(st) + ").",
         "",
+    ]
+
+
+def _measures(result: dict) -> list[str]:
+    """The machine, and what each measure of the tables is."""
+    g = result["settings"]["gateway"]
+    return [
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
         "cores: the whole machine's (server, client and anything else); server cores: the "
@@ -242,16 +256,19 @@ def render_markdown(result: dict) -> str:
            "its rows; answers checked against the simulation's own offline."
            if g.get("runtime") == "sim" else ""),
         "",
-        *one_call_text(result),
-        "## Targets",
-        "",
-        md_table(TARGET_HEADER, target_rows(result)),
-        "",
-        "## Closed loops",
-        "",
-        md_table(LEVEL_HEADER, level_rows(result)),
-        "",
     ]
+
+
+def _tables(result: dict) -> list[str]:
+    """The targets and the closed loops, which every sweep has."""
+    return ["## Targets", "", md_table(TARGET_HEADER, target_rows(result)), "",
+            "## Closed loops", "", md_table(LEVEL_HEADER, level_rows(result)), ""]
+
+
+def _optional_sections(result: dict) -> list[str]:
+    """The overload, perf_analyzer, the workers' batching and the configurations not run,
+    each where the sweep has it."""
+    lines = []
     if overload_rows(result):
         lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
                   "other: answers neither 200 nor 503 (or no answer).", ""]
@@ -267,9 +284,7 @@ def render_markdown(result: dict) -> str:
                   "a batch of one; held back: requests that waited for company.", ""]
     if skipped_rows(result):
         lines += ["## Not run", "", md_table(SKIPPED_HEADER, skipped_rows(result)), ""]
-    lines += ["![p99 latency against throughput](load.png)", "",
-              SHARED_CORES, ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:

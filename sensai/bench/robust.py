@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -136,15 +137,66 @@ def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: in
             "straggler_answered_share": round(by_it / total, 4) if total else None}
 
 
-async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs, *, warmup: int,
-                   rounds: int, straggler: int, delay: str, victim: int, kill_at: float,
-                   rejoin_timeout_s: float, interval_s: float,
-                   bar) -> dict[str, dict[str, dict]]:
+@dataclass(frozen=True)
+class Serving:
+    """What every configuration is served with beside its redundancy and hedge: ``sensai
+    serve``'s other settings, and the seed of the predictor's placement."""
+
+    backend: str
+    ray_address: str | None
+    vote: bool
+    device: str
+    runtime: str
+    threads: int
+    deadline_s: float
+    restart_delay_s: float
+    seed: int
+
+    def gateway_settings(self, r: int, hedge_ms: float) -> GatewaySettings:
+        """The settings of the predictor built in this process for redundancy ``r``."""
+        return GatewaySettings(
+            backend=self.backend, redundancy=r, vote=self.vote, device=self.device,
+            runtime=self.runtime, threads_per_worker=self.threads, deadline_s=self.deadline_s,
+            hedge_ms=hedge_ms, restart_delay_s=self.restart_delay_s, ray_address=self.ray_address)
+
+    def serve_settings(self, r: int, hedge_ms: float) -> GatewaySettings:
+        """The settings the Serve application is given for redundancy ``r``, checked as
+        ``sensai serve`` checks its flags."""
+        return load_settings(
+            {"backend": self.backend, "redundancy": r, "hedge_ms": hedge_ms, "vote": self.vote,
+             "deadline_s": self.deadline_s, "restart_delay_s": self.restart_delay_s,
+             "device": self.device, "runtime": self.runtime, "threads_per_worker": self.threads,
+             "ray_address": self.ray_address}, FLAGS)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """How the scenarios are run: the warm-up and rounds, the straggler and its delay, the
+    victim, when it is ended, how requests are paced around its outage and how long its rejoin
+    is waited for."""
+
+    warmup: int
+    rounds: int
+    delay: str
+    straggler: int
+    victim: int
+    kill_at: float
+    interval_ms: float
+    rejoin_timeout_s: float
+
+    @property
+    def interval_s(self) -> float:
+        return self.interval_ms / 1e3
+
+
+async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs,
+                   faults: Faults, *, bar) -> dict[str, dict[str, dict]]:
     n = len(xs)
+    straggler, delay = faults.straggler, faults.delay
     results: dict[str, dict[str, dict]] = {k: {} for k in preds}
     for key, pred in preds.items():
         bar.set_description(f"warm-up {key}")
-        for j in range(warmup):
+        for j in range(faults.warmup):
             await pred.predict(xs[j % n])
             bar.update(1)
     for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
@@ -165,7 +217,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             for pred in preds.values():
                 pred.pool.inject(straggler, delay=delay)
         try:
-            await interleaved(list(preds), n, rounds, run_chunk)
+            await interleaved(list(preds), n, faults.rounds, run_chunk)
         finally:
             if scenario == "straggler":
                 for pred in preds.values():
@@ -177,9 +229,8 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
     for scenario in [s for s in OUTAGES if s in scenarios]:
         for key, pred in preds.items():
             bar.set_description(f"{scenario}: {key}")
-            results[key][scenario] = await _failure(pred, xs, refs, victim, kill_at,
-                                                    rejoin_timeout_s, interval_s, bar,
-                                                    node=scenario == "node-loss")
+            results[key][scenario] = await measure_outage(pred, xs, refs, faults, bar,
+                                                          node=scenario == "node-loss")
     return results
 
 
@@ -199,97 +250,93 @@ def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
     return node, pid
 
 
-async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at: float,
-                   rejoin_timeout_s: float, interval_s: float, bar, *,
-                   node: bool = False) -> dict:
-    """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
-    so every worker there) and the outage timed until it is up again."""
-    n = len(xs)
-    run = Records()
-    kill_index = int(kill_at * n)
-    wk = pred.workers[victim]
-    events: dict[str, Any] = {}
-    stop = asyncio.Event()
+class OutageClock:
+    """The victim's outage: ``kill`` ends it (``node``: its node's raylet, so every worker
+    there), ``watch`` times it until the victim is up again."""
 
-    async def watch() -> None:
+    def __init__(self, pred: ClassParallelPredictor, victim: int, node: bool):
+        self.pred, self.victim, self.node = pred, victim, node
+        self.events: dict[str, Any] = {}
+        self.stop = asyncio.Event()
+        self.node_id = self.raylet = None
+        self.victims = [victim]  # every worker lost with it
+        if node:
+            self.node_id, self.raylet = victim_raylet(pred, victim)
+            self.victims = [w.index for w in pred.workers if w.handle.node == self.node_id]
+
+    async def watch(self) -> None:
         # Poll the worker's state to time the outage: ended -> restarted -> up again.
         seen_down = False
-        while not stop.is_set():
-            up = pred.pool.states()[victim] == "up"
-            if "kill" in events:
+        while not self.stop.is_set():
+            up = self.pred.pool.states()[self.victim] == "up"
+            if "kill" in self.events:
                 if not up and not seen_down:
                     seen_down = True
-                    events["down"] = time.perf_counter()
-                elif up and seen_down and "up" not in events:
-                    events["up"] = time.perf_counter()
+                    self.events["down"] = time.perf_counter()
+                elif up and seen_down and "up" not in self.events:
+                    self.events["up"] = time.perf_counter()
             await asyncio.sleep(0.002)
 
-    victims = [victim]
-    if node:
-        node_id, raylet = victim_raylet(pred, victim)
-        victims = [w.index for w in pred.workers if w.handle.node == node_id]
-
-    def kill() -> None:
-        events["kill"] = time.perf_counter()
-        if node:
+    def kill(self) -> None:
+        self.events["kill"] = time.perf_counter()
+        if self.node:
             # What losing the machine does: the raylet and every process it started (the
             # node's workers, which would otherwise go on answering direct actor calls until
             # the cluster declares the node dead).
-            for pid in [*descendant_pids(raylet), raylet]:
+            for pid in [*descendant_pids(self.raylet), self.raylet]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            events["pid"] = raylet
+            self.events["pid"] = self.raylet
         else:
-            events["pid"] = pred.pool.kill(victim)
+            self.events["pid"] = self.pred.pool.kill(self.victim)
 
+    async def rejoin(self, timeout_s: float) -> bool:
+        """Whether every worker that was lost (a node takes several) is up within
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        return await asyncio.to_thread(lambda: all(
+            self.pred.pool.wait_until_up(v, max(0.0, deadline - time.monotonic()))
+            for v in self.victims))
+
+    def outage_s(self) -> float | None:
+        events = self.events
+        return (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
+
+
+async def measure_outage(pred: ClassParallelPredictor, xs, refs, faults: Faults, bar, *,
+                         node: bool = False) -> dict:
+    """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
+    so every worker there) and the outage timed until it is up again."""
+    run = Records()
+    kill_index = int(faults.kill_at * len(xs))
+    wk = pred.workers[faults.victim]
+    clock = OutageClock(pred, faults.victim, node)
     restarts0 = wk.restarts
     await settle(pred)
     before = pred.pool.counters()
-    watcher = asyncio.ensure_future(watch())
-    errors_in_outage = 0
-    during_ms: list[float] = []  # answered while the victim was down
-    next_start = time.perf_counter()
+    watcher = asyncio.ensure_future(clock.watch())
     try:
-        for j in range(n):
-            # Paced arrivals: a request that fails fast must not let the next ones rush in, or
-            # the error count would measure how quickly errors come back, not the outage.
-            wait = next_start - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            next_start = time.perf_counter() + interval_s
-            was, answered = len(run.errors), len(run.latency)
-            in_outage = j >= kill_index and "up" not in events
-            await one_request(pred, xs[j], refs[j], run, kill=kill if j == kill_index else None)
-            if len(run.errors) > was and "kill" in events and "up" not in events:
-                errors_in_outage += 1
-            if in_outage and len(run.latency) > answered:
-                during_ms.append(run.latency[-1])
-            bar.update(1)
+        errors_in_outage, during_ms = await paced_requests(pred, xs, refs, run, clock,
+                                                           kill_index, faults.interval_s, bar)
         await settle(pred)
         run.add_work(before, pred.pool.counters())
-        # Wait for the rejoin of every worker that was lost (a node takes several), then
-        # check the victim serves again.
-        deadline = time.monotonic() + rejoin_timeout_s
-        rejoined = await asyncio.to_thread(lambda: all(
-            pred.pool.wait_until_up(v, max(0.0, deadline - time.monotonic())) for v in victims))
+        # Wait for the rejoin of every worker that was lost, then check the victim serves
+        # again.
+        rejoined = await clock.rejoin(faults.rejoin_timeout_s)
         await asyncio.sleep(0.01)
     finally:
-        stop.set()
+        clock.stop.set()
         await watcher
-    after = Records()
-    runs0 = pred.pool.counters()["per_worker_runs"][victim]
-    for j in range(min(n, AFTER_REJOIN)):
-        await one_request(pred, xs[j], refs[j], after)
-    await settle(pred)
-    rejoin_runs = pred.pool.counters()["per_worker_runs"][victim] - runs0
-    outage = (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
-    extra = {"node": node_id, "workers_on_node": [pred.workers[v].name for v in victims],
+    after, rejoin_runs = await after_rejoin(pred, xs, refs, faults.victim)
+    outage = clock.outage_s()
+    extra = {"node": clock.node_id,
+             "workers_on_node": [pred.workers[v].name for v in clock.victims],
              "nodes_after": [w.get("node") for w in pred.describe()["workers"]]} if node else {}
     return run.report({
         **extra,
-        "victim": wk.name, "killed_pid": events.get("pid"), "kill_at_request": kill_index,
+        "victim": wk.name, "killed_pid": clock.events.get("pid"), "kill_at_request": kill_index,
         "restarted": wk.restarts > restarts0, "rejoined": bool(rejoined),
         "outage_s": round(outage, 3) if outage is not None else None,
         "errors_during_outage": errors_in_outage,
@@ -298,6 +345,46 @@ async def _failure(pred: ClassParallelPredictor, xs, refs, victim: int, kill_at:
                          "wrong": after.wrong, "victim_subnet_runs": rejoin_runs,
                          "latency_ms": summarize(after.latency)},
     })
+
+
+async def paced_requests(pred: ClassParallelPredictor, xs, refs, run: Records,
+                         clock: OutageClock, kill_index: int, interval_s: float,
+                         bar) -> tuple[int, list[float]]:
+    """Every image in turn, a request every ``interval_s``, the victim killed while request
+    ``kill_index`` is in flight: the errors while it was down, and the latencies of the
+    requests answered meanwhile."""
+    events = clock.events
+    errors_in_outage = 0
+    during_ms: list[float] = []
+    next_start = time.perf_counter()
+    for j in range(len(xs)):
+        # Paced arrivals: a request that fails fast must not let the next ones rush in, or
+        # the error count would measure how quickly errors come back, not the outage.
+        wait = next_start - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        next_start = time.perf_counter() + interval_s
+        was, answered = len(run.errors), len(run.latency)
+        in_outage = j >= kill_index and "up" not in events
+        await one_request(pred, xs[j], refs[j], run, kill=clock.kill if j == kill_index else None)
+        if len(run.errors) > was and "kill" in events and "up" not in events:
+            errors_in_outage += 1
+        if in_outage and len(run.latency) > answered:
+            during_ms.append(run.latency[-1])
+        bar.update(1)
+    return errors_in_outage, during_ms
+
+
+async def after_rejoin(pred: ClassParallelPredictor, xs, refs, victim: int
+                       ) -> tuple[Records, int]:
+    """:data:`AFTER_REJOIN` requests once the victim is back: their records, and how many
+    subnet runs the victim made for them."""
+    after = Records()
+    runs0 = pred.pool.counters()["per_worker_runs"][victim]
+    for j in range(min(len(xs), AFTER_REJOIN)):
+        await one_request(pred, xs[j], refs[j], after)
+    await settle(pred)
+    return after, pred.pool.counters()["per_worker_runs"][victim] - runs0
 
 
 def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) -> None:
@@ -318,10 +405,8 @@ def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) 
                                                / none["latency_ms"]["p99"], 3)
 
 
-def _in_process(artifact, configs, scenarios, xs, refs, *, bar, backend: str,
-                ray_address: str | None, vote: bool, device: str, runtime: str, threads: int,
-                deadline_s: float, restart_delay_s: float, seed: int, **measure
-                ) -> tuple[dict[str, dict], dict[str, dict]]:
+def _in_process(artifact, configs, scenarios, xs, refs, *, bar, serving: Serving,
+                faults: Faults) -> tuple[dict[str, dict], dict[str, dict]]:
     """Every configuration's predictor built in this process, then measured (:func:`_measure`);
     returns the scenarios' reports and each predictor's ``describe()``."""
     preds: dict[str, ClassParallelPredictor] = {}
@@ -329,14 +414,12 @@ def _in_process(artifact, configs, scenarios, xs, refs, *, bar, backend: str,
         for r, h in configs:
             key = config_key(r, h)
             bar.set_description(f"start {key}")
-            preds[key] = build_predictor(artifact.root, GatewaySettings(
-                backend=backend, redundancy=r, vote=vote, device=device, runtime=runtime,
-                threads_per_worker=threads, deadline_s=deadline_s, hedge_ms=h,
-                restart_delay_s=restart_delay_s, ray_address=ray_address), seed=seed)
+            preds[key] = build_predictor(artifact.root, serving.gateway_settings(r, h),
+                                         seed=serving.seed)
         described = {k: p.describe() for k, p in preds.items()}
         with quiet_gc():
-            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, bar=bar,
-                                                     **measure))
+            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, faults,
+                                                     bar=bar))
     finally:
         for p in preds.values():
             p.shutdown()
@@ -382,16 +465,49 @@ def run_robust_bench(
     if deadline_s is None:
         deadline_s = load_settings({}).deadline_s
     artifact = load_artifact(artifact_dir)
-    g = len(artifact.groups)
+    serving = Serving(backend=backend, ray_address=ray_address, vote=vote, device=device,
+                      runtime=runtime, threads=threads, deadline_s=deadline_s,
+                      restart_delay_s=restart_delay_s, seed=seed)
+    faults = Faults(warmup=warmup, rounds=rounds, delay=delay, straggler=straggler,
+                    victim=victim, kill_at=kill_at, interval_ms=interval_ms,
+                    rejoin_timeout_s=rejoin_timeout_s)
+    scenarios, configs = robust_configs(artifact, serving, faults, redundancies, hedges_ms,
+                                        scenarios, images)
+    serve_settings = ([serving.serve_settings(r, h) for r, h in configs]
+                      if backend == "ray-serve" else [])
+    spec, out = inputs(artifact, data_dir, out_dir)
+    t_start = time.perf_counter()
+
+    imgs = load_test_images(spec, images, seed, png=False)
+    refs = offline_reference(artifact, imgs.xs, runtime=runtime, threads=threads)
+    result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
+                      settings=robust_settings(configs, scenarios, serving, faults,
+                                               images=len(imgs.xs), workers=len(artifact.groups)))
+    result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
+    measured, described = measure_configs(artifact, configs, serve_settings, scenarios, imgs.xs,
+                                          refs, result, serving=serving, faults=faults,
+                                          progress=progress)
+    add_reports(result, measured, described, configs, serving)
+    finish(out, "robust", result, t_start, render_markdown, plot)
+    return result
+
+
+def robust_configs(artifact, serving: Serving, faults: Faults, redundancies: Sequence[int],
+                   hedges_ms: Sequence[float], scenarios: Sequence[str] | None,
+                   images: int) -> tuple[list[str], list[tuple[int, float]]]:
+    """The scenarios (None: the backend's defaults) in canonical order, and the configurations
+    (redundancy, hedge), each checked before anything is loaded."""
+    backend = serving.backend
     if scenarios is None:  # the backend's defaults
         scenarios = [s for s in DEFAULT_SCENARIOS
                      if backend != "ray-serve" or s not in REFUSED_SCENARIOS]
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
     redundancies = sorted({int(r) for r in redundancies})
     hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
-    check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
-                          victim, kill_at, rounds, g, vote, interval_ms, backend, runtime,
-                          ray_address)
+    check_robust_settings(redundancies, hedges, scenarios, images, faults.warmup, faults.delay,
+                          faults.straggler, faults.victim, faults.kill_at, faults.rounds,
+                          len(artifact.groups), serving.vote, faults.interval_ms, backend,
+                          serving.runtime, serving.ray_address)
     configs = [(r, 0.0) for r in redundancies if r == 0] + [
         (r, h) for r in redundancies if r > 0 for h in hedges]
     if "node-loss" in scenarios and len(configs) > 1:
@@ -399,60 +515,61 @@ def run_robust_bench(
                           "(one --redundancy, one --hedge-ms) at a time")
     if backend == "ray-serve":
         check_serve_bench(scenarios)
-    serve_settings = [load_settings(
-        {"backend": backend, "redundancy": r, "hedge_ms": h, "vote": vote,
-         "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
-         "runtime": runtime, "threads_per_worker": threads, "ray_address": ray_address},
-        FLAGS) for r, h in configs] if backend == "ray-serve" else []
-    spec, out = inputs(artifact, data_dir, out_dir)
-    t_start = time.perf_counter()
+    return scenarios, configs
 
-    imgs = load_test_images(spec, images, seed, png=False)
-    xs = imgs.xs
-    refs = offline_reference(artifact, xs, runtime=runtime, threads=threads)
-    settings = {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
-                "backend": backend, "ray_address": ray_address, "images": len(xs),
-                "warmup": warmup, "rounds": rounds,
-                "workers": g, "vote": vote, "delay": delay, "straggler_worker": straggler,
-                "victim_worker": victim, "kill_at": kill_at, "failure_interval_ms": interval_ms,
-                "deadline_s": deadline_s, "restart_delay_s": restart_delay_s, "device": device,
-                "runtime": runtime, "threads_per_worker": threads, "seed": seed, "batch": 1,
-                "concurrency": 1, "transport": "inprocess"}
-    result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
-                      settings=settings)
-    result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
+
+def robust_settings(configs, scenarios, serving: Serving, faults: Faults, *, images: int,
+                    workers: int) -> dict[str, Any]:
+    """robust.json's ``settings``."""
+    return {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
+            "backend": serving.backend, "ray_address": serving.ray_address, "images": images,
+            "warmup": faults.warmup, "rounds": faults.rounds,
+            "workers": workers, "vote": serving.vote, "delay": faults.delay,
+            "straggler_worker": faults.straggler, "victim_worker": faults.victim,
+            "kill_at": faults.kill_at, "failure_interval_ms": faults.interval_ms,
+            "deadline_s": serving.deadline_s, "restart_delay_s": serving.restart_delay_s,
+            "device": serving.device, "runtime": serving.runtime,
+            "threads_per_worker": serving.threads, "seed": serving.seed, "batch": 1,
+            "concurrency": 1, "transport": "inprocess"}
+
+
+def measure_configs(artifact, configs, serve_settings, scenarios, xs, refs, result, *,
+                    serving: Serving, faults: Faults, progress: bool
+                    ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every configuration under every scenario, on the Ray Serve application (its
+    ``serve_settings``) or in this process: the scenarios' reports and each configuration's
+    description."""
     bar = progress_bar(progress, "bench-robust")
     try:
-        bar.total = len(configs) * (warmup + len(xs) * len(scenarios))
+        bar.total = len(configs) * (faults.warmup + len(xs) * len(scenarios))
         bar.refresh()
-        if backend == "ray-serve":
-            result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
-                                      failure_interval_ms=None, rounds=None)
-            measured, described = measure_on_serve(
-                artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve_settings)},
-                scenarios, xs, refs, warmup=warmup, victim=victim, kill_at=kill_at,
-                rejoin_timeout_s=rejoin_timeout_s, ray_address=ray_address, bar=bar)
-        else:
-            measured, described = _in_process(
-                artifact, configs, scenarios, xs, refs, bar=bar, backend=backend,
-                ray_address=ray_address, vote=vote, device=device, runtime=runtime,
-                threads=threads, deadline_s=deadline_s, restart_delay_s=restart_delay_s,
-                seed=seed, warmup=warmup, rounds=rounds, straggler=straggler, delay=delay,
-                victim=victim, kill_at=kill_at, rejoin_timeout_s=rejoin_timeout_s,
-                interval_s=interval_ms / 1e3)
+        if serving.backend != "ray-serve":
+            return _in_process(artifact, configs, scenarios, xs, refs, bar=bar, serving=serving,
+                               faults=faults)
+        result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
+                                  failure_interval_ms=None, rounds=None)
+        return measure_on_serve(
+            artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve_settings)},
+            scenarios, xs, refs, warmup=faults.warmup, victim=faults.victim,
+            kill_at=faults.kill_at, rejoin_timeout_s=faults.rejoin_timeout_s,
+            ray_address=serving.ray_address, bar=bar)
     finally:
         bar.close()
+
+
+def add_reports(result: dict[str, Any], measured: dict[str, dict], described: dict[str, dict],
+                configs: list[tuple[int, float]], serving: Serving) -> None:
+    """Each configuration's placement, worker transport and nodes, and its scenarios' reports
+    with their costs against r = 0 without faults (where it ran)."""
     result["placement"] = {k: d["placement"] for k, d in described.items()}
     result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
     result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
                               for k, d in described.items()}
-    if backend == "ray-serve":
+    if serving.backend == "ray-serve":
         result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"]}
                            for k, d in described.items()}
-    _relative_costs(measured, config_key(0, 0.0) if 0 in redundancies else None)
+    _relative_costs(measured, config_key(0, 0.0) if any(r == 0 for r, _ in configs) else None)
     result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
-                             "subnets_hosted_per_worker": r * (2 if vote else 1) + 1,
+                             "subnets_hosted_per_worker": r * (2 if serving.vote else 1) + 1,
                              "scenarios": measured[k]}
                          for (r, h), k in zip(configs, described)}
-    finish(out, "robust", result, t_start, render_markdown, plot)
-    return result

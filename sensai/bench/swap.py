@@ -22,6 +22,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,6 +82,43 @@ def request_load(url: str, name: str, timeout_s: float) -> dict[str, Any]:
     except httpx.HTTPError as e:
         status, text = 0, f"{type(e).__name__}: {e}"
     return {"sent": sent, "returned": time.monotonic(), "status": status, "answer": text}
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """What the swaps under load are given of ``bench-swap``'s options: the model's name in the
+    repository, the swaps, the closed loop and its phases, and the timeouts."""
+
+    name: str
+    swaps: int
+    concurrency: int
+    warmup_s: float
+    steady_s: float
+    after_s: float
+    sample_s: float
+    load_timeout_s: float
+    startup_timeout_s: float
+    request_timeout_s: float
+
+    def longest_s(self) -> float:
+        """The closed loop is stopped when the last swap's wait is over; until then, it runs
+        as long as the longest run the settings allow."""
+        return (self.warmup_s + self.steady_s
+                + self.swaps * (self.after_s + self.load_timeout_s + 60.0) + 60.0)
+
+
+@dataclass(frozen=True)
+class SwapOutcome:
+    """What the swaps under load recorded: the first version, the run's start (monotonic), when
+    the steady period began (s from it), the RSS samples, each swap's record and the client's
+    phase."""
+
+    first: str
+    t0: float
+    steady_start: float
+    samples: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    outs: list[dict[str, Any]]
 
 
 class SwapRun:
@@ -150,6 +188,26 @@ class SwapRun:
                      + (f"; gateway RSS {after['rss_mb']:.1f} MB" if after else ""))
         return records
 
+    def phases(self, plan: SwapPlan, client: HttpClientProcess, repo: Path,
+               artifacts: tuple[Artifact, Artifact], first: str, t0: float
+               ) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
+        """The warm-up, the steady period and the swaps under the client's closed loop, which
+        is then stopped: when the steady period began (s from ``t0``), the swaps' records, and
+        the client's phase."""
+        try:
+            self.wait("warm-up", seconds=plan.warmup_s)
+            steady_start = time.monotonic() - t0
+            self.wait("steady", seconds=plan.steady_s)
+            records = self.swaps(plan.name, repo, artifacts, first, count=plan.swaps,
+                                 after_s=plan.after_s, timeout_s=plan.load_timeout_s)
+        finally:
+            client.stop_load()
+        try:
+            outs = [self.load.result(timeout=plan.request_timeout_s + 60.0)]
+        except (RuntimeError, EOFError, OSError, TimeoutError) as e:
+            raise SensaiError(f"the load client: {e}") from None
+        return steady_start, records, outs
+
 
 def run_swap_bench(
     artifact_a: str | Path,
@@ -193,50 +251,63 @@ def run_swap_bench(
     imgs = load_test_images(spec, images, seed, png=True)
     reference = {a.root: [int(i) for i in offline_reference(a, imgs.xs).argmax(1)],
                  b.root: [int(i) for i in offline_reference(b, imgs.xs).argmax(1)]}
-    timeout_s = request_timeout(gs)
-    settings = {"model": name, "artifacts": [str(a.root), str(b.root)],
-                "groups": [len(a.groups), len(b.groups)], "backend": gs.backend,
-                "swaps": swaps, "concurrency": concurrency, "warmup_s": warmup_s,
-                "steady_s": steady_s, "after_s": after_s, "sample_s": sample_s,
-                "load_timeout_s": load_timeout_s, "images": len(imgs), "seed": seed,
-                "request_timeout_s": timeout_s, "transport": "http",
-                "upload": "PNG as the raw body of POST /v1/predict", "repository": str(repo)}
+    plan = SwapPlan(name=name, swaps=swaps, concurrency=concurrency, warmup_s=warmup_s,
+                    steady_s=steady_s, after_s=after_s, sample_s=sample_s,
+                    load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s,
+                    request_timeout_s=request_timeout(gs))
     result = envelope("sensai-bench-swap", command=command, artifact=a, spec=spec,
-                      settings=settings)
+                      settings=swap_settings(plan, (a, b), gs, images=len(imgs), seed=seed,
+                                             repo=repo))
     gateway = options.gateway(repo, gateway_env, out / "gateway.log",
                               args=["--model-control", "explicit"])
+    try:
+        outcome = swap_under_load(plan, gateway, repo, (a, b), imgs.pngs, progress)
+    finally:
+        if not keep_repo:
+            shutil.rmtree(repo, ignore_errors=True)
+    add_figures(result, outcome, reference, a, gateway)
+    result["repository_kept"] = keep_repo
+    finish(out, "swap", result, t_start, render_markdown, plot)
+    return result
+
+
+def swap_settings(plan: SwapPlan, artifacts: tuple[Artifact, Artifact], gs, *, images: int,
+                  seed: int, repo: Path) -> dict[str, Any]:
+    """swap.json's ``settings``."""
+    a, b = artifacts
+    return {"model": plan.name, "artifacts": [str(a.root), str(b.root)],
+            "groups": [len(a.groups), len(b.groups)], "backend": gs.backend,
+            "swaps": plan.swaps, "concurrency": plan.concurrency, "warmup_s": plan.warmup_s,
+            "steady_s": plan.steady_s, "after_s": plan.after_s, "sample_s": plan.sample_s,
+            "load_timeout_s": plan.load_timeout_s, "images": images, "seed": seed,
+            "request_timeout_s": plan.request_timeout_s, "transport": "http",
+            "upload": "PNG as the raw body of POST /v1/predict", "repository": str(repo)}
+
+
+def swap_under_load(plan: SwapPlan, gateway: GatewayProcess, repo: Path,
+                    artifacts: tuple[Artifact, Artifact], pngs: list[bytes],
+                    progress: bool) -> SwapOutcome:
+    """The gateway started on the first artifact's version, the client's closed loop on it, the
+    swaps; the client and the gateway stopped after, whatever happens."""
     client: HttpClientProcess | None = None
     load: Future | None = None
     pool = ThreadPoolExecutor(2, thread_name_prefix="bench-swap")
     try:
         with sigterm_as_exit():
-            first = str(add_version(repo, name, a.root))
+            first = str(add_version(repo, plan.name, artifacts[0].root))
             gateway.launch()
-            client = HttpClientProcess(imgs.pngs)
-            gateway.wait_ready(startup_timeout_s)
+            client = HttpClientProcess(pngs)
+            gateway.wait_ready(plan.startup_timeout_s)
             t0 = time.monotonic()
-            sampler = RssSampler(gateway.serving_pid, t0, sample_s, tree_of=gateway.pid)
-            # The closed loop is stopped when the last swap's wait is over; until then, as
-            # long as the longest run the settings allow.
-            longest = warmup_s + steady_s + swaps * (after_s + load_timeout_s + 60.0) + 60.0
-            load = pool.submit(client.load, gateway.url, concurrency=concurrency,
-                               seconds=longest, answers=True, timeout_s=timeout_s)
+            sampler = RssSampler(gateway.serving_pid, t0, plan.sample_s, tree_of=gateway.pid)
+            load = pool.submit(client.load, gateway.url, concurrency=plan.concurrency,
+                               seconds=plan.longest_s(), answers=True,
+                               timeout_s=plan.request_timeout_s)
             run = SwapRun(gateway, sampler, pool, load, progress)
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
-                    f"{gateway.startup_s} s serving {name} version {first}; its output: "
+                    f"{gateway.startup_s} s serving {plan.name} version {first}; its output: "
                     f"{gateway.log_path}")
-            try:
-                run.wait("warm-up", seconds=warmup_s)
-                steady_start = time.monotonic() - t0
-                run.wait("steady", seconds=steady_s)
-                records = run.swaps(name, repo, (a, b), first, count=swaps, after_s=after_s,
-                                    timeout_s=load_timeout_s)
-            finally:
-                client.stop_load()
-            try:
-                outs = [load.result(timeout=timeout_s + 60.0)]
-            except (RuntimeError, EOFError, OSError, TimeoutError) as e:
-                raise SensaiError(f"the load client: {e}") from None
+            steady_start, records, outs = run.phases(plan, client, repo, artifacts, first, t0)
     finally:
         if client is not None and load is not None and not load.done():
             client.process.kill()  # unblocks the thread waiting for its answer
@@ -247,24 +318,29 @@ def run_swap_bench(
                 waits.append(stopping.submit(client.close))
             for w in waits:
                 w.result()
-        if not keep_repo:
-            shutil.rmtree(repo, ignore_errors=True)
+    return SwapOutcome(first=first, t0=t0, steady_start=steady_start, samples=sampler.samples,
+                       records=records, outs=outs)
 
-    expected = {first: reference[a.root]} | {
-        r["version"]: reference[Path(r["artifact"])] for r in records}
-    req = columns(outs, t0)
+
+def add_figures(result: dict[str, Any], outcome: SwapOutcome,
+                reference: dict[Path, list[int]], first_artifact: Artifact,
+                gateway: GatewayProcess) -> None:
+    """The swaps' figures (each answer checked against the offline answers of the version that
+    gave it), the gateway's report, and every request."""
+    o = outcome
+    expected = {o.first: reference[first_artifact.root]} | {
+        r["version"]: reference[Path(r["artifact"])] for r in o.records}
+    req = columns(o.outs, o.t0)
     swaps_rel = [{k: v for k, v in r.items() if k not in ("sent", "returned")}
-                 | {"sent_s": round(r["sent"] - t0, 3), "returned_s": round(r["returned"] - t0, 3)}
-                 for r in records]
-    result["figures"] = swap_figures(req, first_version=first, swaps=swaps_rel,
-                                     steady_start_s=steady_start,
-                                     rss_samples=sampler.samples, expected=expected,
-                                     failures=outs[0]["failures"])
-    result |= gateway.report(sampler.samples)
+                 | {"sent_s": round(r["sent"] - o.t0, 3),
+                    "returned_s": round(r["returned"] - o.t0, 3)}
+                 for r in o.records]
+    result["figures"] = swap_figures(req, first_version=o.first, swaps=swaps_rel,
+                                     steady_start_s=o.steady_start,
+                                     rss_samples=o.samples, expected=expected,
+                                     failures=o.outs[0]["failures"])
+    result |= gateway.report(o.samples)
     result["requests"] = {"t": [round(float(x), 4) for x in req["t"]],
                           "ms": [round(float(x), 3) for x in req["ms"]],
                           "status": [int(x) for x in req["status"]],
                           "version": list(req["version"])}
-    result["repository_kept"] = keep_repo
-    finish(out, "swap", result, t_start, render_markdown, plot)
-    return result

@@ -59,9 +59,6 @@ def bench_args(p) -> None:
                    help=f"how to call each strategy, of {', '.join(TRANSPORTS)}: in process, "
                         "PNG upload to /v1/predict, KServe v2 binary tensor over HTTP, KServe v2 "
                         "over gRPC (default: all)")
-    p.add_argument("--no-http", action="store_true",
-                   help="skip every remote transport (http, http-v2, grpc)")
-    p.add_argument("--no-inprocess", action="store_true", help="skip the in-process runs")
     p.add_argument("--backend", nargs="+", choices=BENCH_BACKENDS, default=["local"],
                    metavar="BACKEND",
                    help="where class parallel's workers run, as for 'sensai serve', of "
@@ -127,10 +124,7 @@ def cmd_bench(args) -> int:
     from sensai.bench.latency_report import render_table
     from sensai.serving.launch.build import check_backend_installed
 
-    transports = [t for t in args.transports
-                  if not (args.no_inprocess if t == "inprocess" else args.no_http)]
-    if not transports:
-        raise SensaiError("--transports, --no-http and --no-inprocess leave nothing to measure")
+    transports = list(dict.fromkeys(args.transports))
     for backend in args.backend:  # before the baselines are built, not after
         check_backend_installed(backend)
     # httpx logs every request at INFO: thousands of lines over the progress bar.
