@@ -30,9 +30,7 @@
 #      tensors from four client processes on four cores of their own (the server on the
 #      others), closed loops of 1 to 256 requests in flight, three times:
 #      a. OUT/load: the automatic count of gateway processes, the GPU waited for by spinning
-#         (the default), the same with one batch at a time in flight (class-parallel-serial:
-#         the device process's overlap off), the original behind the same gateway beside it,
-#         then an overload;
+#         (the default), the original behind the same gateway beside it, then an overload;
 #      b. OUT/load-sleep: the same with SENSAI_GPU_WAIT=sleep, the artifact alone, no
 #         overload: what a spinning wait costs the host's cores and buys in latency;
 #      c. OUT/load-n1: one gateway process over the same device process (--backend processes,
@@ -201,7 +199,7 @@ else
     # against none was measured on an H100 once (BENCHMARKS.md), so the sweeps leave it out;
     # at 256 in flight a subnet's batches have room to fill (up to 128 rows on a GPU).
     CLIENTS=(--clients 4 --client-cores 4)
-    LOAD=(--configs class-parallel class-parallel-serial single --levels 1 16 64 256
+    LOAD=(--configs class-parallel single --levels 1 16 64 256
           --level-seconds 2 --overload-seconds 4 "${CLIENTS[@]}")
     # The other way to wait for the GPU, on the artifact alone: its overload says nothing the
     # first sweep's does not.

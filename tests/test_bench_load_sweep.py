@@ -250,16 +250,14 @@ def test_the_simulated_gpu_sweep_checks_every_answer_and_reports_each_subnets_ba
     """``sensai bench-load --runtime sim`` from the command line: two gateway processes over one
     device process holding both subnets (as on one GPU), every answer checked against the
     simulation's own offline (none wrong), each level's rows per batch of each subnet and the
-    device process's CPU per answer reported; the same with one batch at a time in flight
-    (class-parallel-serial: the overlap off, by its setting); Triton, which runs no simulation,
-    is skipped with its reason."""
+    device process's CPU per answer reported, its batches launched while the device computes
+    the last; Triton, which runs no simulation, is skipped with its reason."""
     from sensai.cli import main
 
     out = tmp_path / "sim"
     assert main(["bench-load", str(tiny_artifact_g2), "--out", str(out), "--sweep",
                  "--env", "SENSAI_RUNTIME=sim", "--env", "SENSAI_SIM_LAUNCH_MS=5",
-                 "--configs", "class-parallel",
-                 "class-parallel-serial", "triton", "--levels", "1", "8", "--level-seconds", "1", "--warmup-seconds",
+                 "--configs", "class-parallel", "triton", "--levels", "1", "8", "--level-seconds", "1", "--warmup-seconds",
                  "0.5", "--overload-seconds", "0", "--images", "8", "--no-progress",
                  "--env", "SENSAI_GATEWAY_REPLICAS=2"]) == 0
     assert "rows per batch (each subnet)" in capsys.readouterr().out
@@ -278,8 +276,3 @@ def test_the_simulated_gpu_sweep_checks_every_answer_and_reports_each_subnets_ba
     assert all(w["rows"] == w["requests"] > 0 for w in eight["batching"])
     assert all(w["max_rows"] == 128 for w in c["batching"])  # a GPU's batches
     assert "Rows per batch" in (out / "load.md").read_text()
-    serial = result["configs"]["class-parallel-serial"]
-    assert "SENSAI_BATCH_OVERLAP=false" in serial["server"]["command"]
-    assert "SENSAI_BATCH_OVERLAP" not in c["server"]["command"]
-    for level in serial["levels"]:
-        assert level["wrong"] == 0 and level["ok"] == level["requests"] > 0

@@ -45,13 +45,10 @@ from .targets import evaluate_sweep_targets
 CONFIGS = SWEEP_CONFIGS
 CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
                  "class-parallel-unbatched": "class parallel (sensAI), no batching",
-                 "class-parallel-serial": "class parallel (sensAI), batching, one batch at a "
-                                          "time in flight",
                  "single": "single device (the original), batching",
                  "triton": "Triton, the original, dynamic batcher"}
 # Gateway settings that make a configuration (added to the run's own).
-CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"},
-              "class-parallel-serial": {"SENSAI_BATCH_OVERLAP": "false"}}
+CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
 LEVELS = SWEEP_LEVELS
 PERF_ANALYZER_MODES = ("also", "only")  # beside bench-load's own client, or instead of it
 NOOP_CONCURRENCY = 16

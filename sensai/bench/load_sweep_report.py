@@ -24,7 +24,6 @@ PERF_HEADER = ["configuration", "in flight", "infer/s", "p50 ms", "p90 ms", "p99
 BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
                    "rows per batch", "largest", "held back"]
 COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
-          "class-parallel-serial": "#64B5CD",
           "single": "#55A868", "triton": "#C44E52"}
 
 
@@ -204,8 +203,7 @@ def _intro(result: dict) -> list[str]:
         f"{g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
         f"{g['max_predictions']}, latency target {latency_target(g)}, batch_max_rows "
         f"{g['batch_max_rows']}, batch_delay_us {g['batch_delay_us']:g}; "
-        "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; class-parallel-serial adds "
-        "SENSAI_BATCH_OVERLAP=false; single "
+        "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
         "serves the original model as one group on one worker, with the same settings); triton "
         "is Triton Inference Server serving the original's ONNX with its dynamic batcher.",
         "",

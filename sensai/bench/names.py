@@ -58,12 +58,11 @@ def label(key: str) -> str:
     return f"class parallel (sensAI, {backend} pool)" if backend else LABELS[base]
 
 # ``sensai bench-load --sweep``: the configurations it compares (the artifact with and without
-# the workers' batching, the original model behind the same gateway, the original on Triton; on
-# request, the artifact with one batch at a time in flight, which differs only where a device
-# computes apart from the host), the requests in flight of its closed loops, its transports, and
-# its per-configuration warm-up and overload seconds.
+# the workers' batching, the original model behind the same gateway, the original on Triton),
+# the requests in flight of its closed loops, its transports, and its per-configuration warm-up
+# and overload seconds.
 SWEEP_DEFAULT_CONFIGS = ("class-parallel", "class-parallel-unbatched", "single", "triton")
-SWEEP_CONFIGS = (*SWEEP_DEFAULT_CONFIGS, "class-parallel-serial")
+SWEEP_CONFIGS = SWEEP_DEFAULT_CONFIGS
 SWEEP_LEVELS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_TRANSPORTS = ("http", "http-v2")
 SWEEP_WARMUP_S = 3.0

@@ -332,9 +332,7 @@ def load_sweep_args(p) -> None:
                        help=f"of {', '.join(SWEEP_CONFIGS)}: the artifact with batching, without "
                             "(SENSAI_BATCH_MAX_ROWS=1), the original model behind the same "
                             "gateway, the original on Triton with its dynamic batcher "
-                            "(skipped with the reason where it cannot run), and the artifact "
-                            "with one batch at a time in flight (SENSAI_BATCH_OVERLAP=false: a "
-                            "GPU's overlap off) (default: "
+                            "(skipped with the reason where it cannot run) (default: "
                             f"{' '.join(SWEEP_DEFAULT_CONFIGS)})")
     sweep.add_argument("--levels", type=int, nargs="+", default=list(SWEEP_LEVELS),
                        metavar="N", help="requests in flight of each closed loop (default: "

@@ -30,8 +30,6 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-import numpy as np
-
 from sensai.errors import SensaiError
 from sensai.raycluster import error_text, share
 
