@@ -42,7 +42,7 @@ FLEET_BACKENDS = ("local", "processes")
 AUTO_GATEWAYS_FROM = 4
 AUTO_GATEWAYS_MAX = 8
 SECRETS = ("repository_token",)
-HANG_FLOOR_S = 3.0
+HANG_FLOOR_S = 10.0
 # A deployment written to a file (``sensai plan``) that ``sensai serve --config`` reads.
 CONFIG_KIND = "sensai-serve-config"
 CONFIG_SCHEMA = 1
@@ -308,7 +308,8 @@ class GatewaySettings(BaseSettings):
     def hang_timeout(self) -> float:
         """How long a worker with work in flight may answer nothing before it is ended and
         restarted: twice a request's deadline (by then every request it holds has failed),
-        at least a few seconds so that a busy host's pause is not taken for a hang."""
+        at least long enough that a slow request or a busy host's pause is not taken for a
+        hang."""
         return max(HANG_FLOOR_S, 2 * self.deadline_s)
 
 
