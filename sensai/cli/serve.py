@@ -95,7 +95,7 @@ def settings_from(args, config: tuple[dict, dict] | None = None) -> GatewaySetti
         given = {**from_file, **given}
     if getattr(args, "repository_token_file", None):
         given["repository_token"] = read_token(args.repository_token_file)
-    return load_settings(given, {**flags, "backend": "--backend"})
+    return load_settings(given, flags)
 
 
 def check_config_artifact(path: str, measured: dict, artifact) -> None:

@@ -391,9 +391,6 @@ class WorkerCore:
     def skip_all(self) -> None:
         self.control.skip_all()
 
-    def skipped(self, req: int, group: int) -> bool:
-        return self.control.skipped(req, group)
-
     # -- batches of requests
 
     def gather(self, first: Run, runs: "queue.SimpleQueue", hold: bool = True
