@@ -22,7 +22,7 @@
 # line of the table.  --tiny multiplies the caps by ten (a 2-core VM is no GPU);
 # $SENSAI_GPU_CHECK_CAP_PCT scales them (percent) either way.
 #   1. train VGG-16-bn on Fashion-MNIST (3 epochs) on the GPU, each step replayed from a
-#      captured CUDA graph (the default), then again with eager steps (--no-capture);
+#      captured CUDA graph (the default), then again with eager steps (--set capture=false);
 #   2. decompose it at G=2 with the defaults, retraining on the GPU (in process: no Ray) with
 #      captured steps, then with eager ones on a fifth of the images (the speed, not the
 #      accuracy, is the question there); each offline step's wall seconds go to its folder;
@@ -40,7 +40,7 @@
 #      CPU per answer and the GPU's busy share (nvidia-smi); the machine's cores go to the log,
 #      the GPU's busy share over the whole step (nvidia-smi, every 0.5 s) to
 #      OUT/<sweep>/gpu-util.csv;
-#   4. the sensAI paper's regime: decompose it into subnets 20x smaller (--shrink 20) at G=2
+#   4. the sensAI paper's regime: decompose it into subnets 20x smaller (--set shrink=20) at G=2
 #      and at G=10, each capped by the speed step 2 measured (its stages, its retraining's
 #      seconds per image times the images they retrain, 1.5x and 30 s more; else
 #      $SENSAI_GPU_CHECK_OFFLINE_S seconds, default 150);
@@ -180,13 +180,14 @@ FMNIST=/usr/share/datasets/fashion-mnist
 
 if (( TINY )); then
     DEVICE=cpu RUNTIMES=torch MODEL=fmnist_cnn SIZE=32
-    TRAIN=(--epochs 1 --train-limit 600)
-    DECOMPOSE=(--retrain-epochs 1 --samples-per-subnet 256 --features-per-class 10 --stats-per-class 20 --eval-limit 200)
+    TRAIN=(--epochs 1 --set train_limit=600)
+    DECOMPOSE=(--retrain-epochs 1 --samples-per-subnet 256 --set features_per_class=10
+               --set stats_per_class=20 --set eval_limit=200)
     EAGER_SAMPLES=(--samples-per-subnet 64) CAP_SAMPLES=(--samples-per-subnet 256)
-    BENCH=(--images 8 --warmup 2 --rounds 1 --concurrency 2 --requests 8)
-    TINY_LOAD=(--levels 1 2 --level-seconds 1 --warmup-seconds 1 --images 8)
-    LOAD=(--configs class-parallel single "${TINY_LOAD[@]}" --overload-seconds 1)
-    LOAD_SLEEP=(--configs class-parallel "${TINY_LOAD[@]}" --overload-seconds 0)
+    BENCH=(--images 8 --set warmup=2 --set rounds=1 --concurrency 2 --requests 8)
+    TINY_LOAD=(--levels 1 2 --set level_seconds=1 --set warmup_seconds=1 --images 8)
+    LOAD=(--configs class-parallel single "${TINY_LOAD[@]}" --set overload_seconds=1)
+    LOAD_SLEEP=(--configs class-parallel "${TINY_LOAD[@]}" --set overload_seconds=0)
     LOAD_N1=("${LOAD_SLEEP[@]}")
     PER_CLASS=6
 else
@@ -198,16 +199,16 @@ else
     # Four client processes on four cores of their own, the server on the others.  Batching
     # against none was measured on an H100 once (BENCHMARKS.md), so the sweeps leave it out;
     # at 256 in flight a subnet's batches have room to fill (up to 128 rows on a GPU).
-    CLIENTS=(--clients 4 --client-cores 4)
+    CLIENTS=(--set clients=4 --set client_cores=4)
     LOAD=(--configs class-parallel single --levels 1 16 64 256
-          --level-seconds 2 --overload-seconds 4 "${CLIENTS[@]}")
+          --set level_seconds=2 --set overload_seconds=4 "${CLIENTS[@]}")
     # The other way to wait for the GPU, on the artifact alone: its overload says nothing the
     # first sweep's does not.
-    LOAD_SLEEP=(--configs class-parallel --levels 1 16 64 256 --level-seconds 2
-                --overload-seconds 0 "${CLIENTS[@]}")
+    LOAD_SLEEP=(--configs class-parallel --levels 1 16 64 256 --set level_seconds=2
+                --set overload_seconds=0 "${CLIENTS[@]}")
     # One gateway process: its ceiling shows by 64 in flight, so no 256 and no overload.
-    LOAD_N1=(--configs class-parallel --levels 1 16 64 --level-seconds 2 --warmup-seconds 2
-             --overload-seconds 0 "${CLIENTS[@]}")
+    LOAD_N1=(--configs class-parallel --levels 1 16 64 --set level_seconds=2
+             --set warmup_seconds=2 --set overload_seconds=0 "${CLIENTS[@]}")
     PER_CLASS=30
 fi
 STRATS=(--strategies single model-parallel class-parallel)
@@ -236,13 +237,14 @@ M=$OUT/models
 offline train "$M/$MODEL" "$CAP_TRAIN" "${SENSAI[@]}" train --model "$MODEL" --data-dir "$FMNIST" \
     "${TRAIN[@]}" --device "$DEVICE" --out "$M/$MODEL"
 offline train-eager "$M/${MODEL}_eager" "$CAP_TRAIN" "${SENSAI[@]}" train --model "$MODEL" \
-    --data-dir "$FMNIST" "${TRAIN[@]}" --device "$DEVICE" --no-capture --out "$M/${MODEL}_eager"
+    --data-dir "$FMNIST" "${TRAIN[@]}" --device "$DEVICE" --set capture=false \
+    --out "$M/${MODEL}_eager"
 offline decompose "$M/${MODEL}_g2" "$CAP_DECOMPOSE" "${SENSAI[@]}" decompose \
     --model-dir "$M/$MODEL" --groups 2 --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" \
     --out "$M/${MODEL}_g2"
 offline decompose-eager "$M/${MODEL}_g2_eager" "$CAP_DECOMPOSE_EAGER" "${SENSAI[@]}" decompose \
     --model-dir "$M/$MODEL" --groups 2 --device "$DEVICE" --no-ray "${DECOMPOSE[@]}" \
-    "${EAGER_SAMPLES[@]}" --no-capture --out "$M/${MODEL}_g2_eager"
+    "${EAGER_SAMPLES[@]}" --set capture=false --out "$M/${MODEL}_g2_eager"
 
 # --- 3: serving throughput (the gateway picks the device itself: --device auto), with the
 # automatic count of gateway processes (1 under 4 cores, else half the cores, at most 8), the
@@ -259,7 +261,7 @@ load_sweep() {
         SMI_PID=$!
     fi
     step "$name" "$cap" "${SENSAI[@]}" bench-load "$OUT/models/${MODEL}_g2" --out "$dir" --sweep \
-        --transport http-v2 "$@" --no-progress
+        --transport http-v2 "$@"
     local rc=$?
     if [[ -n $SMI_PID ]]; then
         kill "$SMI_PID" 2>/dev/null
@@ -281,7 +283,7 @@ mapfile -t X20_CAPS < <("$PY" "$REPO/deploy/gpu_check.py" cap "$M/${MODEL}_g2/ma
 for i in "${!X20_GROUPS[@]}"; do
     G=${X20_GROUPS[$i]} cap=${X20_CAPS[$i]:-$CAP_OFFLINE}
     offline "decompose-x20-g$G" "$M/${MODEL}_g${G}_x20" "$cap" "${SENSAI[@]}" decompose \
-        --model-dir "$M/$MODEL" --groups "$G" --shrink 20 --device "$DEVICE" --no-ray \
+        --model-dir "$M/$MODEL" --groups "$G" --set shrink=20 --device "$DEVICE" --no-ray \
         "${DECOMPOSE[@]}" --out "$M/${MODEL}_g${G}_x20"
 done
 
@@ -290,12 +292,12 @@ done
 bench_flagship() {
     step "bench-fmnist-$1" "$CAP_BENCH" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_g2" \
         --device "$DEVICE" --runtime "$1" "${STRATS[@]}" --transports inprocess http http-v2 \
-        "${BENCH[@]}" --no-progress --out "$OUT/fmnist_$1"
+        "${BENCH[@]}" --out "$OUT/fmnist_$1"
 }
 bench_224() {
     step "bench-${SIZE}-$1" "$CAP_BENCH" "${SENSAI[@]}" bench "$OUT/models/${MODEL}_${SIZE}_g2" \
         --device "$DEVICE" --runtime "$1" "${STRATS[@]}" --transports inprocess http-v2 \
-        "${BENCH[@]}" --no-progress --out "$OUT/${SIZE}_$1"
+        "${BENCH[@]}" --out "$OUT/${SIZE}_$1"
 }
 FIRST=${RUNTIMES%% *} REST=${RUNTIMES#"$FIRST"}
 
@@ -314,7 +316,7 @@ step train-224 "$CAP_TRAIN_224" "${SENSAI[@]}" train --model "$MODEL" --dataset 
     --out "$OUT/models/${MODEL}_${SIZE}"
 step decompose-224 "$CAP_DECOMPOSE_224" "${SENSAI[@]}" decompose \
     --model-dir "$OUT/models/${MODEL}_${SIZE}" --groups 2 --policy keep --retrain-epochs 0 \
-    --features-per-class 10 --stats-per-class 10 --device "$DEVICE" --no-ray \
+    --set features_per_class=10 --set stats_per_class=10 --device "$DEVICE" --no-ray \
     --out "$OUT/models/${MODEL}_${SIZE}_g2"
 bench_224 "$FIRST"
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from sensai.bench.load_measures import gpu_busy
 from sensai.bench.names import label
-from sensai.bench.render import fmt, md_table
+from sensai.bench.render import Col, Table, fmt, md_table
 from sensai.bench.targets import all_checks
 from sensai.data import encode_png, load_split, resolve_dataset, stratified_subset
 from sensai.fsutil import write_json_atomic, write_text_atomic
@@ -87,10 +87,6 @@ BENCH_HEADER = ["run", "model", "input", "runtime", "strategy", "transport", "p5
 SWEEP_HEADER = ["sweep", "gateway processes", "configuration", "best 200/s", "at in flight",
                 "p50 ms", "p99 ms", "overload goodput 200/s", "client cores",
                 "machine busy cores", "GPU busy (mean, max)"]
-LEVEL_HEADER = ["sweep", "configuration", "gpu_wait", "in flight", "answers/s", "p50 ms", "p99 ms",
-                "rows per batch (each subnet)", "device processes CPU ms/answer",
-                "gateways CPU ms/answer", "busiest thread: device processes / gateways (cores)",
-                "GPU busy (mean)"]
 OFFLINE_HEADER = ["model", "work", "steps", "seconds", "images/s", "top-1", "original top-1",
                   "points", "largest subnet (params, MACs)"]
 CAP_SPARE, CAP_EXTRA_S = 1.5, 30  # a cap from a measured speed: this much slower, and more
@@ -206,20 +202,29 @@ def level_data(folder: str, gpu_wait, key: str, r: dict) -> dict:
             "gpu_busy_mean_pct": busy.get("mean_pct"), "gpu_busy_samples": busy.get("samples")}
 
 
-def level_cells(d: dict) -> list[str]:
-    """A level's row of gpu-check.md."""
-    per = d.get("rows_per_batch")
-    device = d.get("device_cpu_ms_per_answer")
-    busy = d.get("gpu_busy_mean_pct")
-    return [d["sweep"], d["configuration"], fmt(d.get("gpu_wait")), fmt(d.get("in_flight")),
-            fmt(d.get("answers_per_s"), 1), fmt(d.get("p50_ms")), fmt(d.get("p99_ms")),
-            " / ".join(fmt(w["rows_per_batch"], 1) for w in per) if per else "-",
-            fmt(device, 3) if device is not None else
-            ("- (in the gateways)" if d.get("device_processes") == 0 else "-"),
-            fmt(d.get("gateway_cpu_ms_per_answer"), 3),
-            f"{fmt(d.get('device_busiest_thread_cores'))} / "
-            f"{fmt(d.get('gateway_busiest_thread_cores'))}",
-            "-" if busy is None else f"{busy:.0f} %"]
+def device_cpu(d: dict) -> float | str | None:
+    """A level's device processes' CPU per answer; where the subnets ran inside the gateways,
+    there were none."""
+    if d.get("device_cpu_ms_per_answer") is not None:
+        return d["device_cpu_ms_per_answer"]
+    return "- (in the gateways)" if d.get("device_processes") == 0 else None
+
+
+# A level's row of gpu-check.md, from its level_data.
+LEVELS = Table(
+    Col("sweep", "sweep"), Col("configuration", "configuration"), Col("gpu_wait", "gpu_wait"),
+    Col("in flight", "in_flight"), Col("answers/s", "answers_per_s", 1), Col("p50 ms", "p50_ms"),
+    Col("p99 ms", "p99_ms"),
+    Col("rows per batch (each subnet)", lambda d: " / ".join(
+        fmt(w["rows_per_batch"], 1) for w in d["rows_per_batch"]) if d.get("rows_per_batch")
+        else None),
+    Col("device processes CPU ms/answer", device_cpu, 3),
+    Col("gateways CPU ms/answer", "gateway_cpu_ms_per_answer", 3),
+    Col("busiest thread: device processes / gateways (cores)",
+        lambda d: f"{fmt(d.get('device_busiest_thread_cores'))} / "
+                  f"{fmt(d.get('gateway_busiest_thread_cores'))}"),
+    Col("GPU busy (mean)", lambda d: None if d.get("gpu_busy_mean_pct") is None
+        else f"{d['gpu_busy_mean_pct']:.0f} %"))
 
 
 def level_rows(folder: str, result: dict) -> tuple[list[list[str]], list[dict]]:
@@ -230,19 +235,17 @@ def level_rows(folder: str, result: dict) -> tuple[list[list[str]], list[dict]]:
     for key, c in (result.get("configs") or {}).items():
         if not isinstance(c, dict) or not isinstance(c.get("levels"), list):
             why = (c.get("skipped") if isinstance(c, dict) else None) or "no levels"
-            cells.append([folder, f"{key}: not run, {why}", fmt(gpu_wait),
-                          *["-"] * (len(LEVEL_HEADER) - 3)])
+            cells.append([folder, f"{key}: not run, {why}", fmt(gpu_wait)])
             data.append({"sweep": folder, "configuration": key, "gpu_wait": gpu_wait,
                          "why": f"not run, {why}"})
             continue
         for r in c["levels"]:
             try:
                 d = level_data(folder, gpu_wait, key, r)
-                row = level_cells(d)
+                (row,) = LEVELS.rows([d])
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 why = f"unreadable level: {type(e).__name__}: {e}"
-                cells.append([folder, f"{key}: {why}", fmt(gpu_wait),
-                              *["-"] * (len(LEVEL_HEADER) - 3)])
+                cells.append([folder, f"{key}: {why}", fmt(gpu_wait)])
                 data.append({"sweep": folder, "configuration": key, "gpu_wait": gpu_wait,
                              "why": why})
                 continue
@@ -474,7 +477,7 @@ def add_sweep(part: LoadPart, check: Path, folder: str, step: str, label_: str,
         why = entry.get("why") or why_missing(step, steps, "load.json")
         entry["why"] = why
         part.sweep_table.append([label_, "-", why, *["-"] * 7, util_text(util)])
-        part.level_table.append([folder, why, *["-"] * (len(LEVEL_HEADER) - 2)])
+        part.level_table.append([folder, why])
         part.levels.append({"sweep": folder, "why": why})
         part.missing.append({"part": folder, "step": step, "why": why})
     if (d / "load.md").is_file():
@@ -495,11 +498,9 @@ def add_sweep_rows(part: LoadPart, folder: str, label_: str, result: dict,
         cells, data = level_rows(folder, result)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         why = f"unreadable load.json: {type(e).__name__}: {e}"
-        cells, data = [[folder, why, *["-"] * (len(LEVEL_HEADER) - 2)]], \
-            [{"sweep": folder, "why": why}]
+        cells, data = [[folder, why]], [{"sweep": folder, "why": why}]
     if not cells:
-        cells, data = [[folder, "load.json has no configurations",
-                        *["-"] * (len(LEVEL_HEADER) - 2)]], \
+        cells, data = [[folder, "load.json has no configurations"]], \
             [{"sweep": folder, "why": "load.json has no configurations"}]
     part.level_table += cells
     part.levels += data
@@ -530,7 +531,7 @@ def report_text(check: Path, bench: BenchPart, load: LoadPart, offline: list[lis
             "the gateways over the level, in cores (near 1.00: that process is the wall); GPU "
             "busy: nvidia-smi's utilization.gpu over the level, sampled every 0.2 s "
             "(- where a figure was not recorded).\n\n"
-            + md_table(LEVEL_HEADER, load.level_table) + "\n"
+            + LEVELS.md(load.level_table) + "\n"
             + "\n## Offline: training and decomposition\n\n"
             + (md_table(OFFLINE_HEADER, offline) if offline else
                f"No model.json or manifest.json under {check / 'models'}.") + "\n"

@@ -68,7 +68,7 @@ POLICIES = ("keep", "threshold", "params", "shrink")
 CHECK_IMAGES = 32  # real test images each ONNX file is checked on
 
 
-# Retraining images per decomposition when --samples-per-subnet is not given: split over the G
+# Retraining images per decomposition when samples_per_subnet is not given: split over the G
 # subnets, so the cost (and the wall time) of a decomposition does not grow with G.
 AUTO_TOTAL_SAMPLES = 600_000
 AUTO_MIN_SAMPLES = 20_000
@@ -96,37 +96,79 @@ class DecomposeConfig:
     """
 
     # pruning
-    policy: str = "shrink"
-    keep_fraction: float = 0.5
-    theta1: float = 0.73
-    theta2: float = 0.01
-    params_fraction: float | None = 0.25
-    shrink: float | None = 10.0
-    allocation: str = "uniform"
-    prune_steps: int = 1  # > 1: iterative prune -> retrain (pruning.iterative)
-    prune_residual: bool = False
-    min_channels: int = 2
-    channel_multiple: int = 8
-    zero_threshold: float = 0.005
-    stats_per_class: int = 500
+    policy: str = field(default="shrink", metadata={"help": (
+        "keep: the keep_fraction most active channels per layer; threshold: prune APoZ >= "
+        "theta1 unless mean |a| >= theta2 (sensAI's rule); params: prune to params_fraction of "
+        "the parameters; shrink: at least `shrink` times fewer parameters and MACs")})
+    keep_fraction: float = field(default=0.5, metadata={
+        "help": "channels kept per layer by policy keep"})
+    theta1: float = field(default=0.73, metadata={
+        "help": "policy threshold: prune a channel whose APoZ (share of zero activations) is at "
+                "least this"})
+    theta2: float = field(default=0.01, metadata={
+        "help": "policy threshold: keep a channel whose mean |activation| is at least this, "
+                "whatever its APoZ"})
+    params_fraction: float | None = field(default=0.25, metadata={
+        "help": "most parameters a subnet may keep, as a fraction of the original's, for policy "
+                "params (0.25: >= 4x smaller)"})
+    shrink: float | None = field(default=10.0, metadata={
+        "help": "for policy shrink: every subnet has at most 1/shrink of the original's "
+                "parameters and of its MACs"})
+    allocation: str = field(default="uniform", metadata={
+        "help": "how policies params and shrink share the budget over the layers: uniform = the "
+                "same keep fraction everywhere, apoz / activity = more where the group's "
+                "channels are active", "choices": ALLOCATIONS})
+    prune_steps: int = field(default=1, metadata={
+        "help": "reach the shrink / params_fraction budget in this many prune -> retrain steps, "
+                "each removing the same ratio and re-ranking channels on the retrained subnet; "
+                "the retraining images are split over the steps (1: one shot)"})
+    prune_residual: bool = field(default=False, metadata={
+        "help": "also prune residual-path channels, as coupled groups across the additions "
+                "(sensAI prunes only inside blocks)"})
+    min_channels: int = field(default=2, metadata={
+        "help": "never keep fewer channels in a layer"})
+    channel_multiple: int = field(default=8, metadata={
+        "help": "a pruned layer keeping at least this many channels keeps a multiple of it, the "
+                "widths GPU tensor cores and CPU vector units work in (1: any width)"})
+    zero_threshold: float = field(default=0.005, metadata={
+        "help": "|activation| counted as zero for APoZ"})
+    stats_per_class: int = field(default=500, metadata={
+        "help": "training images per class the activation statistics are taken on"})
     # grouping (t-SNE off: on fmnist_cnn its 2-D class centroids paired Pullover with Bag and
     # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, and it costs
     # far more time)
-    use_tsne: bool = False
-    features_per_class: int = 200
+    use_tsne: bool = field(default=False, metadata={
+        "help": "cluster class centroids in a 2-D t-SNE embedding of the features instead of "
+                "the raw features"})
+    features_per_class: int = field(default=200, metadata={
+        "help": "training images per class for the grouping features"})
     # retraining
-    retrain_epochs: int = 1
-    samples_per_subnet: int | None = None  # None: AUTO_TOTAL_SAMPLES / G, at least AUTO_MIN
-    negative_share: float | None = None
-    distill: float = 0.7
-    distill_temperature: float = 1.0
-    hard_negatives: float = 0.5
-    optimizer: str = "adam"
-    lr: float = 0.005
-    batch_size: int = 32
-    seed: int = 0
+    retrain_epochs: int = field(default=1, metadata={
+        "help": "epochs per subnet, 0 = no retraining"})
+    samples_per_subnet: int | None = field(default=None, metadata={
+        "help": f"balanced images per subnet and epoch - the cost bound (none: "
+                f"{AUTO_TOTAL_SAMPLES} / G, at least {AUTO_MIN_SAMPLES})"})
+    negative_share: float | None = field(default=None, metadata={
+        "help": "fraction of each subnet's samples that are other classes' images (none: one "
+                "(k+1)-th; the loss still weighs each class like all negatives)"})
+    distill: float = field(default=0.7, metadata={
+        "help": "weight in [0, 1] of the original model's soft targets in the retraining loss"})
+    distill_temperature: float = field(default=1.0, metadata={
+        "help": "temperature T > 0 of the distillation term: teacher and subnet outputs are "
+                "divided by T (and the term scaled by T^2); larger T weighs the teacher's "
+                "ranking of unlikely classes more"})
+    hard_negatives: float = field(default=0.5, metadata={
+        "help": "share in [0, 1] of the negatives drawn by how strongly the original model "
+                "mistakes them for the subnet's classes"})
+    optimizer: str = field(default="adam", metadata={
+        "help": "the retraining optimizer: sgd with Nesterov momentum, or adam (AdamW)",
+        "choices": ("sgd", "adam")})
+    lr: float = field(default=0.005, metadata={"help": "peak retraining learning rate"})
+    batch_size: int = field(default=32, metadata={"help": "retraining images per step"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the grouping, the statistics' and retraining's samples and the new heads"})
     # export
-    opset: int = 17
+    opset: int = field(default=17, metadata={"help": "ONNX opset of the exported subnets"})
 
     def samples_for(self, n_groups: int) -> int:
         if self.samples_per_subnet is not None:
@@ -138,39 +180,40 @@ class DecomposeConfig:
             raise SensaiError(f"unknown pruning policy {self.policy!r}; choose one of: "
                               f"{', '.join(POLICIES)}")
         if self.policy == "keep" and not (0 < self.keep_fraction <= 1):
-            raise SensaiError(f"--keep-fraction must be in (0, 1], got {self.keep_fraction}")
+            raise SensaiError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
         if self.policy == "params":
             if self.params_fraction is None:
-                raise SensaiError("--policy params needs --params-fraction (e.g. 0.1 for subnets "
-                                  "10x smaller than the original)")
+                raise SensaiError("--policy params needs params_fraction (e.g. --set "
+                                  "params_fraction=0.1 for subnets 10x smaller than the "
+                                  "original)")
             if not (0 < self.params_fraction <= 1):
-                raise SensaiError(f"--params-fraction must be in (0, 1], got {self.params_fraction}")
+                raise SensaiError(f"params_fraction must be in (0, 1], got {self.params_fraction}")
         if self.policy == "shrink":
             if self.shrink is None:
-                raise SensaiError("--policy shrink needs --shrink (e.g. 10 for subnets with 10x "
-                                  "fewer parameters and MACs than the original)")
+                raise SensaiError("--policy shrink needs shrink (e.g. --set shrink=10 for subnets "
+                                  "with 10x fewer parameters and MACs than the original)")
             if not (math.isfinite(self.shrink) and self.shrink >= 1):
-                raise SensaiError(f"--shrink must be a number >= 1, got {self.shrink}")
+                raise SensaiError(f"shrink must be a number >= 1, got {self.shrink}")
         if self.allocation not in ALLOCATIONS:
-            raise SensaiError(f"unknown --allocation {self.allocation!r}; choose one of: "
+            raise SensaiError(f"unknown allocation {self.allocation!r}; choose one of: "
                               f"{', '.join(ALLOCATIONS)}")
         if not (0 <= self.theta1 <= 1):
-            raise SensaiError(f"--theta1 is a fraction of zeros in [0, 1], got {self.theta1}")
+            raise SensaiError(f"theta1 is a fraction of zeros in [0, 1], got {self.theta1}")
         if not (self.theta2 >= 0 and math.isfinite(self.theta2)):
-            raise SensaiError(f"--theta2 must be >= 0, got {self.theta2}")
+            raise SensaiError(f"theta2 must be >= 0, got {self.theta2}")
         if not (self.zero_threshold >= 0 and math.isfinite(self.zero_threshold)):
-            raise SensaiError(f"--zero-threshold must be >= 0, got {self.zero_threshold}")
+            raise SensaiError(f"zero_threshold must be >= 0, got {self.zero_threshold}")
         if self.min_channels < 1:
-            raise SensaiError(f"--min-channels must be at least 1, got {self.min_channels}")
+            raise SensaiError(f"min_channels must be at least 1, got {self.min_channels}")
         if self.channel_multiple < 1:
-            raise SensaiError(f"--channel-multiple must be at least 1, got {self.channel_multiple}")
+            raise SensaiError(f"channel_multiple must be at least 1, got {self.channel_multiple}")
         if self.stats_per_class < 1:
-            raise SensaiError(f"--stats-per-class must be at least 1, got {self.stats_per_class}")
+            raise SensaiError(f"stats_per_class must be at least 1, got {self.stats_per_class}")
         if self.features_per_class < 2:
-            raise SensaiError(f"--features-per-class must be at least 2, got "
+            raise SensaiError(f"features_per_class must be at least 2, got "
                               f"{self.features_per_class}")
         if not (7 <= self.opset <= 23):
-            raise SensaiError(f"--opset must be between 7 and 23, got {self.opset}")
+            raise SensaiError(f"opset must be between 7 and 23, got {self.opset}")
         try:
             policy = self.pruning_policy()
         except ValueError as e:
@@ -178,9 +221,9 @@ class DecomposeConfig:
         try:
             step_policies(policy, self.prune_steps)
         except ValueError as e:
-            raise SensaiError(f"--prune-steps: {e}") from None
+            raise SensaiError(f"prune_steps: {e}") from None
         if self.prune_steps > 1 and self.retrain_epochs == 0:
-            raise SensaiError("--prune-steps above 1 retrains between steps; it needs "
+            raise SensaiError("prune_steps above 1 retrains between steps; it needs "
                               "--retrain-epochs of at least 1")
         self.retrain_settings(1).validate()
         return self
@@ -481,9 +524,9 @@ def decompose(model_dir: str | Path, out_dir: str | Path, *, groups: int,
     config = config.validate()
     dev = select_device(str(device))
     if workers is not None and workers < 1:
-        raise SensaiError(f"--retrain-jobs must be at least 1, got {workers}")
+        raise SensaiError(f"retrain_jobs must be at least 1, got {workers}")
     if eval_limit is not None and eval_limit < 1:
-        raise SensaiError(f"--eval-limit must be at least 1, got {eval_limit}")
+        raise SensaiError(f"eval_limit must be at least 1, got {eval_limit}")
     on_ray = (use_ray and retrain_fn is None and config.retrain_epochs > 0
               and ray_or_in_process(ray_address))
     run = open_run(Path(model_dir), out_dir, groups, config, device=device, dev=dev,

@@ -68,19 +68,19 @@ class RetrainSettings:
         if self.samples < 2:
             raise SensaiError(f"--samples-per-subnet must be at least 2, got {self.samples}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise SensaiError(f"--lr must be a positive number, got {self.lr}")
+            raise SensaiError(f"lr must be a positive number, got {self.lr}")
         if self.batch_size < 1:
-            raise SensaiError(f"--batch-size must be at least 1, got {self.batch_size}")
+            raise SensaiError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.negative_share is not None and not (0 < self.negative_share < 1):
-            raise SensaiError(f"--negative-share must be in (0, 1), got {self.negative_share}")
+            raise SensaiError(f"negative_share must be in (0, 1), got {self.negative_share}")
         if self.optimizer not in ("sgd", "adam"):
             raise SensaiError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
         if not (0 <= self.hard_negatives <= 1):
-            raise SensaiError(f"--hard-negatives must be in [0, 1], got {self.hard_negatives}")
+            raise SensaiError(f"hard_negatives must be in [0, 1], got {self.hard_negatives}")
         if not (0 <= self.distill <= 1):
-            raise SensaiError(f"--distill must be in [0, 1], got {self.distill}")
+            raise SensaiError(f"distill must be in [0, 1], got {self.distill}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise SensaiError(f"--distill-temperature must be a positive number, got "
+            raise SensaiError(f"distill_temperature must be a positive number, got "
                               f"{self.temperature}")
         if self.weight_decay < 0 or not (0 <= self.momentum < 1):
             raise SensaiError("weight decay must be >= 0 and momentum in [0, 1)")

@@ -133,7 +133,7 @@ class StepLosses:
         bad = self.check()
         if bad is not None:
             raise SensaiError(f"{what} diverged (the loss stopped being finite at step {bad}); "
-                              "lower --lr")
+                              "lower the learning rate (--set lr=...)")
 
     def values(self) -> np.ndarray:
         return self.losses[:len(self.sizes)].cpu().numpy().astype(np.float64)

@@ -57,11 +57,12 @@ def trained_model_dir(tmp_path_factory, fmnist_spec, fmnist_train, fmnist_test):
     """fmnist_cnn trained for one short epoch on 6,000 real images (~10 s on 2 cores)."""
     import torch
 
+    from sensai.training.options import TrainOptions
     from sensai.training.trainer import train
 
     out = tmp_path_factory.mktemp("trained") / "fmnist_cnn"
     train(model_name="fmnist_cnn", spec=fmnist_spec, train_set=fmnist_train, test_set=fmnist_test,
-          out_dir=out, epochs=1, train_limit=6000, device=torch.device("cpu"))
+          out_dir=out, epochs=1, options=TrainOptions(train_limit=6000), device=torch.device("cpu"))
     return out
 
 

@@ -34,11 +34,12 @@ def artifact(tiny_artifact):
 @pytest.fixture(scope="module")
 def short_run(artifact, tmp_path_factory):
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
 
     out = tmp_path_factory.mktemp("bench_out")
-    result = run_bench(artifact, out, workers=3, replicas=2, images=20, warmup=2, concurrency=2,
-                       requests=6, rounds=2, isolated_images=2, progress=False,
-                       command="test")
+    result = run_bench(artifact, out, BenchOptions(
+        workers=3, replicas=2, images=20, warmup=2, concurrency=2, requests=6, rounds=2,
+        isolated_images=2, progress=False, command="test"))
     return out, result
 
 
@@ -544,10 +545,10 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     from sensai.cli import main
 
     out = tmp_path / "cli"
-    code = main(["bench", str(artifact), "--out", str(out), "--images", "8", "--warmup", "1",
-                 "--rounds", "1", "--concurrency", "2", "--requests", "4",
-                 "--transports", "inprocess",
-                 "--strategies", "single", "class-parallel", "--no-progress"])
+    code = main(["bench", str(artifact), "--out", str(out), "--images", "8",
+                 "--set", "warmup=1", "--set", "rounds=1", "--concurrency", "2",
+                 "--requests", "4", "--transports", "inprocess",
+                 "--strategies", "single", "class-parallel"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "class parallel (sensAI)" in printed and "bench.json" in printed
@@ -557,10 +558,10 @@ def test_cli_in_process_only(artifact, tmp_path, capsys):
     assert all(set(s["transports"]) == {"inprocess"} for s in result["strategies"].values())
     # The command that reproduces the run: the arguments given, none of the defaults.
     assert result["command"].startswith(f"sensai bench {artifact} --out {out} ")
-    for given in ("--images 8", "--rounds 1", "--strategies single class-parallel",
+    for given in ("--images 8", "--set rounds=1", "--strategies single class-parallel",
                   "--transports inprocess"):
         assert given in result["command"]
-    assert "--threads" not in result["command"] and "--seed" not in result["command"]
+    assert "threads" not in result["command"] and "seed" not in result["command"]
     checks = [c for s in result["targets"]["sets"] for c in s["checks"]]
     # Over HTTP nothing was measured, so no target there can be claimed either way.
     remote = [c for c in checks if c["transport"] != "inprocess"]
@@ -579,9 +580,9 @@ def test_cli_transports_flag(artifact, tmp_path):
     from sensai.cli import main
 
     out = tmp_path / "cli"
-    assert main(["bench", str(artifact), "--out", str(out), "--images", "4", "--warmup", "1",
-                 "--rounds", "1", "--concurrency", "2", "--requests", "2", "--strategies",
-                 "class-parallel", "--transports", "grpc", "http-v2", "--no-progress"]) == 0
+    assert main(["bench", str(artifact), "--out", str(out), "--images", "4",
+                 "--set", "warmup=1", "--set", "rounds=1", "--concurrency", "2", "--requests",
+                 "2", "--strategies", "class-parallel", "--transports", "grpc", "http-v2"]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert result["settings"]["transports"] == ["http-v2", "grpc"]  # canonical order
     rep = result["strategies"]["class-parallel"]["transports"]
@@ -596,17 +597,20 @@ def test_cli_transports_flag(artifact, tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     ({"images": 0}, "--images"),
     ({"concurrency": 0}, "--concurrency"),
-    ({"strategies": ["single", "pipeline"]}, "unknown strategy"),
-    ({"transports": []}, "transports"),
+    ({"strategies": ("single", "pipeline")}, "unknown strategy"),
+    ({"transports": ()}, "transports"),
     ({"workers": 1000}, "at most"),
     ({"runtime": "tensorrt"}, "runtime"),
-    ({"backend": "kubernetes"}, "backend"),
+    ({"backends": ("kubernetes",)}, "backend"),
+    ({"rounds": 0}, "--set rounds must be an integer >= 1"),
+    ({"keep_cores_awake": "always"}, "always"),
 ])
 def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
 
     with pytest.raises(SensaiError, match=match):
-        run_bench(artifact, tmp_path / "out", progress=False, **kwargs)
+        run_bench(artifact, tmp_path / "out", BenchOptions(progress=False, **kwargs))
     assert not (tmp_path / "out" / "bench.json").exists()
 
 
@@ -614,6 +618,7 @@ def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
     import shutil
 
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
     from sensai.manifest import load_manifest, save_manifest
 
     art = tmp_path / "art"
@@ -622,7 +627,7 @@ def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
     save_manifest(art, m.model_copy(update={"source": m.source.model_copy(
         update={"model_dir": str(tmp_path / "gone")})}))
     with pytest.raises(CheckpointError, match="original model"):
-        run_bench(art, tmp_path / "out", progress=False)
+        run_bench(art, tmp_path / "out", BenchOptions(progress=False))
 
 
 def test_cli_reports_errors_in_one_line(tmp_path, capsys):
@@ -786,10 +791,10 @@ def test_throughput_stops_on_a_503_that_is_not_the_admission(tiny_artifact, fmni
 def test_bench_robust_rejects_bad_arguments(artifact, tmp_path, capsys):
     from sensai.cli import main
 
-    for argv, fragment in ((["--straggler", "7"], "worker index 0..4"),
-                           (["--delay", "soon"], "bad delay"),
+    for argv, fragment in ((["--set", "straggler=7"], "worker index 0..4"),
+                           (["--set", "delay=soon"], "bad delay"),
                            (["--redundancy", "5"], "r+1 = 6"),
-                           (["--kill-at", "1.5"], "--kill-at"),
+                           (["--set", "kill_at=1.5"], "--set kill_at must be in [0, 1)"),
                            (["--images", "1"], "--images")):
         assert main(["bench-robust", str(artifact), "--out", str(tmp_path / "o"), *argv]) == 2
         err = capsys.readouterr().err
@@ -800,12 +805,13 @@ def test_bench_robust_rejects_bad_arguments(artifact, tmp_path, capsys):
 def test_bench_robust_reports_straggler_and_failure(artifact, tmp_path):
     """r = 0 is the default serving path (worker threads): a killed worker's classes fail
     during the outage; r = 1 answers everything, the straggler's group by its copy."""
+    from sensai.bench.options import RobustOptions
     from sensai.bench.robust import run_robust_bench
 
     out = tmp_path / "robust"
-    res = run_robust_bench(artifact, out, redundancies=(0, 1), images=20, warmup=2,
-                           rounds=2, delay="fixed:100ms", straggler=2, victim=1, kill_at=0.25,
-                           restart_delay_s=1.0, progress=False, command="test")
+    res = run_robust_bench(artifact, out, RobustOptions(
+        redundancies=(0, 1), images=20, warmup=2, rounds=2, delay="fixed:100ms", straggler=2,
+        victim=1, kill_at=0.25, restart_delay_s=1.0, progress=False, command="test"))
     for f in ("robust.json", "robust.md", "robust.png"):
         assert (out / f).stat().st_size > 0
     on_disk = json.loads((out / "robust.json").read_text())

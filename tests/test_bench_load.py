@@ -23,16 +23,17 @@ TARGETS = ["soak_errors", "soak_rss_growth", "lean_gateway_rss", "overload_only_
 
 @pytest.fixture(scope="module")
 def load_run(tiny_artifact, tmp_path_factory):
-    from sensai.bench.load import LoadOptions, run_load_bench
+    from sensai.bench.load import run_load_bench
+    from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path_factory.mktemp("load_out")
     # A small gateway (16 requests in flight, 2 in the predictor), so the overload meets its
     # limits with few connections.
     options = LoadOptions(deadline_s=2.0, max_requests=16, max_predictions=2, clients=2,
                           images=12, progress=False, command="test")
-    result = run_load_bench(tiny_artifact, out, options, concurrency=2, warmup_s=0.5,
-                            soak_s=3.0, overload_s=2.0, sample_s=0.5, burst_s=2.0,
-                            burst_concurrency=6)
+    plan = LoadPlan(concurrency=2, warmup_seconds=0.5, soak_seconds=3.0, overload_seconds=2.0,
+                    sample_seconds=0.5, burst_seconds=2.0, burst_concurrency=6)
+    result = run_load_bench(tiny_artifact, out, options, plan)
     return out, result
 
 
@@ -142,17 +143,17 @@ def test_the_gateway_process_is_gone(load_run):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
-    (["--clients", "3", "--concurrency", "2"], "--clients (3) must not exceed"),
-    (["--soak-seconds", "0"], "--soak-seconds must be a number > 0"),
-    (["--overload-factor", "-1"], "--overload-factor must be a number > 0"),
-    (["--warmup-seconds", "nan"], "--warmup-seconds must be a number >= 0"),
+    (["--set", "clients=3", "--concurrency", "2"], "--set clients=3 must not exceed"),
+    (["--set", "soak_seconds=0"], "--set soak_seconds must be a number > 0"),
+    (["--set", "overload_factor=-1"], "--set overload_factor must be a number > 0"),
+    (["--set", "warmup_seconds=nan"], "--set warmup_seconds must be a number >= 0"),
     (["--env", "FOO=1"], "--env FOO: not a gateway setting"),
     (["--env", "SENSAI_PORT=9000"], "set by the benchmark itself"),
     (["--env", "SENSAI_MAX_REQUESTS"], "--env wants NAME=VALUE"),
     (["--env", "SENSAI_MAX_REQUESTS=0"], "invalid gateway setting max_requests"),
     (["--env", "SENSAI_DEADLINE_S=0"], "invalid gateway setting deadline_s"),
     (["--env", "SENSAI_DEADLINE_S=soon"], "--env SENSAI_DEADLINE_S=soon: not a number"),
-    (["--overload-connections", "100000000"], "ulimit -n"),
+    (["--set", "overload_connections=100000000"], "ulimit -n"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv, fragment):
     from sensai.cli import main
@@ -163,6 +164,52 @@ def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, 
     assert fragment in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("sensai bench-load: error:")
     assert not out.exists()  # refused before anything was started or written
+
+
+def test_a_set_key_reaches_the_run_and_the_recorded_command(tiny_artifact, tmp_path,
+                                                            monkeypatch):
+    """``--set KEY=VALUE`` lands in the plan or the options the run is given, and in the command
+    load.json records, which parses back to the same."""
+    import sensai.bench.load as load
+    from sensai.cli import build_parser, main
+    from sensai.errors import SensaiError
+
+    seen = {}
+
+    def run(artifact, out, options, plan):
+        seen.update(options=options, plan=plan)
+        raise SensaiError("measured nothing")
+
+    monkeypatch.setattr(load, "run_load_bench", run)
+    argv = ["bench-load", str(tiny_artifact), "--out", str(tmp_path / "o"), "-c", "4",
+            "--set", "overload_seconds=0", "--set", "clients=3", "--set", "retry_after=false"]
+    assert main(argv) == 2
+    plan, options = seen["plan"], seen["options"]
+    assert plan.overload_seconds == 0.0 and plan.concurrency == 4 and plan.soak_seconds == 600
+    assert options.clients == 3 and options.retry_after is False and options.client_cores == 0
+    assert options.command == ("sensai " + " ".join(argv[:4]) + " --concurrency 4 --set "
+                               "overload_seconds=0 --set clients=3 --set retry_after=false")
+    again = build_parser().parse_args(options.command.split()[1:])
+    assert again.knobs == {"overload_seconds": 0.0, "clients": 3, "retry_after": False}
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("overload_secs=0", "--set overload_secs=0: expected KEY=VALUE with KEY one of"),
+    ("soak_seconds", "--set soak_seconds: expected KEY=VALUE"),
+    ("soak_seconds=soon", "--set soak_seconds=soon: expected a number"),
+    ("clients=1.5", "--set clients=1.5: expected an integer"),
+    ("retry_after=maybe", "--set retry_after=maybe: expected true or false"),
+])
+def test_a_bad_set_key_or_value_is_refused_in_one_line(tiny_artifact, tmp_path, capsys, setting,
+                                                       message):
+    from sensai.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench-load", str(tiny_artifact), "--out", str(tmp_path / "o"), "--set", setting])
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # argparse's usage, then the one line that says what is wrong
+    assert e.value.code == 2 and last.startswith("sensai bench-load: error: ") and message in last
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 def test_a_missing_artifact_is_refused_in_one_line(tmp_path, capsys):

@@ -25,15 +25,15 @@ SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50
 
 @pytest.fixture(scope="module")
 def sweep_run(tiny_artifact, tmp_path_factory):
-    from sensai.bench.load import LoadOptions
     from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path_factory.mktemp("sweep_out")
     options = LoadOptions(deadline_s=2.0, max_requests=32, images=12, progress=False,
                           command="test")
-    result = run_load_sweep(tiny_artifact, out, options,
-                            configs=["class-parallel", "class-parallel-unbatched"],
-                            levels=[1, 16], level_s=1.0, warmup_s=0.5, overload_s=1.0)
+    plan = LoadPlan(configs=("class-parallel", "class-parallel-unbatched"), levels=(1, 16),
+                    level_seconds=1.0, warmup_seconds=0.5, overload_seconds=1.0)
+    result = run_load_sweep(tiny_artifact, out, options, plan)
     return out, result
 
 
@@ -172,8 +172,8 @@ def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifa
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--levels", "0"], "--levels must be an integer >= 1"),
-    (["--level-seconds", "0"], "--level-seconds must be a number > 0"),
-    (["--overload-seconds", "-1"], "--overload-seconds must be a number >= 0"),
+    (["--set", "level_seconds=0"], "--set level_seconds must be a number > 0"),
+    (["--set", "overload_seconds=-1"], "--set overload_seconds must be a number >= 0"),
 ])
 def test_bad_sweep_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv,
                                                      fragment):
@@ -188,16 +188,17 @@ def test_bad_sweep_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, ca
 
 
 def test_pinned_clients_and_a_server_of_two_gateway_processes(tiny_artifact_g2, tmp_path):
-    """``--client-cores 1``: the clients on the last core, the gateway - two gateway processes
+    """``--set client_cores=1``: the clients on the last core, the gateway - two gateway processes
     over device processes - on the rest; the server's CPU per answer is split between the
     gateways and the device processes, and every answer agrees with offline evaluation."""
-    from sensai.bench.load import LoadOptions
     from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.options import LoadOptions, LoadPlan
 
     options = LoadOptions(deadline_s=5.0, images=8, progress=False, command="test",
                           client_cores=1, env={"SENSAI_GATEWAY_REPLICAS": "2"})
-    result = run_load_sweep(tiny_artifact_g2, tmp_path, options, configs=["class-parallel"],
-                            levels=[4], level_s=1.0, warmup_s=0.5, overload_s=0.0)
+    plan = LoadPlan(configs=("class-parallel",), levels=(4,), level_seconds=1.0,
+                    warmup_seconds=0.5, overload_seconds=0.0)
+    result = run_load_sweep(tiny_artifact_g2, tmp_path, options, plan)
     c = result["configs"]["class-parallel"]
     assert result["settings"]["clients_on_cores"] == [max(os.sched_getaffinity(0))]
     assert result["settings"]["gateway"]["gateway_processes"] == 2
@@ -239,9 +240,9 @@ def test_client_cores_that_leave_the_server_none_are_refused_in_one_line(tiny_ar
 
     n = len(os.sched_getaffinity(0))
     assert main(["bench-load", str(tiny_artifact), "--out", "unused", "--sweep",
-                 "--client-cores", str(n)]) == 2
+                 "--set", f"client_cores={n}"]) == 2
     err = capsys.readouterr().err
-    assert f"--client-cores {n}: must be between 1 and {n - 1}" in err
+    assert f"--set client_cores={n}: must be between 1 and {n - 1}" in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -256,9 +257,9 @@ def test_the_simulated_gpu_sweep_checks_every_answer_and_reports_each_subnets_ba
 
     out = tmp_path / "sim"
     assert main(["bench-load", str(tiny_artifact_g2), "--out", str(out), "--sweep",
-                 "--env", "SENSAI_RUNTIME=sim", "--env", "SENSAI_SIM_LAUNCH_MS=5",
-                 "--configs", "class-parallel", "triton", "--levels", "1", "8", "--level-seconds", "1", "--warmup-seconds",
-                 "0.5", "--overload-seconds", "0", "--images", "8", "--no-progress",
+                 "--env", "SENSAI_RUNTIME=sim:5", "--configs", "class-parallel", "triton",
+                 "--levels", "1", "8", "--set", "level_seconds=1", "--set", "warmup_seconds=0.5",
+                 "--set", "overload_seconds=0", "--images", "8",
                  "--env", "SENSAI_GATEWAY_REPLICAS=2"]) == 0
     assert "rows per batch (each subnet)" in capsys.readouterr().out
     result = json.loads((out / "load.json").read_text())

@@ -25,8 +25,8 @@ from sensai.serving.launch.tritonserver import TRITON_HINT, WORKDIR_PREFIX, find
 from tests.helpers import offline_scores
 
 TITLE = "## sensai vs Triton vs Ray Serve"
-SHORT = ["--images", "4", "--warmup", "1", "--rounds", "1", "--concurrency", "2", "--requests",
-         "2", "--no-progress"]
+SHORT = ["--images", "4", "--set", "warmup=1", "--set", "rounds=1", "--concurrency", "2",
+         "--requests", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,7 @@ def test_without_tritonserver_the_triton_peer_is_skipped_with_its_reason(artifac
 
 def test_peer_and_backend_arguments_are_checked(artifact, tmp_path, capsys):
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
     from sensai.cli import main
 
     out = tmp_path / "out"
@@ -90,13 +91,14 @@ def test_peer_and_backend_arguments_are_checked(artifact, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     with pytest.raises(SystemExit):
         main(["bench", str(artifact), "--out", str(out), "--peers", "kubernetes"])
-    for kwargs, match in (({"peers": ["bogus"]}, "unknown peer"),
-                          ({"backend": ["local", "local"]}, "twice"),
-                          ({"backend": ["local", "kubernetes"]}, "unknown backend"),
-                          ({"backend": "local", "ray_address": "127.0.0.1:1"}, "--backend ray"),
-                          ({"peers": ["triton"], "runtime": "torch"}, "ONNX")):
+    for kwargs, match in (({"peers": ("bogus",)}, "unknown peer"),
+                          ({"backends": ("local", "local")}, "twice"),
+                          ({"backends": ("local", "kubernetes")}, "unknown backend"),
+                          ({"backends": ("local",), "ray_address": "127.0.0.1:1"},
+                           "--backend ray"),
+                          ({"peers": ("triton",), "runtime": "torch"}, "ONNX")):
         with pytest.raises(SensaiError, match=match):
-            run_bench(artifact, out, progress=False, **kwargs)
+            run_bench(artifact, out, BenchOptions(progress=False, **kwargs))
     assert not (out / "bench.json").exists()
 
 
@@ -109,13 +111,14 @@ def all_systems(artifact, tmp_path_factory):
     import ray
 
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
 
     out = tmp_path_factory.mktemp("peers_out")
-    result = run_bench(artifact, out, strategies=["single", "class-parallel"],
-                       transports=["http-v2"], backend=["local", "ray", "triton"],
-                       peers=["triton", "ray-serve"], images=6, warmup=1, rounds=2,
-                       concurrency=2, requests=4, isolated_images=2, progress=False,
-                       command="test")
+    result = run_bench(artifact, out, BenchOptions(
+        strategies=("single", "class-parallel"), transports=("http-v2",),
+        backends=("local", "ray", "triton"), peers=("triton", "ray-serve"), images=6, warmup=1,
+        rounds=2, concurrency=2, requests=4, isolated_images=2, progress=False,
+        command="test"))
     # Everything the run started is gone: tritonservers (and their directories), Ray, Serve.
     assert not ray.is_initialized()
     assert not [c for c in _children() if "tritonserver" in c or "raylet" in c]

@@ -16,9 +16,10 @@ def test_bench_robust_refuses_what_the_serve_application_cannot_take(tiny_artifa
     for argv, fragment in (
             (["--scenarios", "straggler"], "straggler scenario does not apply to --backend "
                                            "ray-serve"),
-            (["--restart-delay", "1"], "--restart-delay does not apply to --backend ray-serve"),
+            (["--set", "restart_delay_s=1"], "--set restart_delay_s does not apply to --backend "
+                                              "ray-serve"),
             (["--scenarios", "node-loss"], "use --backend ray"),
-            (["--deadline", "0"], "--deadline must be > 0")):
+            (["--set", "deadline_s=0"], "--set deadline_s must be > 0")):
         assert main(["bench-robust", str(tiny_artifact_g2), "--out", str(tmp_path / "o"),
                      "--backend", "ray-serve", *argv]) == 2
         err = capsys.readouterr().err
@@ -31,7 +32,7 @@ def test_bench_robust_on_ray_serve_r1_loses_no_request_to_a_killed_replica(tiny_
     out = tmp_path / "robust"
     assert main(["bench-robust", str(tiny_artifact_g2), "--out", str(out), "--backend",
                  "ray-serve", "--redundancy", "0", "1", "--scenarios", "none", "failure",
-                 "--images", "20", "--warmup", "4", "--victim", "1", "--no-progress"]) == 0
+                 "--images", "20", "--set", "warmup=4", "--set", "victim=1"]) == 0
     res = json.loads((out / "robust.json").read_text())
     st = res["settings"]
     assert st["backend"] == "ray-serve" and st["transport"] == "http-v2"

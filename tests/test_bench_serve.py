@@ -17,14 +17,15 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     """Every answer agrees with offline evaluation; the overload is answered, each request with
     a 200 or a 503 (the ingress's own admission); the memory sampled is the Serve ingress
     replica's, not the CLI's; the gateway stops with exit status 0."""
-    from sensai.bench.load import LoadOptions
     from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path / "sweep"
     options = LoadOptions(backend="ray-serve", deadline_s=20.0, max_requests=32, images=12,
                           progress=False, command="test")
-    run_load_sweep(tiny_artifact, out, options, configs=["class-parallel"], levels=[1, 4],
-                   level_s=1.0, warmup_s=0.5, overload_s=2.0)
+    run_load_sweep(tiny_artifact, out, options,
+                   LoadPlan(configs=("class-parallel",), levels=(1, 4), level_seconds=1.0,
+                            warmup_seconds=0.5, overload_seconds=2.0))
     result = json.loads((out / "load.json").read_text())
     assert result["settings"]["backend"] == "ray-serve"
     c = result["configs"]["class-parallel"]
@@ -47,12 +48,13 @@ def bench_beside_local(artifact, tmp_path, backend: str) -> tuple[dict, dict, di
     two strategies, once checked for what every such server shares - the same answers as the
     local pool, timed over HTTP only, and not in process, which bench.json and bench.md say."""
     from sensai.bench.latency import run_bench
+    from sensai.bench.options import BenchOptions
 
     out = tmp_path / "bench"
-    run_bench(artifact, out, strategies=["class-parallel"],
-              transports=["inprocess", "http-v2"], backend=["local", backend], images=8,
-              warmup=2, rounds=2, concurrency=2, requests=8, isolated_images=0,
-              progress=False, command="test")
+    run_bench(artifact, out, BenchOptions(
+        strategies=("class-parallel",), transports=("inprocess", "http-v2"),
+        backends=("local", backend), images=8, warmup=2, rounds=2, concurrency=2, requests=8,
+        isolated_images=0, progress=False, command="test"))
     result = json.loads((out / "bench.json").read_text())
     local, served = (result["strategies"][k] for k in ("class-parallel",
                                                        f"class-parallel@{backend}"))

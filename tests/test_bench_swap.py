@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sensai.bench.swap_report import (lifetimes, misattributed, plot, render_markdown, render_table,
-                                      swap_figures)
+from sensai.bench.swap_figures import lifetimes, misattributed, swap_figures
+from sensai.bench.swap_report import plot, render_markdown, render_table
 
 
 def records(rows):
@@ -128,8 +128,8 @@ def test_report_renders_the_table_markdown_and_plot(tmp_path):
 @pytest.mark.parametrize("argv, fragment", [
     (["--swaps", "0"], "--swaps must be an integer >= 1"),
     (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
-    (["--steady-seconds", "0"], "--steady-seconds must be a number > 0"),
-    (["--after-seconds", "-1"], "--after-seconds must be a number >= 0"),
+    (["--set", "steady_seconds=0"], "--set steady_seconds must be a number > 0"),
+    (["--set", "after_seconds=-1"], "--set after_seconds must be a number >= 0"),
     (["--model", "../x"], "model name '../x': use 1-64 letters"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, argv, fragment):
@@ -152,12 +152,13 @@ def test_bad_arguments_are_refused_in_one_line(tiny_artifact, tmp_path, capsys, 
 def swap_run(tiny_artifact, tiny_artifact_g2, tmp_path_factory):
     """Two decompositions of one model swapped in under load: G=5 as version 1, G=2 as
     version 2, G=5 again as version 3."""
+    from sensai.bench.options import SwapOptions
     from sensai.bench.swap import run_swap_bench
 
     out = tmp_path_factory.mktemp("swap") / "out"
-    result = run_swap_bench(tiny_artifact, tiny_artifact_g2, out, model="fmnist", swaps=2,
-                            concurrency=4, warmup_s=0.5, steady_s=2.0, after_s=2.0,
-                            sample_s=0.25, images=12, progress=False, command="test")
+    result = run_swap_bench(tiny_artifact, tiny_artifact_g2, out, SwapOptions(
+        model="fmnist", swaps=2, concurrency=4, warmup_seconds=0.5, steady_seconds=2.0,
+        after_seconds=2.0, sample_seconds=0.25, images=12, progress=False, command="test"))
     return out, result, Path(tiny_artifact), Path(tiny_artifact_g2)
 
 

@@ -7,6 +7,7 @@ fmnist_cnn with tiny settings; tests that change an artifact work on a copy of i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -228,24 +229,90 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
 
 @pytest.mark.parametrize("args, message", [
     (["--policy", "magic"], "unknown pruning policy 'magic'"),
-    (["--policy", "keep", "--keep-fraction", "1.5"], "--keep-fraction"),
-    (["--policy", "params", "--params-fraction", "1.5"], "--params-fraction must be in (0, 1]"),
-    (["--shrink", "0.5"], "--shrink must be a number >= 1"),
-    (["--allocation", "magic"], "unknown --allocation 'magic'"),
-    (["--distill-temperature", "0"], "--distill-temperature"),
-    (["--distill", "2"], "--distill"),
-    (["--optimizer", "lbfgs"], "unknown optimizer"),
+    (["--policy", "keep", "--set", "keep_fraction=1.5"], "keep_fraction must be in (0, 1]"),
+    (["--policy", "params", "--set", "params_fraction=1.5"], "params_fraction must be in (0, 1]"),
+    (["--set", "shrink=0.5"], "shrink must be a number >= 1"),
+    (["--set", "distill_temperature=0"], "distill_temperature"),
+    (["--set", "distill=2"], "distill must be in [0, 1]"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
-    (["--retrain-jobs", "0"], "--retrain-jobs"),
-    (["--prune-steps", "0"], "--prune-steps: the number of pruning steps must be an integer from 1"),
-    (["--prune-steps", "11"], "from 1 to 10"),
-    (["--prune-steps", "2", "--policy", "keep"], "--prune-steps: an iterative schedule needs a size budget"),
-    (["--prune-steps", "2", "--retrain-epochs", "0"], "it needs --retrain-epochs of at least 1"),
+    (["--set", "retrain_jobs=0"], "retrain_jobs must be at least 1"),
+    (["--set", "prune_steps=0"], "prune_steps: the number of pruning steps must be an integer from 1"),
+    (["--set", "prune_steps=11"], "from 1 to 10"),
+    (["--set", "prune_steps=2", "--policy", "keep"], "prune_steps: an iterative schedule needs a size budget"),
+    (["--set", "prune_steps=2", "--retrain-epochs", "0"], "it needs --retrain-epochs of at least 1"),
 ])
 def test_cli_rejects_bad_method_settings(trained_model_dir, tmp_path, capsys, args, message):
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
                         "--out", str(tmp_path / "art"), *args)
     assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_cli_set_reaches_the_config_and_the_run(monkeypatch, tmp_path):
+    """Each --set key lands in the DecomposeConfig the command builds (what the artifact
+    records), or in how it runs; the flags beside them too."""
+    import sensai.pruning.decompose as pruning_decompose
+    from sensai.errors import SensaiError
+    from sensai.pruning.decompose import DecomposeConfig
+
+    seen = {}
+
+    def stop(model_dir, out, **kwargs):
+        seen.update(kwargs)
+        raise SensaiError("stopped before any work")
+
+    monkeypatch.setattr(pruning_decompose, "decompose", stop)
+    assert main(["decompose", "--model-dir", "m", "-G", "2", "--out", str(tmp_path / "a"),
+                 "--policy", "threshold", "--seed", "4", "--set", "theta1=0.6",
+                 "--set", "use-tsne=yes", "--set", "params_fraction=none",
+                 "--set", "retrain_jobs=3", "--set", "capture=false",
+                 "--set", "eval_limit=50"]) == 2
+    assert seen["config"] == DecomposeConfig(policy="threshold", seed=4, theta1=0.6,
+                                             use_tsne=True, params_fraction=None)
+    assert (seen["workers"], seen["compile_"], seen["capture"], seen["eval_limit"]) == \
+        (3, False, False, 50)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("thet1=0.6", "--set thet1=0.6: expected KEY=VALUE with KEY one of keep_fraction, theta1"),
+    ("theta1", "--set theta1: expected KEY=VALUE"),
+    ("theta1=abc", "--set theta1=abc: expected a number"),
+    ("stats_per_class=1.5", "--set stats_per_class=1.5: expected an integer"),
+    ("use_tsne=maybe", "--set use_tsne=maybe: expected true or false"),
+    ("allocation=magic", "--set allocation=magic: expected one of uniform, apoz, activity"),
+    ("optimizer=lbfgs", "--set optimizer=lbfgs: expected one of sgd, adam"),
+])
+def test_cli_set_rejects_unknown_keys_and_bad_values_in_one_line(tmp_path, capsys, setting,
+                                                                 message):
+    with pytest.raises(SystemExit) as e:
+        main(["decompose", "--model-dir", "m", "-G", "2", "--out", str(tmp_path / "a"),
+              "--set", setting])
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # argparse's usage, then the one line that says what is wrong
+    assert e.value.code == 2 and last.startswith("sensai decompose: error: ") and message in last
+    assert "Traceback" not in err and not (tmp_path / "a").exists()
+
+
+def test_cli_set_help_lists_every_key_with_its_default_and_meaning(capsys):
+    from dataclasses import fields
+
+    from sensai.cli.decompose import CONFIG_FLAGS, RunOptions
+    from sensai.pruning.decompose import DecomposeConfig
+
+    with pytest.raises(SystemExit) as e:
+        main(["decompose", "--set", "help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    keys = [m.group(1) for line in out.splitlines()[1:] if (m := re.match(r"  (\w+)=", line))]
+    assert keys == [f.name for f in fields(DecomposeConfig) if f.name not in CONFIG_FLAGS] + \
+        [f.name for f in fields(RunOptions)]
+    assert "  theta1=0.73 " in out and "APoZ" in out
+    flowing = " ".join(out.split())  # the meanings are wrapped to the terminal's width
+    assert "allocation=uniform " in out and "(uniform, apoz, activity)" in flowing
+    # The decisions stay flags, described by the same declarations.
+    with pytest.raises(SystemExit):
+        main(["decompose", "--help"])
+    usage = capsys.readouterr().out
+    assert "--theta1" not in usage and "epochs per subnet, 0 = no retraining" in usage
 
 
 def test_cli_refuses_unwritable_output(trained_model_dir, tmp_path, capsys):
@@ -261,9 +328,9 @@ def test_cli_refuses_other_settings_in_an_existing_artifact(tiny_artifact, train
     art = copy_artifact(tiny_artifact, tmp_path / "art")
     before = subnet_files(art)
     code, err = run_cli(capsys, "decompose", "--model-dir", str(trained_model_dir), "--groups", "5",
-                        "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
-                        "--samples-per-subnet", "384", "--batch-size", "64",
-                        "--shrink", "5", "--no-ray")
+                        "--out", str(art), "--set", "features_per_class=20",
+                        "--set", "stats_per_class=40", "--samples-per-subnet", "384",
+                        "--set", "batch_size=64", "--set", "shrink=5", "--no-ray")
     assert code == 2 and "other settings" in err and "shrink: 10.0 -> 5.0" in err
     assert "--force" in err and len(err.splitlines()) == 1
     assert subnet_files(art) == before  # nothing touched
@@ -348,9 +415,10 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         node = ray.get_runtime_context().get_node_id()
         art = tmp_path / "art"
         code = main(["decompose", "--model-dir", str(trained_model_dir), "--groups", "2",
-                     "--out", str(art), "--features-per-class", "20", "--stats-per-class", "40",
-                     "--samples-per-subnet", "384", "--batch-size", "64", "--eval-limit", "300",
-                     "--retrain-jobs", "2", "--device", "cpu", "--tsne"])
+                     "--out", str(art), "--set", "features_per_class=20",
+                     "--set", "stats_per_class=40", "--samples-per-subnet", "384",
+                     "--set", "batch_size=64", "--set", "eval_limit=300",
+                     "--set", "retrain_jobs=2", "--device", "cpu", "--set", "use_tsne=true"])
         captured = capsys.readouterr()
         assert code == 0, captured.err
         assert "decomposed fmnist_cnn into 2 subnets" in captured.out
@@ -363,7 +431,7 @@ def test_cli_decompose_on_a_real_local_ray(trained_model_dir, tmp_path, capsys):
         assert metrics["node"] == node
         assert s.num_outputs == 6
         assert metrics["step"] == "eager"  # a CPU captures nothing
-        assert metrics["steps"] == 384 // 64  # --batch-size reached the Ray task
+        assert metrics["steps"] == 384 // 64  # batch_size reached the Ray task
     assert m.retrain["batch_size"] == 64
 
 

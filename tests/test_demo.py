@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_every_step_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
-    args = ["demo", "--out", str(out), "--model", "fmnist_cnn", "--train-limit", "3000",
-            "--samples-per-subnet", "2000", "--images", "4", "--bench-images", "12"]
+    args = ["demo", "--out", str(out), "--model", "fmnist_cnn", "--set", "train_limit=3000",
+            "--samples-per-subnet", "2000", "--images", "4", "--set", "bench_images=12"]
     assert main(args) == 0
     text = capsys.readouterr().out
     for step in ("1/5 train", "2/5 decompose", "3/5 serve", "4/5 predict", "5/5 single-image"):
@@ -63,10 +63,12 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "d"), "--groups", "11"]) == 2
     err = capsys.readouterr().err
     assert "--groups must be between 1 and 10" in err and "Traceback" not in err
-    assert main(["demo", "--out", str(tmp_path / "d"), "--train-limit", "3"]) == 2
-    assert "--train-limit must be at least 10" in capsys.readouterr().err
-    assert main(["demo", "--out", str(tmp_path / "d"), "--lr-warmup", "1.5"]) == 2
-    assert "--lr-warmup is a fraction of the steps" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--set", "train_limit=3"]) == 2
+    assert "train_limit must be at least 10" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--set", "lr_warmup=1.5"]) == 2
+    assert "lr_warmup is a fraction of the steps" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--set", "bench_images=0"]) == 2
+    assert "bench_images must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
     assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
@@ -90,4 +92,4 @@ def test_demo_says_how_far_from_converged_a_model_is(trained_model_dir):
         {"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.3, "test_top1": 0.91}]})
     line = training_progress(record.model_copy(update={"train": once}))
     assert "by epoch: 0.9100 (measured after the last epoch only" in line
-    assert "--eval-every 1" in line and "not converged" not in line
+    assert "--set eval_every=1" in line and "not converged" not in line

@@ -364,8 +364,8 @@ def test_the_sim_runtime_puts_every_subnet_in_one_device_process(tiny_artifact_g
     company - behind two gateway processes, and behind one (``--backend processes`` on a
     small host)."""
     _, images, _ = sample_images(fmnist_test, 8, seed=4)
-    settings = GatewaySettings(port=0, backend="processes", device="cpu", runtime="sim",
-                               sim_launch_ms=1.0, log_level="warning")
+    settings = GatewaySettings(port=0, backend="processes", device="cpu", runtime="sim:1",
+                               log_level="warning")
     art = load_artifact(tiny_artifact_g2)
     with Fleet(tiny_artifact_g2, settings, processes=gateways) as server:
         devices = [m for m in server.describe()["processes"] if m["role"] == "device"]

@@ -247,13 +247,14 @@ def test_bench_robust_on_processes_measures_the_device_processes_of_serve(tiny_a
     """``sensai bench-robust --backend processes``: its predictors run on device processes of
     their own (the transport ``sensai serve``'s gateways use); a killed one is restarted and,
     under r = 1, costs no answer."""
+    from sensai.bench.options import RobustOptions
     from sensai.bench.robust import run_robust_bench
 
     out = tmp_path / "robust"
-    res = run_robust_bench(tiny_artifact, out, backend="processes", redundancies=(1,),
-                           images=20, warmup=2, rounds=1, delay="fixed:50ms", straggler=2,
-                           victim=1, kill_at=0.25, restart_delay_s=1.0, progress=False,
-                           command="test")
+    res = run_robust_bench(tiny_artifact, out, RobustOptions(
+        backend="processes", redundancies=(1,), images=20, warmup=2, rounds=1,
+        delay="fixed:50ms", straggler=2, victim=1, kill_at=0.25, restart_delay_s=1.0,
+        progress=False, command="test"))
     on_disk = json.loads((out / "robust.json").read_text())
     assert on_disk["worker_transport"] == {"r=1": {"kind": "processes", "device_processes": 5}}
     failure = res["configs"]["r=1"]["scenarios"]["failure"]

@@ -1,8 +1,8 @@
-"""``sensai serve ART --gateway-replicas 2``: two gateway processes sharing one port over device
-processes, all real (the CLI, spawned processes, HTTP on 127.0.0.1, real images).  Every answer
-equals offline evaluation whichever gateway took it; rows from both gateways are batched together
-in one device process; a killed gateway process costs only its own requests and comes back; a
-killed device process is started again and the gateways reconnect; ``/metrics`` from either
+"""``sensai serve ART --set gateway_replicas=2``: two gateway processes sharing one port over
+device processes, all real (the CLI, spawned processes, HTTP on 127.0.0.1, real images).  Every
+answer equals offline evaluation whichever gateway took it; rows from both gateways are batched
+together in one device process; a killed gateway process costs only its own requests and comes
+back; a killed device process is started again and the gateways reconnect; ``/metrics`` from either
 gateway counts the requests of both; the gateways import no torch; a device process hangs up on a
 gateway that breaks the slots' bounds and serves the others; a v2 batch larger than a slot
 travels inline and is answered right; gRPC on the shared port; by default no request is held back
@@ -42,7 +42,7 @@ def fleet(tiny_artifact_g2):
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "SENSAI_DEADLINE_S": "20", "SENSAI_BATCH_DELAY_US": "20000"}
     with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
-                         "--gateway-replicas", "2", "--device", "cpu", "--port", str(port),
+                         "--set", "gateway_replicas=2", "--device", "cpu", "--port", str(port),
                          "--grpc-port", str(grpc_port), "--log-level", "warning"],
                         env=env) as proc:
         url = f"http://127.0.0.1:{port}"
@@ -321,14 +321,14 @@ def test_the_processes_backend_serves_one_gateway_over_device_processes(tiny_art
     """``sensai serve ART --backend processes`` with one gateway process is this server too:
     the answers of offline evaluation from a gateway process that is neither the CLI's process
     nor a worker's, over a device process per worker that it reads on its event loop - or,
-    with ``--device-processes 1``, one that hosts both subnets."""
+    with ``--set device_processes=1``, one that hosts both subnets."""
     port = free_port()
     _, images, _ = sample_images(fmnist_test, 8)
     expected = offline_scores(tiny_artifact_g2, images, fmnist_spec)
     devices = shared or 2
-    argv = [] if shared is None else ["--device-processes", str(shared)]
+    argv = [] if shared is None else ["--set", f"device_processes={shared}"]
     with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2),
-                         "--backend", "processes", "--gateway-replicas", "1", "--device", "cpu",
+                         "--backend", "processes", "--set", "gateway_replicas=1", "--device", "cpu",
                          *argv, "--port", str(port), "--log-level", "warning"]) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=180)
@@ -362,7 +362,7 @@ def test_a_supervisors_sigterm_stops_it_cleanly(tiny_artifact_g2, fmnist_test, h
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sensai", "serve", str(tiny_artifact_g2), "--backend",
-         "processes", "--gateway-replicas", "1", "--device", "cpu", "--port", str(port),
+         "processes", "--set", "gateway_replicas=1", "--device", "cpu", "--port", str(port),
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:

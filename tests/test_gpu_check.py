@@ -76,7 +76,7 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert started[-1][2] == 120
     # The offline work: the training, and each decomposition beside the original's accuracy,
     # the 20x ones at G=2 and G=10 at least 20x smaller.
-    # Each with how its steps ran (the CPU captures nothing: eager, with or without --capture)
+    # Each with how its steps ran (the CPU captures nothing: eager, capture on or off)
     # and its wall as gpu-check.sh timed it beside the seconds inside.
     offline = {r["model"]: r for r in json.loads((out / "gpu-check.json").read_text())["offline"]}
     for name in ("fmnist_cnn", "fmnist_cnn_eager"):

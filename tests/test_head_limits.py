@@ -21,7 +21,7 @@ from tests.helpers import png, sample_images, start_gateway
 
 pytestmark = pytest.mark.slow
 
-HEAD_TIMEOUT_S = 1.0
+CLIENT_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def image(fmnist_test):
 @pytest.fixture(scope="module")
 def gateway(tiny_artifact):
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, head_timeout_s=HEAD_TIMEOUT_S, max_connections=300)
+    server = start_gateway(pred, client_timeout_s=CLIENT_TIMEOUT_S, max_connections=300)
     yield server
     server.stop()
 
@@ -83,8 +83,8 @@ def test_a_head_that_does_not_arrive_in_time_is_a_408(gateway):
         t0 = time.monotonic()
         status, _, body = read_response(s)
         waited = time.monotonic() - t0
-    assert status == 408 and "SENSAI_HEAD_TIMEOUT_S" in body["error"]
-    assert HEAD_TIMEOUT_S * 0.8 < waited < HEAD_TIMEOUT_S + 5
+    assert status == 408 and "SENSAI_CLIENT_TIMEOUT_S" in body["error"]
+    assert CLIENT_TIMEOUT_S * 0.8 < waited < CLIENT_TIMEOUT_S + 5
     with connect(gateway) as s:  # a connection that never says anything
         status, _, _ = read_response(s)
     assert status == 408
@@ -94,10 +94,10 @@ def test_a_slow_but_timely_head_and_a_kept_alive_idle_connection_are_served(gate
     with connect(gateway) as s:
         for part in (b"GET /v2/health/live HTTP/1.1\r\n", b"host: 127.0.0.1\r\n", b"\r\n"):
             s.sendall(part)
-            time.sleep(HEAD_TIMEOUT_S / 5)
+            time.sleep(CLIENT_TIMEOUT_S / 5)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         # Idle longer than the head timeout, shorter than uvicorn's keep-alive: still open.
-        time.sleep(HEAD_TIMEOUT_S * 1.5)
+        time.sleep(CLIENT_TIMEOUT_S * 1.5)
         s.sendall(get("/v2/health/live"))
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
 
@@ -145,7 +145,7 @@ def test_silent_connections_make_room_and_busy_ones_get_a_fast_503(tiny_artifact
     and the connection that waited longest without a request is closed, with a 503, to make
     room.  When every connection has a request in progress, a new one gets a fast 503."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, max_connections=3, head_timeout_s=30, deadline_s=20)
+    server = start_gateway(pred, max_connections=3, client_timeout_s=30, deadline_s=20)
     try:
         silent = [connect(server) for _ in range(3)]
         time.sleep(0.2)  # the server has accepted them
@@ -184,7 +184,7 @@ def test_a_client_address_holds_at_most_its_share_of_connections(tiny_artifact, 
     """With max_connections_per_client 2, a third connection from the same address gets a 503
     at once, while the two it holds are served."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, max_connections_per_client=2, head_timeout_s=30)
+    server = start_gateway(pred, max_connections_per_client=2, client_timeout_s=30)
     try:
         held = [connect(server) for _ in range(2)]
         time.sleep(0.2)

@@ -166,30 +166,41 @@ def test_a_16_bit_picture_over_the_limits_costs_nothing(client, good):
     still_serving(client, good)
 
 
-def test_the_decoded_bytes_budget_applies_to_legal_sizes(tiny_artifact, good):
-    """Under the pixel limit but over the decoded-bytes budget (RGBA at 4 bytes a pixel)."""
+def test_the_pixel_limit_refuses_a_legal_looking_rgba_picture_from_its_header(tiny_artifact, good):
+    """Over max_image_pixels in RGBA (4 bytes a pixel decoded): 413 from the header, nothing
+    decoded; the same size in grey under the limit is served."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, max_decoded_bytes=4_000_000)
+    server = start_gateway(pred, max_image_pixels=1_000_000)
     try:
         rgba = png_bytes(Image.new("RGBA", (1500, 1500), (10, 20, 30, 255)))
-        grey = png_bytes(Image.new("L", (1500, 1500), 10))
+        grey = png_bytes(Image.new("L", (1000, 1000), 10))
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            assert_json_error(c.post("/v1/predict", content=rgba), 413, "decoded")
-            assert c.post("/v1/predict", content=grey).status_code == 200  # 2.25 MB decoded
+            body = assert_json_error(c.post("/v1/predict", content=rgba), 413, "pixels")
+            assert "2,250,000" in body["error"] and "SENSAI_MAX_IMAGE_PIXELS" in body["error"]
+            assert c.post("/v1/predict", content=grey).status_code == 200
     finally:
         server.stop()
 
 
-def test_the_decoded_bytes_default_follows_the_models_input_size():
-    """Unset, the budget is an 8-bit RGBA picture of the pixel limit, which itself follows the
-    model's input size; either can be set."""
+def test_the_pixel_limit_bounds_the_decoded_memory():
+    """No mode PIL holds a decoded picture in takes more than 4 bytes a pixel, and every mode
+    the accepted formats decode to is one of them: the pixel limit (which follows the model's
+    input size unless set) bounds a picture's decoded memory at 4 bytes a pixel."""
+    from sensai.serving.gateway.imaging import MODE_BYTES, open_image
 
+    assert max(MODE_BYTES.values()) <= 4
+    for mode, fmt in (("1", "PNG"), ("L", "PNG"), ("LA", "PNG"), ("P", "PNG"), ("RGB", "PNG"),
+                      ("RGBA", "PNG"), ("I;16", "PNG"), ("I;16B", "PNG"), ("L", "JPEG"),
+                      ("RGB", "JPEG"), ("CMYK", "JPEG"), ("P", "GIF"), ("RGB", "BMP"),
+                      ("RGBA", "WEBP")):
+        buf = io.BytesIO()
+        Image.new(mode, (4, 4)).save(buf, format=fmt)
+        with open_image(buf.getvalue(), max_pixels=16) as img:
+            assert img.mode in MODE_BYTES, (mode, fmt, img.mode)
     s = GatewaySettings()
-    assert s.image_pixels((1, 28, 28)) == 4_000_000
-    assert s.decoded_bytes((1, 28, 28)) == 16_000_000
-    assert s.decoded_bytes((3, 64, 64)) == 4 * 4096 * 64 * 64  # 16.8 Mpx, under the 25 Mpx cap
-    assert GatewaySettings(max_image_pixels=10_000).decoded_bytes((1, 28, 28)) == 40_000
-    assert GatewaySettings(max_decoded_bytes=5000).decoded_bytes((1, 28, 28)) == 5000
+    assert s.image_pixels((1, 28, 28)) == 4_000_000  # at most 16 MB decoded
+    assert s.image_pixels((3, 64, 64)) == 4096 * 64 * 64  # 16.8 Mpx, under the 25 Mpx cap
+    assert GatewaySettings(max_image_pixels=10_000).image_pixels((1, 28, 28)) == 10_000
 
 
 def peak_rss_mb() -> float:
@@ -461,7 +472,7 @@ def test_slow_bodies_get_408_hold_at_most_half_the_slots_and_block_nobody(tiny_a
     slots: four may wait for their bodies (half the slots) and get a 408 when the body timeout
     runs out, the fifth gets a 503 at once, and a normal request is served meanwhile."""
     pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
-    server = start_gateway(pred, body_timeout_s=1.0, max_requests=8)
+    server = start_gateway(pred, client_timeout_s=1.0, max_requests=8)
     try:
         slow = []
         for _ in range(5):
@@ -479,7 +490,7 @@ def test_slow_bodies_get_408_hold_at_most_half_the_slots_and_block_nobody(tiny_a
         for status, body in answers:
             assert body["status"] == status
             if status == 408:
-                assert "body timeout of 1 s" in body["error"], body
+                assert "client timeout of 1 s" in body["error"], body
             else:
                 assert "sending their bodies" in body["error"], body
     finally:
@@ -490,7 +501,7 @@ def test_a_late_event_loop_sheds_new_requests_until_it_catches_up():
     """Requests wait on the event loop before any counter sees them; the loop's lag is measured
     and, while it is over the limit, new requests are turned away (and it counts against the
     deadline of those admitted)."""
-    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, client_timeout_s=1,
                                     deadline_s=1, max_loop_lag_s=0.05))
 
     async def go():
@@ -520,7 +531,7 @@ def test_the_gateways_own_collection_is_not_taken_for_an_overload():
     """After a model is built or let go the gateway collects its heap once, on the event loop
     (sensai.serving.gateway.heap.settle); the loop is late by that much, but it is no overload: the
     requests right after it are admitted."""
-    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, client_timeout_s=1,
                                     deadline_s=1, max_loop_lag_s=0.05))
     # A heap whose walk takes well over the 0.12 s asserted below, on a faster machine too.
     alive = [[i] for i in range(4_000_000)]
@@ -552,7 +563,7 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
     """As many requests may wait for the predictor as it holds (here one each): the next one is
     refused at admission, at once, before its body is read and its image decoded; what was
     admitted is served, and every slot is given back."""
-    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, body_timeout_s=1,
+    adm = Admission(GatewaySettings(max_requests=10, max_predictions=1, client_timeout_s=1,
                                     deadline_s=5))
 
     async def go():

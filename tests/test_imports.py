@@ -95,7 +95,7 @@ def test_a_local_onnx_gateway_loads_neither_torch_nor_ray(tiny_artifact, fmnist_
         sys.exit(main(sys.argv[1:]))
     """)
     with server_process([sys.executable, "-c", code, "serve", str(tiny_artifact), "--backend",
-                         "local", "--port", str(port), "--keep-cores-awake", "off",
+                         "local", "--port", str(port), "--set", "keep_cores_awake=off",
                          "--log-level", "warning"]) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)

@@ -1,4 +1,4 @@
-"""The iterative prune -> retrain schedule (``--prune-steps``), from its budgets to an artifact."""
+"""The iterative prune -> retrain schedule (``prune_steps``), from its budgets to an artifact."""
 
 from __future__ import annotations
 

@@ -244,16 +244,17 @@ def test_retraining_spreads_over_nodes_and_survives_a_lost_node(trained_model_di
 def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path):
     """`bench-robust --scenarios node-loss` kills the raylet of a worker node while paced
     requests flow: with r = 1 none fails, and the lost workers come back on the other nodes."""
+    from sensai.bench.options import RobustOptions
     from sensai.bench.robust import run_robust_bench
     from sensai.serving.core.placement import Placement, spread
 
     node_of, _ = spread(Placement.cyclic(5, None, 1), 3)  # node 0 is the head
     victim = next(w for w, n in enumerate(node_of) if n != 0)
     with loopback_cluster(cpus=3) as (c, workers):  # room to place a lost node's workers again
-        result = run_robust_bench(tiny_artifact, tmp_path / "robust", redundancies=[1],
-                                  scenarios=["node-loss"], backend="ray", ray_address=c.address,
-                                  images=40, warmup=2, victim=victim, kill_at=0.2,
-                                  interval_ms=50, rejoin_timeout_s=120, progress=False)
+        result = run_robust_bench(tiny_artifact, tmp_path / "robust", RobustOptions(
+            redundancies=(1,), scenarios=("node-loss",), backend="ray", ray_address=c.address,
+            images=40, warmup=2, victim=victim, kill_at=0.2, interval_ms=50,
+            rejoin_timeout_s=120, progress=False))
     rep = result["configs"]["r=1"]["scenarios"]["node-loss"]
     assert rep["errors"] == 0 and rep["wrong"] == 0 and rep["answered"] == 40, rep
     assert rep["node"] in {n.node_id for n in workers}
@@ -265,14 +266,16 @@ def test_bench_robust_node_loss_with_r1_loses_no_request(tiny_artifact, tmp_path
 
 
 def test_bench_robust_refuses_node_loss_where_it_cannot_kill_a_node(tiny_artifact, tmp_path):
+    from sensai.bench.options import RobustOptions
     from sensai.bench.robust import run_robust_bench
     from sensai.errors import SensaiError
 
     with pytest.raises(SensaiError, match="--backend ray"):
-        run_robust_bench(tiny_artifact, tmp_path / "a", scenarios=["node-loss"], progress=False)
+        run_robust_bench(tiny_artifact, tmp_path / "a",
+                         RobustOptions(scenarios=("node-loss",), progress=False))
     with pytest.raises(SensaiError, match="one configuration"):
-        run_robust_bench(tiny_artifact, tmp_path / "b", redundancies=[0, 1], backend="ray",
-                         scenarios=["node-loss"], progress=False)
+        run_robust_bench(tiny_artifact, tmp_path / "b", RobustOptions(
+            redundancies=(0, 1), backend="ray", scenarios=("node-loss",), progress=False))
 
 
 # The tests below lose no node: they share one cluster, and each leaves it as it found it.  They
@@ -329,7 +332,7 @@ def test_bench_robust_reports_each_workers_node(intact_cluster, tiny_artifact, t
     out = tmp_path / "robust"
     assert main(["bench-robust", str(tiny_artifact), "--out", str(out), "--backend", "ray",
                  "--ray-address", c.address, "--redundancy", "1", "--scenarios", "none",
-                 "--images", "6", "--warmup", "1", "--rounds", "1", "--no-progress"]) == 0
+                 "--images", "6", "--set", "warmup=1", "--set", "rounds=1"]) == 0
     result = json.loads((out / "robust.json").read_text())
     assert result["settings"]["ray_address"] == c.address
     nodes = result["worker_nodes"]["r=1"]

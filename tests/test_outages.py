@@ -225,7 +225,7 @@ def test_sigterm_exits_within_the_grace_period_with_a_hung_worker(backend, tiny_
     if backend == "ray":
         import ray
 
-        argv += ["--ray-address", ray.get_runtime_context().gcs_address, "--ray-cpus", "0.1"]
+        argv += ["--ray-address", ray.get_runtime_context().gcs_address, "--set", "ray_cpus=0.1"]
     with server_process(argv) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=180)

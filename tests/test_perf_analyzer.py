@@ -180,9 +180,9 @@ def test_perf_analyzer_runs_against_the_gateway(gateway, data_file, tmp_path):
 def test_bench_load_sweep_reports_perf_analyzer_rows(tiny_artifact, tmp_path, capsys):
     out = tmp_path / "sweep"
     assert main(["bench-load", str(tiny_artifact), "--out", str(out), "--sweep", "--configs",
-                 "class-parallel", "--levels", "1", "--level-seconds", "0.6",
-                 "--warmup-seconds", "0", "--overload-seconds", "0", "--images", "10",
-                 "--perf-analyzer", "only", "--no-progress"]) == 0
+                 "class-parallel", "--levels", "1", "--set", "level_seconds=0.6",
+                 "--set", "warmup_seconds=0", "--set", "overload_seconds=0", "--images", "10",
+                 "--perf-analyzer", "only"]) == 0
     result = json.loads((out / "load.json").read_text())
     assert result["settings"]["perf_analyzer"]["mode"] == "only"
     (row,) = result["configs"]["class-parallel"]["perf_analyzer"]

@@ -23,9 +23,8 @@ from sensai.cli import main
 from tests.helpers import free_port, png, sample_images, server_process, stop_server, \
     wait_for_server
 
-QUICK = ["--env", "SENSAI_RUNTIME=sim", "--env", "SENSAI_SIM_LAUNCH_MS=0.2", "--levels", "1",
-         "4", "--level-seconds", "0.4", "--warmup-seconds", "0.2", "--images", "12",
-         "--no-progress", "--startup-timeout", "120"]
+QUICK = ["--env", "SENSAI_RUNTIME=sim:0.2", "--levels", "1", "4", "--set", "level_seconds=0.4",
+         "--set", "warmup_seconds=0.2", "--images", "12", "--set", "startup_timeout=120"]
 
 
 def plan(*argv) -> subprocess.CompletedProcess:
@@ -54,7 +53,7 @@ def test_the_plan_measures_every_model_climbs_confirms_and_meets_a_generous_budg
         assert m["levels"] and [r["concurrency"] for r in m["levels"]] == [1, 4], m["label"]
         for r in m["levels"]:
             assert r["errors"] == 0 and r["wrong"] == 0 and r["ok"] == r["requests"] > 0
-        assert m["settings"]["runtime"] == "sim"
+        assert m["settings"]["runtime"] == "sim:0.2"
         assert m["summary"]["rss_mb"] > 0
     chosen = next(m for m in result["measured"] if m["n"] == result["chosen"])
     assert chosen["phase"] == "confirm" and chosen["verdict"]["meets"]
@@ -95,14 +94,14 @@ def test_the_deployment_file_serves_the_chosen_settings(planned, fmnist_test):
 def test_an_unreachable_budget_is_said_in_one_line_and_the_closest_written(
         tiny_artifact_g2, tmp_path):
     run = plan(tiny_artifact_g2, "--out", tmp_path, "--latency-budget-ms", "0.001",
-               "--clients", "1", *QUICK)
+               "--set", "clients=1", *QUICK)
     assert run.returncode == 1, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith(
         "sensai plan: no measured deployment meets p99 <= 0.001 ms; the closest is "), lines
     assert "Traceback" not in run.stderr
     closest = json.loads((tmp_path / "closest.json").read_text())
-    assert closest["plan"]["meets"] is False and closest["settings"]["runtime"] == "sim"
+    assert closest["plan"]["meets"] is False and closest["settings"]["runtime"] == "sim:0.2"
     assert not (tmp_path / "deployment.json").exists()
 
 

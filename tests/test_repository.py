@@ -252,7 +252,7 @@ def test_poll_mode_follows_the_files(tmp_path, tiny_artifact, tiny_artifact_g2, 
     """A new version folder is served, a removed model is unloaded; the load API is refused."""
     repo = tmp_path / "repo"
     add_version(repo, MODEL, tiny_artifact)
-    with gateway(repo, model_control="poll", repository_poll_s=0.2) as server:
+    with gateway(repo, model_control="poll:0.2") as server:
         url = server.url
         r = httpx.post(f"{url}/v2/repository/models/{MODEL}/load")
         assert r.status_code == 403 and "polled" in r.json()["error"]
@@ -366,10 +366,10 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
     add_version(repo, MODEL, tiny_artifact)
     assert sorted(versions(repo, MODEL)) == [1, 2]
     out = subprocess.run([*sensai, "serve", str(repo), "--backend", "local",
-                          "--device-processes", "1"], capture_output=True, text=True)
+                          "--set", "device_processes=1"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        "sensai serve: error: --device-processes does not apply here (a model repository's "
+        "sensai serve: error: --set device_processes does not apply here (a model repository's "
         "workers on the local backend run in no device process; use --backend processes)"]
     token = tmp_path / "token"
     token.write_text("a-token-of-enough-length\n")
@@ -377,7 +377,7 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
     url = f"http://127.0.0.1:{port}"
     argv = [*sensai, "serve", str(repo), "--port", str(port), "--device", "cpu",
             "--model-control", "explicit", "--repository-token-file", str(token),
-            "--backend", "processes", "--device-processes", "1"]
+            "--backend", "processes", "--set", "device_processes=1"]
     with server_process(argv) as proc:
         wait_for_server(proc, url, timeout_s=60)
         r = httpx.post(f"{url}/v1/predict", content=png(images[0]))

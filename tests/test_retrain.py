@@ -151,7 +151,7 @@ def test_retraining_that_diverges_stops_in_one_line(fmnist_spec, fmnist_train):
     job["targets"] = np.tile(job["targets"], 12)
     job["settings"] = {**job["settings"], "optimizer": "sgd", "lr": 1e12, "batch_size": 16}
     with pytest.raises(SensaiError, match=r"retraining diverged \(the loss stopped being finite "
-                                          r"at step \d+\); lower --lr"):
+                                          r"at step \d+\); lower the learning rate"):
         retrain_state(**job, device="cpu")
 
 
@@ -202,7 +202,7 @@ def test_new_widths_are_a_new_run_for_an_artifact_made_before_them(tiny_artifact
 
 @pytest.mark.slow
 def test_compiled_step_learns_what_the_eager_step_does(fmnist_spec, fmnist_train):
-    """--compile changes how a step runs (Inductor's fused kernels), not what it learns: the
+    """``compile`` changes how a step runs (Inductor's fused kernels), not what it learns: the
     same subnet up to float rounding, a short last batch included."""
     from sensai.pruning.retrain import retrain_state
 

@@ -40,7 +40,8 @@ def test_ray_actor_resources_always_fit_the_cluster():
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["--backend", "ray", "--redundancy", "1", "--ray-cpus", "0"], "--ray-cpus must be > 0"),
+    (["--backend", "ray", "--redundancy", "1", "--set", "ray_cpus=0"],
+     "--set ray_cpus must be > 0"),
     (["--backend", "ray", "--redundancy", "5"], "r+1 = 6 copies"),
 ])
 def test_serve_rejects_bad_ray_flags_in_one_line(tiny_artifact, capsys, argv, fragment):
@@ -61,7 +62,7 @@ def test_sensai_serve_backend_ray_with_redundancy(tiny_artifact, fmnist_test, fm
     with local_ray(num_cpus=2) as address:
         with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
                              "--backend", "ray", "--redundancy", "1", "--port", str(port),
-                             "--ray-address", address, "--ray-cpus", "0.1",
+                             "--ray-address", address, "--set", "ray_cpus=0.1",
                              "--device", "cpu", "--log-level", "warning"]) as proc:
             url = f"http://127.0.0.1:{port}"
             wait_for_server(proc, url, timeout_s=180)

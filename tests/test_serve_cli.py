@@ -2,7 +2,7 @@
 real local Ray instance, its ingress replica serving on 127.0.0.1 itself (no Serve proxy), called
 over HTTP with real images - answers equal offline evaluation at concurrency 1 and 16, the
 gateway's settings reach the application (its connection limits too), a second start on the same
-cluster is refused, and SIGTERM stops it all with exit status 0.  Flags the Serve application
+cluster is refused, and SIGTERM stops it all with exit status 0.  Settings the Serve application
 cannot honour are refused in one line before anything starts."""
 
 from __future__ import annotations
@@ -135,22 +135,24 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
 
 
 @pytest.mark.parametrize("argv, env, fragment", [
-    (["--gateway-replicas", "2", "--backend", "ray"], {},
-     "--gateway-replicas does not apply to --backend ray"),
-    (["--gateway-replicas", "2", "--backend", "triton"], {},
-     "--gateway-replicas does not apply to --backend triton"),
-    (["--device-processes", "2", "--backend", "ray"], {},
-     "--device-processes does not apply to --backend ray"),
+    (["--set", "gateway_replicas=2", "--backend", "ray"], {},
+     "--set gateway_replicas does not apply to --backend ray"),
+    (["--set", "gateway_replicas=2", "--backend", "triton"], {},
+     "--set gateway_replicas does not apply to --backend triton"),
+    (["--set", "device_processes=2", "--backend", "ray"], {},
+     "--set device_processes does not apply to --backend ray"),
     ([], {"SENSAI_DEVICE_PROCESSES": "2", "SENSAI_BACKEND": "triton"},
-     "--device-processes does not apply to --backend triton"),
-    (["--device-processes", "2", "--gateway-replicas", "1"], {},
-     "--device-processes does not apply here (the local backend with one gateway process "
+     "SENSAI_DEVICE_PROCESSES does not apply to --backend triton"),
+    (["--set", "device_processes=2", "--set", "gateway_replicas=1"], {},
+     "--set device_processes does not apply here (the local backend with one gateway process "
      "runs the subnets in its own threads; use --backend processes)"),
-    (["--device-processes", "1", "--backend", "processes", "--redundancy", "1", "--port", "0"],
-     {}, "(--device-processes) 1 with copies of the groups: a copy is there to outlive its "
-         "primary's process"),
-    (["--device-processes", "1", "--backend", "processes", "--inject-delay", "0=fixed:5ms",
-      "--port", "0"], {}, "(--device-processes) 1 with injected faults")])
+    ([], {"SENSAI_DEVICE_PROCESSES": "2", "SENSAI_GATEWAY_REPLICAS": "1"},
+     "SENSAI_DEVICE_PROCESSES does not apply here (the local backend"),
+    (["--set", "device_processes=1", "--backend", "processes", "--redundancy", "1", "--port",
+      "0"], {}, "(--set device_processes) 1 with copies of the groups: a copy is there to "
+                "outlive its primary's process"),
+    (["--set", "device_processes=1", "--backend", "processes", "--inject-delay",
+      "0=fixed:5ms", "--port", "0"], {}, "(--set device_processes) 1 with injected faults")])
 def test_gateway_settings_a_backend_cannot_honour_are_refused(tiny_artifact, capsys, monkeypatch,
                                                               argv, env, fragment):
     """CPUs reserved per gateway are the Serve application's; several gateway processes need
@@ -168,13 +170,17 @@ def test_gateway_settings_a_backend_cannot_honour_are_refused(tiny_artifact, cap
 
 @pytest.mark.parametrize("argv, env, fragment", [
     (["--grpc-port", "9001"], {}, "--grpc-port does not apply to --backend ray-serve"),
-    (["--spread-cores"], {}, "--spread-cores does not apply to --backend ray-serve"),
-    (["--restart-delay", "1"], {}, "--restart-delay does not apply to --backend ray-serve"),
+    (["--set", "spread_cores=true"], {},
+     "--set spread_cores does not apply to --backend ray-serve"),
+    (["--set", "restart_delay_s=1"], {},
+     "--set restart_delay_s does not apply to --backend ray-serve"),
+    ([], {"SENSAI_RESTART_DELAY_S": "1"},
+     "SENSAI_RESTART_DELAY_S does not apply to --backend ray-serve"),
     (["--inject-delay", "0=fixed:5ms"], {}, "--inject-delay does not apply"),
     (["--port", "0"], {}, "--backend ray-serve needs a fixed --port"),
     (["--triton-url", "127.0.0.1:1"], {}, "--triton-url does not apply"),
-    (["--device-processes", "1"], {},
-     "--device-processes does not apply to --backend ray-serve"),
+    (["--set", "device_processes=1"], {},
+     "--set device_processes does not apply to --backend ray-serve"),
 ])
 def test_what_the_serve_application_cannot_honour_is_refused_in_one_line(
         tiny_artifact, capsys, monkeypatch, argv, env, fragment):

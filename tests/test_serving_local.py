@@ -299,8 +299,8 @@ def test_by_default_the_gateway_leaves_the_host_alone(tiny_artifact, fmnist_test
 @pytest.mark.slow
 def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_test):
     """`sensai serve` in its own process: ready, predicts, exits 0 on SIGTERM; asked to
-    (--keep-cores-awake auto --spread-cores), it keeps idle cores awake while it serves when it
-    may and withdraws that when it stops, and spreads its worker threads."""
+    (--set keep_cores_awake=auto --set spread_cores=true), it keeps idle cores awake while it
+    serves when it may and withdraws that when it stops, and spreads its worker threads."""
     from sensai.serving.core.wakeup import DEVICE, current_limit_us
 
     may_hold = os.access(DEVICE, os.R_OK | os.W_OK)
@@ -309,7 +309,8 @@ def test_sensai_serve_starts_answers_and_stops_on_sigterm(tiny_artifact, fmnist_
     env = {**os.environ, "SENSAI_DEADLINE_S": "20"}
     with server_process([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
                          "--port", str(port), "--device", "cpu", "--log-level", "warning",
-                         "--keep-cores-awake", "auto", "--spread-cores"], env=env) as proc:
+                         "--set", "keep_cores_awake=auto", "--set", "spread_cores=true"],
+                        env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_server(proc, url, timeout_s=120)
         _, images, _ = sample_images(fmnist_test, 1)

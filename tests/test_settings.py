@@ -11,8 +11,8 @@ import pytest
 
 from sensai.cli.serve import register, settings_from
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import (ENV_PREFIX, GatewaySettings, described, load_settings,
-                                          settings_table)
+from sensai.serving.core.settings import (ENV_PREFIX, GatewaySettings, described, knob_fields,
+                                          load_settings, settings_table)
 
 README = Path(__file__).resolve().parents[1] / "deploy" / "README.md"
 
@@ -41,19 +41,35 @@ def readme_rows() -> dict[str, str]:
 
 @pytest.mark.parametrize("field", list(GatewaySettings.model_fields))
 def test_every_setting_is_documented_with_its_variable_and_flag(field):
+    """Each row names how ``sensai serve`` sets it: its flag, else its ``--set KEY=...``, else
+    "-" (a secret: its variable, or the token file)."""
     rows = readme_rows()
     env = f"{ENV_PREFIX}{field.upper()}"
     assert env in rows, f"deploy/README.md's settings table has no row for {env}"
     flag = serve_flags().get(field)
     if flag is not None:
         assert f"`{flag}`" in rows[env], f"the row of {env} does not name {flag}"
+    elif field in knob_fields():
+        assert f"| `--set {field}=" in rows[env], f"the row of {env} does not name --set {field}"
+    else:
+        assert f"| `{env}` | - |" in rows[env]
+
+
+def test_serve_sets_every_setting_without_a_flag_by_set_but_no_secret():
+    top, serve = parser()
+    knobs = {a.dest: a for a in serve._actions}["knobs"].knobs
+    flags = serve_flags()
+    assert set(knobs) == set(knob_fields()) and not set(knobs) & set(flags)
+    assert set(knobs) | set(flags) | {"repository_token"} == set(GatewaySettings.model_fields)
+    with pytest.raises(SystemExit):
+        top.parse_args(["serve", "ART", "--set", "repository_token=a-token-of-enough-length"])
 
 
 def test_every_serve_flag_is_documented():
     text = README.read_text()
     _, serve = parser()
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", serve.format_help())) - {"--help"}
-    assert {"--keep-cores-awake", "--spread-cores", "--inject-delay"} <= flags
+    assert {"--set", "--inject-delay", "--config", "--repository-token-file"} <= flags
     missing = sorted(f for f in flags if f"`{f}" not in text)
     assert not missing, f"not in deploy/README.md: {missing}"
 
@@ -91,14 +107,58 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):
     top, _ = parser()
     monkeypatch.setenv("SENSAI_REDUNDANCY", "1")
     monkeypatch.setenv("SENSAI_SPREAD_CORES", "true")
+    monkeypatch.setenv("SENSAI_HEDGE_MS", "7")
     s = settings_from(top.parse_args(["serve", "ART", "--deadline", "3"]))
-    assert (s.redundancy, s.spread_cores, s.deadline_s, s.hedge_ms) == (1, True, 3.0, 0.0)
-    s = settings_from(top.parse_args(["serve", "ART", "-r", "2", "--hedge-ms", "4",
-                                      "--restart-delay", "1", "--ray-cpus", "0.5",
+    assert (s.redundancy, s.spread_cores, s.deadline_s, s.hedge_ms) == (1, True, 3.0, 7.0)
+    s = settings_from(top.parse_args(["serve", "ART", "-r", "2", "--set", "hedge_ms=4",
+                                      "--set", "restart_delay_s=1", "--set", "ray_cpus=0.5",
                                       "--workers", "3", "--log-level", "debug",
-                                      "--keep-cores-awake", "auto"]))
+                                      "--set", "keep_cores_awake=auto", "--set",
+                                      "spread_cores=false", "--set", "gateway_replicas=none",
+                                      "--runtime", "sim:0.5", "--model-control", "poll:2"]))
     assert (s.redundancy, s.hedge_ms, s.restart_delay_s, s.ray_cpus, s.workers, s.log_level,
-            s.keep_cores_awake) == (2, 4.0, 1.0, 0.5, 3, "debug", "auto")
+            s.keep_cores_awake, s.spread_cores, s.gateway_replicas) == (
+        2, 4.0, 1.0, 0.5, 3, "debug", "auto", False, None)
+    assert (s.runtime_kind, s.sim_launch_ms, s.model_control_kind, s.repository_poll_s) == (
+        "sim", 0.5, "poll", 2.0)
+
+
+def test_flags_win_over_set_which_wins_over_a_config_file(tmp_path, monkeypatch):
+    """env < --config < --set < flags; an error names the setting as it was given."""
+    import json
+
+    monkeypatch.setenv("SENSAI_HEDGE_MS", "1")
+    monkeypatch.setenv("SENSAI_MAX_REQUESTS", "100")
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"kind": "sensai-serve-config", "schema_version": 1,
+                                "settings": {"hedge_ms": 2, "max_requests": 50, "deadline_s": 9,
+                                             "batch_delay_us": 5}}))
+    top, _ = parser()
+    s = settings_from(top.parse_args(["serve", "ART", "--config", str(path), "--set",
+                                      "hedge_ms=3", "--deadline", "4"]))
+    assert (s.hedge_ms, s.max_requests, s.deadline_s, s.batch_delay_us) == (3.0, 50, 4.0, 5.0)
+    path.write_text(path.read_text().replace('"max_requests": 50', '"max_requests": 0'))
+    with pytest.raises(SensaiError, match=f"--config {path}: max_requests must be >= 1"):
+        settings_from(top.parse_args(["serve", "ART", "--config", str(path)]))
+    with pytest.raises(SensaiError, match="--set max_requests must be >= 1"):
+        settings_from(top.parse_args(["serve", "ART", "--config", str(path), "--set",
+                                      "max_requests=-1"]))
+
+
+@pytest.mark.parametrize("runtime, kind, ms", [("auto", "auto", 0.3), ("sim", "sim", 0.3),
+                                               ("sim:0", "sim", 0.0), ("sim:12.5", "sim", 12.5)])
+def test_the_runtime_carries_the_simulated_launch_time(runtime, kind, ms):
+    s = GatewaySettings(runtime=runtime)
+    assert (s.runtime, s.runtime_kind, s.sim_launch_ms) == (runtime, kind, ms)
+
+
+@pytest.mark.parametrize("control, kind, poll_s", [("none", "none", 15.0),
+                                                   ("explicit", "explicit", 15.0),
+                                                   ("poll", "poll", 15.0),
+                                                   ("poll:0.2", "poll", 0.2)])
+def test_model_control_carries_the_poll_interval(control, kind, poll_s):
+    s = GatewaySettings(model_control=control)
+    assert (s.model_control_kind, s.repository_poll_s) == (kind, poll_s)
 
 
 def test_host_tunings_are_off_by_default(monkeypatch):
@@ -110,12 +170,19 @@ def test_host_tunings_are_off_by_default(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--ray-cpus", "0"], "--ray-cpus must be > 0, got 0"),
-    (["--hedge-ms", "-1"], "--hedge-ms must be >= 0, got -1"),
-    (["--restart-delay", "-2"], "--restart-delay must be >= 0, got -2"),
+    (["--set", "ray_cpus=0"], "--set ray_cpus must be > 0, got 0"),
+    (["--set", "hedge_ms=-1"], "--set hedge_ms must be >= 0, got -1"),
+    (["--set", "restart_delay_s=-2"], "--set restart_delay_s must be >= 0, got -2"),
     (["--port", "70000"], "--port must be <= 65535, got 70000"),
     (["--backend", "triton", "-r", "1"], "Triton runs one model per subnet"),
-    (["--backend", "ray", "--gateway-replicas", "2"], "--gateway-replicas does not apply"),
+    (["--backend", "ray", "--set", "gateway_replicas=2"],
+     "--set gateway_replicas does not apply"),
+    (["--runtime", "sim:abc"], "invalid setting --runtime: sim:MS wants a number >= 0"),
+    (["--runtime", "sim:-1"], "invalid setting --runtime: sim:MS wants a number >= 0"),
+    (["--runtime", "gpu"], "invalid setting --runtime: expected one of auto, onnx"),
+    (["--model-control", "poll:0"], "invalid setting --model-control: poll:SECONDS wants"),
+    (["--model-control", "explicit:3"], "invalid setting --model-control: expected one of"),
+    (["--set", "version_policy=newest"], "invalid setting --set version_policy"),
 ])
 def test_bad_values_are_refused_in_one_line_by_their_flag(argv, message):
     top, _ = parser()
@@ -127,10 +194,28 @@ def test_bad_values_are_refused_in_one_line_by_their_flag(argv, message):
 def test_without_a_flag_an_error_names_the_setting():
     with pytest.raises(SensaiError, match="max_requests must be >= 1, got 0"):
         load_settings({"max_requests": 0})
+    with pytest.raises(SensaiError, match="invalid setting runtime: sim:MS"):
+        load_settings({"runtime": "sim:x"})
     with pytest.raises(SensaiError, match="invalid setting keep_cores_awake"):
         load_settings({"keep_cores_awake": "always"})
     # YAML 1.1 reads an unquoted on/off as a boolean: taken to mean the same.
     assert load_settings({"keep_cores_awake": False}).keep_cores_awake == "off"
+
+
+def test_a_retired_settings_variable_is_refused_with_its_replacement(monkeypatch):
+    """An upgraded deployment's leftover variable is not dropped without a word."""
+    monkeypatch.setenv("SENSAI_HEAD_TIMEOUT_S", "30")
+    monkeypatch.setenv("SENSAI_SIM_LAUNCH_MS", "1")
+    top, _ = parser()
+    with pytest.raises(SensaiError) as e:
+        settings_from(top.parse_args(["serve", "ART"]))
+    message = str(e.value)
+    assert "SENSAI_HEAD_TIMEOUT_S (now SENSAI_CLIENT_TIMEOUT_S)" in message
+    assert "SENSAI_SIM_LAUNCH_MS (now SENSAI_RUNTIME=sim:MS)" in message
+    assert "\n" not in message
+    monkeypatch.delenv("SENSAI_HEAD_TIMEOUT_S")
+    monkeypatch.delenv("SENSAI_SIM_LAUNCH_MS")
+    assert settings_from(top.parse_args(["serve", "ART"])).client_timeout_s == 10.0
 
 
 def test_the_settings_travel_whole():
@@ -146,7 +231,8 @@ def test_the_settings_travel_whole():
     from sensai.serving.launch.build import build_predictor
     from sensai.serving.launch.serve_app import worker_plan
 
-    old = {"threads", "name", "trust_code", "keep_awake", "max_lag_s"}
+    old = {"threads", "name", "trust_code", "keep_awake", "max_lag_s", "sim_launch_ms",
+           "repository_poll_s", "head_timeout_s", "body_timeout_s", "max_decoded_bytes"}
     fields = set(GatewaySettings.model_fields) | old
     for entry in (build_predictor, class_parallel_plan, ClassParallelPredictor, Admission,
                   WorkerSet, worker_plan):

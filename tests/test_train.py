@@ -9,6 +9,7 @@ from sensai.cli import main
 from sensai.errors import CheckpointError
 from sensai.learning import predict_logits, top1
 from sensai.manifest import load_model_record
+from sensai.training.options import TrainOptions
 from sensai.training.trainer import train
 
 
@@ -56,7 +57,8 @@ def test_corrupt_and_mismatched_checkpoints(trained_model_dir, tmp_path):
 def test_resume_continues_from_last_epoch(tmp_path, fmnist_spec, fmnist_train, fmnist_test):
     out = tmp_path / "run"
     kw = dict(model_name="tests.user_models:tiny_net", spec=fmnist_spec, train_set=fmnist_train,
-              test_set=fmnist_test, out_dir=out, epochs=2, train_limit=500, device=torch.device("cpu"))
+              test_set=fmnist_test, out_dir=out, epochs=2, options=TrainOptions(train_limit=500),
+              device=torch.device("cpu"))
     calls = {"n": 0}
     real = torch.optim.SGD.step
 
@@ -98,7 +100,8 @@ def test_the_test_split_is_measured_after_the_last_epoch_and_every_nth(
     monkeypatch.setattr(trainer, "predict_logits", counted)
     record = train(model_name="tests.user_models:tiny_net", spec=fmnist_spec,
                    train_set=fmnist_train, test_set=fmnist_test, out_dir=tmp_path / "m",
-                   epochs=3, train_limit=300, device=torch.device("cpu"), eval_every=eval_every)
+                   epochs=3, options=TrainOptions(train_limit=300, eval_every=eval_every),
+                   device=torch.device("cpu"))
     history = record.train.history
     assert [h["epoch"] for h in history] == [1, 2, 3] and all(h["loss"] > 0 for h in history)
     assert [h["epoch"] for h in history if "test_top1" in h] == evaluated
@@ -110,12 +113,13 @@ def test_the_test_split_is_measured_after_the_last_epoch_and_every_nth(
 
 
 def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
-    rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1", "--train-limit", "300",
-               "--lr-warmup", "0.25", "--device", "cpu", "--out", str(tmp_path / "t")])
+    rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "1",
+               "--set", "train_limit=300", "--set", "lr_warmup=0.25", "--device", "cpu",
+               "--out", str(tmp_path / "t")])
     assert rc == 0 and "test top-1" in capsys.readouterr().out
     assert load_model_record(tmp_path / "t").train.warmup == 0.25  # the schedule is recorded
     rc = main(["train", "--model", "tests.user_models:tiny_net", "--epochs", "2",
-               "--train-limit", "300", "--eval-every", "1", "--device", "cpu",
+               "--set", "train_limit=300", "--set", "eval_every=1", "--device", "cpu",
                "--out", str(tmp_path / "e")])
     assert rc == 0
     assert all("test_top1" in h for h in load_model_record(tmp_path / "e").train.history)
@@ -133,8 +137,8 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--model", "vgg17", "--out", "{tmp}/x"], "unknown model 'vgg17'; known models:"),
     (["train", "--data-dir", "{tmp}/nothing", "--out", "{tmp}/x"], "dataset-fashion-mnist"),
     (["train", "--epochs", "0", "--out", "{tmp}/x"], "--epochs must be at least 1"),
-    (["train", "--lr-warmup", "1", "--out", "{tmp}/x"], "--lr-warmup is a fraction of the steps"),
-    (["train", "--eval-every", "-1", "--out", "{tmp}/x"], "--eval-every must be 0"),
+    (["train", "--set", "lr_warmup=1", "--out", "{tmp}/x"], "lr_warmup is a fraction of the steps"),
+    (["train", "--set", "eval_every=-1", "--out", "{tmp}/x"], "eval_every must be 0"),
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
     (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),
@@ -161,11 +165,11 @@ def test_pickled_module_is_refused(tmp_path, capsys):
 def test_training_that_diverges_stops_in_one_line(tmp_path, capsys):
     """The loss is read every 50 steps, not every step; a run that blows up still stops at the
     next read, with one line saying what to do, and leaves no model behind."""
-    rc = main(["train", "--lr", "1e12", "--train-limit", "1000", "--batch-size", "16",
+    rc = main(["train", "--set", "lr=1e12", "--set", "train_limit=1000", "--set", "batch_size=16",
                "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert re.search(r"training \(epoch 1\) diverged \(the loss stopped being finite at step "
-                     r"\d+\); lower --lr", last), last
+                     r"\d+\); lower the learning rate \(--set lr=\.\.\.\)", last), last
     assert not (tmp_path / "x" / "model.json").exists()

@@ -159,14 +159,16 @@ def test_subnets_retrained_side_by_side_with_captured_steps_learn_what_eager_one
 def test_training_with_captured_steps_trains_as_eager_training_and_says_how_it_ran(
         tmp_path, fmnist_spec, fmnist_train, fmnist_test):
     from sensai.checkpoint import load_weights
+    from sensai.training.options import TrainOptions
     from sensai.training.trainer import train
 
     records = {}
     for capture in (False, True):
+        options = TrainOptions(train_limit=500, batch_size=100, capture=capture)
         records[capture] = train(model_name="tests.user_models:tiny_net", spec=fmnist_spec,
                                  train_set=fmnist_train, test_set=fmnist_test,
-                                 out_dir=tmp_path / str(capture), epochs=2, train_limit=500,
-                                 batch_size=100, device=torch.device("cpu"), capture=capture)
+                                 out_dir=tmp_path / str(capture), epochs=2, options=options,
+                                 device=torch.device("cpu"))
     assert records[False].train.step == "eager" and records[True].train.step == "captured"
     eager, captured = (load_weights(tmp_path / str(c) / "model.safetensors") for c in (False, True))
     for k, v in eager.items():

@@ -60,9 +60,9 @@ def decomposed(env, trained_model_dir, tmp_path_factory):
     """``sensai decompose`` G=2 without --no-ray, on tiny settings: (artifact, process)."""
     art = tmp_path_factory.mktemp("noray-art") / "art"
     proc = sensai(env, "decompose", "--model-dir", trained_model_dir, "--groups", 2,
-                  "--out", art, "--features-per-class", 10, "--stats-per-class", 10,
-                  "--samples-per-subnet", 128, "--batch-size", 64, "--retrain-epochs", 1,
-                  "--eval-limit", 100, "--device", "cpu")
+                  "--out", art, "--set", "features_per_class=10", "--set", "stats_per_class=10",
+                  "--samples-per-subnet", 128, "--set", "batch_size=64", "--retrain-epochs", 1,
+                  "--set", "eval_limit=100", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return art, proc
 
@@ -121,8 +121,8 @@ def test_bench_runs_in_process_and_over_http_and_skips_the_ray_serve_peer(env, d
     out = tmp_path / "bench"
     proc = sensai(env, "bench", art, "--out", out, "--strategies", "single", "class-parallel",
                   "--transports", "inprocess", "http", "http-v2", "--peers", "ray-serve",
-                  "--warmup", 2, "--rounds", 1, "--images", 4, "--requests", 4,
-                  "--concurrency", 2, "--device", "cpu", "--no-progress")
+                  "--set", "warmup=2", "--set", "rounds=1", "--images", 4, "--requests", 4,
+                  "--concurrency", 2, "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     result = json.loads((out / "bench.json").read_text())

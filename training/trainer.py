@@ -20,13 +20,14 @@ from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batche
                          stratified_subset)
 from sensai.errors import CheckpointError, SensaiError
 from sensai.fsutil import atomic_path, write_json_atomic
-from sensai.manifest import (DEFAULT_WARMUP, MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo,
-                             save_model_record)
+from sensai.manifest import MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, save_model_record
 from sensai.feed import DeviceImages, to_device
 from sensai.learning import (StepLosses, augment, fast_layout, optimizer_options, predict_logits,
                              step_model, top1, tune_for, warmup_cosine)
 from sensai.models import count_params, create_model
 from sensai.train_step import TrainStep
+
+from .options import TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +57,6 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
         if buf is not None:
             opt.state[p]["momentum_buffer"] = buf.to(p.device)
     return meta
-
-
-def check_warmup(warmup: float) -> None:
-    if not 0 <= warmup < 1:
-        raise SensaiError(f"--lr-warmup is a fraction of the steps in [0, 1), got {warmup}")
-
-
-def check_train_settings(epochs: int, batch_size: int, lr: float, eval_every: int,
-                         warmup: float) -> None:
-    if epochs < 1:
-        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
-    if batch_size < 1 or lr <= 0:
-        raise SensaiError("--batch-size and --lr must be positive")
-    if eval_every < 0:
-        raise SensaiError(f"--eval-every must be 0 (after the last epoch only) or more, got "
-                          f"{eval_every}")
-    check_warmup(warmup)
 
 
 def resume_point(out: Path, model: nn.Module, opt: torch.optim.Optimizer, settings: dict,
@@ -181,52 +165,49 @@ def train(
     test_set: ImageDataset,
     out_dir: str | Path,
     epochs: int,
-    lr: float = 0.05,
-    warmup: float = DEFAULT_WARMUP,
-    batch_size: int = 128,
+    options: TrainOptions = TrainOptions(),
     weight_decay: float = 5e-4,
     seed: int = 0,
-    train_limit: int | None = None,
     device: torch.device = torch.device("cpu"),
     resume: bool = True,
-    compile_: bool = False,
-    capture: bool = True,
-    eval_every: int = 0,
 ) -> ModelRecord:
     """Train ``model_name`` on ``train_set``; writes ``model.safetensors`` + ``model.json``.
 
     The test split is evaluated once, after the last epoch, and also after every
-    ``eval_every``-th epoch when that is positive (each epoch's ``history`` entry has its loss,
-    and ``test_top1`` where it was evaluated).  After each epoch the weights and optimiser
+    ``options.eval_every``-th epoch when that is positive (each epoch's ``history`` entry has its
+    loss, and ``test_top1`` where it was evaluated).  After each epoch the weights and optimiser
     state are saved, so an interrupted run continues from its last finished epoch when called
-    again with the same settings.  ``compile_`` runs the step through ``torch.compile`` (see
-    :func:`sensai.learning.step_model`); ``capture`` replays each full batch's step from a
-    captured CUDA graph on CUDA (:class:`sensai.train_step.TrainStep`).
+    again with the same settings.  ``options.compile`` runs the step through ``torch.compile``
+    (see :func:`sensai.learning.step_model`); ``options.capture`` replays each full batch's step
+    from a captured CUDA graph on CUDA (:class:`sensai.train_step.TrainStep`).
     """
     t_start = time.perf_counter()
-    check_train_settings(epochs, batch_size, lr, eval_every, warmup)
+    if epochs < 1:
+        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
+    o = options.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     # The caller names the architecture itself: its consent to import a factory.
     model = create_model(model_name, spec.num_classes, spec.in_channels, trust_code=True).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=0.9, nesterov=True,
                           weight_decay=weight_decay, **optimizer_options(device))
-    indices = stratified_subset(train_set.labels, train_limit, seed)
-    steps_per_epoch = math.ceil(len(indices) / batch_size)
-    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=lr, warmup=warmup,
-                    batch_size=batch_size, seed=seed, train_limit=train_limit, n_train=len(indices))
+    indices = stratified_subset(train_set.labels, o.train_limit, seed)
+    steps_per_epoch = math.ceil(len(indices) / o.batch_size)
+    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=o.lr,
+                    warmup=o.lr_warmup, batch_size=o.batch_size, seed=seed,
+                    train_limit=o.train_limit, n_train=len(indices))
     start_epoch, history, seconds = resume_point(out, model, opt, settings, epochs, resume)
     phases: dict[str, float] = {}
     total_steps = epochs * steps_per_epoch
-    lr_at = warmup_cosine(lr, total_steps, max(1, int(warmup * total_steps)))
+    lr_at = warmup_cosine(o.lr, total_steps, max(1, int(o.lr_warmup * total_steps)))
     gen = torch.Generator().manual_seed(seed)
     tune_for(device)
-    batches = epoch_batches(train_set, spec, indices, batch_size, seed, gen, device)
+    batches = epoch_batches(train_set, spec, indices, o.batch_size, seed, gen, device)
 
     with fast_layout(model, device) as layout:
-        step = TrainStep(step_model(model, compile_), opt, nn.CrossEntropyLoss(), device,
-                         capture=capture, prepare=layout, what="training")
+        step = TrainStep(step_model(model, o.compile), opt, nn.CrossEntropyLoss(), device,
+                         capture=o.capture, prepare=layout, what="training")
         for epoch in range(start_epoch, epochs):
             gen.manual_seed(seed * 1000 + epoch)
             model.train()
@@ -241,7 +222,7 @@ def train(
             t1 = time.perf_counter()
             entry = epoch_entry(model, test_set, spec, device, epoch + 1, epochs, loss,
                                 evaluate=epoch + 1 == epochs or
-                                bool(eval_every and (epoch + 1) % eval_every == 0))
+                                bool(o.eval_every and (epoch + 1) % o.eval_every == 0))
             t2 = time.perf_counter()
             history.append(entry)
             _save_state(out, model, opt, dict(settings=settings, epoch=epoch + 1, history=history,

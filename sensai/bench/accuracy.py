@@ -2,9 +2,9 @@
 ``bench.json`` shows speed and accuracy side by side.
 
 Accuracy: original and decomposed top-1 from the manifest's ``evaluation`` (``sensai decompose``
-evaluates both on the test split, or on a stratified subset of it with ``--eval-limit``), and the
-original's top-1 recorded at training (``source.test_top1``, the whole test split).  Shrink: the
-original's params and MACs against the largest subnet's.
+evaluates both on the test split, or on a stratified subset of it with ``--set eval_limit=N``),
+and the original's top-1 recorded at training (``source.test_top1``, the whole test split).
+Shrink: the original's params and MACs against the largest subnet's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def accuracy(manifest: DecompositionManifest) -> dict[str, Any]:
         measured_on = "not recorded in the manifest"
     elif limit:
         measured_on = (f"a stratified subset of {images} images of the {manifest.dataset.name} "
-                       f"{ev.get('split', 'test')} split (sensai decompose --eval-limit {limit})")
+                       f"{ev.get('split', 'test')} split (sensai decompose --set eval_limit={limit})")
     else:
         measured_on = (f"the whole {manifest.dataset.name} {ev.get('split', 'test')} split "
                        f"({images} images)")

@@ -75,7 +75,7 @@ class GatewayProcess:
         pin = (["taskset", "--cpu-list", ",".join(map(str, self.cores))]
                if self.cores and shutil.which("taskset") else [])
         if self.cores and not pin:
-            raise SensaiError("--client-cores needs taskset (util-linux) to keep the gateway off "
+            raise SensaiError("--set client_cores needs taskset (util-linux) to keep the gateway off "
                               "the clients' cores")
         self.proc = subprocess.Popen([*child.death_guard("TERM"), *pin, *self.argv],
                                      stdin=subprocess.DEVNULL, stdout=self._log,

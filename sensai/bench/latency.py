@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,8 +37,9 @@ from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings,
                       warm_up)
 from .latency_report import plot, render_markdown
 from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS,
-                    UNTIMED_TRANSPORTS, WARMUP, strategy_key)
+                    UNTIMED_TRANSPORTS, strategy_key)
 from .one_call import one_call_reference
+from .options import BenchOptions
 from .peers import Peer, Peers
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
@@ -49,127 +49,66 @@ from .targets import evaluate_targets
 log = logging.getLogger(__name__)
 
 
-def check_bench_settings(*, workers, replicas, images, warmup, concurrency, requests, threads,
-                         rounds, isolated_images, strategies: Sequence[str],
-                         transports: Sequence[str], runtime: str, backends: Sequence[str],
-                         ray_address: str | None = None, peers: Sequence[str] = ()) -> None:
-    """Every setting of ``sensai bench`` checked before anything is loaded."""
+def check_bench_settings(opts: BenchOptions) -> None:
+    """Every option of ``sensai bench`` checked before anything is loaded."""
+    backends = list(opts.backends)
     check_settings(
-        ints=(("--workers", workers, 1), ("--replicas", replicas, 1), ("--images", images, 1),
-              ("--warmup", warmup, 0), ("--concurrency", concurrency, 1),
-              ("--requests", requests, 1), ("--threads", threads, 1), ("--rounds", rounds, 1),
-              ("isolated_images", isolated_images, 0)),
-        choices=(("strategy", strategies, STRATEGIES), ("transports", transports, TRANSPORTS),
-                 ("runtime", [runtime], MODEL_RUNTIMES), ("backend", backends, BENCH_BACKENDS),
-                 ("peer", peers or [PEERS[0]], PEERS)))
+        ints=(("--stages", opts.workers, 1), ("--set replicas", opts.replicas, 1),
+              ("--images", opts.images, 1), ("--set warmup", opts.warmup, 0),
+              ("--concurrency", opts.concurrency, 1), ("--requests", opts.requests, 1),
+              ("--set threads", opts.threads, 1), ("--set rounds", opts.rounds, 1),
+              ("--set isolated_images", opts.isolated_images, 0)),
+        choices=(("strategy", opts.strategies, STRATEGIES),
+                 ("transports", opts.transports, TRANSPORTS),
+                 ("runtime", [opts.runtime], MODEL_RUNTIMES),
+                 ("backend", backends, BENCH_BACKENDS), ("peer", opts.peers or [PEERS[0]], PEERS)))
+    if opts.keep_cores_awake is not None:
+        check_mode(opts.keep_cores_awake)
     if len(set(backends)) < len(backends):
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
-    if ray_address and not {"ray", "ray-serve"} & set(backends):
+    if opts.ray_address and not {"ray", "ray-serve"} & set(backends):
         raise SensaiError("--ray-address is for --backend ray and ray-serve")
     for pool, untimed in UNTIMED_TRANSPORTS.items():
-        if pool in backends and "class-parallel" in strategies \
-                and not set(transports) - set(untimed):
+        if pool in backends and "class-parallel" in opts.strategies \
+                and not set(opts.transports) - set(untimed):
             raise SensaiError(f"--backend {pool} is timed over "
                               f"{' and '.join(t for t in TRANSPORTS if t not in untimed)} only: "
                               "add one to --transports")
-    if "triton" in backends and "class-parallel" in strategies and find_tritonserver() is None:
+    if "triton" in backends and "class-parallel" in opts.strategies \
+            and find_tritonserver() is None:
         raise SensaiError(f"--backend triton: {TRITON_HINT}")
-    if peers and PEER_TRANSPORT not in transports:
+    if opts.peers and PEER_TRANSPORT not in opts.transports:
         raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
                           "v2 binary tensor over HTTP, the one request they all take): add "
                           f"{PEER_TRANSPORT} to --transports")
 
 
-@dataclass(frozen=True)
-class BenchOptions:
-    """What the phases of one ``sensai bench`` run pass along of its options: the strategies,
-    transports, class-parallel backends and peers (each in canonical order), how every worker
-    runs, and how much is timed."""
-
-    strategies: list[str]
-    transports: list[str]
-    backends: list[str]
-    peers: list[str]
-    device: str
-    device_resolved: str
-    runtime: str
-    threads: int
-    warmup: int
-    rounds: int
-    concurrency: int
-    n_requests: int
-    isolated_images: int
-    ray_address: str | None
-    spread_cores: bool
-
-    @property
-    def needs_original(self) -> bool:
-        return any(s != "class-parallel" for s in self.strategies) or bool(self.peers)
+def resolved_device(opts: BenchOptions) -> str:
+    """The device ``--device`` names on this machine (auto: CUDA when present, else the CPU)."""
+    return str(select_device(opts.device))
 
 
-def run_bench(
-    artifact_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    workers: int | None = None,
-    replicas: int | None = None,
-    images: int = 200,
-    warmup: int = WARMUP,
-    concurrency: int = 8,
-    requests: int | None = None,
-    rounds: int = 10,
-    strategies: Sequence[str] = STRATEGIES,
-    transports: Sequence[str] = TRANSPORTS,
-    backend: str | Sequence[str] = "local",
-    ray_address: str | None = None,
-    peers: Sequence[str] = (),
-    device: str = "auto",
-    runtime: str = "auto",
-    threads: int = 1,
-    data_dir: str | None = None,
-    seed: int = 0,
-    isolated_images: int = 20,
-    keep_awake: str | None = None,
-    spread_cores: bool = False,
-    command: str | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
+def run_bench(artifact_dir: str | Path, out_dir: str | Path,
+              options: BenchOptions) -> dict[str, Any]:
     """Benchmark the artifact in ``artifact_dir``; write bench.json, bench.md, bench.png to
-    ``out_dir``; return what bench.json holds.  The arguments are ``sensai bench``'s options
-    (``workers``: K, default G; ``replicas``: default K; ``requests``: default max(images,
-    4 x concurrency); ``backend``: one or several, each a class-parallel strategy; ``peers``:
-    the original model on other systems; ``keep_awake`` and ``spread_cores``: as for ``sensai
-    serve``, held for the whole run and recorded in ``machine``).  ``isolated_images``: images
-    on which each subnet is also timed alone."""
-    backends = [backend] if isinstance(backend, str) else list(backend or [])
-    check_bench_settings(
-        workers=workers, replicas=replicas, images=images, warmup=warmup,
-        concurrency=concurrency, requests=requests, threads=threads, rounds=rounds,
-        isolated_images=isolated_images, strategies=list(strategies or []),
-        transports=list(transports or []), runtime=runtime, backends=backends,
-        ray_address=ray_address, peers=list(peers or []))
-    if keep_awake is not None:
-        check_mode(keep_awake)
+    ``out_dir``; return what bench.json holds.  ``options``: ``sensai bench``'s (``workers``: K,
+    default G; ``replicas``: default K; ``backends``: each a class-parallel strategy;
+    ``peers``: the original model on other systems; ``keep_cores_awake`` and
+    ``spread_cores``: as for ``sensai serve``, held for the whole run and recorded in
+    ``machine``; ``isolated_images``: images on which each subnet is also timed alone)."""
+    check_bench_settings(options)
+    opts = options.canonical()
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
-    opts = BenchOptions(
-        strategies=[s for s in STRATEGIES if s in set(strategies)],  # canonical order
-        transports=[t for t in TRANSPORTS if t in set(transports)],
-        backends=backends, peers=[p for p in PEERS if p in set(peers or [])], device=device,
-        device_resolved=str(select_device(device)), runtime=runtime, threads=threads,
-        warmup=warmup, rounds=rounds, concurrency=concurrency,
-        n_requests=requests or max(images, 4 * concurrency), isolated_images=isolated_images,
-        ray_address=ray_address, spread_cores=spread_cores)
     model, record = original_model(artifact, opts)
-    spec, out = inputs(artifact, data_dir, out_dir)
-    k, r = stages_and_replicas(artifact, opts, model, spec.input_shape, workers, replicas)
-    imgs = load_test_images(spec, images, seed, png="http" in opts.transports)
+    spec, out = inputs(artifact, opts.data_dir, out_dir)
+    k, r = stages_and_replicas(artifact, opts, model, spec.input_shape)
+    imgs = load_test_images(spec, opts.images, opts.seed, png="http" in opts.transports)
     log.info("benchmarking %s (G=%d) on %d %s test images", artifact.manifest.model,
              len(artifact.subnets), len(imgs), spec.name)
-    result = new_result(opts, artifact, spec, command=command, images=len(imgs), stages=k,
-                        replicas=r, seed=seed)
-    gateway, awake = hold_cores(keep_awake, opts, result)
-    bar = progress_bar(progress)
+    result = new_result(opts, artifact, spec, images=len(imgs), stages=k, replicas=r)
+    gateway, awake = hold_cores(opts, result)
+    bar = progress_bar(opts.progress)
     try:
         recipes = prepare_recipes(artifact, opts, model, record, imgs, out / "models",
                                   stages=k, replicas=r, result=result, bar=bar)
@@ -189,39 +128,39 @@ def run_bench(
 def original_model(artifact, opts: BenchOptions):
     """The original model and its record where a baseline or a peer needs them, else (None,
     None)."""
-    if opts.peers and resolve_runtime(opts.runtime, opts.device_resolved) != "onnx":
+    if opts.peers and resolve_runtime(opts.runtime, resolved_device(opts)) != "onnx":
         raise SensaiError("the peers (--peers) serve the original model's ONNX file: use "
                           "--runtime onnx (or auto on a CPU)")
     return load_original(artifact) if opts.needs_original else (None, None)
 
 
-def stages_and_replicas(artifact, opts: BenchOptions, model, input_shape, workers: int | None,
-                        replicas: int | None) -> tuple[int, int]:
-    """K, model parallel's stages (``workers``, default G, as the model allows), and data
+def stages_and_replicas(artifact, opts: BenchOptions, model, input_shape) -> tuple[int, int]:
+    """K, model parallel's stages (``--stages``, default G, as the model allows), and data
     parallel's replicas (default K); class parallel's runners are checked here too."""
-    k = workers or len(artifact.subnets)
+    k = opts.workers or len(artifact.subnets)
     if "model-parallel" in opts.strategies:
-        k = stage_count(model, input_shape, k, explicit=workers is not None)
+        k = stage_count(model, input_shape, k, explicit=opts.workers is not None)
     if "class-parallel" in opts.strategies:
         # Fails now, not after the baselines are ready, when a subnet's file is missing.
         runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads)
-    return k, replicas or k
+    return k, opts.replicas or k
 
 
-def new_result(opts: BenchOptions, artifact, spec, *, command: str | None, images: int,
-               stages: int, replicas: int, seed: int) -> dict[str, Any]:
+def new_result(opts: BenchOptions, artifact, spec, *, images: int, stages: int,
+               replicas: int) -> dict[str, Any]:
     """What bench.json opens with: the envelope and its settings, the artifact's accuracy and
     shrink, no strategy yet."""
-    settings = {"strategies": opts.strategies, "transports": opts.transports, "images": images,
-                "warmup": opts.warmup, "rounds": opts.rounds, "concurrency": opts.concurrency,
-                "throughput_requests": opts.n_requests, "stages": stages, "replicas": replicas,
-                "subnets": len(artifact.subnets), "class_parallel_backend": opts.backends[0],
-                "class_parallel_backends": opts.backends, "peers": opts.peers,
+    settings = {"strategies": list(opts.strategies), "transports": list(opts.transports),
+                "images": images, "warmup": opts.warmup, "rounds": opts.rounds,
+                "concurrency": opts.concurrency, "throughput_requests": opts.n_requests,
+                "stages": stages, "replicas": replicas, "subnets": len(artifact.subnets),
+                "class_parallel_backend": opts.backends[0],
+                "class_parallel_backends": list(opts.backends), "peers": list(opts.peers),
                 "ray_address": opts.ray_address, "threads_per_worker": opts.threads,
-                "device": opts.device, "device_resolved": opts.device_resolved,
-                "runtime": opts.runtime, "seed": seed, "batch": 1,
+                "device": opts.device, "device_resolved": resolved_device(opts),
+                "runtime": opts.runtime, "seed": opts.seed, "batch": 1,
                 "isolated_images": opts.isolated_images}
-    result = envelope("sensai-bench", command=command, artifact=artifact, spec=spec,
+    result = envelope("sensai-bench", command=opts.command, artifact=artifact, spec=spec,
                       settings=settings)
     result["accuracy"] = accuracy(artifact.manifest)
     result["shrink"] = shrink(artifact.manifest)
@@ -229,11 +168,12 @@ def new_result(opts: BenchOptions, artifact, spec, *, command: str | None, image
     return result
 
 
-def hold_cores(keep_awake: str | None, opts: BenchOptions, result: dict[str, Any]):
+def hold_cores(opts: BenchOptions, result: dict[str, Any]):
     """The gateway settings the served strategies take, and the idle cores kept awake as they
     say for the whole run (release it at the end); both recorded in ``machine``."""
     # The gateway's defaults (and SENSAI_* variables), as serve.
-    gateway = GatewaySettings(**({} if keep_awake is None else {"keep_cores_awake": keep_awake}))
+    keep = opts.keep_cores_awake
+    gateway = GatewaySettings(**({} if keep is None else {"keep_cores_awake": keep}))
     awake = keep_cores_awake(gateway.keep_cores_awake)
     result["machine"]["cores_awake"] = awake.describe()
     result["machine"]["spread_cores"] = opts.spread_cores
@@ -323,7 +263,7 @@ def time_alone(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs: T
     if "class-parallel" in opts.strategies:
         bar.set_description("class-parallel: one call of every subnet")
         reports["class-parallel"]["one_call"] = one_call_reference(
-            artifact, imgs.xs, device=opts.device_resolved, runtime=opts.runtime,
+            artifact, imgs.xs, device=resolved_device(opts), runtime=opts.runtime,
             threads=opts.threads, cores=cores)
     # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
     for key in ("class-parallel", "single"):

@@ -8,21 +8,64 @@ import numpy as np
 
 from .comparison import comparison_markdown, comparison_text
 from .names import BARE_REQUESTS, TRANSPORT_LABELS, TRANSPORTS, label
-from .render import fmt, horizontal_boxplot, human, md_table, pyplot, save_figure, text_table
+from .render import Col, Panel, Table, draw, fmt, heading, human, markdown, mark, md_table
 from .targets import all_checks
 
-LATENCY_HEADER = ["strategy", "transport", "workers", "p50 ms", "p90 ms", "p99 ms", "mean ms",
-                  "img/s", "compute p50", "transport p50", "merge p50", "bare p50",
-                  "p50(lat - bare - compute)", "top-1"]
-WORKER_HEADER = ["strategy", "workers", "params/worker (max)", "MACs/worker (max)", "MACs total",
-                 "weights+act. MB/worker (max)", "RSS growth MB", "peak RSS growth MB",
-                 "CUDA MB (torch peak / device)"]
-TARGET_HEADER = ["target set", "target", "value", "other transport (reference)", "status"]
 STATUS_MD = {"met": "met", "not met": "NOT met", "not measured": "not measured"}
+PALETTE = {"inprocess": "#4C72B0", "http": "#DD8452", "http-v2": "#C9A227", "grpc": "#2A9D8F"}
 
 
-def _short(key: str) -> str:
-    return label(key).replace(" (sensAI)", "").replace("sensAI, ", "")
+def _over(r: dict) -> float | None:
+    b = r["breakdown_ms"]["p50"]
+    # In process there is no request: the floor is 0.
+    return b.get("latency_minus_floor_minus_compute") if r.get("floor_ms") else b.get(
+        "latency_minus_compute")
+
+
+LATENCY = Table(
+    Col("strategy", "strategy"), Col("transport", "transport"), Col("workers", "workers"),
+    Col("p50 ms", "latency_ms.p50"), Col("p90 ms", "latency_ms.p90"),
+    Col("p99 ms", "latency_ms.p99"), Col("mean ms", "latency_ms.mean"),
+    Col("img/s", "throughput.images_per_s", 1), Col("compute p50", "breakdown_ms.p50.compute"),
+    Col("transport p50", "breakdown_ms.p50.transport"),
+    Col("merge p50", "breakdown_ms.p50.merge", 3), Col("bare p50", "floor_ms.p50"),
+    Col("p50(lat - bare - compute)", _over), Col("top-1", "top1", 4))
+WHERE = Table(
+    Col("strategy", "strategy"), Col("transport", "transport"), Col("latency", "latency_ms.mean"),
+    Col("compute (critical path)", "breakdown_ms.mean.compute"),
+    Col("dispatch (in predictor)", "breakdown_ms.mean.dispatch"),
+    Col("request + decode (outside)", "breakdown_ms.mean.http"),
+    Col("bare request (timed apart)", "floor_ms.mean"), Col("merge", "breakdown_ms.mean.merge", 3),
+    Col("work done (all workers)", "compute_sum_ms.mean"))
+WORKERS = Table(
+    Col("strategy", "strategy"), Col("workers", "workers"),
+    Col("params/worker (max)", lambda s: human(s["params_max_per_worker"])),
+    Col("MACs/worker (max)", lambda s: human(s["flops_max_per_worker"])),
+    Col("MACs total", lambda s: human(s["flops_total"])),
+    Col("weights+act. MB/worker (max)", lambda s: max(
+        (w["weights_mb"] + w["activations_mb"] for w in s["per_worker"]), default=None)),
+    Col("RSS growth MB", "memory.rss_growth_mb"),
+    Col("peak RSS growth MB", "memory.peak_rss_growth_mb"),
+    Col("CUDA MB (torch peak / device)", lambda s: ", ".join(
+        f"{d}: {v['torch_peak_mb']} / {v['device_used_mb']}"
+        for d, v in s["memory"]["cuda"].items()) or "-"))
+
+
+def _reference(c: dict) -> str:
+    other = c.get("reference_transport") or ("inprocess" if c["transport"] == "http" else "http")
+    return f"{fmt(c.get(other + '_value'), 3)} ({other})"
+
+
+TARGETS = Table(
+    Col("target set", "set"), Col("target", "rule"),
+    Col("value", lambda c: f"{fmt(c['value'], 3)} ({c['transport']})"),
+    Col("other transport (reference)", _reference),
+    Col("status", lambda c: STATUS_MD[c["status"]]))
+
+
+def _name(r: dict) -> str:
+    """A strategy and transport in a plot's labels."""
+    return label(r["key"]).replace(" (sensAI)", "").replace("sensAI, ", "") + "\n" + r["transport"]
 
 
 def measured_transports(result: dict) -> list[str]:
@@ -30,48 +73,15 @@ def measured_transports(result: dict) -> list[str]:
     return [t for t in TRANSPORTS if any(t in s.get("transports", {}) for s in strategies)]
 
 
-def latency_rows(result: dict, only: str | None = None) -> list[list[str]]:
+def runs(result: dict, only: str | None = None) -> list[dict]:
     """One row per strategy and transport (``only``: that transport's rows)."""
-    rows = []
-    for key, s in result.get("strategies", {}).items():
-        for transport, t in s.get("transports", {}).items():
-            if only is not None and transport != only:
-                continue
-            lat, b = t["latency_ms"], t["breakdown_ms"]["p50"]
-            floor = t.get("floor_ms") or {}
-            # In process there is no request: the floor is 0.
-            over = b.get("latency_minus_floor_minus_compute") if floor else b.get(
-                "latency_minus_compute")
-            rows.append([label(key), transport, str(s["workers"]), fmt(lat["p50"]),
-                         fmt(lat["p90"]), fmt(lat["p99"]), fmt(lat["mean"]),
-                         fmt(t["throughput"]["images_per_s"], 1), fmt(b["compute"]),
-                         fmt(b["transport"]), fmt(b["merge"], 3), fmt(floor.get("p50")),
-                         fmt(over), fmt(t["top1"], 4)])
-    return rows
+    return [t | {"key": key, "strategy": label(key), "transport": tr, "workers": s.get("workers")}
+            for key, s in result.get("strategies", {}).items()
+            for tr, t in s.get("transports", {}).items() if only in (None, tr)]
 
 
-def worker_rows(result: dict) -> list[list[str]]:
-    rows = []
-    for key, s in result.get("strategies", {}).items():
-        m, per = s["memory"], s["per_worker"]
-        rows.append([label(key), str(s["workers"]), human(s["params_max_per_worker"]),
-                     human(s["flops_max_per_worker"]), human(s["flops_total"]),
-                     fmt(max((w["weights_mb"] + w["activations_mb"] for w in per), default=None)),
-                     fmt(m["rss_growth_mb"]), fmt(m["peak_rss_growth_mb"]),
-                     ", ".join(f"{d}: {v['torch_peak_mb']} / {v['device_used_mb']}"
-                               for d, v in m["cuda"].items()) or "-"])
-    return rows
-
-
-def target_rows(result: dict) -> list[list[str]]:
-    rows = []
-    for tset in result.get("targets", {}).get("sets", []):
-        for c in tset["checks"]:
-            other = c.get("reference_transport") or ("inprocess" if c["transport"] == "http"
-                                                     else "http")
-            rows.append([tset["name"], c["rule"], f"{fmt(c['value'], 3)} ({c['transport']})",
-                         f"{fmt(c.get(other + '_value'), 3)} ({other})", STATUS_MD[c["status"]]])
-    return rows
+def strategies(result: dict) -> list[dict]:
+    return [s | {"strategy": label(key)} for key, s in result.get("strategies", {}).items()]
 
 
 def accuracy_line(result: dict) -> str:
@@ -86,10 +96,9 @@ def accuracy_line(result: dict) -> str:
 def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     """The console summary; ``model_targets_only``: only the target sets named for the
     artifact's model (not those every model shares, which bench.md still reports)."""
-    parts = [text_table(LATENCY_HEADER, latency_rows(result)), "",
-             text_table(WORKER_HEADER, worker_rows(result)), "", accuracy_line(result),
-             *untimed_lines(result), *side_by_side_lines(result), *shed_lines(result),
-             *idle_lines(result)]
+    parts = [LATENCY.text(runs(result)), "", WORKERS.text(strategies(result)), "",
+             accuracy_line(result), *untimed_lines(result), *side_by_side_lines(result),
+             *shed_lines(result), *idle_lines(result)]
     if result.get("comparison"):
         parts += ["", comparison_text(result["comparison"]), ""]
     targets = result.get("targets", {})
@@ -114,19 +123,18 @@ def _accuracy_section(result: dict) -> list[str]:
              f"{human(s['largest_subnet']['flops'])} (largest subnet; "
              f"{human(s['flops_all_subnets'])} in all)",
              fmt(m.get("decomposed_top1"), 4)]]
-    lines = ["## Accuracy and size", "",
-             md_table(["model", "top-1 (artifact)", "params", "MACs / image",
-                       f"top-1 on the {m.get('images', '-')} bench images"], rows), "",
-             f"Top-1 difference: {delta} points, measured by `sensai decompose` on "
-             f"{a['measured_on']}."]
-    if a.get("original_top1_at_training") is not None:
-        lines[-1] += (f" The original's top-1 recorded at training (whole test split): "
-                      f"{fmt(a['original_top1_at_training'], 4)}.")
-    lines += [f"The largest subnet has {fmt(s['params_ratio'])}x fewer parameters and "
-              f"{fmt(s['flops_ratio'])}x fewer MACs than the original. The last column is this "
-              "run's own answers on its images (PNG over HTTP is lossless: the same answers "
-              "as in process).", ""]
-    return lines
+    trained = a.get("original_top1_at_training")
+    return ["## Accuracy and size",
+            md_table(["model", "top-1 (artifact)", "params", "MACs / image",
+                      f"top-1 on the {m.get('images', '-')} bench images"], rows),
+            f"Top-1 difference: {delta} points, measured by `sensai decompose` on "
+            f"{a['measured_on']}."
+            + (f" The original's top-1 recorded at training (whole test split): "
+               f"{fmt(trained, 4)}." if trained is not None else "")
+            + "\n" + f"The largest subnet has {fmt(s['params_ratio'])}x fewer parameters and "
+            f"{fmt(s['flops_ratio'])}x fewer MACs than the original. The last column is this "
+            "run's own answers on its images (PNG over HTTP is lossless: the same answers "
+            "as in process)."]
 
 
 def untimed_lines(result: dict) -> list[str]:
@@ -139,16 +147,10 @@ def untimed_lines(result: dict) -> list[str]:
 def shed_lines(result: dict) -> list[str]:
     """A line per throughput run the server partly turned away (its admission shedding load:
     503, gRPC UNAVAILABLE); img/s counts only the answers."""
-    out = []
-    for key, s in result.get("strategies", {}).items():
-        for transport, t in s.get("transports", {}).items():
-            thr = t.get("throughput") or {}
-            if thr.get("shed"):
-                out.append(f"throughput of {label(key)} over {transport}: {thr['shed']} of "
-                           f"{thr['requests']} requests turned away by the server's admission "
-                           f"at concurrency {thr['concurrency']}; img/s counts the "
-                           f"{thr['answered']} answered")
-    return out
+    return [f"throughput of {r['strategy']} over {r['transport']}: {thr['shed']} of "
+            f"{thr['requests']} requests turned away by the server's admission at concurrency "
+            f"{thr['concurrency']}; img/s counts the {thr['answered']} answered"
+            for r in runs(result) if (thr := r.get("throughput") or {}).get("shed")]
 
 
 def side_by_side_lines(result: dict) -> list[str]:
@@ -159,42 +161,35 @@ def side_by_side_lines(result: dict) -> list[str]:
     for key, s in result.get("strategies", {}).items():
         shares = [(t, rep["side_by_side"]["share"]) for t, rep in s.get("transports", {}).items()
                   if rep.get("side_by_side")]
-        if not shares:
-            continue
         why = ("more subnets than cores" if cores and s["workers"] > cores
                else "the kernel put two workers on one core")
-        out.append(f"{label(key)}: subnets side by side in "
-                   + ", ".join(f"{share:.0%} of requests {t}" for t, share in shares)
-                   + f" (the others computed one after the other: {why})")
+        if shares:
+            out.append(f"{label(key)}: subnets side by side in "
+                       + ", ".join(f"{share:.0%} of requests {t}" for t, share in shares)
+                       + f" (the others computed one after the other: {why})")
     return out
 
 
 def _summary_lines(result: dict) -> list[str]:
     """One sentence per transport comparing the strategies' p50 latency and throughput."""
-    s = result["strategies"]
     out = []
     for t in measured_transports(result):
-        def get(key: str, what: str):
-            rep = s.get(key, {}).get("transports", {}).get(t)
-            if rep is None:
-                return None
-            return rep["latency_ms"]["p50"] if what == "p50" else rep["throughput"]["images_per_s"]
-
+        rep = {r["key"]: r for r in runs(result, t)}
+        p50 = {k: r["latency_ms"]["p50"] for k, r in rep.items()}
+        cp, single, mp, dp = (p50.get(k) for k in ("class-parallel", "single", "model-parallel",
+                                                    "data-parallel"))
         parts = []
-        cp, single, mp = get("class-parallel", "p50"), get("single", "p50"), get(
-            "model-parallel", "p50")
         if cp and single:
             parts.append(f"class parallel p50 is {cp / single:.2f}x the single device's")
         if cp and mp:
             parts.append(f"{cp / mp:.2f}x model parallel's")
-        dp = get("data-parallel", "p50")
         if dp and single:
-            thr = get("data-parallel", "thr"), get("single", "thr")
+            thr = [rep[k]["throughput"]["images_per_s"] for k in ("data-parallel", "single")]
             parts.append(f"data parallel p50 is {dp / single:.2f}x the single device's (one image "
                          f"is not cut up) for {thr[0] / thr[1]:.2f}x its throughput")
         if parts:
             title = "In process" if t == "inprocess" else TRANSPORT_LABELS[t]
-            out += [f"{title}: " + "; ".join(parts) + ".", ""]
+            out.append(f"{title}: " + "; ".join(parts) + ".")
     return out
 
 
@@ -204,27 +199,25 @@ def _backends(settings: dict) -> list[str]:
 
 def _latency_tables(result: dict) -> list[str]:
     """One table per transport, the strategies as rows."""
-    lines = []
-    header = [h for i, h in enumerate(LATENCY_HEADER) if i != 1]
+    out = []
     for t in measured_transports(result):
-        rows = [[c for i, c in enumerate(r) if i != 1] for r in latency_rows(result, t)]
         floor = ("no request: the floor is 0, the last-but-one column is p50(latency - compute)"
                  if t == "inprocess" else
                  f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just "
                  "before each request; the last-but-one column is the p50, request by request, "
                  "of latency - bare - compute")
-        lines += [f"### {TRANSPORT_LABELS[t]} (`{t}`)", "", md_table(header, rows), "",
-                  f"{floor}.", ""]
-    return lines
+        out += [f"### {TRANSPORT_LABELS[t]} (`{t}`)",
+                LATENCY.without("transport").md(runs(result, t)), f"{floor}."]
+    return out
 
 
 def _targets_section(result: dict) -> list[str]:
     t = result.get("targets", {})
-    lines = ["## Targets (p50)", ""]
     if not t.get("sets"):
-        return lines + [f"No target set applies to {result['model']}.", ""]
-    return lines + [md_table(TARGET_HEADER, target_rows(result)), "",
-                    "Only the target sets that apply to this artifact's model are listed.", ""]
+        return ["## Targets (p50)", f"No target set applies to {result['model']}."]
+    return ["## Targets (p50)", TARGETS.md(c | {"set": s["name"]} for s in t["sets"]
+                                           for c in s["checks"]),
+            "Only the target sets that apply to this artifact's model are listed."]
 
 
 def idle_text(idle: dict | None, awake: dict | None = None) -> str:
@@ -251,14 +244,14 @@ def idle_lines(result: dict) -> list[str]:
     return ["Note: an idle core of this virtual machine halts at once (guest_halt_poll_ns 0; the "
             "kernel's default is 200000), so every wake-up of a sleeping worker or of the event "
             "loop goes through the hypervisor, and class parallel pays two or more of them per "
-            "request. Run as root (--keep-cores-awake) to keep idle cores polling for the run; "
+            "request. Run as root (--set keep_cores_awake=on) to keep idle cores polling for the run; "
             "see deploy/README.md, 'Latency'."]
 
 
 def render_markdown(result: dict) -> str:
-    return "\n".join([*_intro(result), *_accuracy_section(result), *_latency_section(result),
-                      *_where_the_time_goes(result), *_per_worker_section(result),
-                      *_targets_section(result), *_closing_notes(result)])
+    return markdown(_intro(result), _accuracy_section(result), _latency_section(result),
+                    _where_the_time_goes(result), _per_worker_section(result),
+                    _targets_section(result), _closing_notes(result))
 
 
 def _intro(result: dict) -> list[str]:
@@ -266,10 +259,7 @@ def _intro(result: dict) -> list[str]:
     m, st, v = result["machine"], result["settings"], result["machine"]["versions"]
     gpu = ", ".join(f"{x['name']} ({x['memory_gb']} GB)" for x in m["gpus"]) or "none"
     return [
-        f"# sensai bench: {result['model']} on {result['dataset']}",
-        "",
-        f"Command: `{result.get('command') or 'run_bench(...)'}`",
-        "",
+        *heading(result, "bench", "run_bench(...)"),
         f"Artifact `{result['artifact']}`, {st['subnets']} subnets (groups {result['groups']}); "
         f"{st['images']} real test images at batch 1 and concurrency 1 in {st['rounds']} "
         f"interleaved rounds after {st['warmup']} warm-up requests per strategy and transport; "
@@ -279,73 +269,58 @@ def _intro(result: dict) -> list[str]:
         f"thread(s). Class parallel: the predictor `sensai serve` builds (backend "
         f"{', '.join(_backends(st))}); the baselines run on worker threads. Model parallel: "
         f"{st['stages']} stages; data parallel: {st['replicas']} replicas.",
-        "",
         f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
         f"({m['usable_cores']} usable), {m['memory_gb']} GB; GPU: {gpu}; load average "
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end"
         f"{idle_text(m.get('cpu_idle'), m.get('cores_awake'))}. "
         f"torch {v.get('torch')}, onnxruntime {v.get('onnxruntime')}, numpy {v.get('numpy')}, "
         f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
-        f"python {v.get('python')}.",
-        "",
-    ]
+        f"python {v.get('python')}."]
 
 
 def _latency_section(result: dict) -> list[str]:
     """The latency tables, the notes on them, and what their columns mean."""
     return [
-        "## Latency (ms, one image per request)",
-        "",
-        *_latency_tables(result),
-        *[line for x in untimed_lines(result) + side_by_side_lines(result) + shed_lines(result)
-          for line in (x + ".", "")],
-        *_summary_lines(result),
-        *(comparison_markdown(result["comparison"]) if result.get("comparison") else []),
+        "## Latency (ms, one image per request)", _latency_tables(result),
+        [x + "." for x in untimed_lines(result) + side_by_side_lines(result)
+         + shed_lines(result)],
+        _summary_lines(result),
+        "\n".join(comparison_markdown(result["comparison"])).strip("\n")
+        if result.get("comparison") else None,
         "compute: the runners' own time measured inside the workers - the one run (single, "
         "data parallel), the sum of the stages (model parallel), the slowest subnet (class "
         "parallel: the floor). transport: latency - compute - merge (hand-offs to the workers, "
         "fan-out and gather; over HTTP/gRPC also the request, decoding and the answer). merge: "
         "outputs -> class scores (softmax, or merge_outputs for the subnets). http: the PNG "
         "upload to /v1/predict (JSON answer); http-v2: the KServe v2 binary tensor (binary "
-        "answer); grpc: KServe v2 ModelInfer with raw tensor contents.",
-        "",
-    ]
+        "answer); grpc: KServe v2 ModelInfer with raw tensor contents."]
 
 
 def _where_the_time_goes(result: dict) -> list[str]:
     """The mean latency in parts, then class parallel's references: each subnet alone, one
     call of every subnet, the CUDA-graph replays."""
-    rows = []
-    for key, s in result["strategies"].items():
-        for transport, t in s["transports"].items():
-            b = t["breakdown_ms"]["mean"]
-            rows.append([label(key), transport, fmt(t["latency_ms"]["mean"]), fmt(b["compute"]),
-                         fmt(b["dispatch"]), fmt(b["http"]),
-                         fmt((t.get("floor_ms") or {}).get("mean")), fmt(b["merge"], 3),
-                         fmt(t["compute_sum_ms"]["mean"])])
-    lines = ["## Where the time goes (mean ms; the parts add up to the mean latency)", "",
-             md_table(["strategy", "transport", "latency", "compute (critical path)",
-                       "dispatch (in predictor)", "request + decode (outside)",
-                       "bare request (timed apart)", "merge",
-                       "work done (all workers)"], rows), ""]
     cp = result["strategies"].get("class-parallel")
-    if cp and cp.get("isolated_compute_ms"):
-        floor = cp.get("core_bound_floor_ms")
-        lines += [
-            "Class parallel, each subnet alone (no neighbour competing for the cores): p50 "
+    replays = {key: replay for key in ("class-parallel", "single")
+               if (replay := (result["strategies"].get(key) or {}).get("graph_replay_ms"))}
+    return [
+        "## Where the time goes (mean ms; the parts add up to the mean latency)",
+        WHERE.md(runs(result)), _alone_line(result, cp), one_call_line(cp),
+        [f"{label(key)}, CUDA-graph replay per image (the GPU's own time, CUDA events, each "
+         "worker alone): " + ", ".join(f"{k} {fmt(v, 4)} ms" for k, v in replay.items()) + "."
+         for key, replay in replays.items()]]
+
+
+def _alone_line(result: dict, cp: dict | None) -> str | None:
+    """Class parallel's subnets each timed alone, and the least the usable cores allow."""
+    if not cp or not cp.get("isolated_compute_ms"):
+        return None
+    floor = cp.get("core_bound_floor_ms")
+    return ("Class parallel, each subnet alone (no neighbour competing for the cores): p50 "
             f"compute of the slowest {fmt(cp['isolated_compute_ms_p50_max'])} ms, sum over "
             f"subnets {fmt(cp['isolated_compute_ms_p50_sum'])} ms"
             + (f"; with {result['machine']['usable_cores']} usable core(s) the subnets of one "
                f"image cannot all be done in less than {fmt(floor)} ms (the core-bound floor)"
-               if floor is not None else "") + ".", ""]
-    lines += one_call_lines(cp)
-    for key in ("class-parallel", "single"):
-        replay = (result["strategies"].get(key) or {}).get("graph_replay_ms")
-        if replay:
-            lines += [f"{label(key)}, CUDA-graph replay per image (the GPU's own time, CUDA "
-                      "events, each worker alone): "
-                      + ", ".join(f"{k} {fmt(v, 4)} ms" for k, v in replay.items()) + ".", ""]
-    return lines
+               if floor is not None else "") + ".")
 
 
 def _per_worker_section(result: dict) -> list[str]:
@@ -354,118 +329,86 @@ def _per_worker_section(result: dict) -> list[str]:
     remote = [b for b in _backends(result["settings"]) if b != "local"]
     elsewhere = (" (with --backend " + ", ".join(remote) + ", class parallel's workers live in "
                  "other processes, which these figures do not see)" if remote else "")
-    lines = ["## Per worker", "", md_table(WORKER_HEADER, worker_rows(result)), "",
-             "MACs: multiply-accumulates of convolutions and linear layers per image "
-             "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
-             "alive at once (a lower bound of the runtime's working memory). Memory is per "
-             "strategy, measured while it was loaded and warmed up: the workers are threads of "
-             "this process, so the figures are the growth of its RSS and of its peak RSS (the "
-             f"peak is reset before each strategy){elsewhere}.", ""]
-    if result.get("stage_plan"):
-        p = result["stage_plan"]
-        lines += [f"Model-parallel cut: {p['num_stages']} stages after "
-                  f"{', '.join(p['boundaries']) or '-'} (MACs per stage "
-                  f"{', '.join(human(x) for x in p['stage_macs'])}; at most "
-                  f"{p['max_stages']} stages possible).", ""]
+    p = result.get("stage_plan")
     nodes = [w.get("node") for w in result["strategies"].get("class-parallel", {})
              .get("per_worker", [])]
-    if len({n for n in nodes if n}) > 1:
-        lines += ["Class parallel's workers' nodes (Ray node id, first 8 characters): "
-                  + ", ".join(f"{i}: {n[:8] if n else '-'}" for i, n in enumerate(nodes)) + ".",
-                  ""]
-    return lines
+    return [
+        "## Per worker", WORKERS.md(strategies(result)),
+        "MACs: multiply-accumulates of convolutions and linear layers per image "
+        "(sensai.flops). weights+act.: float32 weights plus the largest set of activations "
+        "alive at once (a lower bound of the runtime's working memory). Memory is per "
+        "strategy, measured while it was loaded and warmed up: the workers are threads of "
+        "this process, so the figures are the growth of its RSS and of its peak RSS (the "
+        f"peak is reset before each strategy){elsewhere}.",
+        p and f"Model-parallel cut: {p['num_stages']} stages after "
+              f"{', '.join(p['boundaries']) or '-'} (MACs per stage "
+              f"{', '.join(human(x) for x in p['stage_macs'])}; at most "
+              f"{p['max_stages']} stages possible).",
+        "Class parallel's workers' nodes (Ray node id, first 8 characters): "
+        + ", ".join(f"{i}: {n[:8] if n else '-'}" for i, n in enumerate(nodes)) + "."
+        if len({n for n in nodes if n}) > 1 else None]
 
 
 def _closing_notes(result: dict) -> list[str]:
     """What the figures must be read against: workers waiting for a core, idle cores that
     halt at once, a machine shared with other work."""
     m, st = result["machine"], result["settings"]
-    lines = []
     busiest = max((s["workers"] for s in result["strategies"].values()), default=0)
     cores = m.get("usable_cores")
-    if cores and not m["gpus"] and busiest * st["threads_per_worker"] > cores:
-        lines += [f"Note: up to {busiest} workers x {st['threads_per_worker']} thread(s) shared "
-                  f"{cores} usable cores, so the workers of one request waited for a core; "
-                  "that wait counts as transport (dispatch), and a worker's compute time includes "
-                  "time its thread was preempted. The 'each subnet alone' figures above show the "
-                  "compute without that competition.", ""]
-    lines += [line for x in idle_lines(result) for line in (x, "")]
-    lines += ["The machine's cores may have been shared with other work while this ran (see the "
-              "load averages); compare figures from one run, not across runs.", ""]
-    return lines
+    return [
+        f"Note: up to {busiest} workers x {st['threads_per_worker']} thread(s) shared "
+        f"{cores} usable cores, so the workers of one request waited for a core; that wait "
+        "counts as transport (dispatch), and a worker's compute time includes time its thread "
+        "was preempted. The 'each subnet alone' figures above show the compute without that "
+        "competition." if cores and not m["gpus"] and busiest * st["threads_per_worker"] > cores
+        else None,
+        idle_lines(result),
+        "The machine's cores may have been shared with other work while this ran (see the "
+        "load averages); compare figures from one run, not across runs."]
 
 
 def plot(result: dict, path: Path) -> None:
     """Latency distribution per strategy and transport, and the mean latency split in parts
     (over a remote transport, the request's part split at its floor, the bare request)."""
-    plt = pyplot()
-    strategies = result["strategies"]
     transports = measured_transports(result)
-    n_rows = sum(len(s["transports"]) for s in strategies.values())
-    fig, axes = plt.subplots(1, 2, figsize=(13, max(4.8, 1.5 + 0.38 * n_rows)))
-    palette = {"inprocess": "#4C72B0", "http": "#DD8452", "http-v2": "#C9A227",
-               "grpc": "#2A9D8F"}
-    ax = axes[0]
-    data, labels, colors = [], [], []
-    for key, s in strategies.items():
-        for t in transports:
-            samples = s["transports"].get(t, {}).get("latencies_ms")
-            if samples:
-                data.append(samples)
-                labels.append(f"{_short(key)}\n{t}")
-                colors.append(palette[t])
-    horizontal_boxplot(ax, data, labels, colors)
-    ax.set_xlabel("latency per image (ms), whiskers p1-p99")
-    ax.set_title(f"{result['model']}: latency at concurrency 1")
-    ax.grid(axis="x", alpha=0.3)
-
-    ax = axes[1]
-    names, comp, disp, bare, http, merge = [], [], [], [], [], []
-    for key, s in strategies.items():
-        for t in transports:
-            rep = s["transports"].get(t)
-            if not rep:
-                continue
-            b = rep["breakdown_ms"]["mean"]
-            names.append(f"{_short(key)}\n{t}")
-            comp.append(b["compute"] or 0)
-            disp.append(max(0.0, b["dispatch"] or 0))
-            outside = max(0.0, b["http"] or 0)
-            floor = min(outside, (rep.get("floor_ms") or {}).get("mean") or 0.0)
-            bare.append(floor)
-            http.append(outside - floor)
-            merge.append(b["merge"] or 0)
-    y = np.arange(len(names))
-    left = np.zeros(len(names))
-    for vals, part, c in ((comp, "compute (critical path)", "#55A868"),
-                          (disp, "dispatch / fan-out", "#C44E52"),
-                          (merge, "merge", "#8172B2"),
-                          (bare, "bare request (the transport's floor)", "#BBBBBB"),
-                          (http, "request + decode beyond the floor", "#937860")):
-        ax.barh(y, vals, left=left, label=part, color=c)
-        left += np.asarray(vals, dtype=float)
-    ax.set_yticks(y, names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("mean ms per image")
-    ax.set_title("where the time goes")
-    ax.legend(fontsize=8, loc="best")
-    ax.grid(axis="x", alpha=0.3)
-    save_figure(fig, path)
+    order = [r for key in result["strategies"] for t in transports for r in runs(result, t)
+             if r["key"] == key]  # by strategy, then transport
+    timed = [r for r in order if r.get("latencies_ms")]
+    means = [r["breakdown_ms"]["mean"] for r in order]
+    outside = [max(0.0, b["http"] or 0) for b in means]
+    bare = [min(o, (r.get("floor_ms") or {}).get("mean") or 0.0) for o, r in zip(outside, order)]
+    parts = (([b["compute"] or 0 for b in means], "compute (critical path)", "#55A868"),
+             ([max(0.0, b["dispatch"] or 0) for b in means], "dispatch / fan-out", "#C44E52"),
+             ([b["merge"] or 0 for b in means], "merge", "#8172B2"),
+             (bare, "bare request (the transport's floor)", "#BBBBBB"),
+             ([o - f for o, f in zip(outside, bare)], "request + decode beyond the floor",
+              "#937860"))
+    at = np.arange(len(order))
+    draw(path, [
+        Panel([mark("box", [r["latencies_ms"] for r in timed], [_name(r) for r in timed],
+                    [PALETTE[r["transport"]] for r in timed])],
+              f"{result['model']}: latency at concurrency 1",
+              "latency per image (ms), whiskers p1-p99", grid={"axis": "x", "alpha": 0.3}),
+        Panel([mark("stack", at, [(v, {"label": part, "color": c}) for v, part, c in parts],
+                    horizontal=True)],
+              "where the time goes", "mean ms per image", legend={"fontsize": 8, "loc": "best"},
+              grid={"axis": "x", "alpha": 0.3}, yticks=(at, [_name(r) for r in order]))],
+        (13, max(4.8, 1.5 + 0.38 * len(order))), 1, 2)
 
 
-def one_call_lines(cp: dict | None) -> list[str]:
+def one_call_line(cp: dict | None) -> str | None:
     """The one-call reference (:mod:`.one_call`) beside class parallel: its latency, and how
     far class parallel's own p50 is from it on each transport."""
     one = (cp or {}).get("one_call")
     if not one or not one["ms"]["p50"]:
-        return []
+        return None
     ref = one["ms"]["p50"]
     gaps = [f"{t} +{fmt(rep['latency_ms']['p50'] - ref)} ms"
             for t, rep in cp.get("transports", {}).items() if rep["latency_ms"]["p50"]]
     cores = f", {one['cores']} core(s)" if one.get("cores") else ""
     replay = (f"; its one CUDA graph replays in {fmt(one['graph_replay_ms'], 4)} ms"
               if one.get("graph_replay_ms") else "")
-    return [f"One call of every subnet ({one['subnets']} on one device: {one['kind']}, "
+    return (f"One call of every subnet ({one['subnets']} on one device: {one['kind']}, "
             f"{one['runtime']} on {one['device']}{cores}; in process, nothing else running): "
             f"p50 {fmt(ref)} ms, p99 {fmt(one['ms']['p99'])} ms{replay}. Class parallel's p50 "
-            "over it: " + (", ".join(gaps) or "-") + ".", ""]
+            "over it: " + (", ".join(gaps) or "-") + ".")

@@ -20,7 +20,7 @@ import math
 import resource
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,13 +43,14 @@ from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health,
 from .load_report import plot, render_markdown
 from .machine import (peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss,
                       split_cores)
+from .options import BenchData, LoadOptions, LoadPlan
 from .robust import offline_reference
 from .stats import summarize
 from .targets import evaluate_load_targets
 
 HEALTH_IMAGES = 20  # predictions checked after the overload
 RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
-# Settings the benchmark sets itself (--backend, --deadline, the address).
+# Settings the benchmark sets itself (--backend, the deadline, the address).
 OWN_SETTINGS = ("SENSAI_HOST", "SENSAI_PORT", "SENSAI_BACKEND", "SENSAI_DEADLINE_S")
 
 
@@ -70,128 +71,107 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-@dataclass(frozen=True)
-class LoadOptions:
-    """What ``sensai bench-load``'s soak and its sweep share: the gateway's settings
-    (``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``,
-    ``SENSAI_*``; unset ones from this environment as for ``sensai serve``) and how long it may
-    take to start; the ``clients`` processes sharing the load, the overload's multiple of the
-    measured throughput and whether its clients honour Retry-After (``retry_after``), the test
-    images; the run's ``command`` and progress bar.  ``client_cores``: the clients run on the
-    last this many cores this process may use and the gateway on the others (0: both
-    anywhere)."""
+def check_options(options: LoadOptions, *, ints: Sequence[tuple[str, Any, int]] = (),
+                  numbers: Sequence[tuple[str, Any, bool]] = (),
+                  choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
+    """``options`` and a command's own (as :func:`~.harness.check_settings` takes them),
+    before anything is loaded."""
+    check_settings(
+        ints=(("--set clients", options.clients, 1), ("--images", options.images, 1), *ints),
+        numbers=(*numbers, ("--set overload_factor", options.overload_factor, False),
+                 ("--set startup_timeout", options.startup_timeout, False)),
+        choices=choices)
+    split_cores(options.client_cores)  # one line now when it cannot be done
+    if not Path("/proc/self/status").is_file():
+        raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
+                          "/proc: Linux only")
 
-    backend: str | None = None
-    deadline_s: float | None = None
-    max_requests: int | None = None
-    max_predictions: int | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 180.0
-    clients: int = 2
-    client_cores: int = 0
-    overload_factor: float = 4.0
-    retry_after: bool = True
-    images: int = 200
-    data_dir: str | None = None
-    seed: int = 0
-    command: str | None = None
-    progress: bool = True
 
-    def check(self, *, ints: Sequence[tuple[str, Any, int]] = (),
-              numbers: Sequence[tuple[str, Any, bool]] = (),
-              choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
-        """These options and a command's own (as :func:`~.harness.check_settings` takes them),
-        before anything is loaded."""
-        check_settings(
-            ints=(("--clients", self.clients, 1), ("--images", self.images, 1), *ints),
-            numbers=(*numbers, ("--overload-factor", self.overload_factor, False),
-                     ("--startup-timeout", self.startup_timeout_s, False)),
-            choices=choices)
-        split_cores(self.client_cores)  # one line now when it cannot be done
-        if not Path("/proc/self/status").is_file():
-            raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
-                              "/proc: Linux only")
-
-    def gateway_settings(self) -> tuple[GatewaySettings, dict[str, str]]:
-        """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
-        overridden by ``env`` and the options), and the variables to add to its environment."""
-        extra = {}
-        for key, value in self.env.items():
-            name = key[len("SENSAI_"):].lower()
-            if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
-                raise SensaiError(f"--env {key}: not a gateway setting (e.g. "
-                                  "SENSAI_MAX_PREDICTIONS, SENSAI_REDUNDANCY; see "
-                                  "deploy/README.md)")
-            if key in OWN_SETTINGS:
-                raise SensaiError(f"--env {key}: set by the benchmark itself (use --backend and "
-                                  "--deadline; the gateway listens on 127.0.0.1)")
+def gateway_settings(options: LoadOptions) -> tuple[GatewaySettings, dict[str, str]]:
+    """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
+    overridden by ``options.env`` and the options), and the variables to add to its
+    environment."""
+    extra = {}
+    for key, value in options.env.items():
+        name = key[len("SENSAI_"):].lower()
+        if not key.startswith("SENSAI_") or name not in GatewaySettings.model_fields:
+            raise SensaiError(f"--env {key}: not a gateway setting (e.g. "
+                              "SENSAI_MAX_PREDICTIONS, SENSAI_REDUNDANCY; see "
+                              "deploy/README.md)")
+        if key in OWN_SETTINGS:
+            raise SensaiError(f"--env {key}: set by the benchmark itself (from --backend and "
+                              "the deadline; the gateway listens on 127.0.0.1)")
+        extra[key] = str(value)
+    for key, value in (("SENSAI_MAX_REQUESTS", options.max_requests),
+                       ("SENSAI_MAX_PREDICTIONS", options.max_predictions)):
+        if value is not None:
             extra[key] = str(value)
-        for key, value in (("SENSAI_MAX_REQUESTS", self.max_requests),
-                           ("SENSAI_MAX_PREDICTIONS", self.max_predictions)):
-            if value is not None:
-                extra[key] = str(value)
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise SensaiError(f"unknown backend {self.backend!r}; choose one of "
-                              f"{', '.join(BACKENDS)}")
-        overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
-        overrides |= {k: v for k, v in (("backend", self.backend),
-                                        ("deadline_s", self.deadline_s)) if v is not None}
-        try:
-            settings = GatewaySettings(**overrides)
-        except ValidationError as e:
-            first = e.errors()[0]
-            loc = ".".join(str(x) for x in first.get("loc", ()))
-            raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
-        check_backend(settings)  # now, not when the gateway exits
-        return settings, extra
+    if options.backend is not None and options.backend not in BACKENDS:
+        raise SensaiError(f"unknown backend {options.backend!r}; choose one of "
+                          f"{', '.join(BACKENDS)}")
+    overrides = {k[len("SENSAI_"):].lower(): v for k, v in extra.items()}
+    overrides |= {k: v for k, v in (("backend", options.backend),
+                                    ("deadline_s", options.deadline_s)) if v is not None}
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise SensaiError(f"invalid gateway setting {loc}: {first.get('msg')}") from None
+    check_backend(settings)  # now, not when the gateway exits
+    return settings, extra
 
-    def progress_bar(self, desc: str):
-        """A bar of the seconds of each phase."""
-        bar = progress_bar(self.progress, desc)
-        bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
-                          "[{elapsed}{postfix}]")
-        return bar
 
-    def gateway(self, root: Path, env: dict[str, str], log_path: Path,
-                args: Sequence[str] = ()) -> GatewayProcess:
-        """``sensai serve ROOT`` with these options, on a free port (not yet started)."""
-        return GatewayProcess(root, port=free_ports(1)[0], backend=self.backend,
-                              deadline_s=self.deadline_s, env=env, log_path=log_path, args=args,
-                              cores=split_cores(self.client_cores)[0])
+def seconds_bar(options: BenchData, desc: str):
+    """A progress bar of the seconds of each phase."""
+    bar = progress_bar(options.progress, desc)
+    bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
+                      "[{elapsed}{postfix}]")
+    return bar
 
-    def client(self, *args) -> HttpClientProcess:
-        """A client process (:class:`HttpClientProcess` of ``args``) on the clients' cores."""
-        return HttpClientProcess(*args, cores=split_cores(self.client_cores)[1])
+
+def gateway_process(options: LoadOptions, root: Path, env: dict[str, str], log_path: Path,
+                    args: Sequence[str] = ()) -> GatewayProcess:
+    """``sensai serve ROOT`` with ``options``, on a free port (not yet started)."""
+    return GatewayProcess(root, port=free_ports(1)[0], backend=options.backend,
+                          deadline_s=options.deadline_s, env=env, log_path=log_path, args=args,
+                          cores=split_cores(options.client_cores)[0])
+
+
+def client_process(options: LoadOptions, *args) -> HttpClientProcess:
+    """A client process (:class:`HttpClientProcess` of ``args``) on the clients' cores."""
+    return HttpClientProcess(*args, cores=split_cores(options.client_cores)[1])
 
 
 def reference_runtime(gs: GatewaySettings) -> str:
     """How offline evaluation computes the answers to check: as the gateway does where it
     simulates a GPU (the sim runtime answers from its inputs, not the model), else the model."""
-    return "sim" if gs.runtime == "sim" else "auto"
+    return "sim" if gs.runtime_kind == "sim" else "auto"
 
 
 def request_timeout(gs: GatewaySettings) -> float:
     """How long a client waits for an answer: past the gateway's own deadline and body
     timeout, so the gateway's answer (a 503) is what the client sees, not its own timeout."""
-    return gs.deadline_s + gs.body_timeout_s + 10.0
+    return gs.deadline_s + gs.client_timeout_s + 10.0
 
 
-def check_load_settings(options: LoadOptions, *, concurrency: int, warmup_s: float,
-                        soak_s: float, overload_s: float, overload_rate: float | None,
-                        overload_connections: int | None, sample_s: float, burst_s: float = 0.0,
-                        burst_concurrency: int = 1) -> None:
-    clients = options.clients
-    options.check(
+def check_load_settings(options: LoadOptions, plan: LoadPlan) -> None:
+    clients, concurrency = options.clients, plan.concurrency
+    check_options(
+        options,
         ints=(("--concurrency", concurrency, 1),
-              ("--overload-connections", overload_connections, clients),
-              ("--burst-concurrency", burst_concurrency, 1)),
-        numbers=(("--warmup-seconds", warmup_s, True), ("--burst-seconds", burst_s, True),
-                 ("--soak-seconds", soak_s, False), ("--overload-seconds", overload_s, False),
-                 ("--sample-seconds", sample_s, False),
-                 ("--overload-rate", overload_rate, False)))
+              ("--set overload_connections", plan.overload_connections, clients),
+              ("--set burst_concurrency", plan.burst_concurrency, 1)),
+        numbers=(("--set warmup_seconds", plan.warmup_seconds, True),
+                 ("--set burst_seconds", plan.burst_seconds, True),
+                 ("--set soak_seconds", plan.soak_seconds, False),
+                 ("--set overload_seconds", plan.overload_seconds, False),
+                 ("--set sample_seconds", plan.sample_seconds, False),
+                 ("--set overload_rate", plan.overload_rate, False)))
     if clients > concurrency:
-        raise SensaiError(f"--clients ({clients}) must not exceed --concurrency ({concurrency}): "
-                          "every client process keeps at least one request in flight")
+        raise SensaiError(f"--set clients={clients} must not exceed --concurrency "
+                          f"({concurrency}): every client process keeps at least one request "
+                          "in flight")
 
 
 def split(n: int, parts: int) -> list[int]:
@@ -220,9 +200,9 @@ def overload_cap(gs: GatewaySettings, rate: float, clients: int, population: int
 
 def check_open_files(connections: int) -> None:
     if connections > files_per_process():
-        raise SensaiError(f"--overload-connections {connections} is more than the gateway may "
-                          f"open ({files_per_process() + 64} files, ulimit -n): raise the limit "
-                          "or lower --overload-connections")
+        raise SensaiError(f"--set overload_connections={connections} is more than the gateway "
+                          f"may open ({files_per_process() + 64} files, ulimit -n): raise the "
+                          "limit or lower overload_connections")
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,13 +211,14 @@ def check_open_files(connections: int) -> None:
 
 def burst_image(artifact, spec, gs: GatewaySettings) -> tuple[bytes, dict[str, Any]]:
     """The largest RGBA picture the gateway accepts for this model (95% of the side its pixel
-    and decoded-bytes limits allow): legal, and as costly to decode as a legal upload gets."""
-    pixels, budget = gs.image_pixels(spec.input_shape), gs.decoded_bytes(spec.input_shape)
-    side = max(1, int(math.sqrt(min(pixels, budget // 4)) * 0.95))
+    limit allows): legal, and as costly to decode as a legal upload gets (4 bytes a pixel, the
+    most any mode takes)."""
+    pixels = gs.image_pixels(spec.input_shape)
+    side = max(1, int(math.sqrt(pixels) * 0.95))
     buf = io.BytesIO()
     Image.new("RGBA", (side, side), (200, 100, 50, 255)).save(buf, "PNG")
     png = buf.getvalue()
-    x = decode_image(png, spec, pixels, budget)
+    x = decode_image(png, spec, pixels)
     expected = int(offline_reference(artifact, [x], runtime=reference_runtime(gs)).argmax(1)[0])
     return png, {"width": side, "height": side, "mode": "RGBA", "png_bytes": len(png),
                  "decoded_bytes": side * side * 4, "expected": expected}
@@ -422,54 +403,19 @@ class LoadRun:
         return health
 
 
-@dataclass(frozen=True)
-class SoakPlan:
-    """bench-load's own phases (what the sweep does not share, unlike :class:`LoadOptions`):
-    the closed loop's requests in flight, how long each phase runs, the overload's rate and
-    connections, the burst's uploads in flight, and how often the RSS is sampled."""
-
-    concurrency: int
-    warmup_s: float
-    soak_s: float
-    overload_s: float
-    overload_rate: float | None
-    overload_connections: int | None
-    burst_s: float
-    burst_concurrency: int
-    sample_s: float
-
-
-def run_load_bench(
-    artifact_dir: str | Path,
-    out_dir: str | Path,
-    options: LoadOptions = LoadOptions(),
-    *,
-    concurrency: int = 16,
-    warmup_s: float = 30.0,
-    soak_s: float = 600.0,
-    overload_s: float = 60.0,
-    overload_rate: float | None = None,
-    overload_connections: int | None = None,
-    burst_s: float = 20.0,
-    burst_concurrency: int = 32,
-    sample_s: float = 5.0,
-) -> dict[str, Any]:
+def run_load_bench(artifact_dir: str | Path, out_dir: str | Path, options: LoadOptions,
+                   plan: LoadPlan) -> dict[str, Any]:
     """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
     load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
-    The arguments are ``sensai bench-load``'s options, those the sweep shares in ``options``;
-    ``overload_connections`` (default: ``max_requests`` plus the arrivals of one deadline,
-    within the open-file limit) caps the overload's connections."""
-    check_load_settings(options, concurrency=concurrency, warmup_s=warmup_s, soak_s=soak_s,
-                        overload_s=overload_s, overload_rate=overload_rate,
-                        overload_connections=overload_connections, sample_s=sample_s,
-                        burst_s=burst_s, burst_concurrency=burst_concurrency)
-    plan = SoakPlan(concurrency=concurrency, warmup_s=warmup_s, soak_s=soak_s,
-                    overload_s=overload_s, overload_rate=overload_rate,
-                    overload_connections=overload_connections, burst_s=burst_s,
-                    burst_concurrency=burst_concurrency, sample_s=sample_s)
-    gs, gateway_env = options.gateway_settings()
-    if overload_connections is not None:
-        check_open_files(overload_connections)
+    ``options``: what the soak shares with the sweep; ``plan``: its phases (the warm-up and
+    overload seconds the soak's where None); ``plan.overload_connections`` (default:
+    ``max_requests`` plus the arrivals of one deadline, within the open-file limit) caps the
+    overload's connections."""
+    plan = replace(plan, sweep=False).resolved()
+    check_load_settings(options, plan)
+    gs, gateway_env = gateway_settings(options)
+    if plan.overload_connections is not None:
+        check_open_files(plan.overload_connections)
     artifact = load_artifact(artifact_dir)
     spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
@@ -480,18 +426,18 @@ def run_load_bench(
     result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
                       settings=soak_settings(options, plan, gs, gateway_env, images=len(imgs)))
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    gateway = options.gateway(artifact.root, gateway_env, out / "gateway.log")
+    gateway = gateway_process(options, artifact.root, gateway_env, out / "gateway.log")
     procs: list[HttpClientProcess] = []
-    bar = options.progress_bar("bench-load")
+    bar = seconds_bar(options, "bench-load")
     run = None
     try:
         with sigterm_as_exit():
             bar.set_description("starting the gateway")
             gateway.launch()
-            procs += [options.client(imgs.pngs) for _ in range(options.clients)]
-            gateway.wait_ready(options.startup_timeout_s)
-            run = LoadRun(gateway, procs, expected=expected, concurrency=concurrency,
-                          timeout_s=request_timeout(gs), sample_s=sample_s, bar=bar,
+            procs += [client_process(options, imgs.pngs) for _ in range(options.clients)]
+            gateway.wait_ready(options.startup_timeout)
+            run = LoadRun(gateway, procs, expected=expected, concurrency=plan.concurrency,
+                          timeout_s=request_timeout(gs), sample_s=plan.sample_seconds, bar=bar,
                           progress=options.progress)
             run.sampler.sample("startup")
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
@@ -512,23 +458,25 @@ def run_load_bench(
     return result
 
 
-def soak_settings(options: LoadOptions, plan: SoakPlan, gs: GatewaySettings,
+def soak_settings(options: LoadOptions, plan: LoadPlan, gs: GatewaySettings,
                   gateway_env: dict[str, str], *, images: int) -> dict[str, Any]:
     """load.json's ``settings``."""
     return {
         "backend": gs.backend, "concurrency": plan.concurrency, "clients": options.clients,
-        "warmup_s": plan.warmup_s, "soak_s": plan.soak_s, "overload_s": plan.overload_s,
+        "warmup_s": plan.warmup_seconds, "soak_s": plan.soak_seconds,
+        "overload_s": plan.overload_seconds,
         "overload_factor": options.overload_factor, "overload_rate_rps": plan.overload_rate,
         "overload_connections": plan.overload_connections,
         "overload_retry_after": "honoured" if options.retry_after else "ignored",
-        "burst_s": plan.burst_s,
-        "burst_concurrency": plan.burst_concurrency, "sample_s": plan.sample_s,
+        "burst_s": plan.burst_seconds,
+        "burst_concurrency": plan.burst_concurrency, "sample_s": plan.sample_seconds,
         "images": images, "seed": options.seed, "request_timeout_s": request_timeout(gs),
         "transport": "http",
         "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
         "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
                     "max_predictions": gs.max_predictions,
-                    "latency_target_s": gs.latency_target_s, "body_timeout_s": gs.body_timeout_s,
+                    "latency_target_s": gs.latency_target_s,
+                    "client_timeout_s": gs.client_timeout_s,
                     "redundancy": gs.redundancy, "vote": gs.vote,
                     "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
                     "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
@@ -536,7 +484,7 @@ def soak_settings(options: LoadOptions, plan: SoakPlan, gs: GatewaySettings,
     }
 
 
-def soak_phases(run: LoadRun, plan: SoakPlan, options: LoadOptions, gs: GatewaySettings,
+def soak_phases(run: LoadRun, plan: LoadPlan, options: LoadOptions, gs: GatewaySettings,
                 procs: list[HttpClientProcess], result: dict[str, Any], *, artifact,
                 spec) -> dict[str, Any]:
     """The warm-up, the soak, then (at a rate the soak's throughput gives, unless one is set)
@@ -544,9 +492,9 @@ def soak_phases(run: LoadRun, plan: SoakPlan, options: LoadOptions, gs: GatewayS
     returns the phases (the health and the burst go into ``result``; the burst's client
     process joins ``procs``)."""
     phases: dict[str, Any] = {}
-    if plan.warmup_s > 0:
-        phases["warmup"] = run.closed("warm-up", plan.warmup_s)
-    phases["soak"] = soak = run.closed("soak", plan.soak_s)
+    if plan.warmup_seconds > 0:
+        phases["warmup"] = run.closed("warm-up", plan.warmup_seconds)
+    phases["soak"] = soak = run.closed("soak", plan.soak_seconds)
     soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
                    "with_descendants": rss_growth(run.sampler.samples, "soak", "tree_rss_mb")}
     rate = plan.overload_rate or options.overload_factor * (soak["throughput_rps"] or 0.0)
@@ -554,14 +502,15 @@ def soak_phases(run: LoadRun, plan: SoakPlan, options: LoadOptions, gs: GatewayS
         population = gs.max_requests + plan.concurrency
         cap = plan.overload_connections or overload_cap(gs, rate, options.clients, population,
                                                         options.retry_after)
-        phases["overload"] = run.overload(plan.overload_s, rate, cap, min(cap, population),
-                                          options.retry_after)
+        phases["overload"] = run.overload(plan.overload_seconds, rate, cap,
+                                          min(cap, population), options.retry_after)
         result["health_after"] = run.health()
-        if plan.burst_s > 0:
+        if plan.burst_seconds > 0:
             png, image = burst_image(artifact, spec, gs)
-            procs.append(options.client([png]))
-            result["burst"] = run.burst(procs[-1], image, plan.burst_concurrency, plan.burst_s)
+            procs.append(client_process(options, [png]))
+            result["burst"] = run.burst(procs[-1], image, plan.burst_concurrency,
+                                        plan.burst_seconds)
     else:
         phases["overload"] = {"skipped": "the soak answered no request, so there is no "
-                                         "rate to multiply; give --overload-rate"}
+                                         "rate to multiply; give --set overload_rate=R"}
     return phases

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -29,16 +29,17 @@ from sensai.errors import CheckpointError, SensaiError
 from .client import HttpClientProcess
 from .gateway_process import served, sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
-from .load import LoadOptions, LoadRun, overload_cap, reference_runtime, request_timeout
+from .load import (LoadRun, check_options, client_process, gateway_process, gateway_settings,
+                   overload_cap, reference_runtime, request_timeout, seconds_bar)
 from .load_single import original_as_artifact
 from .machine import split_cores, tree_rss_mb
 from .load_sweep_report import plot, render_markdown
-from .names import (SWEEP_CONFIGS, SWEEP_DEFAULT_CONFIGS, SWEEP_LEVELS, SWEEP_OVERLOAD_S,
-                    SWEEP_TRANSPORTS, SWEEP_WARMUP_S)
+from .names import SWEEP_CONFIGS, SWEEP_TRANSPORTS
 from .peers import MODEL as PEER_MODEL
 from .peers import Peers, unavailable
 from .perf_analyzer import PerfAnalyzer, for_sweep, missing, sweep_settings
 from .one_call import one_call_reference
+from .options import LoadOptions, LoadPlan
 from .robust import offline_reference
 from .targets import evaluate_sweep_targets
 
@@ -49,7 +50,6 @@ CONFIG_LABELS = {"class-parallel": "class parallel (sensAI), batching",
                  "triton": "Triton, the original, dynamic batcher"}
 # Gateway settings that make a configuration (added to the run's own).
 CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
-LEVELS = SWEEP_LEVELS
 PERF_ANALYZER_MODES = ("also", "only")  # beside bench-load's own client, or instead of it
 NOOP_CONCURRENCY = 16
 WARMUP_CONCURRENCY = 16
@@ -73,10 +73,11 @@ def check_sweep_settings(options: LoadOptions, *, configs: Sequence[str],
                          levels: Sequence[int], level_s: float, warmup_s: float,
                          overload_s: float, transport: str | None,
                          perf_analyzer: str | None = None) -> None:
-    options.check(
-        ints=tuple(("--levels", c, 1) for c in levels),
-        numbers=(("--level-seconds", level_s, False), ("--warmup-seconds", warmup_s, True),
-                 ("--overload-seconds", overload_s, True)),
+    check_options(
+        options, ints=tuple(("--levels", c, 1) for c in levels),
+        numbers=(("--set level_seconds", level_s, False),
+                 ("--set warmup_seconds", warmup_s, True),
+                 ("--set overload_seconds", overload_s, True)),
         choices=(("configuration", configs, CONFIGS),
                  *((("--perf-analyzer mode", [perf_analyzer], PERF_ANALYZER_MODES),)
                    if perf_analyzer is not None else ())))
@@ -159,7 +160,7 @@ def rows_per_batch(before: list[dict] | None, after: list[dict] | None) -> list[
 
 
 def server_core_count(client_cores: int) -> int:
-    """The cores the server may run on: those ``--client-cores`` leaves it (see
+    """The cores the server may run on: those ``client_cores`` leaves it (see
     :func:`~sensai.bench.machine.split_cores`), else every core this process may use."""
     server_cores = split_cores(client_cores)[0]
     return len(server_cores) if server_cores else len(os.sched_getaffinity(0))
@@ -179,7 +180,7 @@ def client_processes(options: LoadOptions, imgs, spec) -> Iterator[list[HttpClie
     procs: list[HttpClientProcess] = []
     try:
         with sigterm_as_exit():
-            procs = [options.client(imgs.pngs, tensors, [1, *spec.input_shape])
+            procs = [client_process(options, imgs.pngs, tensors, [1, *spec.input_shape])
                      for _ in range(options.clients)]
             yield procs
     finally:
@@ -249,7 +250,7 @@ class Sweep:
             rep["overload"] = overload_row(
                 run.overload(self.overload_s, rate, cap, min(cap, population), honour), best)
         else:
-            rep["overload"] = {"skipped": "--overload-seconds 0" if self.overload_s <= 0 else
+            rep["overload"] = {"skipped": "--set overload_seconds=0" if self.overload_s <= 0 else
                                "no closed loop answered, so there is no rate to multiply"}
         if gateway:
             rep["batching"] = batching_counters(server.url, gateways)
@@ -276,11 +277,11 @@ class Sweep:
     def gateway(self, key: str, root: Path, env: dict[str, str],
                 expected: list[int], label: str | None = None,
                 args: Sequence[str] = ()) -> dict[str, Any]:
-        gateway = self.options.gateway(root, env, self.out / f"gateway-{key}.log", args)
+        gateway = gateway_process(self.options, root, env, self.out / f"gateway-{key}.log", args)
         try:
             self.bar.set_description(f"{key}: starting the gateway")
             gateway.launch()
-            gateway.wait_ready(self.options.startup_timeout_s)
+            gateway.wait_ready(self.options.startup_timeout)
             rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
                                transport=self.transport, label=label)
         finally:
@@ -307,79 +308,54 @@ class Sweep:
         return rep
 
 
-@dataclass(frozen=True)
-class SweepPlan:
-    """What one sweep measures: its configurations, the levels in flight and how long each
-    phase runs, the transport every configuration is driven over, and how perf_analyzer
-    joins in."""
-
-    configs: list[str]
-    levels: list[int]
-    level_s: float
-    warmup_s: float
-    overload_s: float
-    transport: str
-    perf_analyzer: str | None
-
-
-def run_load_sweep(
-    artifact_dir: str | Path,
-    out_dir: str | Path,
-    options: LoadOptions = LoadOptions(),
-    *,
-    configs: Sequence[str] = SWEEP_DEFAULT_CONFIGS,
-    levels: Sequence[int] = LEVELS,
-    level_s: float = 5.0,
-    warmup_s: float = SWEEP_WARMUP_S,
-    overload_s: float = SWEEP_OVERLOAD_S,
-    transport: str | None = None,
-    perf_analyzer: str | None = None,
-) -> dict[str, Any]:
-    """The sweep of ``configs`` (of :data:`CONFIGS`) at ``levels`` in flight, ``level_s``
-    seconds each; writes load.json, load.md, load.png (and a log per server) to ``out_dir``
-    and returns what load.json holds.  ``transport``: ``http`` (PNG uploads) or ``http-v2``
-    (KServe v2 binary tensors) for every configuration (default: :func:`sweep_transport`).
-    ``options``: what the sweep shares with bench-load's soak, the gateway's settings among
-    them; a configuration that cannot run here is recorded with its reason.  ``perf_analyzer``:
+def run_load_sweep(artifact_dir: str | Path, out_dir: str | Path, options: LoadOptions,
+                   plan: LoadPlan) -> dict[str, Any]:
+    """The sweep of ``plan.configs`` (of :data:`CONFIGS`) at ``plan.levels`` in flight,
+    ``plan.level_seconds`` each (the warm-up and overload seconds the sweep's where None);
+    writes load.json, load.md, load.png (and a log per server) to ``out_dir`` and returns what
+    load.json holds.  ``plan.transport``: ``http`` (PNG uploads) or ``http-v2`` (KServe v2
+    binary tensors) for every configuration (default: :func:`sweep_transport`).  ``options``:
+    what the sweep shares with bench-load's soak, the gateway's settings among them; a
+    configuration that cannot run here is recorded with its reason.  ``plan.perf_analyzer``:
     ``also`` (beside bench-load's own client) or ``only`` (instead of it) drive every
     configuration with NVIDIA's perf_analyzer at each level (:class:`.PerfAnalyzer`; ``also``
     where it is not on PATH: a warning, and the sweep runs without it)."""
-    configs = list(dict.fromkeys(configs))
-    levels = sorted(set(levels))
-    check_sweep_settings(options, configs=configs, levels=levels, level_s=level_s,
-                         warmup_s=warmup_s, overload_s=overload_s, transport=transport,
-                         perf_analyzer=perf_analyzer)
-    gs, gateway_env = options.gateway_settings()
+    plan = replace(plan, sweep=True, configs=tuple(dict.fromkeys(plan.configs)),
+                   levels=tuple(sorted(set(plan.levels)))).resolved()
+    check_sweep_settings(options, configs=plan.configs, levels=plan.levels,
+                         level_s=plan.level_seconds, warmup_s=plan.warmup_seconds,
+                         overload_s=plan.overload_seconds, transport=plan.transport,
+                         perf_analyzer=plan.perf_analyzer)
+    gs, gateway_env = gateway_settings(options)
     artifact = load_artifact(artifact_dir)
     spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    original, full_onnx, results = prepare_original(artifact, configs, out / "original",
-                                                    imgs, gs)
-    plan = SweepPlan(configs=configs, levels=levels, level_s=level_s, warmup_s=warmup_s,
-                     overload_s=overload_s, perf_analyzer=perf_analyzer,
-                     transport=sweep_transport(configs, transport, "triton" not in results))
+    original, full_onnx, results = prepare_original(artifact, plan.configs,
+                                                    out / "original", imgs, gs)
+    plan = replace(plan, transport=sweep_transport(plan.configs, plan.transport,
+                                                   "triton" not in results))
     expected, expected_original = expected_answers(artifact, original, imgs.xs, gs)
-    perf = for_sweep(perf_analyzer, imgs.xs, out, level_s)
+    perf = for_sweep(plan.perf_analyzer, imgs.xs, out, plan.level_seconds)
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
                       spec=spec, settings=run_settings(plan, options, gs, gateway_env,
                                                        images=len(imgs), perf=perf))
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    bar = options.progress_bar("bench-load --sweep")
-    if any(key.startswith("class-parallel") for key in configs):
+    bar = seconds_bar(options, "bench-load --sweep")
+    if any(key.startswith("class-parallel") for key in plan.configs):
         # Before any server starts: the device's compute alone, nothing competing for it.
         bar.set_description("one call of every subnet, in process")
         result["one_call"] = one_call_reference(
-            artifact, imgs.xs, device=gs.device, runtime=gs.runtime,
+            artifact, imgs.xs, device=gs.device, runtime=gs.runtime_kind,
             threads=gs.threads_per_worker, sim_launch_ms=gs.sim_launch_ms)
     try:
         with client_processes(options, imgs, spec) as procs:
-            sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
-                          warmup_s=warmup_s, overload_s=overload_s, gs=gs,
-                          transport=plan.transport,
+            sweep = Sweep(options, out=out, procs=procs, levels=plan.levels,
+                          level_s=plan.level_seconds, warmup_s=plan.warmup_seconds,
+                          overload_s=plan.overload_seconds, gs=gs, transport=plan.transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,
-                          perf=perf, own_client=perf_analyzer != "only")
-            for key in configs:
+                          perf=perf, own_client=plan.perf_analyzer != "only")
+            for key in plan.configs:
                 if key in results:
                     continue
                 if key == "triton":
@@ -393,7 +369,7 @@ def run_load_sweep(
                     expected_original if single else expected)
     finally:
         bar.close()
-    result["configs"] = {key: results[key] for key in configs}
+    result["configs"] = {key: results[key] for key in plan.configs}
     result["targets"] = evaluate_sweep_targets(result)
     finish(out, "load", result, t_start, render_markdown, plot)
     return result
@@ -414,7 +390,7 @@ def prepare_original(artifact, configs: Sequence[str], original_dir: Path, imgs,
             for key in {"single", "triton"} & set(configs):
                 results[key] = {"label": CONFIG_LABELS[key],
                                 "skipped": f"needs the original model: {e}"}
-    if "triton" in configs and "triton" not in results and gs.runtime == "sim":
+    if "triton" in configs and "triton" not in results and gs.runtime_kind == "sim":
         results["triton"] = {"label": CONFIG_LABELS["triton"],
                              "skipped": "the sim runtime simulates sensai's own workers only"}
     if "triton" in configs and "triton" not in results:
@@ -436,13 +412,13 @@ def expected_answers(artifact, original, xs, gs) -> tuple[list[int], list[int] |
     return expected, expected_original
 
 
-def run_settings(plan: SweepPlan, options: LoadOptions, gs, gateway_env: dict[str, str], *,
+def run_settings(plan: LoadPlan, options: LoadOptions, gs, gateway_env: dict[str, str], *,
                  images: int, perf: PerfAnalyzer | None) -> dict[str, Any]:
     """load.json's ``settings``."""
     return {
-        "backend": gs.backend, "configs": plan.configs, "levels": plan.levels,
-        "level_s": plan.level_s, "warmup_s": plan.warmup_s,
-        "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": plan.overload_s,
+        "backend": gs.backend, "configs": list(plan.configs), "levels": list(plan.levels),
+        "level_s": plan.level_seconds, "warmup_s": plan.warmup_seconds,
+        "warmup_concurrency": WARMUP_CONCURRENCY, "overload_s": plan.overload_seconds,
         "overload_factor": options.overload_factor,
         "overload_retry_after": "honoured" if options.retry_after else "ignored",
         "noop_concurrency": NOOP_CONCURRENCY,
@@ -453,8 +429,8 @@ def run_settings(plan: SweepPlan, options: LoadOptions, gs, gateway_env: dict[st
                     "max_predictions": gs.max_predictions,
                     "latency_target_s": gs.latency_target_s, "batch_max_rows": gs.batch_max_rows,
                     "batch_delay_us": gs.batch_delay_us,
-                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
-                    "sim_launch_ms": gs.sim_launch_ms if gs.runtime == "sim" else None,
+                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime_kind,
+                    "sim_launch_ms": gs.sim_launch_ms if gs.runtime_kind == "sim" else None,
                     "gpu_wait": gs.gpu_wait,
                     "device": gs.device,
                     "gateway_processes": server_gateways(gs, options.client_cores)},

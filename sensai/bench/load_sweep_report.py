@@ -5,44 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .load_report import TARGET_HEADER, latency_target, retry_after_text, target_rows
-from .render import (SHARED_CORES, fmt, machine_line, md_table, pyplot, save_p99_plot, server_cores,
-                     status_codes, text_table)
+from .load_report import TARGETS, latency_target, retry_after_text
+from .render import (SHARED_CORES, Col, Table, draw, fmt, heading, machine_line, markdown, mark,
+                     p99_panel, pct, server_cores, status_codes)
 
-LEVEL_HEADER = ["configuration", "transport", "in flight", "200/s", "p50 ms", "p90 ms", "p99 ms",
-                "errors", "status codes", "wrong", "client CPU (cores)", "client share",
-                "machine busy cores", "server cores (busiest thread)", "full GCs (ms paused)",
-                "server CPU ms/answer: gateways (workers)", "gateways' CPU / the no-op's",
-                "busiest thread: gateways (workers)", "rows per batch (each subnet)", "GPU busy"]
-OVERLOAD_HEADER = ["configuration", "asked/s", "offered/s", "goodput (200/s)",
-                   "of best closed loop", "p50 ms (200)", "p99 ms (200)", "503s", "p50 ms (503)",
-                   "p99 ms (503)", "other", "client cores", "machine busy cores",
-                   "server cores (busiest thread)"]
-SKIPPED_HEADER = ["configuration", "not run, because"]
-PERF_HEADER = ["configuration", "in flight", "infer/s", "p50 ms", "p90 ms", "p99 ms",
-               "server queue ms", "server compute ms (input, infer, output)", "error"]
-BATCHING_HEADER = ["configuration", "worker", "max rows", "delay us", "requests", "batches",
-                   "rows per batch", "largest", "held back"]
 COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
           "single": "#55A868", "triton": "#C44E52"}
 
 
-def _row(label: str, transport: str, flight: str, r: dict, noop: dict | None = None
-         ) -> list[str]:
-    lat = r["latency_ok_ms"]
-    share = r.get("client_cpu_share")
-    return [label, transport, flight, fmt(r["throughput_rps"], 1), fmt(lat["p50"]), fmt(lat["p90"]),
-            fmt(lat["p99"]), str(r["errors"]), status_codes(r["status_counts"]), str(r["wrong"]),
-            fmt(r.get("client_cores")), "-" if share is None else f"{share * 100:.0f} %",
-            fmt(r.get("machine_busy_cores")), server_cores(r), full_gcs(r), cpu_per_answer(r),
-            over_noop(r, noop), busiest_threads(r), rows_per_batch(r), gpu_busy(r)]
-
-
-def over_noop(r: dict, noop: dict | None) -> str:
+def over_noop(r: dict) -> str:
     """The gateway processes' CPU per answer over a level against the same server's bare route
     (``noop``): how far a prediction is from the least an answer costs them."""
     mine = (r.get("server_cpu") or {}).get("gateway_ms_per_answer")
-    floor = ((noop or {}).get("server_cpu") or {}).get("gateway_ms_per_answer")
+    floor = ((r["noop"] or {}).get("server_cpu") or {}).get("gateway_ms_per_answer")
     return f"{mine / floor:.1f}x" if mine and floor else "-"
 
 
@@ -52,32 +27,22 @@ def rows_per_batch(r: dict) -> str:
     return " / ".join(fmt(v) for v in per) if per else "-"
 
 
+def gateways_workers(r: dict, what: str, nd: int = 2, inside: str = "") -> str:
+    """A server figure over a level (``what``: ``ms_per_answer``, CPU per answer;
+    ``busiest_thread_cores``) of its gateway processes, and in brackets of its subnet workers'
+    processes where they are processes of their own (else ``inside``)."""
+    c = r.get("server_cpu")
+    if not c or c.get(f"gateway_{what}") is None:
+        return "-"
+    workers = c.get(f"workers_{what}") if c.get("workers_processes") else None
+    return fmt(c[f"gateway_{what}"], nd) + (f" ({fmt(workers, nd)})" if workers is not None
+                                            else inside)
+
+
 def gpu_busy(r: dict) -> str:
     """The GPU's mean busy share over a level (nvidia-smi), where there is one."""
     g = r.get("gpu_busy")
     return "-" if not g or g.get("mean_pct") is None else f"{g['mean_pct']:.0f} %"
-
-
-def cpu_per_answer(r: dict) -> str:
-    """The server's CPU per answer over a level: its gateway processes' (and its parent's),
-    and its subnet workers' where they are processes of their own."""
-    c = r.get("server_cpu")
-    if not c or c.get("gateway_ms_per_answer") is None:
-        return "-"
-    workers = c.get("workers_ms_per_answer") if c.get("workers_processes") else None
-    return fmt(c["gateway_ms_per_answer"], 3) + (
-        f" ({fmt(workers, 3)})" if workers is not None else " (in the gateway)")
-
-
-def busiest_threads(r: dict) -> str:
-    """The busiest thread of the gateway processes (and of the workers' processes, where they
-    are processes of their own) over a level, in cores."""
-    c = r.get("server_cpu")
-    if not c or c.get("gateway_busiest_thread_cores") is None:
-        return "-"
-    workers = c.get("workers_busiest_thread_cores") if c.get("workers_processes") else None
-    return fmt(c["gateway_busiest_thread_cores"]) + (
-        f" ({fmt(workers)})" if workers is not None else "")
 
 
 def full_gcs(r: dict) -> str:
@@ -86,67 +51,80 @@ def full_gcs(r: dict) -> str:
     return "-" if g is None else f"{g['collections']} ({g['paused_ms']:.0f})"
 
 
-def level_rows(result: dict) -> list[list[str]]:
-    rows = []
-    for key, c in result["configs"].items():
-        if "levels" not in c:
-            continue
-        rows += [_row(key, c["transport"], str(r["concurrency"]), r, c["noop"])
-                 for r in c["levels"]]
-        rows.append(_row(key, "GET /v2/health/live", str(c["noop"]["concurrency"]), c["noop"],
-                         c["noop"]))
-    return rows
+LEVELS = Table(
+    Col("configuration", "configuration"), Col("transport", "transport"),
+    Col("in flight", "concurrency"), Col("200/s", "throughput_rps", 1),
+    Col("p50 ms", "latency_ok_ms.p50"), Col("p90 ms", "latency_ok_ms.p90"),
+    Col("p99 ms", "latency_ok_ms.p99"), Col("errors", "errors"),
+    Col("status codes", lambda r: status_codes(r["status_counts"])), Col("wrong", "wrong"),
+    Col("client CPU (cores)", "client_cores"),
+    Col("client share", lambda r: pct(r.get("client_cpu_share"))),
+    Col("machine busy cores", "machine_busy_cores"),
+    Col("server cores (busiest thread)", server_cores), Col("full GCs (ms paused)", full_gcs),
+    Col("server CPU ms/answer: gateways (workers)",
+        lambda r: gateways_workers(r, "ms_per_answer", 3, " (in the gateway)")),
+    Col("gateways' CPU / the no-op's", over_noop),
+    Col("busiest thread: gateways (workers)",
+        lambda r: gateways_workers(r, "busiest_thread_cores")),
+    Col("rows per batch (each subnet)", rows_per_batch),
+    Col("GPU busy", gpu_busy))
+OVERLOAD = Table(
+    Col("configuration", "configuration"), Col("asked/s", "target_rate_rps", 1),
+    Col("offered/s", "offered_rate_rps", 1), Col("goodput (200/s)", "goodput_rps", 1),
+    Col("of best closed loop", lambda o: pct(o.get("goodput_of_best_closed"))),
+    Col("p50 ms (200)", "latency_ok_ms.p50"), Col("p99 ms (200)", "latency_ok_ms.p99"),
+    Col("503s", "rejected_503"), Col("p50 ms (503)", "latency_rejected_ms.p50"),
+    Col("p99 ms (503)", "latency_rejected_ms.p99"), Col("other", "not_200_or_503"),
+    Col("client cores", "client_cores"), Col("machine busy cores", "machine_busy_cores"),
+    Col("server cores (busiest thread)", server_cores))
+SKIPPED = Table(Col("configuration", "configuration"), Col("not run, because", "skipped"))
 
 
-def overload_rows(result: dict) -> list[list[str]]:
-    rows = []
-    for key, c in result["configs"].items():
-        o = c.get("overload")
-        if not o:
-            continue
-        if "skipped" in o:
-            rows.append([key, o["skipped"], *["-"] * (len(OVERLOAD_HEADER) - 2)])
-            continue
-        ok, rej = o["latency_ok_ms"], o["latency_rejected_ms"]
-        share = o.get("goodput_of_best_closed")
-        rows.append([key, fmt(o["target_rate_rps"], 1), fmt(o["offered_rate_rps"], 1),
-                     fmt(o["goodput_rps"], 1),
-                     "-" if share is None else f"{share * 100:.0f} %", fmt(ok["p50"]),
-                     fmt(ok["p99"]), str(o["rejected_503"]), fmt(rej["p50"]), fmt(rej["p99"]),
-                     str(o["not_200_or_503"]), fmt(o.get("client_cores")),
-                     fmt(o.get("machine_busy_cores")), server_cores(o)])
-    return rows
+def _ms(us) -> float | None:
+    """perf_analyzer's microseconds in ms."""
+    return us / 1e3 if isinstance(us, (int, float)) else None
 
 
-def batching_rows(result: dict) -> list[list[str]]:
-    """Each gateway worker's batching over the whole configuration (its own counters)."""
-    rows = []
-    for key, c in result["configs"].items():
-        for w in c.get("batching") or []:
-            per = w["requests"] / w["batches"] if w.get("batches") else None
-            rows.append([key, str(w["name"]), str(w["max_rows"]), fmt(w["delay_us"], 0),
-                         str(w["requests"]), str(w["batches"]), fmt(per), str(w["largest"]),
-                         str(w["held"])])
-    return rows
+def _compute(r: dict) -> str:
+    us = [r.get(f"server_compute_{k}_us") for k in ("input", "infer", "output")]
+    return ", ".join(fmt(_ms(v)) for v in us) if any(us) else "-"
 
 
-def _ms(us) -> str:
-    return fmt(us / 1e3 if isinstance(us, (int, float)) else None)
+PERF = Table(
+    Col("configuration", "configuration"), Col("in flight", "concurrency"),
+    Col("infer/s", "throughput_infer_per_s", 1), Col("p50 ms", lambda r: _ms(r.get("p50_us"))),
+    Col("p90 ms", lambda r: _ms(r.get("p90_us"))), Col("p99 ms", lambda r: _ms(r.get("p99_us"))),
+    Col("server queue ms", lambda r: _ms(r.get("server_queue_us"))),
+    Col("server compute ms (input, infer, output)", _compute),
+    Col("error", lambda r: r.get("error", "")))
+BATCHING = Table(
+    Col("configuration", "configuration"), Col("worker", "name"), Col("max rows", "max_rows"),
+    Col("delay us", "delay_us", 0), Col("requests", "requests"), Col("batches", "batches"),
+    Col("rows per batch", lambda w: w["requests"] / w["batches"] if w.get("batches") else None),
+    Col("largest", "largest"), Col("held back", "held"))
 
 
-def perf_rows(result: dict) -> list[list[str]]:
-    """perf_analyzer's rows (``--perf-analyzer``): its own client's figures, and the server's
-    breakdown where the server reports statistics."""
-    rows = []
-    for key, c in result["configs"].items():
-        for r in c.get("perf_analyzer") or []:
-            compute = [r.get(f"server_compute_{k}_us") for k in ("input", "infer", "output")]
-            rows.append([key, str(r["concurrency"]), fmt(r.get("throughput_infer_per_s"), 1),
-                         _ms(r.get("p50_us")), _ms(r.get("p90_us")), _ms(r.get("p99_us")),
-                         _ms(r.get("server_queue_us")),
-                         ", ".join(_ms(v) for v in compute) if any(compute) else "-",
-                         r.get("error", "")])
-    return rows
+def each(result: dict, what: str) -> list[dict]:
+    """Every configuration's rows of ``what`` (``perf_analyzer``, ``batching``), named."""
+    return [x | {"configuration": key} for key, c in result["configs"].items()
+            for x in c.get(what) or []]
+
+
+def levels(result: dict) -> list[dict]:
+    """Every configuration's closed loops, then its bare route's, beside the bare route."""
+    return [r | {"configuration": key, "transport": t, "noop": c["noop"]}
+            for key, c in result["configs"].items() if "levels" in c
+            for r, t in [*((r, c["transport"]) for r in c["levels"]),
+                         (c["noop"], "GET /v2/health/live")]]
+
+
+def overloads(result: dict) -> list:
+    return [[key, o["skipped"]] if "skipped" in o else o | {"configuration": key}
+            for key, c in result["configs"].items() if (o := c.get("overload"))]
+
+
+def skipped(result: dict) -> list[dict]:
+    return [c | {"configuration": key} for key, c in result["configs"].items() if "skipped" in c]
 
 
 def perf_note(result: dict) -> str:
@@ -164,40 +142,43 @@ def perf_note(result: dict) -> str:
             "statistics say (0 or - where it keeps none).")
 
 
-def skipped_rows(result: dict) -> list[list[str]]:
-    return [[key, c["skipped"]] for key, c in result["configs"].items() if "skipped" in c]
-
-
 def render_table(result: dict) -> str:
     # Without bench-load's own client (--perf-analyzer only) there are no closed loops of its.
-    parts = [text_table(LEVEL_HEADER, level_rows(result))] if level_rows(result) else []
-    if overload_rows(result):
-        parts.append(text_table(OVERLOAD_HEADER, overload_rows(result)))
-    if skipped_rows(result):
-        parts.append(text_table(SKIPPED_HEADER, skipped_rows(result)))
-    if perf_rows(result):
-        parts.append("perf_analyzer:\n" + text_table(PERF_HEADER, perf_rows(result)))
-    elif (result["settings"].get("perf_analyzer") or {}).get("skipped"):
-        parts.append(perf_note(result))
-    parts.append(text_table(TARGET_HEADER, target_rows(result)))
-    return "\n\n".join(parts)
+    perf = each(result, "perf_analyzer")
+    return "\n\n".join(p for p in [
+        levels(result) and LEVELS.text(levels(result)),
+        overloads(result) and OVERLOAD.text(overloads(result)),
+        skipped(result) and SKIPPED.text(skipped(result)),
+        "perf_analyzer:\n" + PERF.text(perf) if perf else
+        (result["settings"].get("perf_analyzer") or {}).get("skipped") and perf_note(result),
+        TARGETS.text(result["targets"]["checks"])] if p)
 
 
 def render_markdown(result: dict) -> str:
-    return "\n".join([*_intro(result), *_measures(result), *one_call_text(result),
-                      *_tables(result), *_optional_sections(result),
-                      "![p99 latency against throughput](load.png)", "", SHARED_CORES, ""])
+    perf, batching = each(result, "perf_analyzer"), each(result, "batching")
+    return markdown(
+        heading(result, "bench-load --sweep", "run_load_sweep(...)"), _intro(result),
+        _measures(result), one_call_text(result),
+        "## Targets", TARGETS.md(result["targets"]["checks"]),
+        "## Closed loops", LEVELS.md(levels(result)),
+        overloads(result) and ["## Overload", OVERLOAD.md(overloads(result)),
+                               "other: answers neither 200 nor 503 (or no answer)."],
+        result["settings"].get("perf_analyzer") and [
+            "## perf_analyzer", perf_note(result), perf and PERF.md(perf)],
+        batching and [
+            "## Batching in the workers", BATCHING.md(batching),
+            "From each gateway's `GET /v1/models` at the end of its configuration (the warm-up, "
+            "levels, bare route and overload together); a request alone counts as a batch of "
+            "one; held back: requests that waited for company."],
+        skipped(result) and ["## Not run", SKIPPED.md(skipped(result))],
+        "![p99 latency against throughput](load.png)", SHARED_CORES)
 
 
 def _intro(result: dict) -> list[str]:
-    """The title, the command, the configurations and the traffic."""
+    """The configurations and the traffic."""
     st = result["settings"]
     g = st["gateway"]
     return [
-        f"# sensai bench-load --sweep: {result['model']} on {result['dataset']}",
-        "",
-        f"Command: `{result.get('command') or 'run_load_sweep(...)'}`",
-        "",
         f"Configurations: {', '.join(st['configs'])}.  Each gateway configuration is `sensai "
         f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, deadline "
         f"{g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
@@ -206,7 +187,6 @@ def _intro(result: dict) -> list[str]:
         "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
         "serves the original model as one group on one worker, with the same settings); triton "
         "is Triton Inference Server serving the original's ONNX with its dynamic batcher.",
-        "",
         f"Traffic: {st['images']} real test images over `{st['transport']}` "
         + ("(PNG uploads to `/v1/predict`; Triton, which takes only tensors, over `http-v2`: "
            "see each row's transport)" if st["transport"] == "http" else
@@ -218,15 +198,13 @@ def _intro(result: dict) -> list[str]:
         f"server's bare `GET /v2/health/live` at {st['noop_concurrency']} in flight, then "
         f"{st['overload_s']:g} s of open-loop overload at {st['overload_factor']:g} x the best "
         "closed-loop throughput (requests sent when due whatever the answers, latency from when "
-        "each was due; " + retry_after_text(st) + ").",
-        "",
-    ]
+        "each was due; " + retry_after_text(st) + ")."]
 
 
-def _measures(result: dict) -> list[str]:
+def _measures(result: dict) -> str:
     """The machine, and what each measure of the tables is."""
     g = result["settings"]["gateway"]
-    return [
+    return (
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
         "cores: the whole machine's (server, client and anything else); server cores: the "
@@ -249,79 +227,48 @@ def _measures(result: dict) -> list[str]:
         "nvidia-smi's utilization over the level, sampled every 0.2 s (where there is one).  "
         "What the cores allow (beside the 16-in-flight share of the bare route): the usable "
         "cores over the server's and the clients' CPU per answer at that level, every core "
-        "busy (each side on its own cores with --client-cores; the GPU's time not in it)."
+        "busy (each side on its own cores with --set client_cores=N; the GPU's time not in it)."
         + (f"  The sim runtime: a simulated GPU, {g['sim_launch_ms']:g} ms per launch whatever "
            "its rows; answers checked against the simulation's own offline."
-           if g.get("runtime") == "sim" else ""),
-        "",
-    ]
-
-
-def _tables(result: dict) -> list[str]:
-    """The targets and the closed loops, which every sweep has."""
-    return ["## Targets", "", md_table(TARGET_HEADER, target_rows(result)), "",
-            "## Closed loops", "", md_table(LEVEL_HEADER, level_rows(result)), ""]
-
-
-def _optional_sections(result: dict) -> list[str]:
-    """The overload, perf_analyzer, the workers' batching and the configurations not run,
-    each where the sweep has it."""
-    lines = []
-    if overload_rows(result):
-        lines += ["## Overload", "", md_table(OVERLOAD_HEADER, overload_rows(result)), "",
-                  "other: answers neither 200 nor 503 (or no answer).", ""]
-    if result["settings"].get("perf_analyzer"):
-        lines += ["## perf_analyzer", "", perf_note(result), ""]
-        if perf_rows(result):
-            lines += [md_table(PERF_HEADER, perf_rows(result)), ""]
-    if batching_rows(result):
-        lines += ["## Batching in the workers", "",
-                  md_table(BATCHING_HEADER, batching_rows(result)), "",
-                  "From each gateway's `GET /v1/models` at the end of its configuration (the "
-                  "warm-up, levels, bare route and overload together); a request alone counts as "
-                  "a batch of one; held back: requests that waited for company.", ""]
-    if skipped_rows(result):
-        lines += ["## Not run", "", md_table(SKIPPED_HEADER, skipped_rows(result)), ""]
-    return lines
+           if g.get("runtime") == "sim" else ""))
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 6))
+    marks = []
     for key, c in result["configs"].items():
-        pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"], r["concurrency"])
-               for r in c.get("levels", []) if r["latency_ok_ms"]["p99"] is not None]
         color = COLORS.get(key, "#8C8C8C")
         pa = [(r["throughput_infer_per_s"], r["p99_us"] / 1e3)
               for r in c.get("perf_analyzer") or [] if "error" not in r]
         if pa:
-            ax.plot([p[0] for p in pa], [p[1] for p in pa], marker=".", ls="--", color=color,
-                    label=f"{c['label']} (perf_analyzer)")
+            marks.append(mark("plot", *zip(*pa), marker=".", ls="--", color=color,
+                              label=f"{c['label']} (perf_analyzer)"))
+        pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"], r["concurrency"])
+               for r in c.get("levels", []) if r["latency_ok_ms"]["p99"] is not None]
         if not pts:
             continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
-                label=c["label"])
-        for x, y, n in pts:
-            ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=color)
+        marks.append(mark("plot", [p[0] for p in pts], [p[1] for p in pts], marker="o",
+                          color=color, label=c["label"]))
+        marks += [mark("annotate", str(n), (x, y), textcoords="offset points", xytext=(4, 4),
+                       fontsize=7, color=color) for x, y, n in pts]
         o = c.get("overload") or {}
         if o.get("goodput_rps") and o["latency_ok_ms"]["p99"] is not None:
-            ax.plot([o["goodput_rps"]], [o["latency_ok_ms"]["p99"]], marker="X", ms=9, ls="",
-                    color=color)
-    ax.plot([], [], marker="X", ls="", color="black", label="overload (goodput, admitted p99)")
-    save_p99_plot(fig, ax, f"{result['model']}: p99 latency against throughput (closed loops, "
-                           f"labelled by requests in flight; {result['settings']['transport']})",
-                  path)
+            marks.append(mark("plot", [o["goodput_rps"]], [o["latency_ok_ms"]["p99"]],
+                              marker="X", ms=9, ls="", color=color))
+    marks.append(mark("plot", [], [], marker="X", ls="", color="black",
+                      label="overload (goodput, admitted p99)"))
+    draw(path, [p99_panel(f"{result['model']}: p99 latency against throughput (closed loops, "
+                          f"labelled by requests in flight; {result['settings']['transport']})",
+                          marks)], (9, 6))
 
 
-def one_call_text(result: dict) -> list[str]:
+def one_call_text(result: dict) -> str | None:
     """The one-call reference measured before the servers started (:mod:`.one_call`)."""
     one = result.get("one_call")
     if not one:
-        return []
+        return None
     cores = f", {one['cores']} core(s)" if one.get("cores") else ""
-    return [f"One call of every subnet, in process (the compute alone, nothing else running; "
+    return (f"One call of every subnet, in process (the compute alone, nothing else running; "
             f"{one['subnets']} subnets on one device: {one['kind']}, {one['runtime']} on "
             f"{one['device']}{cores}): p50 {fmt(one['ms']['p50'], 3)} ms, p99 "
             f"{fmt(one['ms']['p99'], 3)} ms.  A served image at 1 in flight is measured against "
-            "it (target c1_over_one_call_ms).", ""]
+            "it (target c1_over_one_call_ms).")

@@ -277,6 +277,6 @@ def split_cores(client_cores: int) -> tuple[list[int] | None, list[int] | None]:
         return None, None
     usable = sorted(os.sched_getaffinity(0))
     if not 0 < client_cores < len(usable):
-        raise SensaiError(f"--client-cores {client_cores}: must be between 1 and "
+        raise SensaiError(f"--set client_cores={client_cores}: must be between 1 and "
                           f"{len(usable) - 1} (this process may use {len(usable)} cores), or 0")
     return usable[:-client_cores], usable[-client_cores:]

@@ -32,17 +32,14 @@ from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySet
                                           load_settings)
 
 from .harness import envelope, finish, inputs, load_test_images
-from .load import LoadOptions, reference_runtime
+from .load import gateway_settings, reference_runtime, seconds_bar
 from .load_single import model_dir_as_artifact
 from .load_sweep import Sweep, check_sweep_settings, client_processes, server_core_count
+from .options import SEARCHES, LoadOptions, PlanOptions
 from .plan_judge import OBJECTIVE_TEXT, Constraints
 from .plan_report import plot, render_markdown
 from .robust import offline_reference
 
-SEARCHES = ("quick", "full")
-PLAN_LEVELS = (1, 4, 16)
-PLAN_LEVEL_S = 2.0
-PLAN_WARMUP_S = 1.0
 CONFIRM = 3  # candidates measured again, beside the chosen model's defaults
 CONFIRM_FACTOR = 3  # ... for this many times the level seconds
 # A confirmed deployment that beats its model's defaults by less than this is within what two
@@ -237,18 +234,17 @@ def planned_base(gs: GatewaySettings) -> dict[str, Any]:
 
 
 def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Constraints,
-             options: LoadOptions = LoadOptions(), *, search: str = "quick",
-             levels: Sequence[int] = PLAN_LEVELS, level_s: float = PLAN_LEVEL_S,
-             warmup_s: float = PLAN_WARMUP_S, transport: str = "http-v2") -> dict[str, Any]:
-    """The plan of ``paths`` (model directories and artifacts) under ``constraints``; writes
-    plan.json, plan.md, plan.png and deployment.json (or closest.json) to ``out_dir`` and
-    returns what plan.json holds (``chosen``: the deployment's number among ``measured``,
-    ``meets``: whether it meets the constraints)."""
-    levels = sorted(set(levels))
+             options: LoadOptions, plan: PlanOptions) -> dict[str, Any]:
+    """The plan of ``paths`` (model directories and artifacts) under ``constraints``, searched
+    and measured as ``plan`` says; writes plan.json, plan.md, plan.png and deployment.json (or
+    closest.json) to ``out_dir`` and returns what plan.json holds (``chosen``: the deployment's
+    number among ``measured``, ``meets``: whether it meets the constraints)."""
+    search, transport = plan.search, plan.transport
+    levels, level_s, warmup_s = sorted(set(plan.levels)), plan.level_seconds, plan.warmup_seconds
     check_plan(paths, constraints, search)
     check_sweep_settings(options, configs=["class-parallel"], levels=levels, level_s=level_s,
                          warmup_s=warmup_s, overload_s=0.0, transport=transport)
-    gs, _ = options.gateway_settings()
+    gs, _ = gateway_settings(options)
     arts = resolve_models(paths, Path(out_dir))
     spec, out = inputs(arts[0], options.data_dir, out_dir)
     t_start = time.perf_counter()
@@ -268,7 +264,7 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
                            for e in entries]}
     result = envelope("sensai-plan", command=options.command, artifact=arts[0], spec=spec,
                       settings=settings)
-    bar = options.progress_bar("sensai plan")
+    bar = seconds_bar(options, "sensai plan")
     try:
         with client_processes(options, imgs, spec) as procs:
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,

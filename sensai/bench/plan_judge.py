@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 from sensai.errors import SensaiError
 
+from .options import flag
+
 OBJECTIVES = ("latency", "throughput")
 OBJECTIVE_TEXT = {"latency": "the lowest one-image p50", "throughput": "the most answers/s "
                   "within the latency budget"}
@@ -25,18 +27,25 @@ OBJECTIVE_TEXT = {"latency": "the lowest one-image p50", "throughput": "the most
 class Constraints:
     """The user's constraints (None: not constrained) and objective."""
 
-    latency_budget_ms: float | None = None  # on p99
-    min_throughput: float | None = None  # answers/s, at a level within the budget
-    max_memory_mb: float | None = None  # the gateway's process tree's resident sets
-    objective: str = "latency"
+    latency_budget_ms: float | None = flag(
+        metavar="MS", help="the p99 latency a deployment must keep, one image in flight and at "
+                           "the throughput it is credited with (default: none)")
+    min_throughput: float | None = flag(
+        metavar="ANSWERS_PER_S",
+        help="answers/s a deployment must serve within the budget (default: none)")
+    max_memory_mb: float | None = flag(
+        metavar="MB", help="the most the gateway's process tree may hold resident (default: none)")
+    objective: str = flag(default="latency", choices=OBJECTIVES,
+                          help="latency: the lowest one-image p50; throughput: the most "
+                               "answers/s within the budget")
 
     def check(self) -> None:
-        for flag, value in (("--latency-budget-ms", self.latency_budget_ms),
+        for name, value in (("--latency-budget-ms", self.latency_budget_ms),
                             ("--min-throughput", self.min_throughput),
                             ("--max-memory-mb", self.max_memory_mb)):
             if value is not None and not (isinstance(value, (int, float))
                                           and math.isfinite(value) and value > 0):
-                raise SensaiError(f"{flag} must be a positive number, got {value!r}")
+                raise SensaiError(f"{name} must be a positive number, got {value!r}")
         if self.objective not in OBJECTIVES:
             raise SensaiError(f"--objective {self.objective!r}: choose one of "
                               f"{', '.join(OBJECTIVES)}")

@@ -6,32 +6,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .render import SHARED_CORES, fmt, machine_line, md_table, pyplot, save_p99_plot, text_table
-
-HEADER = ["#", "phase", "deployment", "one image p50 / p99 (ms)", "answers/s within budget",
-          "best answers/s", "memory (MB)", "meets", "why not"]
+from .render import (SHARED_CORES, Col, Table, draw, fmt, machine_line, markdown, mark,
+                     p99_panel)
 
 
-def rows(result: dict) -> list[list[str]]:
-    out = []
-    for m in result["measured"]:
-        s, v = m["summary"], m["verdict"]
-        mark = ("**chosen**" if m["n"] == result["chosen"] else
-                "yes" if v["meets"] else "no")
-        if s.get("error"):
-            out.append([str(m["n"]), m["phase"], m["label"], "-", "-", "-", "-", mark,
-                        s["error"]])
-            continue
-        out.append([str(m["n"]), m["phase"], m["label"],
-                    f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}", fmt(s["rps_within_budget"], 1),
-                    fmt(s["best_rps"], 1), fmt(s["rss_mb"], 1), mark,
-                    "; ".join(v["why_not"]) or "-"])
-    return out
+def _latency(m: dict) -> str:
+    s = m["summary"]
+    return "-" if s.get("error") else f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}"
+
+
+MEASURED = Table(
+    Col("#", "n"), Col("phase", "phase"), Col("deployment", "label"),
+    Col("one image p50 / p99 (ms)", _latency),
+    Col("answers/s within budget", "summary.rps_within_budget", 1),
+    Col("best answers/s", "summary.best_rps", 1), Col("memory (MB)", "summary.rss_mb", 1),
+    Col("meets", "meets"),
+    Col("why not", lambda m: m["summary"].get("error") or "; ".join(m["verdict"]["why_not"])
+        or "-"))
+
+
+def measured(result: dict, phase: str | None = None) -> list[dict]:
+    """The measured deployments (of ``phase``), each marked chosen, meeting or not."""
+    return [m | {"meets": "**chosen**" if m["n"] == result["chosen"] else
+                 "yes" if m["verdict"]["meets"] else "no"}
+            for m in result["measured"] if phase in (None, m["phase"])]
 
 
 def render_table(result: dict) -> str:
-    confirmed = [r for r, m in zip(rows(result), result["measured"]) if m["phase"] == "confirm"]
-    return text_table(HEADER, confirmed) + "\n\n" + result["why"]
+    return MEASURED.text(measured(result, "confirm")) + "\n\n" + result["why"]
 
 
 def constraints_text(c: dict) -> str:
@@ -48,41 +50,34 @@ def render_markdown(result: dict) -> str:
     served = "`sensai serve {} --config {}`".format(
         next(m["artifact"] for m in result["measured"] if m["n"] == result["chosen"]),
         result["deployment"])
-    lines = [
-        f"# sensai plan: {result['model']} on {result['dataset']}", "",
-        machine_line(result), "",
+    return markdown(
+        f"# sensai plan: {result['model']} on {result['dataset']}", machine_line(result),
         f"Constraints: {constraints_text(c)} (memory: the gateway's process tree, resident "
         f"sets summed); objective: {c['objective']}.  Search: {st['search']}, closed loops at "
         f"{', '.join(map(str, st['levels']))} in flight ({st['transport']}), {st['level_s']:g} s "
         f"each, {st['confirm_level_s']:g} s when confirming; every answer checked against "
-        "offline evaluation.", "",
-        "## The choice", "", result["why"] + ".", "",
+        "offline evaluation.",
+        "## The choice", result["why"] + ".",
         ("It is written to " if result["meets"] else "The closest is written to ")
-        + f"`{result['deployment']}`; serve it with {served}.", "",
-        "## Every measured deployment", "",
-        md_table(HEADER, rows(result)), "",
+        + f"`{result['deployment']}`; serve it with {served}.",
+        "## Every measured deployment", MEASURED.md(measured(result)),
         "The confirmation (phase `confirm`, longer levels) decides; the search's figures only "
-        "steer it.  " + SHARED_CORES, ""]
-    return "\n".join(lines)
+        "steer it.  " + SHARED_CORES)
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for m in result["measured"]:
-        if m["phase"] != "confirm":
-            continue
+    marks = []
+    for m in measured(result, "confirm"):
         pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"]) for r in m["levels"]
                if (r.get("latency_ok_ms") or {}).get("p99") is not None]
-        if not pts:
-            continue
         chosen = m["n"] == result["chosen"]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                lw=2.5 if chosen else 1.2,
-                label=("chosen: " if chosen else "") + m["label"])
+        if pts:
+            marks.append(mark("plot", *zip(*pts), marker="o", lw=2.5 if chosen else 1.2,
+                              label=("chosen: " if chosen else "") + m["label"]))
     budget = result["settings"]["constraints"]["latency_budget_ms"]
     if budget:
-        ax.axhline(budget, color="crimson", ls="--", label=f"p99 budget {budget:g} ms")
-    save_p99_plot(fig, ax, f"{result['model']}: the confirmed deployments, p99 against "
-                           f"throughput ({', '.join(map(str, result['settings']['levels']))} "
-                           "in flight)", path)
+        marks.append(mark("axhline", budget, color="crimson", ls="--",
+                          label=f"p99 budget {budget:g} ms"))
+    levels = ", ".join(map(str, result["settings"]["levels"]))
+    draw(path, [p99_panel(f"{result['model']}: the confirmed deployments, p99 against "
+                          f"throughput ({levels} in flight)", marks)], (9, 6))

@@ -1,12 +1,12 @@
 """``sensai bench-robust``: latency, errors and compute cost of redundant class parallelism.
 
 Every configuration (redundancy ``r``, for ``r >= 1`` optionally a hedge delay) is the predictor
-``sensai serve ART --redundancy r [--hedge-ms h]`` builds; ``r = 0`` is the default serving path,
+``sensai serve ART -r r [--set hedge_ms=h]`` builds; ``r = 0`` is the default serving path,
 so the cost of redundancy is measured against it.  The same test images are sent one at a time,
 in process, under the scenarios of :data:`.names.SCENARIOS`: ``none``; ``straggler`` (one worker
-sleeps before every request, ``--delay``); ``failure`` (one worker is ended while a request is in
-flight, then restarted; requests are paced so the error count measures the outage, not how fast
-errors come back); ``node-loss`` (the victim's Ray node's raylet and everything it started are
+sleeps before every request, ``--set delay``); ``failure`` (one worker is ended while a request is
+in flight, then restarted; requests are paced so the error count measures the outage, not how
+fast errors come back); ``node-loss`` (the victim's Ray node's raylet and everything it started are
 killed, as losing the machine would; one configuration, the node does not come back).  ``none``
 and ``straggler`` interleave the configurations in rounds; an outage is a wall-clock event, one
 configuration at a time.  Every answer is compared with the offline one (``wrong``); ``errors``
@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,7 +44,8 @@ from sensai.serving.workers.runners import runner_specs
 from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
                       progress_bar, quiet_gc)
 from .machine import descendant_pids
-from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS, WARMUP
+from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS
+from .options import RobustOptions
 from .robust_records import AFTER_REJOIN, Records
 from .robust_report import plot, render_markdown
 from .robust_serve import (IN_FLIGHT, REFUSED_SCENARIOS, TRANSPORT, check_serve_bench,
@@ -53,37 +54,39 @@ from .stats import summarize
 
 log = logging.getLogger(__name__)
 
-# The flags of the settings the Serve application is given, for its one-line refusals.
-FLAGS = {"deadline_s": "--deadline", "restart_delay_s": "--restart-delay",
-         "hedge_ms": "--hedge-ms", "threads_per_worker": "--threads"}
+# How bench-robust names the settings the Serve application is given, for its one-line
+# refusals.
+FLAGS = {"deadline_s": "--set deadline_s", "restart_delay_s": "--set restart_delay_s",
+         "hedge_ms": "--hedge-ms", "threads_per_worker": "--set threads"}
 
 
 def config_key(r: int, hedge_ms: float) -> str:
     return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
 
 
-def check_robust_settings(redundancies, hedges, scenarios, images, warmup, delay, straggler,
-                          victim, kill_at, rounds, groups: int, vote: bool, interval_ms: float,
-                          backend: str, runtime: str, ray_address: str | None = None) -> None:
+def check_robust_settings(options: RobustOptions, redundancies, hedges, scenarios,
+                          groups: int) -> None:
     if not redundancies:
         raise SensaiError("give at least one --redundancy")
     for r in redundancies:
-        check_redundancy(groups, None, r, vote)
+        check_redundancy(groups, None, r, options.vote)
     check_settings(
-        ints=(("--images", images, 2), ("--warmup", warmup, 0), ("--rounds", rounds, 1)),
+        ints=(("--images", options.images, 2), ("--set warmup", options.warmup, 0),
+              ("--set rounds", options.rounds, 1)),
         numbers=(*(("--hedge-ms", h, True) for h in hedges),
-                 ("--interval-ms", interval_ms, True)),
-        choices=(("scenario", scenarios, SCENARIOS), ("backend", [backend], ROBUST_BACKENDS),
-                 ("runtime", [runtime], MODEL_RUNTIMES)))
-    parse_delay(delay)
-    for name, v in (("--straggler", straggler), ("--victim", victim)):
+                 ("--set interval_ms", options.interval_ms, True)),
+        choices=(("scenario", scenarios, SCENARIOS),
+                 ("backend", [options.backend], ROBUST_BACKENDS),
+                 ("runtime", [options.runtime], MODEL_RUNTIMES)))
+    parse_delay(options.delay)
+    for name, v in (("--set straggler", options.straggler), ("--set victim", options.victim)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < groups:
             raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
-    if not 0.0 <= kill_at < 1.0:
-        raise SensaiError(f"--kill-at must be in [0, 1), got {kill_at}")
-    if ray_address and backend not in ("ray", "ray-serve"):
+    if not 0.0 <= options.kill_at < 1.0:
+        raise SensaiError(f"--set kill_at must be in [0, 1), got {options.kill_at}")
+    if options.ray_address and options.backend not in ("ray", "ray-serve"):
         raise SensaiError("--ray-address is for --backend ray and ray-serve")
-    if "node-loss" in scenarios and backend != "ray":
+    if "node-loss" in scenarios and options.backend != "ray":
         raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
 
 
@@ -137,66 +140,34 @@ def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: in
             "straggler_answered_share": round(by_it / total, 4) if total else None}
 
 
-@dataclass(frozen=True)
-class Serving:
-    """What every configuration is served with beside its redundancy and hedge: ``sensai
-    serve``'s other settings, and the seed of the predictor's placement."""
-
-    backend: str
-    ray_address: str | None
-    vote: bool
-    device: str
-    runtime: str
-    threads: int
-    deadline_s: float
-    restart_delay_s: float
-    seed: int
-
-    def gateway_settings(self, r: int, hedge_ms: float) -> GatewaySettings:
-        """The settings of the predictor built in this process for redundancy ``r``."""
-        return GatewaySettings(
-            backend=self.backend, redundancy=r, vote=self.vote, device=self.device,
-            runtime=self.runtime, threads_per_worker=self.threads, deadline_s=self.deadline_s,
-            hedge_ms=hedge_ms, restart_delay_s=self.restart_delay_s, ray_address=self.ray_address)
-
-    def serve_settings(self, r: int, hedge_ms: float) -> GatewaySettings:
-        """The settings the Serve application is given for redundancy ``r``, checked as
-        ``sensai serve`` checks its flags."""
-        return load_settings(
-            {"backend": self.backend, "redundancy": r, "hedge_ms": hedge_ms, "vote": self.vote,
-             "deadline_s": self.deadline_s, "restart_delay_s": self.restart_delay_s,
-             "device": self.device, "runtime": self.runtime, "threads_per_worker": self.threads,
-             "ray_address": self.ray_address}, FLAGS)
+def gateway_settings(options: RobustOptions, r: int, hedge_ms: float) -> GatewaySettings:
+    """The settings of the predictor built in this process for redundancy ``r``."""
+    return GatewaySettings(
+        backend=options.backend, redundancy=r, vote=options.vote, device=options.device,
+        runtime=options.runtime, threads_per_worker=options.threads,
+        deadline_s=options.deadline_s, hedge_ms=hedge_ms,
+        restart_delay_s=options.restart_delay_s, ray_address=options.ray_address)
 
 
-@dataclass(frozen=True)
-class Faults:
-    """How the scenarios are run: the warm-up and rounds, the straggler and its delay, the
-    victim, when it is ended, how requests are paced around its outage and how long its rejoin
-    is waited for."""
-
-    warmup: int
-    rounds: int
-    delay: str
-    straggler: int
-    victim: int
-    kill_at: float
-    interval_ms: float
-    rejoin_timeout_s: float
-
-    @property
-    def interval_s(self) -> float:
-        return self.interval_ms / 1e3
+def serve_settings(options: RobustOptions, r: int, hedge_ms: float) -> GatewaySettings:
+    """The settings the Serve application is given for redundancy ``r``, checked as ``sensai
+    serve`` checks its flags."""
+    return load_settings(
+        {"backend": options.backend, "redundancy": r, "hedge_ms": hedge_ms,
+         "vote": options.vote, "deadline_s": options.deadline_s,
+         "restart_delay_s": options.restart_delay_s, "device": options.device,
+         "runtime": options.runtime, "threads_per_worker": options.threads,
+         "ray_address": options.ray_address}, FLAGS)
 
 
 async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs,
-                   faults: Faults, *, bar) -> dict[str, dict[str, dict]]:
+                   options: RobustOptions, *, bar) -> dict[str, dict[str, dict]]:
     n = len(xs)
-    straggler, delay = faults.straggler, faults.delay
+    straggler, delay = options.straggler, options.delay
     results: dict[str, dict[str, dict]] = {k: {} for k in preds}
     for key, pred in preds.items():
         bar.set_description(f"warm-up {key}")
-        for j in range(faults.warmup):
+        for j in range(options.warmup):
             await pred.predict(xs[j % n])
             bar.update(1)
     for scenario in [s for s in SCENARIOS if s in scenarios and s not in OUTAGES]:
@@ -217,7 +188,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
             for pred in preds.values():
                 pred.pool.inject(straggler, delay=delay)
         try:
-            await interleaved(list(preds), n, faults.rounds, run_chunk)
+            await interleaved(list(preds), n, options.rounds, run_chunk)
         finally:
             if scenario == "straggler":
                 for pred in preds.values():
@@ -229,7 +200,7 @@ async def _measure(preds: dict[str, ClassParallelPredictor], scenarios, xs, refs
     for scenario in [s for s in OUTAGES if s in scenarios]:
         for key, pred in preds.items():
             bar.set_description(f"{scenario}: {key}")
-            results[key][scenario] = await measure_outage(pred, xs, refs, faults, bar,
+            results[key][scenario] = await measure_outage(pred, xs, refs, options, bar,
                                                           node=scenario == "node-loss")
     return results
 
@@ -242,7 +213,7 @@ def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
     if node is None or node in head:
         raise SensaiError(f"the node-loss scenario needs worker {victim} on a worker node, but it "
                           f"runs on {'the head node' if node else 'no known node'}; choose "
-                          "another --victim or a cluster with worker nodes")
+                          "another victim (--set victim=N) or a cluster with worker nodes")
     pid = local_raylet_pid(node)
     if pid is None:
         raise SensaiError(f"the raylet of node {node} (worker {victim}) does not run on this "
@@ -305,31 +276,31 @@ class OutageClock:
         return (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
 
 
-async def measure_outage(pred: ClassParallelPredictor, xs, refs, faults: Faults, bar, *,
-                         node: bool = False) -> dict:
+async def measure_outage(pred: ClassParallelPredictor, xs, refs, options: RobustOptions,
+                         bar, *, node: bool = False) -> dict:
     """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
     so every worker there) and the outage timed until it is up again."""
     run = Records()
-    kill_index = int(faults.kill_at * len(xs))
-    wk = pred.workers[faults.victim]
-    clock = OutageClock(pred, faults.victim, node)
+    kill_index = int(options.kill_at * len(xs))
+    wk = pred.workers[options.victim]
+    clock = OutageClock(pred, options.victim, node)
     restarts0 = wk.restarts
     await settle(pred)
     before = pred.pool.counters()
     watcher = asyncio.ensure_future(clock.watch())
     try:
-        errors_in_outage, during_ms = await paced_requests(pred, xs, refs, run, clock,
-                                                           kill_index, faults.interval_s, bar)
+        errors_in_outage, during_ms = await paced_requests(
+            pred, xs, refs, run, clock, kill_index, options.interval_ms / 1e3, bar)
         await settle(pred)
         run.add_work(before, pred.pool.counters())
         # Wait for the rejoin of every worker that was lost, then check the victim serves
         # again.
-        rejoined = await clock.rejoin(faults.rejoin_timeout_s)
+        rejoined = await clock.rejoin(options.rejoin_timeout_s)
         await asyncio.sleep(0.01)
     finally:
         clock.stop.set()
         await watcher
-    after, rejoin_runs = await after_rejoin(pred, xs, refs, faults.victim)
+    after, rejoin_runs = await after_rejoin(pred, xs, refs, options.victim)
     outage = clock.outage_s()
     extra = {"node": clock.node_id,
              "workers_on_node": [pred.workers[v].name for v in clock.victims],
@@ -405,8 +376,8 @@ def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) 
                                                / none["latency_ms"]["p99"], 3)
 
 
-def _in_process(artifact, configs, scenarios, xs, refs, *, bar, serving: Serving,
-                faults: Faults) -> tuple[dict[str, dict], dict[str, dict]]:
+def _in_process(artifact, configs, scenarios, xs, refs, *, bar, options: RobustOptions
+                ) -> tuple[dict[str, dict], dict[str, dict]]:
     """Every configuration's predictor built in this process, then measured (:func:`_measure`);
     returns the scenarios' reports and each predictor's ``describe()``."""
     preds: dict[str, ClassParallelPredictor] = {}
@@ -414,11 +385,11 @@ def _in_process(artifact, configs, scenarios, xs, refs, *, bar, serving: Serving
         for r, h in configs:
             key = config_key(r, h)
             bar.set_description(f"start {key}")
-            preds[key] = build_predictor(artifact.root, serving.gateway_settings(r, h),
-                                         seed=serving.seed)
+            preds[key] = build_predictor(artifact.root, gateway_settings(options, r, h),
+                                         seed=options.seed)
         described = {k: p.describe() for k, p in preds.items()}
         with quiet_gc():
-            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, faults,
+            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, options,
                                                      bar=bar))
     finally:
         for p in preds.values():
@@ -426,88 +397,51 @@ def _in_process(artifact, configs, scenarios, xs, refs, *, bar, serving: Serving
     return measured, described
 
 
-def run_robust_bench(
-    artifact_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    redundancies: Sequence[int] = (0, 1),
-    hedges_ms: Sequence[float] = (0.0,),
-    scenarios: Sequence[str] | None = None,
-    backend: str = "local",
-    ray_address: str | None = None,
-    images: int = 200,
-    warmup: int = WARMUP,
-    rounds: int = 5,
-    delay: str = "exp:50ms",
-    straggler: int = 0,
-    victim: int = 1,
-    kill_at: float = 0.3,
-    interval_ms: float = 10.0,
-    vote: bool = False,
-    deadline_s: float | None = None,
-    restart_delay_s: float = 0.0,
-    rejoin_timeout_s: float = 120.0,
-    device: str = "auto",
-    runtime: str = "auto",
-    threads: int = 1,
-    data_dir: str | None = None,
-    seed: int = 0,
-    command: str | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
+def run_robust_bench(artifact_dir: str | Path, out_dir: str | Path,
+                     options: RobustOptions) -> dict[str, Any]:
     """Run the robust benchmark on the artifact in ``artifact_dir``; write robust.json,
-    robust.md and robust.png to ``out_dir``; return what robust.json holds.  The arguments are
-    ``sensai bench-robust``'s options: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are
-    the configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are
-    worker indices; the victim is ended at request ``kill_at`` x ``images``; ``scenarios``
-    (None: :data:`.names.DEFAULT_SCENARIOS`, those the backend takes); ``deadline_s`` (None:
-    the gateway settings')."""
-    if deadline_s is None:
-        deadline_s = load_settings({}).deadline_s
+    robust.md and robust.png to ``out_dir``; return what robust.json holds.  ``options``:
+    ``sensai bench-robust``'s: ``redundancies`` x ``hedges_ms`` (hedges for r >= 1) are the
+    configurations, each on W = G workers of ``backend``; ``straggler``/``victim`` are worker
+    indices; the victim is ended at request ``kill_at`` x ``images``; ``scenarios`` (None:
+    :data:`.names.DEFAULT_SCENARIOS`, those the backend takes); ``deadline_s`` (None: the
+    gateway settings')."""
+    if options.deadline_s is None:
+        options = replace(options, deadline_s=load_settings({}).deadline_s)
     artifact = load_artifact(artifact_dir)
-    serving = Serving(backend=backend, ray_address=ray_address, vote=vote, device=device,
-                      runtime=runtime, threads=threads, deadline_s=deadline_s,
-                      restart_delay_s=restart_delay_s, seed=seed)
-    faults = Faults(warmup=warmup, rounds=rounds, delay=delay, straggler=straggler,
-                    victim=victim, kill_at=kill_at, interval_ms=interval_ms,
-                    rejoin_timeout_s=rejoin_timeout_s)
-    scenarios, configs = robust_configs(artifact, serving, faults, redundancies, hedges_ms,
-                                        scenarios, images)
-    serve_settings = ([serving.serve_settings(r, h) for r, h in configs]
-                      if backend == "ray-serve" else [])
-    spec, out = inputs(artifact, data_dir, out_dir)
+    scenarios, configs = robust_configs(artifact, options)
+    serve = ([serve_settings(options, r, h) for r, h in configs]
+             if options.backend == "ray-serve" else [])
+    spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
 
-    imgs = load_test_images(spec, images, seed, png=False)
-    refs = offline_reference(artifact, imgs.xs, runtime=runtime, threads=threads)
-    result = envelope("sensai-bench-robust", command=command, artifact=artifact, spec=spec,
-                      settings=robust_settings(configs, scenarios, serving, faults,
-                                               images=len(imgs.xs), workers=len(artifact.groups)))
+    imgs = load_test_images(spec, options.images, options.seed, png=False)
+    refs = offline_reference(artifact, imgs.xs, runtime=options.runtime,
+                             threads=options.threads)
+    result = envelope("sensai-bench-robust", command=options.command, artifact=artifact,
+                      spec=spec, settings=robust_settings(configs, scenarios, options,
+                                                          images=len(imgs.xs),
+                                                          workers=len(artifact.groups)))
     result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
-    measured, described = measure_configs(artifact, configs, serve_settings, scenarios, imgs.xs,
-                                          refs, result, serving=serving, faults=faults,
-                                          progress=progress)
-    add_reports(result, measured, described, configs, serving)
+    measured, described = measure_configs(artifact, configs, serve, scenarios, imgs.xs, refs,
+                                          result, options=options)
+    add_reports(result, measured, described, configs, options)
     finish(out, "robust", result, t_start, render_markdown, plot)
     return result
 
 
-def robust_configs(artifact, serving: Serving, faults: Faults, redundancies: Sequence[int],
-                   hedges_ms: Sequence[float], scenarios: Sequence[str] | None,
-                   images: int) -> tuple[list[str], list[tuple[int, float]]]:
+def robust_configs(artifact, options: RobustOptions
+                   ) -> tuple[list[str], list[tuple[int, float]]]:
     """The scenarios (None: the backend's defaults) in canonical order, and the configurations
     (redundancy, hedge), each checked before anything is loaded."""
-    backend = serving.backend
+    backend, scenarios = options.backend, options.scenarios
     if scenarios is None:  # the backend's defaults
         scenarios = [s for s in DEFAULT_SCENARIOS
                      if backend != "ray-serve" or s not in REFUSED_SCENARIOS]
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
-    redundancies = sorted({int(r) for r in redundancies})
-    hedges = sorted({float(h) for h in hedges_ms}) or [0.0]
-    check_robust_settings(redundancies, hedges, scenarios, images, faults.warmup, faults.delay,
-                          faults.straggler, faults.victim, faults.kill_at, faults.rounds,
-                          len(artifact.groups), serving.vote, faults.interval_ms, backend,
-                          serving.runtime, serving.ray_address)
+    redundancies = sorted({int(r) for r in options.redundancies})
+    hedges = sorted({float(h) for h in options.hedges_ms}) or [0.0]
+    check_robust_settings(options, redundancies, hedges, scenarios, len(artifact.groups))
     configs = [(r, 0.0) for r in redundancies if r == 0] + [
         (r, h) for r in redundancies if r > 0 for h in hedges]
     if "node-loss" in scenarios and len(configs) > 1:
@@ -518,58 +452,56 @@ def robust_configs(artifact, serving: Serving, faults: Faults, redundancies: Seq
     return scenarios, configs
 
 
-def robust_settings(configs, scenarios, serving: Serving, faults: Faults, *, images: int,
+def robust_settings(configs, scenarios, options: RobustOptions, *, images: int,
                     workers: int) -> dict[str, Any]:
     """robust.json's ``settings``."""
     return {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
-            "backend": serving.backend, "ray_address": serving.ray_address, "images": images,
-            "warmup": faults.warmup, "rounds": faults.rounds,
-            "workers": workers, "vote": serving.vote, "delay": faults.delay,
-            "straggler_worker": faults.straggler, "victim_worker": faults.victim,
-            "kill_at": faults.kill_at, "failure_interval_ms": faults.interval_ms,
-            "deadline_s": serving.deadline_s, "restart_delay_s": serving.restart_delay_s,
-            "device": serving.device, "runtime": serving.runtime,
-            "threads_per_worker": serving.threads, "seed": serving.seed, "batch": 1,
+            "backend": options.backend, "ray_address": options.ray_address, "images": images,
+            "warmup": options.warmup, "rounds": options.rounds,
+            "workers": workers, "vote": options.vote, "delay": options.delay,
+            "straggler_worker": options.straggler, "victim_worker": options.victim,
+            "kill_at": options.kill_at, "failure_interval_ms": options.interval_ms,
+            "deadline_s": options.deadline_s, "restart_delay_s": options.restart_delay_s,
+            "device": options.device, "runtime": options.runtime,
+            "threads_per_worker": options.threads, "seed": options.seed, "batch": 1,
             "concurrency": 1, "transport": "inprocess"}
 
 
-def measure_configs(artifact, configs, serve_settings, scenarios, xs, refs, result, *,
-                    serving: Serving, faults: Faults, progress: bool
-                    ) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Every configuration under every scenario, on the Ray Serve application (its
-    ``serve_settings``) or in this process: the scenarios' reports and each configuration's
+def measure_configs(artifact, configs, serve, scenarios, xs, refs, result, *,
+                    options: RobustOptions) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every configuration under every scenario, on the Ray Serve application (its settings
+    ``serve``) or in this process: the scenarios' reports and each configuration's
     description."""
-    bar = progress_bar(progress, "bench-robust")
+    bar = progress_bar(options.progress, "bench-robust")
     try:
-        bar.total = len(configs) * (faults.warmup + len(xs) * len(scenarios))
+        bar.total = len(configs) * (options.warmup + len(xs) * len(scenarios))
         bar.refresh()
-        if serving.backend != "ray-serve":
-            return _in_process(artifact, configs, scenarios, xs, refs, bar=bar, serving=serving,
-                               faults=faults)
+        if options.backend != "ray-serve":
+            return _in_process(artifact, configs, scenarios, xs, refs, bar=bar, options=options)
         result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
                                   failure_interval_ms=None, rounds=None)
         return measure_on_serve(
-            artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve_settings)},
-            scenarios, xs, refs, warmup=faults.warmup, victim=faults.victim,
-            kill_at=faults.kill_at, rejoin_timeout_s=faults.rejoin_timeout_s,
-            ray_address=serving.ray_address, bar=bar)
+            artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve)},
+            scenarios, xs, refs, warmup=options.warmup, victim=options.victim,
+            kill_at=options.kill_at, rejoin_timeout_s=options.rejoin_timeout_s,
+            ray_address=options.ray_address, bar=bar)
     finally:
         bar.close()
 
 
 def add_reports(result: dict[str, Any], measured: dict[str, dict], described: dict[str, dict],
-                configs: list[tuple[int, float]], serving: Serving) -> None:
+                configs: list[tuple[int, float]], options: RobustOptions) -> None:
     """Each configuration's placement, worker transport and nodes, and its scenarios' reports
     with their costs against r = 0 without faults (where it ran)."""
     result["placement"] = {k: d["placement"] for k, d in described.items()}
     result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
     result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
                               for k, d in described.items()}
-    if serving.backend == "ray-serve":
+    if options.backend == "ray-serve":
         result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"]}
                            for k, d in described.items()}
     _relative_costs(measured, config_key(0, 0.0) if any(r == 0 for r, _ in configs) else None)
     result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
-                             "subnets_hosted_per_worker": r * (2 if serving.vote else 1) + 1,
+                             "subnets_hosted_per_worker": r * (2 if options.vote else 1) + 1,
                              "scenarios": measured[k]}
                          for (r, h), k in zip(configs, described)}

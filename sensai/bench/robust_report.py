@@ -7,12 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from .names import SCENARIOS
-from .render import fmt, horizontal_boxplot, md_table, pyplot, save_figure, text_table
+from .render import SHARED_CORES, Col, Panel, Table, draw, fmt, heading, markdown, mark
 from .robust_records import AFTER_REJOIN
 
-HEADER = ["config", "scenario", "answered", "errors", "wrong", "p50 ms", "p99 ms", "mean ms",
-          "p99 / no-fault p99", "subnet runs/req", "compute overhead (runs)",
-          "compute overhead (time)", "note"]
 WORKERS = {"local": "worker threads of this process", "processes": "worker processes",
            "ray": "Ray actors"}
 ENDED = {"local": "abandoned (a thread cannot be killed: it is declared dead at once and a new "
@@ -21,83 +18,71 @@ ENDED = {"local": "abandoned (a thread cannot be killed: it is declared dead at 
 SERVED = "ray-serve"  # the backend whose configurations are Serve applications called over HTTP
 
 
-def _note(scen: str, rep: dict) -> str:
+def _note(rep: dict) -> str:
+    scen = rep["scenario"]
     if scen == "straggler" and rep.get("straggler_answered_share") is not None:
         return (f"{rep['straggler']}'s own groups answered by it: "
                 f"{rep['straggler_answered_share'] * 100:.0f}%")
-    if scen in ("failure", "node-loss"):
-        after, during = rep["after_rejoin"], rep.get("latency_during_outage_ms") or {}
-        lost = (f"node {rep['node'][:8]} ({', '.join(rep['workers_on_node'])}) lost; "
-                if scen == "node-loss" else "")
-        if "in_flight_at_kill" in rep:  # an application called over HTTP
-            lost += (f"{rep['in_flight_at_kill']} in flight at the kill; serving again after "
-                     f"{fmt(rep.get('serving_again_s'))} s; ")
-        return (f"{lost}outage {fmt(rep.get('outage_s'))} s, {rep['errors_during_outage']} "
-                f"errors in it, p50/p99 in it {fmt(during.get('p50'))}/{fmt(during.get('p99'))} "
-                f"ms; after rejoin {after['requests'] - after['errors']}/{after['requests']} ok, "
-                f"p50/p99 {fmt((after.get('latency_ms') or {}).get('p50'))}/"
-                f"{fmt((after.get('latency_ms') or {}).get('p99'))} ms")
-    return ""
+    if scen not in ("failure", "node-loss"):
+        return ""
+    after, during = rep["after_rejoin"], rep.get("latency_during_outage_ms") or {}
+    lost = (f"node {rep['node'][:8]} ({', '.join(rep['workers_on_node'])}) lost; "
+            if scen == "node-loss" else "")
+    if "in_flight_at_kill" in rep:  # an application called over HTTP
+        lost += (f"{rep['in_flight_at_kill']} in flight at the kill; serving again after "
+                 f"{fmt(rep.get('serving_again_s'))} s; ")
+    return (f"{lost}outage {fmt(rep.get('outage_s'))} s, {rep['errors_during_outage']} "
+            f"errors in it, p50/p99 in it {fmt(during.get('p50'))}/{fmt(during.get('p99'))} "
+            f"ms; after rejoin {after['requests'] - after['errors']}/{after['requests']} ok, "
+            f"p50/p99 {fmt((after.get('latency_ms') or {}).get('p50'))}/"
+            f"{fmt((after.get('latency_ms') or {}).get('p99'))} ms")
 
 
-def table_rows(result: dict) -> list[list[str]]:
-    rows = []
-    for key, c in result.get("configs", {}).items():
-        for scen in SCENARIOS:
-            rep = c["scenarios"].get(scen)
-            if rep is None:
-                continue
-            lat = rep["latency_ms"]
-            rows.append([key, scen, f"{rep['answered']}/{rep['requests']}", str(rep["errors"]),
-                         str(rep["wrong"]), fmt(lat["p50"]), fmt(lat["p99"]), fmt(lat["mean"]),
-                         fmt(rep.get("p99_vs_no_fault")), fmt(rep["subnet_runs_per_request"]),
-                         fmt(rep.get("compute_overhead_runs")),
-                         fmt(rep.get("compute_overhead_time")), _note(scen, rep)])
-    return rows
+TABLE = Table(
+    Col("config", "config"), Col("scenario", "scenario"),
+    Col("answered", lambda r: f"{r['answered']}/{r['requests']}"), Col("errors", "errors"),
+    Col("wrong", "wrong"), Col("p50 ms", "latency_ms.p50"), Col("p99 ms", "latency_ms.p99"),
+    Col("mean ms", "latency_ms.mean"), Col("p99 / no-fault p99", "p99_vs_no_fault"),
+    Col("subnet runs/req", "subnet_runs_per_request"),
+    Col("compute overhead (runs)", "compute_overhead_runs"),
+    Col("compute overhead (time)", "compute_overhead_time"), Col("note", _note))
+
+
+def runs(result: dict) -> list[dict]:
+    """Each configuration's scenarios, in the scenarios' order."""
+    return [rep | {"config": key, "scenario": scen} for key, c in result.get("configs", {}).items()
+            for scen in SCENARIOS if (rep := c["scenarios"].get(scen)) is not None]
 
 
 def render_table(result: dict) -> str:
-    return text_table(HEADER, table_rows(result))
+    return TABLE.text(runs(result))
 
 
-def _nodes(result: dict) -> list[str]:
+def _nodes(result: dict) -> str | None:
     """Which node each worker ran on (Ray), when there is more than one node."""
     nodes = result.get("worker_nodes", {})
     if len({n for ws in nodes.values() for n in ws if n}) < 2:
-        return []
-    return ["Workers' nodes (Ray node id, first 8 characters): " + "; ".join(
+        return None
+    return "Workers' nodes (Ray node id, first 8 characters): " + "; ".join(
         f"{key}: " + ", ".join(f"w{i} {(n or '-')[:8]}" for i, n in enumerate(ws))
-        for key, ws in nodes.items()) + ".", ""]
+        for key, ws in nodes.items()) + "."
 
 
 def render_markdown(result: dict) -> str:
     st, m = result["settings"], result["machine"]
-    backend = st.get("backend", "local")
-    lines = [
-        f"# sensai bench-robust: {result['model']} on {result['dataset']}",
-        "",
-        f"Command: `{result.get('command') or 'run_robust_bench(...)'}`",
-        "",
-        _setup_serve(result) if backend == SERVED else _setup(result),
-        "",
+    served = st.get("backend", "local") == SERVED
+    cores = m.get("usable_cores")
+    return markdown(
+        heading(result, "bench-robust", "run_robust_bench(...)"),
+        _setup_serve(result) if served else _setup(result),
         f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end.  "
         f"Offline top-1 on these images: {result['offline_top1']}.",
-        "",
-        *_nodes(result),
-        md_table(HEADER, table_rows(result)),
-        "",
-        _legend_serve() if backend == SERVED else _legend(),
-        "",
-    ]
-    cores = m.get("usable_cores")
-    if cores and st["workers"] > cores:
-        lines += [f"Note: {st['workers']} workers per configuration shared {cores} cores, so "
-                  "extra copies compete with the primaries for CPU time; on machines with a core "
-                  "(or GPU) per worker that competition disappears.", ""]
-    lines += ["The cores may have been shared with other work while this ran; compare figures "
-              "from one run, not across runs.", ""]
-    return "\n".join(lines)
+        _nodes(result), TABLE.md(runs(result)), LEGEND_SERVE if served else LEGEND,
+        f"Note: {st['workers']} workers per configuration shared {cores} cores, so extra copies "
+        "compete with the primaries for CPU time; on machines with a core (or GPU) per worker "
+        "that competition disappears." if cores and st["workers"] > cores else None,
+        SHARED_CORES)
 
 
 def _setup(result: dict) -> str:
@@ -124,14 +109,13 @@ def _setup(result: dict) -> str:
            if "node-loss" in st.get("scenarios", ()) else ""))
 
 
-def _legend() -> str:
-    return ("answered/errors: requests answered / answered with an error (503 no live copy, 504 "
-            "deadline); latency is over answered requests.  wrong: answers whose top-1 or scores "
-            "differ from offline evaluation's.  subnet runs/req: subnets actually computed per "
-            "request over all workers (G without redundancy; fewer when requests fail fast or "
-            "copies are skipped); compute overhead: runs and summed compute time per request "
-            "relative to r = 0 without faults.  Each worker hosts r+1 subnets (weights memory "
-            "(r+1) x).")
+LEGEND = ("answered/errors: requests answered / answered with an error (503 no live copy, 504 "
+          "deadline); latency is over answered requests.  wrong: answers whose top-1 or scores "
+          "differ from offline evaluation's.  subnet runs/req: subnets actually computed per "
+          "request over all workers (G without redundancy; fewer when requests fail fast or "
+          "copies are skipped); compute overhead: runs and summed compute time per request "
+          "relative to r = 0 without faults.  Each worker hosts r+1 subnets (weights memory "
+          "(r+1) x).")
 
 
 def _setup_serve(result: dict) -> str:
@@ -160,52 +144,38 @@ def _setup_serve(result: dict) -> str:
         "fast errors come back; compare the outage's length.")
 
 
-def _legend_serve() -> str:
-    return ("answered/errors: requests answered 200 / answered otherwise or not at all; latency "
-            "is over answered requests, from the client.  wrong: answers whose top-1 differs "
-            "from offline evaluation's.  subnet runs/req: subnets computed per request over all "
-            "workers, as the ingress counts them (GET /v1/models; it does not report compute "
-            "time).  Failure note: requests in flight at the kill; when the victim served again "
-            "(its runs grew on the new replica) and the outage (kill until the ingress reports "
-            "it up on a new replica), from the kill; errors and latency of the requests that "
-            "overlapped the outage or were sent before the victim served again; the answers of "
-            "the requests sent after it served again.  Each "
-            "worker hosts r+1 subnets (weights memory (r+1) x).")
+LEGEND_SERVE = (
+    "answered/errors: requests answered 200 / answered otherwise or not at all; latency "
+    "is over answered requests, from the client.  wrong: answers whose top-1 differs "
+    "from offline evaluation's.  subnet runs/req: subnets computed per request over all "
+    "workers, as the ingress counts them (GET /v1/models; it does not report compute "
+    "time).  Failure note: requests in flight at the kill; when the victim served again "
+    "(its runs grew on the new replica) and the outage (kill until the ingress reports "
+    "it up on a new replica), from the kill; errors and latency of the requests that "
+    "overlapped the outage or were sent before the victim served again; the answers of "
+    "the requests sent after it served again.  Each "
+    "worker hosts r+1 subnets (weights memory (r+1) x).")
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
     configs = result.get("configs", {})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax = axes[0]
-    data, labels = [], []
-    for key, c in configs.items():
-        for scen in SCENARIOS:
-            rep = c["scenarios"].get(scen)
-            if rep and rep["latencies_ms"]:
-                data.append(rep["latencies_ms"])
-                labels.append(f"{key}\n{scen}")
-    horizontal_boxplot(ax, data, labels)
-    if data:
-        ax.set_xscale("log")
-    ax.set_xlabel("latency per image (ms, log), whiskers p1-p99")
-    ax.set_title("latency by redundancy and scenario")
-    ax.grid(axis="x", alpha=0.3)
-
-    ax = axes[1]
+    timed = [rep for rep in runs(result) if rep["latencies_ms"]]
     scen = [s for s in SCENARIOS if any(s in c["scenarios"] for c in configs.values())]
     width = 0.8 / max(1, len(configs))
+    bars = []
     for i, (key, c) in enumerate(configs.items()):
+        at = np.arange(len(scen)) + i * width
         p99 = [c["scenarios"].get(s, {}).get("latency_ms", {}).get("p99") or 0 for s in scen]
         errs = [c["scenarios"].get(s, {}).get("errors", 0) for s in scen]
-        bars = ax.bar(np.arange(len(scen)) + i * width, p99, width, label=key)
-        for b, e in zip(bars, errs):
-            if e:
-                ax.annotate(f"{e} err", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=7, color="#C44E52")
-    ax.set_xticks(np.arange(len(scen)) + width * (len(configs) - 1) / 2, scen)
-    ax.set_ylabel("p99 latency (ms)")
-    ax.set_title("p99 and errors")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    save_figure(fig, path)
+        bars.append(mark("bar", at, p99, width, label=key))
+        bars += [mark("annotate", f"{e} err", (x, h), ha="center", va="bottom", fontsize=7,
+                      color="#C44E52") for x, h, e in zip(at, p99, errs) if e]
+    draw(path, [
+        Panel([mark("box", [r["latencies_ms"] for r in timed],
+                    [f"{r['config']}\n{r['scenario']}" for r in timed])],
+              "latency by redundancy and scenario", "latency per image (ms, log), whiskers p1-p99",
+              xscale="log" if timed else "linear", grid={"axis": "x", "alpha": 0.3}),
+        Panel(bars, "p99 and errors", ylabel="p99 latency (ms)", legend={"fontsize": 8},
+              grid={"axis": "y", "alpha": 0.3},
+              xticks=(np.arange(len(scen)) + width * (len(configs) - 1) / 2, scen))],
+        (13, 4.8), 1, 2)

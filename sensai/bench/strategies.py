@@ -83,7 +83,7 @@ def stage_count(model, input_shape: Sequence[int], k: int, *, explicit: bool) ->
     if k <= k_max:
         return k
     if explicit:
-        raise SensaiError(f"--workers {k}: {model.__class__.__name__} can be cut into at most "
+        raise SensaiError(f"--stages {k}: {model.__class__.__name__} can be cut into at most "
                           f"{k_max} stages with one tensor between consecutive stages")
     # The default K is G; a small model may have fewer places to cut.
     log.warning("model parallel: the model can be cut into at most %d stages; using %d instead "

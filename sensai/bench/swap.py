@@ -9,7 +9,7 @@ steady period, each swap writes the next version (B, A, B, ... in turn) into the
 (:func:`~sensai.serving.core.repository.add_version`) and calls
 ``POST /v2/repository/models/{name}/load``, which returns once the new version is ready and the
 old one drained and unloaded, then waits.  The gateway's RSS is sampled throughout, just before
-each swap and at the end of each wait.  The figures (:func:`~.swap_report.swap_figures`): per
+each swap and at the end of each wait.  The figures (:func:`~.swap_figures.swap_figures`): per
 swap, errors, answers by version, the p99 during the swap against the steady state's, the time to
 the first answer by the new version, the RSS before and after.  Outputs: ``swap.json``,
 ``swap.md``, ``swap.png`` and ``gateway.log``.
@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,21 +35,25 @@ from sensai.serving.core.repository import add_version, check_model_name
 from .client import HttpClientProcess
 from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images
-from .load import LoadOptions, request_timeout
+from .load import gateway_process, gateway_settings, request_timeout
 from .load_measures import RssSampler
+from .options import LoadOptions, SwapOptions
 from .robust import offline_reference
-from .swap_report import columns, plot, render_markdown, swap_figures
+from .swap_figures import columns, swap_figures
+from .swap_report import plot, render_markdown
 
 
-def check_swap_settings(*, swaps: int, concurrency: int, warmup_s: float, steady_s: float,
-                        after_s: float, sample_s: float, load_timeout_s: float, images: int,
-                        startup_timeout_s: float) -> None:
+def check_swap_settings(options: SwapOptions) -> None:
+    o = options
     check_settings(
-        ints=(("--swaps", swaps, 1), ("--concurrency", concurrency, 1), ("--images", images, 1)),
-        numbers=(("--warmup-seconds", warmup_s, True), ("--steady-seconds", steady_s, False),
-                 ("--after-seconds", after_s, True), ("--sample-seconds", sample_s, False),
-                 ("--load-timeout", load_timeout_s, False),
-                 ("--startup-timeout", startup_timeout_s, False)))
+        ints=(("--swaps", o.swaps, 1), ("--concurrency", o.concurrency, 1),
+              ("--images", o.images, 1)),
+        numbers=(("--set warmup_seconds", o.warmup_seconds, True),
+                 ("--set steady_seconds", o.steady_seconds, False),
+                 ("--set after_seconds", o.after_seconds, True),
+                 ("--set sample_seconds", o.sample_seconds, False),
+                 ("--set load_timeout", o.load_timeout, False),
+                 ("--set startup_timeout", o.startup_timeout, False)))
     if not Path("/proc/self/status").is_file():
         raise SensaiError("bench-swap reads the gateway's memory from /proc: Linux only")
 
@@ -85,29 +89,6 @@ def request_load(url: str, name: str, timeout_s: float) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class SwapPlan:
-    """What the swaps under load are given of ``bench-swap``'s options: the model's name in the
-    repository, the swaps, the closed loop and its phases, and the timeouts."""
-
-    name: str
-    swaps: int
-    concurrency: int
-    warmup_s: float
-    steady_s: float
-    after_s: float
-    sample_s: float
-    load_timeout_s: float
-    startup_timeout_s: float
-    request_timeout_s: float
-
-    def longest_s(self) -> float:
-        """The closed loop is stopped when the last swap's wait is over; until then, it runs
-        as long as the longest run the settings allow."""
-        return (self.warmup_s + self.steady_s
-                + self.swaps * (self.after_s + self.load_timeout_s + 60.0) + 60.0)
-
-
-@dataclass(frozen=True)
 class SwapOutcome:
     """What the swaps under load recorded: the first version, the run's start (monotonic), when
     the steady period began (s from it), the RSS samples, each swap's record and the client's
@@ -126,9 +107,9 @@ class SwapRun:
     sampler; all sampling and checks happen in the calling thread."""
 
     def __init__(self, gateway: GatewayProcess, sampler: RssSampler, pool: ThreadPoolExecutor,
-                 load: Future, progress: bool):
+                 load: Future, *, progress: bool, request_timeout_s: float):
         self.gateway, self.sampler, self.pool, self.load = gateway, sampler, pool, load
-        self.progress = progress
+        self.progress, self.request_timeout_s = progress, request_timeout_s
 
     def say(self, message: str) -> None:
         if self.progress:
@@ -188,105 +169,79 @@ class SwapRun:
                      + (f"; gateway RSS {after['rss_mb']:.1f} MB" if after else ""))
         return records
 
-    def phases(self, plan: SwapPlan, client: HttpClientProcess, repo: Path,
+    def phases(self, options: SwapOptions, client: HttpClientProcess, repo: Path,
                artifacts: tuple[Artifact, Artifact], first: str, t0: float
                ) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
         """The warm-up, the steady period and the swaps under the client's closed loop, which
         is then stopped: when the steady period began (s from ``t0``), the swaps' records, and
         the client's phase."""
         try:
-            self.wait("warm-up", seconds=plan.warmup_s)
+            self.wait("warm-up", seconds=options.warmup_seconds)
             steady_start = time.monotonic() - t0
-            self.wait("steady", seconds=plan.steady_s)
-            records = self.swaps(plan.name, repo, artifacts, first, count=plan.swaps,
-                                 after_s=plan.after_s, timeout_s=plan.load_timeout_s)
+            self.wait("steady", seconds=options.steady_seconds)
+            records = self.swaps(options.model, repo, artifacts, first, count=options.swaps,
+                                 after_s=options.after_seconds, timeout_s=options.load_timeout)
         finally:
             client.stop_load()
         try:
-            outs = [self.load.result(timeout=plan.request_timeout_s + 60.0)]
+            outs = [self.load.result(timeout=self.request_timeout_s + 60.0)]
         except (RuntimeError, EOFError, OSError, TimeoutError) as e:
             raise SensaiError(f"the load client: {e}") from None
         return steady_start, records, outs
 
 
-def run_swap_bench(
-    artifact_a: str | Path,
-    artifact_b: str | Path,
-    out_dir: str | Path,
-    *,
-    model: str | None = None,
-    swaps: int = 5,
-    concurrency: int = 8,
-    warmup_s: float = 5.0,
-    steady_s: float = 10.0,
-    after_s: float = 10.0,
-    backend: str | None = None,
-    sample_s: float = 0.5,
-    load_timeout_s: float = 600.0,
-    images: int = 200,
-    data_dir: str | None = None,
-    seed: int = 0,
-    startup_timeout_s: float = 180.0,
-    keep_repo: bool = False,
-    command: str | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Swap versions of one model (artifacts A and B in turn) ``swaps`` times under a steady
-    closed loop at ``concurrency``; write swap.json, swap.md, swap.png (and gateway.log) to
-    ``out_dir``; return what swap.json holds.  ``model``: the name in the repository (default:
-    A's model); the repository (``out_dir/repo``) is removed at the end unless ``keep_repo``."""
-    check_swap_settings(swaps=swaps, concurrency=concurrency, warmup_s=warmup_s,
-                        steady_s=steady_s, after_s=after_s, sample_s=sample_s,
-                        load_timeout_s=load_timeout_s, images=images,
-                        startup_timeout_s=startup_timeout_s)
-    options = LoadOptions(backend=backend)
-    gs, gateway_env = options.gateway_settings()
+def run_swap_bench(artifact_a: str | Path, artifact_b: str | Path, out_dir: str | Path,
+                   options: SwapOptions) -> dict[str, Any]:
+    """Swap versions of one model (artifacts A and B in turn) ``options.swaps`` times under a
+    steady closed loop at ``options.concurrency``; write swap.json, swap.md, swap.png (and
+    gateway.log) to ``out_dir``; return what swap.json holds.  ``options.model``: the name in
+    the repository (default: A's model); the repository (``out_dir/repo``) is removed at the end
+    unless ``options.keep_repo``."""
+    check_swap_settings(options)
+    served = LoadOptions(backend=options.backend)  # the gateway's settings, as bench-load's
+    gs, gateway_env = gateway_settings(served)
     a, b = load_artifact(artifact_a), load_artifact(artifact_b)
     check_same_task(a, b)
-    name = check_model_name(model or a.manifest.model)
-    spec, out = inputs(a, data_dir, out_dir)
+    options = replace(options, model=check_model_name(options.model or a.manifest.model))
+    spec, out = inputs(a, options.data_dir, out_dir)
     repo = repository_dir(out)
     t_start = time.perf_counter()
 
-    imgs = load_test_images(spec, images, seed, png=True)
+    imgs = load_test_images(spec, options.images, options.seed, png=True)
     reference = {a.root: [int(i) for i in offline_reference(a, imgs.xs).argmax(1)],
                  b.root: [int(i) for i in offline_reference(b, imgs.xs).argmax(1)]}
-    plan = SwapPlan(name=name, swaps=swaps, concurrency=concurrency, warmup_s=warmup_s,
-                    steady_s=steady_s, after_s=after_s, sample_s=sample_s,
-                    load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s,
-                    request_timeout_s=request_timeout(gs))
-    result = envelope("sensai-bench-swap", command=command, artifact=a, spec=spec,
-                      settings=swap_settings(plan, (a, b), gs, images=len(imgs), seed=seed,
-                                             repo=repo))
-    gateway = options.gateway(repo, gateway_env, out / "gateway.log",
+    result = envelope("sensai-bench-swap", command=options.command, artifact=a, spec=spec,
+                      settings=swap_settings(options, (a, b), gs, images=len(imgs), repo=repo))
+    gateway = gateway_process(served, repo, gateway_env, out / "gateway.log",
                               args=["--model-control", "explicit"])
     try:
-        outcome = swap_under_load(plan, gateway, repo, (a, b), imgs.pngs, progress)
+        outcome = swap_under_load(options, request_timeout(gs), gateway, repo, (a, b),
+                                  imgs.pngs)
     finally:
-        if not keep_repo:
+        if not options.keep_repo:
             shutil.rmtree(repo, ignore_errors=True)
     add_figures(result, outcome, reference, a, gateway)
-    result["repository_kept"] = keep_repo
+    result["repository_kept"] = options.keep_repo
     finish(out, "swap", result, t_start, render_markdown, plot)
     return result
 
 
-def swap_settings(plan: SwapPlan, artifacts: tuple[Artifact, Artifact], gs, *, images: int,
-                  seed: int, repo: Path) -> dict[str, Any]:
+def swap_settings(options: SwapOptions, artifacts: tuple[Artifact, Artifact], gs, *,
+                  images: int, repo: Path) -> dict[str, Any]:
     """swap.json's ``settings``."""
-    a, b = artifacts
-    return {"model": plan.name, "artifacts": [str(a.root), str(b.root)],
+    a, b, o = *artifacts, options
+    return {"model": o.model, "artifacts": [str(a.root), str(b.root)],
             "groups": [len(a.groups), len(b.groups)], "backend": gs.backend,
-            "swaps": plan.swaps, "concurrency": plan.concurrency, "warmup_s": plan.warmup_s,
-            "steady_s": plan.steady_s, "after_s": plan.after_s, "sample_s": plan.sample_s,
-            "load_timeout_s": plan.load_timeout_s, "images": images, "seed": seed,
-            "request_timeout_s": plan.request_timeout_s, "transport": "http",
+            "swaps": o.swaps, "concurrency": o.concurrency, "warmup_s": o.warmup_seconds,
+            "steady_s": o.steady_seconds, "after_s": o.after_seconds,
+            "sample_s": o.sample_seconds, "load_timeout_s": o.load_timeout, "images": images,
+            "seed": o.seed, "request_timeout_s": request_timeout(gs), "transport": "http",
             "upload": "PNG as the raw body of POST /v1/predict", "repository": str(repo)}
 
 
-def swap_under_load(plan: SwapPlan, gateway: GatewayProcess, repo: Path,
-                    artifacts: tuple[Artifact, Artifact], pngs: list[bytes],
-                    progress: bool) -> SwapOutcome:
+def swap_under_load(options: SwapOptions, request_timeout_s: float, gateway: GatewayProcess,
+                    repo: Path, artifacts: tuple[Artifact, Artifact],
+                    pngs: list[bytes]) -> SwapOutcome:
     """The gateway started on the first artifact's version, the client's closed loop on it, the
     swaps; the client and the gateway stopped after, whatever happens."""
     client: HttpClientProcess | None = None
@@ -294,20 +249,23 @@ def swap_under_load(plan: SwapPlan, gateway: GatewayProcess, repo: Path,
     pool = ThreadPoolExecutor(2, thread_name_prefix="bench-swap")
     try:
         with sigterm_as_exit():
-            first = str(add_version(repo, plan.name, artifacts[0].root))
+            first = str(add_version(repo, options.model, artifacts[0].root))
             gateway.launch()
             client = HttpClientProcess(pngs)
-            gateway.wait_ready(plan.startup_timeout_s)
+            gateway.wait_ready(options.startup_timeout)
             t0 = time.monotonic()
-            sampler = RssSampler(gateway.serving_pid, t0, plan.sample_s, tree_of=gateway.pid)
-            load = pool.submit(client.load, gateway.url, concurrency=plan.concurrency,
-                               seconds=plan.longest_s(), answers=True,
-                               timeout_s=plan.request_timeout_s)
-            run = SwapRun(gateway, sampler, pool, load, progress)
+            sampler = RssSampler(gateway.serving_pid, t0, options.sample_seconds,
+                                 tree_of=gateway.pid)
+            load = pool.submit(client.load, gateway.url, concurrency=options.concurrency,
+                               seconds=options.longest_s(), answers=True,
+                               timeout_s=request_timeout_s)
+            run = SwapRun(gateway, sampler, pool, load, progress=options.progress,
+                          request_timeout_s=request_timeout_s)
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
-                    f"{gateway.startup_s} s serving {plan.name} version {first}; its output: "
-                    f"{gateway.log_path}")
-            steady_start, records, outs = run.phases(plan, client, repo, artifacts, first, t0)
+                    f"{gateway.startup_s} s serving {options.model} version {first}; its "
+                    f"output: {gateway.log_path}")
+            steady_start, records, outs = run.phases(options, client, repo, artifacts, first,
+                                                     t0)
     finally:
         if client is not None and load is not None and not load.done():
             client.process.kill()  # unblocks the thread waiting for its answer

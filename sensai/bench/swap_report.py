@@ -1,197 +1,39 @@
-"""``sensai bench-swap``'s figures and report: per-request records and the swaps' times turned
-into per-swap figures (:func:`swap_figures`), then the terminal table, ``swap.md`` and
-``swap.png``.
-
-Every time is in seconds since the gateway was ready.  A request is *sent* at ``t`` and
-*answered* at ``t + ms / 1000``; an error is any answer but 200, or none (status 0).  A swap's
-*window* runs from its load request to one second after the load call returned (it returns
-once the new version is ready and the old one drained and unloaded); the requests of a window
-are those in flight at any moment of it.  The steady state is the requests sent after the
-warm-up and answered before the first load request.  A version's *lifetime* runs from its load
-request (the first version: from the start) to the return of the load call that replaced it;
-an answer is *misattributed* when the version it names was not alive at some moment between
-the request's send and its answer (a version that answered before it was asked for, or after it
-was unloaded).
-"""
+"""``sensai bench-swap``'s report of its figures (:mod:`.swap_figures`): the terminal table,
+``swap.md`` and ``swap.png``."""
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
 
 import numpy as np
 
-from .render import SHARED_CORES, fmt, machine_line, md_table, pyplot, save_figure, text_table
-from .stats import summarize
+from .render import (SHARED_CORES, Col, Panel, Table, draw, fmt, gateway_text, heading,
+                     machine_line, markdown, mark)
+from .swap_figures import WINDOW_TAIL_S, version_order
 
-WINDOW_TAIL_S = 1.0  # a swap's window ends this long after its load call returned
-TABLE_HEADER = ["swap", "version", "load s", "first answer by new s", "answers by version",
-                "errors", "misattributed", "p99 ms (window)", "p99 ms (steady)",
-                "RSS before MB", "RSS after MB"]
 VERSION_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#8172B2", "#937860", "#DA8BC3",
                   "#8C8C8C", "#CCB974", "#64B5CD", "#C44E52")
-
-
-# --------------------------------------------------------------------------------------------
-# Figures
-
-
-def columns(outs: Sequence[dict[str, Any]], t0: float) -> dict[str, np.ndarray]:
-    """The clients' records (:func:`.client.load_phase` with ``answers``) merged into arrays:
-    ``t`` (s since ``t0``), ``ms``, ``status``, ``version`` (str, "" where no answer named
-    one), ``image`` and ``index`` (-1 where there was no 200 answer)."""
-    def cat(key: str, dtype) -> np.ndarray:
-        return np.concatenate([np.asarray(o[key], dtype=dtype) for o in outs]) if outs \
-            else np.zeros(0, dtype=dtype)
-
-    return {"t": cat("t", np.float64) - t0, "ms": cat("ms", np.float64),
-            "status": cat("status", np.int64),
-            "version": np.asarray([v or "" for o in outs for v in o["version"]], dtype=object),
-            "image": cat("image", np.int64),
-            "index": np.asarray([-1 if i is None else i for o in outs for i in o["index"]],
-                                dtype=np.int64)}
-
-
-def lifetimes(first_version: str, swaps: Sequence[dict[str, Any]]
-              ) -> dict[str, tuple[float, float]]:
-    """Each version's lifetime (start, end) in seconds: a load call that failed replaced
-    nothing, and its version was never alive."""
-    alive = {first_version: (-math.inf, math.inf)}
-    serving = first_version
-    for s in swaps:
-        if s["load_status"] != 200:
-            continue
-        alive[serving] = (alive[serving][0], s["returned_s"])
-        serving = s["version"]
-        alive[serving] = (s["sent_s"], math.inf)
-    return alive
-
-
-def misattributed(req: dict[str, np.ndarray], alive: dict[str, tuple[float, float]],
-                  sel: np.ndarray | None = None) -> int:
-    """200 answers (of those ``sel`` selects) naming a version not alive at any moment between
-    their send and their answer."""
-    ok = req["status"] == 200 if sel is None else sel & (req["status"] == 200)
-    answered = req["t"] + req["ms"] / 1e3
-    bad = 0
-    for v in set(req["version"][ok]):
-        start, end = alive.get(v, (math.inf, -math.inf))
-        mine = ok & (req["version"] == v)
-        bad += int((mine & ((answered < start) | (req["t"] > end))).sum())
-    return bad
-
-
-def _by_version(req: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, int]:
-    counts = Counter(req["version"][sel & (req["status"] == 200)])
-    return {v or "(none)": n for v, n in sorted(counts.items(), key=lambda kv: _order(kv[0]))}
-
-
-def _order(version: str) -> tuple[int, str]:
-    return (int(version), "") if version.isdigit() else (1 << 30, version)
-
-
-def _rss(samples: Sequence[dict], phase: str) -> dict[str, Any] | None:
-    """The last RSS sample taken in ``phase``."""
-    mine = [s for s in samples if s["phase"] == phase]
-    return mine[-1] if mine else None
-
-
-def wrong_answers(req: dict[str, np.ndarray], expected: dict[str, Sequence[int]],
-                  sel: np.ndarray | None = None) -> dict[str, int]:
-    """Per version, the 200 answers whose top-1 is not offline evaluation's of that version's
-    artifact on the same image (versions without a reference are left out)."""
-    ok = req["status"] == 200 if sel is None else sel & (req["status"] == 200)
-    out = {}
-    for v, ref in expected.items():
-        mine = ok & (req["version"] == v)
-        if mine.any():
-            out[v] = int((np.asarray(ref)[req["image"][mine]] != req["index"][mine]).sum())
-    return out
-
-
-def swap_figures(req: dict[str, np.ndarray], *, first_version: str,
-                 swaps: Sequence[dict[str, Any]], steady_start_s: float,
-                 rss_samples: Sequence[dict], expected: dict[str, Sequence[int]] | None = None,
-                 failures: dict[str, int] | None = None) -> dict[str, Any]:
-    """The run's figures: the whole run, the steady state, and per swap (``swaps``: each
-    with ``swap``, ``version``, ``from_version``, ``sent_s``, ``returned_s``, ``load_status``;
-    kept, with the figures added)."""
-    answered = req["t"] + req["ms"] / 1e3
-    ok = req["status"] == 200
-    alive = lifetimes(first_version, swaps)
-    everything = np.ones(len(req["t"]), dtype=bool)
-    first_sent = swaps[0]["sent_s"] if swaps else math.inf
-    steady = (req["t"] >= steady_start_s) & (answered < first_sent)
-    steady_p99 = summarize(req["ms"][steady & ok].tolist())["p99"]
-    codes = Counter(int(s) for s in req["status"])
-    run = {"requests": int(len(req["t"])), "errors": int((~ok).sum()),
-           "status_counts": {str(k): v for k, v in sorted(codes.items())},
-           "failures": dict(failures or {}),
-           "answers_by_version": _by_version(req, everything),
-           "misattributed": misattributed(req, alive),
-           "wrong_by_version": wrong_answers(req, expected or {}),
-           "lifetimes_s": {v: [None if math.isinf(a) else round(a, 3),
-                               None if math.isinf(b) else round(b, 3)]
-                           for v, (a, b) in sorted(alive.items(), key=lambda kv: _order(kv[0]))},
-           "steady": {"window_s": [round(steady_start_s, 3),
-                                   None if math.isinf(first_sent) else round(first_sent, 3)],
-                      "requests": int(steady.sum()), "errors": int((steady & ~ok).sum()),
-                      "latency_ok_ms": summarize(req["ms"][steady & ok].tolist())}}
-    per_swap = []
-    for s in swaps:
-        start, end = s["sent_s"], s["returned_s"] + WINDOW_TAIL_S
-        sel = (req["t"] <= end) & (answered >= start)
-        lat = summarize(req["ms"][sel & ok].tolist())
-        new = ok & (req["version"] == s["version"]) & (answered >= start)
-        old = ok & (req["version"] == s["from_version"]) & (answered >= start)
-        before, after = (_rss(rss_samples, f"before swap {s['swap']}"),
-                         _rss(rss_samples, f"after swap {s['swap']}"))
-        per_swap.append(s | {
-            "load_s": round(s["returned_s"] - s["sent_s"], 3),
-            "window_s": [round(start, 3), round(end, 3)],
-            "requests": int(sel.sum()), "errors": int((sel & ~ok).sum()),
-            "status_counts": {str(k): v for k, v in
-                              sorted(Counter(int(x) for x in req["status"][sel]).items())},
-            "answers_by_version": _by_version(req, sel),
-            "misattributed": misattributed(req, alive, sel),
-            "wrong_by_version": wrong_answers(req, expected or {}, sel),
-            "latency_ok_ms": lat,
-            "p99_over_steady": (round(lat["p99"] / steady_p99, 3)
-                                if lat["p99"] is not None and steady_p99 else None),
-            "first_answer_by_new_s": (round(float(answered[new].min()) - start, 3)
-                                      if new.any() else None),
-            "last_answer_by_old_s": (round(float(answered[old].max()) - start, 3)
-                                     if old.any() else None),
-            "rss_before_mb": before and before["rss_mb"],
-            "rss_after_mb": after and after["rss_mb"],
-            "tree_rss_before_mb": before and before["tree_rss_mb"],
-            "tree_rss_after_mb": after and after["tree_rss_mb"],
-        })
-    return {"run": run, "swaps": per_swap}
-
-
-# --------------------------------------------------------------------------------------------
-# Report
 
 
 def _versions(counts: dict[str, int]) -> str:
     return ", ".join(f"v{v}: {n}" for v, n in counts.items()) or "-"
 
 
-def table_rows(result: dict) -> list[list[str]]:
+TABLE = Table(
+    Col("swap", "swap"), Col("version", lambda s: f"{s['from_version']} -> {s['version']} "
+                                                  f"({s['artifact_name']})"),
+    Col("load s", lambda s: s["load_s"] if s["load_status"] == 200 else
+        f"refused ({s['load_status']})"),
+    Col("first answer by new s", "first_answer_by_new_s"),
+    Col("answers by version", lambda s: _versions(s["answers_by_version"])),
+    Col("errors", "errors"), Col("misattributed", "misattributed"),
+    Col("p99 ms (window)", "latency_ok_ms.p99"), Col("p99 ms (steady)", "steady_p99"),
+    Col("RSS before MB", "rss_before_mb", 1), Col("RSS after MB", "rss_after_mb", 1))
+
+
+def swaps(result: dict) -> list[dict]:
     steady = result["figures"]["run"]["steady"]["latency_ok_ms"]["p99"]
-    rows = []
-    for s in result["figures"]["swaps"]:
-        load = fmt(s["load_s"]) if s["load_status"] == 200 else \
-            f"refused ({s['load_status']})"
-        rows.append([str(s["swap"]), f"{s['from_version']} -> {s['version']} "
-                                     f"({s['artifact_name']})", load,
-                     fmt(s["first_answer_by_new_s"]), _versions(s["answers_by_version"]),
-                     str(s["errors"]), str(s["misattributed"]), fmt(s["latency_ok_ms"]["p99"]),
-                     fmt(steady), fmt(s["rss_before_mb"], 1), fmt(s["rss_after_mb"], 1)])
-    return rows
+    return [s | {"steady_p99": steady} for s in result["figures"]["swaps"]]
 
 
 def summary_line(result: dict) -> str:
@@ -204,42 +46,30 @@ def summary_line(result: dict) -> str:
 
 
 def render_table(result: dict) -> str:
-    return text_table(TABLE_HEADER, table_rows(result)) + "\n\n" + summary_line(result)
+    return TABLE.text(swaps(result)) + "\n\n" + summary_line(result)
 
 
 def render_markdown(result: dict) -> str:
-    st, gw = result["settings"], result["gateway"]
-    run = result["figures"]["run"]
-    steady = run["steady"]
+    st = result["settings"]
+    steady = result["figures"]["run"]["steady"]
     rss = [s for s in result["figures"]["swaps"] if s["rss_before_mb"] is not None]
-    lines = [
-        f"# sensai bench-swap: {result['model']} on {result['dataset']}",
-        "",
-        f"Command: `{result.get('command') or 'run_swap_bench(...)'}`",
-        "",
-        f"Gateway: `{gw['command']}` (pid {gw['pid']}, its own process; ready in "
-        f"{gw['startup_s']} s; exit status {gw['exit_code']} after SIGTERM at the end; log "
-        f"`{Path(gw['log']).name}`), serving model `{st['model']}` from a repository whose "
-        f"version 1 is `{st['artifacts'][0]}`.  Each swap writes the next version (in turn "
+    return markdown(
+        heading(result, "bench-swap", "run_swap_bench(...)"),
+        gateway_text(result["gateway"]) + f", serving model `{st['model']}` from a repository "
+        f"whose version 1 is `{st['artifacts'][0]}`.  Each swap writes the next version (in turn "
         f"`{st['artifacts'][1]}`, `{st['artifacts'][0]}`, ...) into the repository and calls "
         f"`POST /v2/repository/models/{st['model']}/load`, which returns once the new version "
         "is ready and the old one drained and unloaded; then waits "
         f"{st['after_s']:g} s.",
-        "",
         f"Traffic: {st['images']} real test images as PNG uploads to `/v1/predict`, a closed "
         f"loop at concurrency {st['concurrency']} from a client process of its own, for the "
         f"whole run: {st['warmup_s']:g} s warm-up, {st['steady_s']:g} s steady state, then "
-        f"the swaps ({st['swaps']}).  Every answer names the version that produced it; its top-1 is "
-        "compared with offline evaluation of that version's artifact.  The gateway's RSS "
-        f"(`VmRSS`) is sampled every {st['sample_s']:g} s, just before each swap and at the "
+        f"the swaps ({st['swaps']}).  Every answer names the version that produced it; its "
+        "top-1 is compared with offline evaluation of that version's artifact.  The gateway's "
+        f"RSS (`VmRSS`) is sampled every {st['sample_s']:g} s, just before each swap and at the "
         "end of each swap's wait.",
-        "",
         machine_line(result) + "  The client shares the machine with the gateway.",
-        "",
-        "## Swaps",
-        "",
-        md_table(TABLE_HEADER, table_rows(result)),
-        "",
+        "## Swaps", TABLE.md(swaps(result)),
         "load s: from the load request to its return.  first answer by new s: from the load "
         "request to the first answer by the new version.  answers by version: during the "
         f"swap's window (the load request to {WINDOW_TAIL_S:g} s after its return; the requests "
@@ -249,61 +79,44 @@ def render_markdown(result: dict) -> str:
         f"state's ({steady['requests']} requests).  RSS: the gateway process, just before "
         "the swap and at the end of its wait (after the old version was unloaded).  "
         "MB = 10^6 bytes.",
-        "",
-        "## The whole run",
-        "",
-        summary_line(result).replace("whole run: ", "") + ".",
-        "",
-    ]
-    if rss:
-        first, last = rss[0], rss[-1]
-        lines += [f"Gateway RSS before the first swap {fmt(first['rss_before_mb'], 1)} MB, "
-                  f"after the last {fmt(last['rss_after_mb'], 1)} MB.", ""]
-    lines += [SHARED_CORES, ""]
-    return "\n".join(lines)
+        "## The whole run", summary_line(result).replace("whole run: ", "") + ".",
+        f"Gateway RSS before the first swap {fmt(rss[0]['rss_before_mb'], 1)} MB, after the "
+        f"last {fmt(rss[-1]['rss_after_mb'], 1)} MB." if rss else None,
+        SHARED_CORES)
+
+
+def _windows(result: dict) -> list[tuple]:
+    return [mark("axvspan", *s["window_s"], color="#EEEEEE", lw=0)
+            for s in result["figures"]["swaps"]]
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
     req = result["requests"]
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True,
-                             gridspec_kw={"height_ratios": [3, 1]})
     t, ms = np.asarray(req["t"], dtype=float), np.asarray(req["ms"], dtype=float)
     status, version = np.asarray(req["status"]), np.asarray(req["version"], dtype=object)
-    answered = t + ms / 1e3
-    ax = axes[0]
+    answered, bad = t + ms / 1e3, status != 200
+    marks = _windows(result)
     for s in result["figures"]["swaps"]:
-        ax.axvspan(*s["window_s"], color="#EEEEEE", lw=0)
-        ax.axvline(s["sent_s"], color="black", lw=0.8, ls=":")
-        ax.axvline(s["returned_s"], color="black", lw=0.8, ls="--")
-        ax.text(s["sent_s"], 1.0, f" swap {s['swap']}", transform=ax.get_xaxis_transform(),
-                fontsize=7, va="top")
-    versions = sorted({v for v in version[status == 200]}, key=_order)
-    for k, v in enumerate(versions):
-        sel = (status == 200) & (version == v)
-        ax.scatter(answered[sel], ms[sel], s=3, color=VERSION_COLORS[k % len(VERSION_COLORS)],
-                   label=f"version {v or '(none)'}", rasterized=True)
-    bad = status != 200
+        marks += [mark("axvline", s["sent_s"], color="black", lw=0.8, ls=":"),
+                  mark("axvline", s["returned_s"], color="black", lw=0.8, ls="--"),
+                  mark("annotate", f" swap {s['swap']}", (s["sent_s"], 1.0),
+                       xycoords=("data", "axes fraction"), fontsize=7, va="top")]
+    for k, v in enumerate(sorted(set(version[~bad]), key=version_order)):
+        sel = ~bad & (version == v)
+        marks.append(mark("scatter", answered[sel], ms[sel], s=3, rasterized=True,
+                          color=VERSION_COLORS[k % len(VERSION_COLORS)],
+                          label=f"version {v or '(none)'}"))
     if bad.any():
-        ax.scatter(answered[bad], ms[bad], s=18, marker="x", color="#C44E52",
-                   label="error (not 200, or no answer)")
-    if len(ms):
-        ax.set_yscale("log")
-    ax.set_ylabel("latency (ms, log)")
-    ax.set_title("each request's latency by when it was answered, one colour per version "
-                 "that answered\n(grey: swap windows; dotted: load request; dashed: its return)",
-                 fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", markerscale=3)
-    ax.grid(alpha=0.3)
-
-    ax = axes[1]
+        marks.append(mark("scatter", answered[bad], ms[bad], s=18, marker="x", color="#C44E52",
+                          label="error (not 200, or no answer)"))
     samples = result["rss"]["samples"]
-    if samples:
-        ax.plot([s["t"] for s in samples], [s["rss_mb"] for s in samples], marker=".",
-                color="#4C72B0", label="gateway process")
-    for s in result["figures"]["swaps"]:
-        ax.axvspan(*s["window_s"], color="#EEEEEE", lw=0)
-    ax.set_ylabel("RSS (MB)")
-    ax.set_xlabel("seconds since the gateway was ready")
-    ax.grid(alpha=0.3)
-    save_figure(fig, path)
+    rss = [mark("plot", [s["t"] for s in samples], [s["rss_mb"] for s in samples], marker=".",
+                color="#4C72B0", label="gateway process")] if samples else []
+    draw(path, [
+        Panel(marks, "each request's latency by when it was answered, one colour per version "
+                     "that answered\n(grey: swap windows; dotted: load request; dashed: its "
+                     "return)", ylabel="latency (ms, log)", yscale="log" if len(ms) else "linear",
+              legend={"fontsize": 7, "loc": "upper left", "markerscale": 3}, title_size=10),
+        Panel(rss + _windows(result), xlabel="seconds since the gateway was ready",
+              ylabel="RSS (MB)")],
+        (11, 7.5), 2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})

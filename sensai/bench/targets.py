@@ -510,7 +510,7 @@ def cores_ceiling(row: dict | None, usable_cores: int | None,
     """The answers per second a level's CPU per answer lets the machine's cores give, every one
     of them busy: the server's processes (gateways and workers) and the clients each need
     their CPU per answer; with the clients on ``client_cores`` cores of their own
-    (``--client-cores``), each side has only its own.  Whether a throughput short of a target
+    (``--set client_cores``), each side has only its own.  Whether a throughput short of a target
     is short of cores (the work per answer) or of packing (cores left idle); the GPU's own time
     is not in it.  None where the level did not measure its CPU."""
     cpu = (row or {}).get("server_cpu") or {}

@@ -3,9 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from sensai.training.options import TrainOptions
+
+from .knobs import add_set_flag, dataclass_knobs
+from .options_args import add_flag
 from .train import add_device_arg
+
+# The decisions among DecomposeConfig's fields, each a flag; the rest are --set keys.
+CONFIG_FLAGS = ("policy", "retrain_epochs", "samples_per_subnet", "seed")
+STEPS = {f.name: f.metadata for f in fields(TrainOptions)}  # retraining steps run as training's
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a decomposition runs, not what it makes (none is among the artifact's settings): the
+    ``--set`` keys beside :class:`sensai.pruning.decompose.DecomposeConfig`'s."""
+
+    retrain_jobs: int | None = field(default=None, metadata={
+        "help": "subnets retrained at once (none: on GPUs all of them, sharing the GPUs; on CPUs "
+                "one per core)"})
+    compile: bool = field(default=False, metadata=STEPS["compile"])
+    capture: bool = field(default=True, metadata=STEPS["capture"])
+    eval_limit: int | None = field(default=None, metadata={
+        "help": "evaluate on a stratified subset of this many test images (none: all)"})
 
 
 def register(sub) -> None:
@@ -30,11 +55,11 @@ def register(sub) -> None:
 
 
 def add_decompose_args(p: argparse.ArgumentParser) -> None:
-    """``sensai decompose``'s arguments, whose defaults are :class:`DecomposeConfig`'s (a module
-    that imports torch: added only when the command is used)."""
+    """``sensai decompose``'s arguments, described by :class:`DecomposeConfig` (a module that
+    imports torch: added only when the command is used)."""
     from sensai.pruning.decompose import DecomposeConfig
 
-    d = DecomposeConfig()
+    config = {k.name: k for k in dataclass_knobs(DecomposeConfig)}
     p.add_argument("--model-dir", required=True, help="directory written by 'sensai train' or "
                    "'sensai import' (model.json + model.safetensors)")
     p.add_argument("--groups", "-G", type=int, required=True,
@@ -42,15 +67,24 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="artifact directory")
     p.add_argument("--data-dir", default=None,
                    help="where the model's dataset is (default: as recorded in model.json)")
-    add_pruning_args(p.add_argument_group("pruning"), d)
-    add_grouping_args(p.add_argument_group("grouping"), d)
-    retraining = p.add_argument_group("retraining")
-    add_retraining_args(retraining, d)
-    add_retraining_run_args(retraining)
-    p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
-    p.add_argument("--opset", type=int, default=d.opset, help="ONNX opset (default: %(default)s)")
-    p.add_argument("--eval-limit", type=int, default=None,
-                   help="evaluate on a stratified subset of this many test images (default: all)")
+    method = p.add_argument_group(
+        "method", "Recorded in the artifact: re-running into it with other values is refused "
+                  "unless --force.")
+    fields = {f.name: f for f in dataclasses.fields(DecomposeConfig)}
+    hints = typing.get_type_hints(DecomposeConfig)
+    for name in CONFIG_FLAGS:
+        add_flag(method, fields[name], hints[name])
+    add_set_flag(method, [k for name, k in config.items() if name not in CONFIG_FLAGS]
+                 + dataclass_knobs(RunOptions),
+                 "the method's other knobs, and how it runs (retrain_jobs, compile, capture, "
+                 "eval_limit: not recorded)")
+    where = p.add_argument_group("where the subnets are retrained")
+    where.add_argument("--no-ray", action="store_true",
+                       help="retrain the subnets in this process: on a GPU retrain_jobs at once, "
+                            "on the CPU one after another (what a machine without Ray does)")
+    where.add_argument("--ray-address", default=None,
+                       help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: "
+                            "RAY_ADDRESS, else a local instance)")
     p.add_argument("--force", action="store_true",
                    help="start over, replacing what an earlier decomposition wrote in --out")
     p.add_argument("--trust-model-code", action="store_true",
@@ -59,126 +93,16 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_decompose)
 
 
-def add_pruning_args(g, d) -> None:
-    """How much of each subnet is kept, and by which rule (defaults: ``d``'s, a
-    :class:`DecomposeConfig`)."""
-    g.add_argument("--policy", default=d.policy,
-                   help="keep: the --keep-fraction most active channels per layer; threshold: "
-                        "prune APoZ >= --theta1 unless mean |a| >= --theta2 (sensAI's rule); "
-                        "params: prune to --params-fraction of the parameters; "
-                        "shrink: at least --shrink times fewer parameters and MACs "
-                        "(default: %(default)s)")
-    g.add_argument("--keep-fraction", type=float, default=d.keep_fraction,
-                   help="channels kept per layer by --policy keep (default: %(default)s)")
-    g.add_argument("--theta1", type=float, default=d.theta1, help="(default: %(default)s)")
-    g.add_argument("--theta2", type=float, default=d.theta2, help="(default: %(default)s)")
-    g.add_argument("--params-fraction", type=float, default=d.params_fraction,
-                   help="most parameters a subnet may keep, as a fraction of the original's, "
-                        "for --policy params (default: %(default)s, i.e. >= 4x smaller)")
-    g.add_argument("--shrink", type=float, default=d.shrink,
-                   help="for --policy shrink: every subnet has at most 1/SHRINK of the original's "
-                        "parameters and of its MACs (default: %(default)s)")
-    g.add_argument("--allocation", default=d.allocation,
-                   help="how --policy params/shrink share the budget over the layers: uniform = "
-                        "the same keep fraction everywhere (default: %(default)s)")
-    g.add_argument("--prune-steps", type=int, default=d.prune_steps,
-                   help="reach the --shrink / --params-fraction budget in this many prune -> "
-                        "retrain steps, each removing the same ratio and re-ranking channels on "
-                        "the retrained subnet; the retraining images are split over the steps "
-                        "(default: %(default)s, one shot)")
-    g.add_argument("--prune-residual", action=argparse.BooleanOptionalAction,
-                   default=d.prune_residual,
-                   help="also prune residual-path channels, as coupled groups across the "
-                        "additions (sensAI prunes only inside blocks; default: off)")
-    g.add_argument("--min-channels", type=int, default=d.min_channels,
-                   help="never keep fewer channels in a layer (default: %(default)s)")
-    g.add_argument("--channel-multiple", type=int, default=d.channel_multiple,
-                   help="a pruned layer keeping at least this many channels keeps a multiple of "
-                        "it, the widths GPU tensor cores and CPU vector units work in "
-                        "(default: %(default)s; 1 = any width)")
-    g.add_argument("--zero-threshold", type=float, default=d.zero_threshold,
-                   help="|activation| counted as zero for APoZ (default: %(default)s)")
-    g.add_argument("--stats-per-class", type=int, default=d.stats_per_class,
-                   help="training images per class the activation statistics are taken on "
-                        "(default: %(default)s)")
-
-
-def add_grouping_args(g, d) -> None:
-    """How the classes are grouped into subnets."""
-    g.add_argument("--tsne", action=argparse.BooleanOptionalAction, default=d.use_tsne,
-                   help="cluster class centroids in a 2-D t-SNE embedding of the features instead "
-                        "of the raw features (default: off)")
-    g.add_argument("--features-per-class", type=int, default=d.features_per_class,
-                   help="training images per class for the grouping features (default: %(default)s)")
-
-
-def add_retraining_args(g, d) -> None:
-    """What each subnet is retrained on, and how it learns."""
-    g.add_argument("--retrain-epochs", type=int, default=d.retrain_epochs,
-                   help="epochs per subnet, 0 = no retraining (default: %(default)s)")
-    g.add_argument("--samples-per-subnet", type=int, default=d.samples_per_subnet,
-                   help="balanced images per subnet and epoch - the cost bound (default: "
-                        "600000 / G, at least 20000)")
-    g.add_argument("--negative-share", type=float, default=d.negative_share,
-                   help="fraction of each subnet's samples that are other classes' images "
-                        "(default: one (k+1)-th; the loss still weighs each class like all "
-                        "negatives)")
-    g.add_argument("--distill", type=float, default=d.distill,
-                   help="weight in [0, 1] of the original model's soft targets in the retraining "
-                        "loss (default: %(default)s)")
-    g.add_argument("--distill-temperature", type=float, default=d.distill_temperature,
-                   help="temperature T > 0 of the distillation term: teacher and subnet outputs "
-                        "are divided by T (and the term scaled by T^2); larger T weighs the "
-                        "teacher's ranking of unlikely classes more (default: %(default)s)")
-    g.add_argument("--hard-negatives", type=float, default=d.hard_negatives,
-                   help="share in [0, 1] of the negatives drawn by how strongly the original model "
-                        "mistakes them for the subnet's classes (default: %(default)s)")
-    g.add_argument("--optimizer", default=d.optimizer,
-                   help="sgd (Nesterov momentum) or adam (AdamW) (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=d.lr, help="(default: %(default)s)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="(default: %(default)s)")
-
-
-def add_retraining_run_args(g) -> None:
-    """Where and how the retraining runs (not among the artifact's recorded settings)."""
-    g.add_argument("--retrain-jobs", type=int, default=None, metavar="N",
-                   help="subnets retrained at once (default: on GPUs all of them, sharing "
-                        "the GPUs; on CPUs one per core)")
-    g.add_argument("--compile", action="store_true",
-                   help="run each retraining step through torch.compile (fewer, fused kernels; "
-                        "each subnet compiles for tens of seconds first)")
-    g.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CUDA, replay each full batch's step from a CUDA graph captured after a few "
-                        "eager steps (one launch per step); eager where capture fails, after one "
-                        "warning line (default: on; the CPU runs eagerly)")
-    g.add_argument("--no-ray", action="store_true",
-                   help="retrain the subnets in this process: on a GPU --retrain-jobs at once, on "
-                        "the CPU one after another (what a machine without Ray does)")
-    g.add_argument("--ray-address", default=None,
-                   help="Ray cluster to retrain on, e.g. 10.0.0.5:6379 (default: RAY_ADDRESS, "
-                        "else a local instance)")
-
-
 def cmd_decompose(args) -> int:
     from sensai.pruning.decompose import DecomposeConfig, decompose
 
-    config = DecomposeConfig(
-        policy=args.policy, keep_fraction=args.keep_fraction, theta1=args.theta1,
-        theta2=args.theta2, params_fraction=args.params_fraction, shrink=args.shrink,
-        allocation=args.allocation, prune_steps=args.prune_steps,
-        prune_residual=args.prune_residual,
-        min_channels=args.min_channels, channel_multiple=args.channel_multiple,
-        zero_threshold=args.zero_threshold, stats_per_class=args.stats_per_class,
-        use_tsne=args.tsne, features_per_class=args.features_per_class,
-        retrain_epochs=args.retrain_epochs, samples_per_subnet=args.samples_per_subnet,
-        negative_share=args.negative_share, distill=args.distill,
-        distill_temperature=args.distill_temperature,
-        hard_negatives=args.hard_negatives, optimizer=args.optimizer,
-        lr=args.lr, batch_size=args.batch_size, seed=args.seed, opset=args.opset)
+    knobs = dict(args.knobs)
+    run = RunOptions(**{f.name: knobs.pop(f.name) for f in fields(RunOptions) if f.name in knobs})
+    config = DecomposeConfig(**{name: getattr(args, name) for name in CONFIG_FLAGS}, **knobs)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
-                         device=args.device, data_dir=args.data_dir, workers=args.retrain_jobs,
-                         compile_=args.compile, capture=args.capture,
-                         use_ray=not args.no_ray, force=args.force, eval_limit=args.eval_limit,
+                         device=args.device, data_dir=args.data_dir, workers=run.retrain_jobs,
+                         compile_=run.compile, capture=run.capture,
+                         use_ray=not args.no_ray, force=args.force, eval_limit=run.eval_limit,
                          ray_address=args.ray_address, trust_code=args.trust_model_code)
     ev = manifest.evaluation
     worst = min(manifest.source.params / max(1, s.params) for s in manifest.subnets)

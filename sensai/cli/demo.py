@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from sensai.models import DEMO_MODEL
+from sensai.training.options import TrainOptions
+
+from .knobs import Knob, add_set_flag, dataclass_knobs
 
 DEMO_SAMPLES_PER_SUBNET = 100_000
 DEMO_EPOCHS = 2
 DEMO_WARMUP = 0.15
+# Every epoch measured: the convergence line reads each one's top-1.
+DEMO_TRAINING = TrainOptions(lr_warmup=DEMO_WARMUP, eval_every=1)
+BENCH_IMAGES = Knob("bench_images", int, 100, "test images the latency benchmark measures on")
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +49,35 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=DEMO_EPOCHS,
                    help="training epochs, one warm-up and cosine schedule over all (default: "
                         "%(default)s)")
-    p.add_argument("--lr-warmup", type=float, default=DEMO_WARMUP,
-                   help="fraction of the training steps over which the learning rate ramps up "
-                        "(default: %(default)s)")
     p.add_argument("--groups", "-G", type=int, default=2,
                    help="subnets (default: %(default)s, one per core of this 2-core machine; "
                         "10 gives one binary subnet per class)")
     p.add_argument("--images", type=int, default=8, help="test images sent over HTTP")
-    p.add_argument("--bench-images", type=int, default=100,
-                   help="test images the latency benchmark measures on")
     p.add_argument("--no-bench", action="store_true", help="skip the latency benchmark")
-    p.add_argument("--train-limit", type=int, default=None,
-                   help="train on at most this many images (stratified), for a quick look")
     p.add_argument("--samples-per-subnet", type=int, default=DEMO_SAMPLES_PER_SUBNET,
                    help="retraining images per subnet (default: %(default)s, sized for the "
                         "demo's time budget on a 2-core machine; `sensai decompose` uses 600k "
                         "over all subnets); fewer is faster and less accurate")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    add_set_flag(p, demo_knobs(), "how the model is trained (as `sensai train --set`, the demo's "
+                 "own defaults) and how many images the benchmark measures on")
     p.set_defaults(func=cmd_demo)
+
+
+def demo_knobs() -> list[Knob]:
+    """``sensai train``'s knobs at the demo's defaults, and the benchmark's image count."""
+    return [replace(k, default=getattr(DEMO_TRAINING, k.name))
+            for k in dataclass_knobs(TrainOptions)] + [BENCH_IMAGES]
+
+
+def demo_training(args) -> TrainOptions:
+    """The training options: the demo's, with what ``--set`` changed."""
+    return replace(DEMO_TRAINING, **{k: v for k, v in args.knobs.items()
+                                     if k != BENCH_IMAGES.name})
+
+
+def bench_images(args) -> int:
+    return args.knobs.get(BENCH_IMAGES.name, BENCH_IMAGES.default)
 
 
 # A last epoch that still adds this much (points of top-1) says the model has not levelled off.
@@ -77,7 +95,7 @@ def training_progress(record) -> str:
             f"decay; test top-1 by epoch: "
             f"{' -> '.join(f'{a:.4f}' for a in accs)}")
     if len(accs) < 2 and train.completed_epochs > 1:
-        return line + " (measured after the last epoch only, so no trend: --eval-every 1 " \
+        return line + " (measured after the last epoch only, so no trend: --set eval_every=1 " \
                       "measures every epoch)"
     if len(accs) < 2:
         return line + f" (one epoch shows no trend; --epochs {DEMO_EPOCHS} or more trains longer)"
@@ -92,13 +110,12 @@ def _step(title: str) -> None:
 
 
 def check_demo_args(args):
-    """The dataset and decomposition settings, once every argument is checked (before any long
-    work)."""
+    """The dataset, training and decomposition settings, once every argument is checked (before
+    any long work)."""
     from sensai.data import resolve_dataset
     from sensai.errors import SensaiError
     from sensai.models import list_models
     from sensai.pruning.decompose import DecomposeConfig
-    from sensai.training.trainer import check_warmup
 
     if args.model not in list_models():
         raise SensaiError(f"--model {args.model!r} is not a registry model; choose one of: "
@@ -108,13 +125,15 @@ def check_demo_args(args):
         raise SensaiError(f"--groups must be between 1 and {spec.num_classes}, got {args.groups}")
     if args.images < 1 or args.epochs < 1:
         raise SensaiError("--images and --epochs must be at least 1")
-    check_warmup(args.lr_warmup)
-    if args.train_limit is not None and args.train_limit < spec.num_classes:
-        raise SensaiError(f"--train-limit must be at least {spec.num_classes} (one image a class)")
-    return spec, DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()
+    training = demo_training(args).validate()
+    if training.train_limit is not None and training.train_limit < spec.num_classes:
+        raise SensaiError(f"train_limit must be at least {spec.num_classes} (one image a class)")
+    if bench_images(args) < 1:
+        raise SensaiError("bench_images must be at least 1")
+    return spec, training, DecomposeConfig(samples_per_subnet=args.samples_per_subnet).validate()
 
 
-def train_demo_model(args, spec, model_dir: Path, device):
+def train_demo_model(args, spec, training: TrainOptions, model_dir: Path, device):
     """The demo model, trained here unless ``model_dir`` holds one trained with these settings."""
     from sensai.data import load_split
     from sensai.errors import CheckpointError, SensaiError
@@ -123,16 +142,16 @@ def train_demo_model(args, spec, model_dir: Path, device):
 
     try:
         record = load_model_record(model_dir)
-        if (record.train is None or record.train.epochs != args.epochs
-                or record.train.warmup != args.lr_warmup
-                or record.train.train_limit != args.train_limit):
+        done = record.train
+        if (done is None or (done.epochs, done.lr, done.warmup, done.batch_size, done.train_limit)
+                != (args.epochs, training.lr, training.lr_warmup, training.batch_size,
+                    training.train_limit)):
             raise SensaiError("different run")
         print(f"already trained: {model_dir}")
     except SensaiError:
         kwargs = dict(model_name=args.model, spec=spec, train_set=load_split(spec, "train"),
                       test_set=load_split(spec, "test"), out_dir=model_dir, epochs=args.epochs,
-                      warmup=args.lr_warmup, train_limit=args.train_limit, device=device,
-                      eval_every=1)  # the convergence line below reads every epoch's top-1
+                      options=training, device=device)
         try:
             record = train(**kwargs)  # resumes an interrupted demo's training
         except CheckpointError as e:
@@ -220,15 +239,22 @@ def bench_demo(args, out: Path, art: Path) -> None:
 
     from sensai.bench.latency import run_bench
     from sensai.bench.latency_report import render_table
+    from sensai.bench.options import BenchOptions
+
+    from . import build_parser
+    from .options_args import command_line, options_from
 
     torch.set_num_threads(1)
     bench_dir = out / f"bench_{args.model}_g{args.groups}"
     # In process (the subnets' own gain) and over HTTP (what a caller sees); the other remote
-    # transports are `sensai bench`'s.
-    result = run_bench(art, bench_dir, images=args.bench_images, rounds=5,
-                       concurrency=4, device=args.device, data_dir=args.data_dir,
-                       transports=("inprocess", "http"),
-                       command=f"sensai bench {art} --out {bench_dir} --transports inprocess http")
+    # transports are `sensai bench`'s.  Parsed as `sensai bench` parses it, so bench.json
+    # records the command that reproduces it.
+    bench = build_parser().parse_args(
+        ["bench", str(art), "--out", str(bench_dir), "--images", str(bench_images(args)),
+         "-c", "4", "--device", args.device, "--transports", "inprocess", "http",
+         "--set", "rounds=5", *(["--data-dir", args.data_dir] if args.data_dir else [])])
+    result = run_bench(art, bench_dir,
+                       options_from(BenchOptions, bench, command=command_line(bench)))
     # The demo model's own targets; the gateway-overhead targets every model shares are in
     # bench.md with their explanation.
     print(render_table(result, model_targets_only=True))
@@ -239,13 +265,13 @@ def cmd_demo(args) -> int:
     from sensai.models import select_device
 
     out = Path(args.out)
-    spec, config = check_demo_args(args)
+    spec, training, config = check_demo_args(args)
     model_dir, art = out / args.model, out / f"{args.model}_g{args.groups}"
     device = select_device(args.device)
     t_start = time.perf_counter()
 
     _step(f"1/5 train {args.model} on Fashion-MNIST ({args.epochs} epochs, {device})")
-    record = train_demo_model(args, spec, model_dir, device)
+    record = train_demo_model(args, spec, training, model_dir, device)
     _step(f"2/5 decompose into {args.groups} class-parallel subnets")
     decompose_demo_model(args, spec, model_dir, art, config, record)
     serve_and_predict(args, spec, art)

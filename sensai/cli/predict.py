@@ -18,9 +18,9 @@ from sensai.serving.core.wakeup import keep_cores_awake
 from .serve import settings_from
 from .settings_args import add_setting_flags, setting_flags
 
-# The settings a prediction in this process reads: where and how the subnets run.
-PREDICT_SETTINGS = ("backend", "device", "runtime", "threads_per_worker", "trust_model_code",
-                    "keep_cores_awake", "spread_cores")
+# The settings a prediction in this process takes flags for: where and how the subnets run.  The
+# in-process tuning (threads, host tunings) comes from the SENSAI_* variables, as for the gateway.
+PREDICT_SETTINGS = ("backend", "device", "runtime", "trust_model_code")
 
 
 def register(sub) -> None:
@@ -63,8 +63,7 @@ def cmd_predict(args) -> int:
     artifact = load_artifact(args.artifact)
     # The image is checked before any subnet is loaded.
     x = decode_image(path.read_bytes(), artifact.spec,
-                     settings.image_pixels(artifact.spec.input_shape),
-                     settings.decoded_bytes(artifact.spec.input_shape))
+                     settings.image_pixels(artifact.spec.input_shape))
     predictor = build_predictor(args.artifact, settings)
 
     async def run():

@@ -15,11 +15,12 @@ import threading
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.serving.core.settings import (GatewaySettings, load_settings, read_config,
-                                          setting_name)
+from sensai.serving.core.settings import (GatewaySettings, knob_fields, load_settings,
+                                          read_config, setting_name)
 from sensai.serving.core.wakeup import keep_cores_awake
 
-from .settings_args import add_setting_flags, setting_flags
+from .knobs import add_set_flag
+from .settings_args import add_setting_flags, setting_flags, setting_knobs
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,12 @@ REPOSITORY_RAY_SHARE = 0.5
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a decomposition artifact over HTTP (REST + KServe "
                                      "v2) and, with --grpc-port, KServe v2 over gRPC",
-                       description="Every option but --inject-delay, --repository-token-file "
-                                   "and --config sets the gateway setting of the same "
-                                   "meaning; unset options keep the SENSAI_* environment "
-                                   "variable, else the default (deploy/README.md, "
-                                   "'Settings').")
+                       description="Every option but --inject-delay, --repository-token-file, "
+                                   "--config and --set sets the gateway setting of the same "
+                                   "meaning, and --set KEY=VALUE any other; a flag wins over "
+                                   "--set, --set over --config, --config over the SENSAI_* "
+                                   "environment variable, that over the default "
+                                   "(deploy/README.md, 'Settings').")
     p.add_argument("artifact", metavar="ARTIFACT_OR_REPOSITORY",
                    help="artifact directory written by 'sensai decompose', or a model repository "
                         "(REPO/<model>/<version>/ each an artifact, see 'sensai export')")
@@ -50,8 +52,9 @@ def register(sub) -> None:
              "without one it answers loopback clients only")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a deployment file 'sensai plan' wrote (its chosen settings, for the "
-                        "artifact it measured): its settings over the SENSAI_* variables, the "
-                        "flags given over both")
+                        "artifact it measured): its settings over the SENSAI_* variables, "
+                        "--set and the flags given over both")
+    add_set_flag(p, setting_knobs(knob_fields()), "any gateway setting without a flag of its own")
     p.set_defaults(func=cmd_serve, flags=setting_flags(p))
     register_export(sub)
 
@@ -84,18 +87,32 @@ def register_export(sub) -> None:
 
 def settings_from(args, config: tuple[dict, dict] | None = None) -> GatewaySettings:
     """SENSAI_* environment variables, overridden by a ``--config`` file's settings (``config``:
-    what :func:`read_config` made of it, else it is read here), overridden by the flags
-    given."""
-    flags = getattr(args, "flags", {})
-    given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    what :func:`read_config` made of it, else it is read here), by ``--set KEY=VALUE``, then by
+    the flags given."""
+    from_file = {}
     if getattr(args, "config", None):
         from_file, _ = config or read_config(args.config)
-        flags = {**flags, **{f: f"--config {args.config}: {f}" for f in from_file
-                             if f not in given}}
-        given = {**from_file, **given}
+    given = {**from_file, **(getattr(args, "knobs", None) or {}), **flag_values(args)}
     if getattr(args, "repository_token_file", None):
         given["repository_token"] = read_token(args.repository_token_file)
-    return load_settings(given, flags)
+    return load_settings(given, setting_names(args, from_file))
+
+
+def flag_values(args) -> dict:
+    """The settings given by their own flags (a flag not given is None)."""
+    return {f: getattr(args, f) for f in getattr(args, "flags", {})
+            if getattr(args, f, None) is not None}
+
+
+def setting_names(args, from_file=()) -> dict[str, str]:
+    """Each setting -> how its user gave it, for one-line errors: its flag, ``--set KEY``, or
+    ``--config FILE: KEY`` for one of ``from_file`` set nowhere else on the command line; a
+    setting not named here is called by its environment variable."""
+    knobs = getattr(args, "knobs", None) or {}
+    on_line = set(flag_values(args)) | set(knobs)
+    return {**getattr(args, "flags", {}),
+            **{f: f"--config {args.config}: {f}" for f in from_file if f not in on_line},
+            **{k: f"--set {k}" for k in knobs}}
 
 
 def check_config_artifact(path: str, measured: dict, artifact) -> None:
@@ -148,11 +165,12 @@ def cmd_serve(args) -> int:
 
     config = read_config(args.config) if args.config else None
     settings = settings_from(args, config)
+    names = setting_names(args, config[0] if config else ())
     if args.config and is_repository(args.artifact):
         raise SensaiError(f"--config {args.config}: a deployment file is measured for one "
                           "artifact, not a model repository")
     if is_repository(args.artifact):
-        return serve_repository(args, settings)
+        return serve_repository(args, settings, names)
     if settings.model_control != "none":
         raise SensaiError(f"--model-control {settings.model_control} needs a model repository "
                           "(REPO/<model>/<version>/, see 'sensai export'), not one artifact")
@@ -172,9 +190,9 @@ def cmd_serve(args) -> int:
     # pipes would cost a thread hop each way and a pickle per run).
     if processes > 1 or settings.backend == "processes":
         return serve_fleet(args, settings, faults, processes)
-    refuse_device_processes(args, settings, "the local backend with one gateway process runs "
-                                            "the subnets in its own threads; use --backend "
-                                            "processes")
+    refuse_device_processes(names, settings, "the local backend with one gateway process runs "
+                                             "the subnets in its own threads; use --backend "
+                                             "processes")
     server = None
     url = settings.triton_url
     if settings.backend == "triton" and url is None:
@@ -198,9 +216,10 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def serve_repository(args, settings: GatewaySettings) -> int:
+def serve_repository(args, settings: GatewaySettings, names: dict[str, str]) -> int:
     """``sensai serve REPO``: every model of a repository, each version with workers of its
-    own, loaded before the port opens; with model control, loaded and unloaded while serving."""
+    own, loaded before the port opens; with model control, loaded and unloaded while serving
+    (``names``: how the user gave each setting, :func:`setting_names`)."""
     from sensai.serving.core.repository import VersionPolicy, model_names
     from sensai.serving.gateway.app import create_app
     from sensai.serving.gateway.served import ServedModels
@@ -213,14 +232,15 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     if args.inject_delay:
         raise SensaiError("--inject-delay applies to one artifact, not a repository")
     if (settings.gateway_replicas or 1) > 1:
-        raise SensaiError(f"--gateway-replicas {settings.gateway_replicas}: a model repository "
-                          "is served by one gateway process")
+        raise SensaiError(f"{setting_name('gateway_replicas', names)} "
+                          f"{settings.gateway_replicas}: a model repository is served by one "
+                          "gateway process")
     if settings.backend != "processes":  # a version's own device processes, or none
-        refuse_device_processes(args, settings, "a model repository's workers on the "
+        refuse_device_processes(names, settings, "a model repository's workers on the "
                                 f"{settings.backend} backend run in no device process; use "
                                 "--backend processes")
     repo = Path(args.artifact)
-    if not model_names(repo) and settings.model_control == "none":
+    if not model_names(repo) and settings.model_control_kind == "none":
         raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"
                           "<version>/ holding an artifact; see 'sensai export')")
     check_gateway_host(settings)
@@ -246,11 +266,12 @@ def serve_repository(args, settings: GatewaySettings) -> int:
     return 0
 
 
-def refuse_device_processes(args, settings: GatewaySettings, why: str) -> None:
-    """One line when the device processes are set where the subnets run in none."""
+def refuse_device_processes(names: dict[str, str], settings: GatewaySettings, why: str) -> None:
+    """One line when the device processes are set where the subnets run in none (``names``:
+    how the user gave each setting)."""
     if settings.device_processes is not None:
-        name = setting_name("device_processes", getattr(args, "flags", {}))
-        raise SensaiError(f"{name} does not apply here ({why})")
+        raise SensaiError(f"{setting_name('device_processes', names)} does not apply here "
+                          f"({why})")
 
 
 def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:

@@ -9,10 +9,10 @@ settings model keeps the one default and ``SENSAI_*`` variables still apply.
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 
 from sensai.serving.core.settings import GatewaySettings, default_text, described
+
+from .knobs import Knob, value_type
 
 GROUPS = {
     "runtime": "Where and how the subnets run.",
@@ -20,21 +20,10 @@ GROUPS = {
     "redundancy": "Host every group's subnet on several workers (cyclic placement) so an answer "
                   "does not wait for the slowest worker and survives a dead one.  Dead or hung "
                   "workers are restarted (on Ray, by Ray).",
-    "batching": "A worker runs the requests it finds waiting as one batch (deploy/README.md, "
-                "'Micro-batching').",
-    "host tuning": "Opt-in, off by default: they change the machine, not only this process "
-                   "(deploy/README.md, 'Latency').",
     "model repository": "Serving a repository: every model's versions as its version policy "
                         "says; the control API loads, swaps and unloads them without a restart "
                         "(deploy/README.md, 'Model repository').",
 }
-
-
-def value_type(annotation):
-    """int, float or str from a field's annotation (``X | None`` is X)."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
 
 
 def group_of(p: argparse.ArgumentParser, name: str, made: dict):
@@ -58,7 +47,7 @@ def add_setting_flags(p: argparse.ArgumentParser, fields=None, *, choices=None,
             continue
         names = [d["flag"], *([d["short"]] if d.get("short") else [])]
         help_text = f"{info.description} (default: {default_text(field)})".replace("%", "%%")
-        kind = value_type(info.annotation)
+        kind, _ = value_type(info.annotation)
         target = group_of(p, d.get("group", "server"), made)
         if kind is bool:
             target.add_argument(*names, dest=field, action="store_true", default=None,
@@ -75,3 +64,16 @@ def setting_flags(p: argparse.ArgumentParser) -> dict[str, str]:
     only in ``_actions``)."""
     return {a.dest: a.option_strings[0] for a in p._actions
             if a.option_strings and a.dest in GatewaySettings.model_fields}
+
+
+def setting_knobs(fields=None) -> list[Knob]:
+    """The ``--set`` keys of the gateway settings (``fields``: only those), each described by
+    its declaration."""
+    out = []
+    for field, info in GatewaySettings.model_fields.items():
+        if fields is not None and field not in fields:
+            continue
+        kind, optional = value_type(info.annotation)
+        out.append(Knob(field, kind, default_text(field), info.description or "", optional,
+                        described(field).get("choices")))
+    return out

@@ -6,8 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from sensai.manifest import DEFAULT_WARMUP
 from sensai.spec import DATASET_NAMES
+from sensai.training.options import TrainOptions
+
+from .knobs import add_set_flag, dataclass_knobs
 
 
 def add_data_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -30,32 +32,19 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("train", help="train a registry model on a dataset")
+    p = sub.add_parser("train", help="train a registry model on a dataset",
+                       description="Train a registry model, one warm-up and cosine schedule over "
+                                   "all epochs; resumes an unfinished run in --out.  How it "
+                                   "trains (learning rate, batch size, ...) is --set KEY=VALUE.")
     p.add_argument("--model", default=None, help="registry name or package.module:factory "
                    "(default: fmnist_cnn)")
     add_data_args(p)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default: 0.05)")
-    p.add_argument("--lr-warmup", type=float, default=DEFAULT_WARMUP,
-                   help="fraction of all steps over which the learning rate ramps up to --lr, "
-                        "before one cosine decay to zero (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-limit", type=int, default=None,
-                   help="train on at most this many images (stratified), for quick runs")
-    p.add_argument("--no-resume", action="store_true", help="ignore an unfinished run in --out")
-    p.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="also measure test top-1 after every N-th epoch (default: 0, after the "
-                        "last epoch only)")
-    p.add_argument("--compile", action="store_true",
-                   help="run the training step through torch.compile (fewer, fused kernels; "
-                        "compiling takes tens of seconds first)")
-    p.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CUDA, replay each full batch's step from a CUDA graph captured after a few "
-                        "eager steps (one launch per step); eager where capture fails, after one "
-                        "warning line (default: on; the CPU runs eagerly)")
+    p.add_argument("--epochs", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     add_device_arg(p)
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--no-resume", action="store_true", help="ignore an unfinished run in --out")
+    add_set_flag(p, dataclass_knobs(TrainOptions), "how it trains")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("import", help="adopt your own trained weights for a registry model")
@@ -93,9 +82,8 @@ def cmd_train(args) -> int:
     device = select_device(args.device)
     record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
-                   lr=args.lr, warmup=args.lr_warmup, batch_size=args.batch_size, seed=args.seed,
-                   train_limit=args.train_limit, device=device, resume=not args.no_resume,
-                   compile_=args.compile, capture=args.capture, eval_every=args.eval_every)
+                   options=TrainOptions(**args.knobs), seed=args.seed, device=device,
+                   resume=not args.no_resume)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "
           f"{Path(args.out) / 'model.json'}")

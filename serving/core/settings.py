@@ -1,21 +1,23 @@
 """Gateway settings: defaults, overridden by ``SENSAI_*`` environment variables, then by the CLI.
 
 :class:`GatewaySettings` is the one place each setting has a name, an environment variable
-(``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags,
-the Ray Serve application embeds it in its arguments (:mod:`~sensai.serving.launch.serve_app`), and
-:func:`~sensai.serving.launch.build.build_predictor` validates its keywords against it.  Every field
-is documented in deploy/README.md ("Settings"; a test keeps the two in step).
+(``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags
+and its ``--set KEY=VALUE``, the Ray Serve application embeds it in its arguments
+(:mod:`~sensai.serving.launch.serve_app`), and :func:`~sensai.serving.launch.build.build_predictor`
+validates its keywords against it.  Every field is documented in deploy/README.md ("Settings"; a
+test keeps the two in step).
 """
 
 from __future__ import annotations
 
 import json
-import re
+import math
 import os
+import re
 from pathlib import Path
-from typing import Mapping
+from typing import Annotated, Mapping
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sensai.errors import SensaiError
@@ -28,6 +30,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # How a subnet runs: see serving/workers/runners.py (auto picks per device; sim: a simulated GPU).
 MODEL_RUNTIMES = ("auto", "onnx", "torch", "cuda-graph")  # those that compute the model
 RUNTIMES = (*MODEL_RUNTIMES, "sim")
+SIM_LAUNCH_MS = 0.3  # the simulated GPU's time per launch where runtime is sim, not sim:MS
+MODEL_CONTROLS = ("none", "explicit", "poll")
+REPOSITORY_POLL_S = 15.0  # between looks at a polled repository, unless poll:SECONDS
 GPU_WAITS = ("spin", "sleep")
 # The most rows of a worker's batch by default: on a CPU a batch costs in proportion to its rows,
 # so a few amortise the per-call overhead; on a GPU (and its simulation) a launch costs about the
@@ -48,12 +53,58 @@ CONFIG_KIND = "sensai-serve-config"
 CONFIG_SCHEMA = 1
 
 
+# The settings that take an option or ``OPTION:X``: their options, the one that takes a number,
+# its unit, whether it must be > 0 (else >= 0), and its default.
+NUMBERED = {"runtime": (RUNTIMES, "sim", "MS", False, SIM_LAUNCH_MS),
+            "model_control": (MODEL_CONTROLS, "poll", "SECONDS", True, REPOSITORY_POLL_S)}
+
+
+def split_numbered(field: str, value: str) -> tuple[str, float]:
+    """Setting ``field``'s ``value`` (one of its options, or ``OPTION:X``; see ``NUMBERED``)
+    as (the option, X or its default); ValueError says what was expected."""
+    options, numbered, unit, positive, default = NUMBERED[field]
+    option, colon, text = value.partition(":")
+    if option not in options or (colon and option != numbered):
+        raise ValueError(f"expected one of {', '.join(options)}, or {numbered}:{unit}; got "
+                         f"{value!r}")
+    if not colon:
+        return option, default
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and (x > 0 if positive else x >= 0)):
+        raise ValueError(f"{numbered}:{unit} wants a number {'>' if positive else '>='} 0 after "
+                         f"the colon; got {value!r}")
+    return option, x
+
+
+def numbered(field: str) -> AfterValidator:
+    """The check of setting ``field``'s OPTION or OPTION:X (:func:`split_numbered`)."""
+    def check(v: str) -> str:
+        split_numbered(field, v)  # its ValueError says what was expected
+        return v
+    return AfterValidator(check)
+
+
+def yaml_on_off(v):
+    # YAML 1.1 reads an unquoted on/off as a boolean.
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+def known_policy(v: str) -> str:
+    try:
+        return str(VersionPolicy.parse(v))
+    except SensaiError as e:
+        raise ValueError(str(e)) from None
+
+
 def setting(default, help: str, *, flag: str | None = None, short: str | None = None,
             group: str = "server", metavar: str | None = None, default_doc: str | None = None,
             choices: tuple[str, ...] | None = None, **constraints):
     """A settings field and everything said of it, once: its ``help`` (the CLI's and
-    deploy/README.md's), the ``flag`` of ``sensai serve`` that sets it (None: the environment
-    variable and a deployment file only), its help ``group``, how its default reads
+    deploy/README.md's), the ``flag`` of ``sensai serve`` that sets it (None: ``--set KEY=VALUE``,
+    its environment variable and a deployment file), its help ``group``, how its default reads
     (``default_doc``, where the default is derived) and its ``choices``."""
     extra = {"flag": flag, "short": short, "group": group, "metavar": metavar,
              "default_doc": default_doc, "choices": list(choices) if choices else None}
@@ -93,22 +144,20 @@ class GatewaySettings(BaseSettings):
                 "error), cpu, cuda:N (every worker on GPU N); on Ray and Ray Serve: auto, cpu "
                 "or cuda (a GPU, or a share of one, per worker)", flag="--device",
         group="runtime")
-    runtime: str = setting(
+    runtime: Annotated[str, numbered("runtime")] = setting(
         "auto", "auto (ONNX Runtime on CPUs, CUDA graphs on GPUs, eager torch where a network "
                 "cannot be captured), onnx, torch (eager), cuda-graph (a capture failure is an "
-                "error); sim: a simulated GPU, a fixed time per launch whatever the rows, answers "
-                "that are not the model's, for measuring the serving path without a GPU (see "
-                "\"On GPUs\")", flag="--runtime", group="runtime", choices=RUNTIMES)
-    sim_launch_ms: float = setting(
-        0.3, "--runtime sim: the simulated GPU's time per launch, whatever its rows",
-        flag="--sim-launch-ms", group="runtime", metavar="MS", ge=0)
+                "error); sim or sim:MS: a simulated GPU, MS per launch whatever the rows (default "
+                f"{SIM_LAUNCH_MS:g} ms), answers that are not the model's, for measuring the "
+                "serving path without a GPU (see \"On GPUs\")", flag="--runtime",
+        group="runtime", metavar="RUNTIME")
     gpu_wait: str = setting(
         "spin", "how a worker's thread waits for its GPU's batch: spin (answers sooner, keeps "
                 "a core busy) or sleep; either way it holds no interpreter lock",
-        flag="--gpu-wait", group="runtime", choices=GPU_WAITS)
+        group="runtime", metavar="MODE", choices=GPU_WAITS)
     threads_per_worker: int = setting(
         1, "intra-op threads of each subnet runner (on Ray: from the worker's CPUs)",
-        flag="--threads", group="runtime", metavar="N", ge=1)
+        group="runtime", metavar="N", ge=1)
     trust_model_code: bool = setting(
         False, "let the torch runtime import an architecture the manifest names as "
                "package.module:factory (that runs its code)", flag="--trust-model-code",
@@ -123,7 +172,7 @@ class GatewaySettings(BaseSettings):
               "and on the local backend above 1, the subnets run in device processes shared "
               "by all of them (\"Several gateway processes\"); ray-serve: the application's "
               "ingress replicas on a node (\"Ray Serve\"); refused on ray and triton",
-        flag="--gateway-replicas", group="placement", metavar="N",
+        group="placement", metavar="N",
         default_doc="local and processes: 1 on fewer than 4 cores, else half the cores, at "
                     "most 8 (1 for a model repository); ray-serve: 1", ge=1)
     device_processes: int | None = setting(
@@ -132,14 +181,14 @@ class GatewaySettings(BaseSettings):
               "cores, a lone request a little later; GPUs keep one per GPU; refused with "
               "redundancy, a vote or injected faults, and where the subnets run in none (ray, "
               "triton, ray-serve, the local backend with one gateway process, a model "
-              "repository)", flag="--device-processes", group="placement", metavar="N",
+              "repository)", group="placement", metavar="N",
         default_doc="one per worker", ge=1)
     ray_address: str | None = setting(
         None, "ray and ray-serve backends: the cluster to join (e.g. auto, HEAD:6379)",
         flag="--ray-address", group="placement", metavar="ADDRESS", default_doc="start a local Ray")
     ray_cpus: float | None = setting(
         None, "CPUs per Ray worker actor or Serve worker replica (a Serve ingress replica "
-              "takes the same, at most 1)", flag="--ray-cpus", group="placement", metavar="CPUS",
+              "takes the same, at most 1)", group="placement", metavar="CPUS",
         default_doc="1, or an even share that fits", gt=0)
     triton_url: str | None = setting(
         None, "triton backend: host:port of a running Triton HTTP endpoint serving 'sensai "
@@ -155,112 +204,111 @@ class GatewaySettings(BaseSettings):
                          group="redundancy")
     hedge_ms: float = setting(
         0.0, "a worker waits up to this long before computing copies, skipped if their group "
-             "is answered meanwhile", flag="--hedge-ms", group="redundancy", metavar="MS", ge=0)
+             "is answered meanwhile", group="redundancy", metavar="MS", ge=0)
     restart_delay_s: float = setting(0.0, "wait before restarting a dead worker",
-                                     flag="--restart-delay", group="redundancy",
-                                     metavar="SECONDS", ge=0)
+                                     group="redundancy", metavar="SECONDS", ge=0)
     # -- batching
     batch_max_rows: int | None = setting(
         None, "most image rows of each subnet a worker runs as one batch of the requests it "
               "finds waiting (1: one request at a time; a larger v2 batch still runs whole, "
               "alone); on GPUs the CUDA graphs are captured up to it; see \"Micro-batching\"",
-        flag="--batch-max-rows", group="batching", metavar="N",
+        group="batching", metavar="N",
         default_doc=f"{CPU_BATCH_ROWS} on CPUs, {GPU_BATCH_ROWS} on GPUs and --runtime sim",
         ge=1)
     batch_delay_us: float = setting(
         0.0, "how long a worker may hold a request back waiting for company (0: only what is "
              "queued already is batched, a request alone never waits)",
-        flag="--batch-delay-us", group="batching", metavar="US", ge=0)
+        group="batching", metavar="US", ge=0)
     # -- limits
     max_request_rows: int = setting(64, "largest batch a KServe v2 request may carry",
-                                    group="limits", ge=1)
+                                    group="limits", metavar="N", ge=1)
     max_body_bytes: int = setting(8 << 20, "larger request bodies: 413", group="limits",
-                                  default_doc="8 MiB", ge=1024)
+                                  metavar="BYTES", default_doc="8 MiB", ge=1024)
     max_image_pixels: int | None = setting(
-        None, "width x height limit of an uploaded picture (larger: 413 from its header)",
-        group="limits",
+        None, "width x height limit of an uploaded picture (larger: 413 from its header); it "
+              "bounds the memory a picture takes decoded too, at most 4 bytes a pixel",
+        group="limits", metavar="PIXELS",
         default_doc="4,096 x the model's input pixels, between 4 and 25 million", ge=1)
-    max_decoded_bytes: int | None = setting(
-        None, "memory an uploaded picture may take decoded (width x height x bytes per pixel; "
-              "larger: 413)", group="limits",
-        default_doc="4 bytes x the pixel limit (16 MB for a 28x28 model)", ge=1024)
     max_requests: int = setting(
         256, "requests in flight (health checks and metrics excepted); beyond: 503 + "
              "Retry-After at once; at most half of them may be waiting for the rest of a body; "
              "the kernel holds as many connections before they are accepted", group="limits",
-        ge=1)
+        metavar="N", ge=1)
     max_predictions: int = setting(
         32, "most requests in the predictor at once, the ceiling of its adaptive limit; as "
             "many more may wait, a place reserved at admission, until a line stands (see "
             "\"Overload\"); beyond: 503 + Retry-After at admission (several gateway processes "
-            "share the workers: each holds 1/N of it)", group="limits", ge=1)
+            "share the workers: each holds 1/N of it)", group="limits", metavar="N", ge=1)
     latency_target_s: float | None = setting(
         None, "from a request's first byte to its answer: the predictor's limit adapts so that "
               "at most 1 request in 20 takes longer, and a request that waited longer than "
               "this before it could be admitted is refused; see \"Overload\"", group="limits",
-        default_doc="a quarter of the deadline", gt=0)
+        metavar="SECONDS", default_doc="a quarter of the deadline", gt=0)
     max_loop_lag_s: float | None = setting(
         None, "while the event loop runs this late (measured by a 20 ms timer), new requests "
               "get 503 at once; the lag also counts against every request's deadline",
-        group="limits", default_doc="a quarter of the deadline, at most 0.25 s", gt=0)
-    body_timeout_s: float = setting(10.0, "a request body must arrive within this (408)",
-                                    group="limits", gt=0)
+        group="limits", metavar="SECONDS", default_doc="a quarter of the deadline, at most 0.25 s",
+        gt=0)
+    client_timeout_s: float = setting(
+        10.0, "a request head must arrive within this of its first byte (or of the "
+              "connection's opening: 408, connection closed), and its body within this (408)",
+        group="limits", metavar="SECONDS", gt=0)
     max_header_bytes: int = setting(
         16384, "a request head (request line and headers) over this: 431, connection closed",
-        group="limits", default_doc="16 KiB", ge=1024)
-    head_timeout_s: float = setting(
-        10.0, "a request head must arrive within this of its first byte (or of the "
-              "connection's opening): 408, connection closed", group="limits", gt=0)
+        group="limits", metavar="BYTES", default_doc="16 KiB", ge=1024)
     max_connections: int = setting(
         1000, "open connections; one more closes the connection that has waited longest "
               "without a complete request head (with a 503), else the longest idle kept-alive "
               "one; when every one has a request in progress, the new one gets 503 + "
-              "Retry-After and is closed", group="limits", ge=1)
+              "Retry-After and is closed", group="limits", metavar="N", ge=1)
     max_connections_per_client: int | None = setting(
         None, "open connections of one client address; one more gets 503 + Retry-After and is "
               "closed (behind a proxy every client has the proxy's address)", group="limits",
-        default_doc="no bound but max_connections", ge=1)
+        metavar="N", default_doc="no bound but max_connections", ge=1)
     # -- host tuning
-    keep_cores_awake: str = setting(
+    keep_cores_awake: Annotated[str, BeforeValidator(yaml_on_off)] = setting(
         "off", "host tuning, opt-in: while serving, ask the kernel that idle cores poll "
                "instead of sleeping deeply (PM QoS, /dev/cpu_dma_latency, root only): off, auto "
                "(when this process may), on (or refuse to start); see \"Latency\"",
-        flag="--keep-cores-awake", group="host tuning", choices=MODES)
+        group="host tuning", metavar="MODE", choices=MODES)
     spread_cores: bool = setting(
         False, "host tuning, opt-in (local backend): move a worker thread to another core when "
                "it ran a request on the core of another worker of that request "
-               "(sched_setaffinity); see \"Latency\"", flag="--spread-cores",
-        group="host tuning")
+               "(sched_setaffinity); see \"Latency\"", group="host tuning")
     # -- a model repository
-    model_control: str = setting(
+    model_control: Annotated[str, numbered("model_control")] = setting(
         "none", "a model repository's API (/v2/repository/...): none (off), explicit (index, "
-                "load, unload), poll (index; the files are watched)", flag="--model-control",
-        group="model repository", choices=("none", "explicit", "poll"))
-    version_policy: str = setting(
+                "load, unload), poll or poll:SECONDS (index; the files are watched, a look every "
+                f"SECONDS, default {REPOSITORY_POLL_S:g})", flag="--model-control",
+        group="model repository", metavar="MODE")
+    version_policy: Annotated[str, AfterValidator(known_policy)] = setting(
         "latest:1", "which versions of each repository model are served: latest[:N], all, "
                     "specific:V[,V...] (a model's sensai-model.json overrides it)",
-        flag="--version-policy", group="model repository", metavar="POLICY")
-    repository_poll_s: float = setting(
-        15.0, "with --model-control poll: seconds between looks at the repository",
-        flag="--repository-poll", group="model repository", metavar="SECONDS", gt=0)
+        group="model repository", metavar="POLICY")
     repository_token: str | None = setting(
         None, "a bearer token (16+ characters) the repository API then asks for; 'sensai "
               "serve' reads it from the first line of --repository-token-file",
         group="model repository", default_doc="none: loopback clients only", min_length=16)
 
-    @field_validator("keep_cores_awake", mode="before")
-    @classmethod
-    def yaml_on_off(cls, v):
-        # YAML 1.1 reads an unquoted on/off as a boolean.
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+    @property
+    def runtime_kind(self) -> str:
+        """The runtime without its number: ``sim`` for ``sim:0.5``."""
+        return split_numbered("runtime", self.runtime)[0]
 
-    @field_validator("version_policy")
-    @classmethod
-    def known_policy(cls, v: str) -> str:
-        try:
-            return str(VersionPolicy.parse(v))
-        except SensaiError as e:
-            raise ValueError(str(e)) from None
+    @property
+    def sim_launch_ms(self) -> float:
+        """The simulated GPU's time per launch (``runtime`` sim:MS, or its default)."""
+        return split_numbered("runtime", self.runtime)[1]
+
+    @property
+    def model_control_kind(self) -> str:
+        """The repository API's mode without its number: ``poll`` for ``poll:2``."""
+        return split_numbered("model_control", self.model_control)[0]
+
+    @property
+    def repository_poll_s(self) -> float:
+        """Seconds between looks at a polled repository (``model_control`` poll:SECONDS)."""
+        return split_numbered("model_control", self.model_control)[1]
 
     def image_pixels(self, input_shape) -> int:
         """The image size limit: as set, or the largest picture worth decoding for a model of
@@ -270,13 +318,6 @@ class GatewaySettings(BaseSettings):
             return self.max_image_pixels
         _, h, w = input_shape
         return int(min(25_000_000, max(4_000_000, 4096 * h * w)))
-
-    def decoded_bytes(self, input_shape) -> int:
-        """The decoded-memory limit of one uploaded image: as set, or what the largest allowed
-        picture takes as 8-bit RGBA (deeper or larger-per-pixel modes then get fewer pixels)."""
-        if self.max_decoded_bytes is not None:
-            return self.max_decoded_bytes
-        return 4 * self.image_pixels(input_shape)
 
     def changed(self) -> dict:
         """The settings set to something other than their defaults (what ``/v1/models``
@@ -340,7 +381,8 @@ NOT_ON = {
 PROXY_HELD = {
     "max_connections": "connections are held by Serve's HTTP proxy",
     "max_header_bytes": "request heads are read by Serve's HTTP proxy",
-    "head_timeout_s": "request heads are read by Serve's HTTP proxy",
+    "client_timeout_s": "request heads are read by Serve's HTTP proxy, so it would bound "
+                        "the bodies only",
 }
 # The backends whose workers take injected faults (tests, benchmark): Triton owns its model
 # instances, and a Serve application's replicas are built from its arguments alone.
@@ -404,15 +446,40 @@ def explain(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
 
 
 def setting_name(field: str, names: Mapping[str, str] | None = None) -> str:
-    """A setting as its user gave it: the flag (``names``: field -> flag), else its environment
-    variable."""
+    """A setting as its user gave it: its flag or ``--set KEY`` (``names``: field -> that), else
+    its environment variable."""
     return (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
+
+
+# Variables of settings this version no longer has -> what says the same now.  The settings
+# model ignores names it does not know, so a deployment's leftover variable would otherwise be
+# dropped without a word.
+RETIRED = {
+    "SENSAI_HEAD_TIMEOUT_S": "SENSAI_CLIENT_TIMEOUT_S",
+    "SENSAI_BODY_TIMEOUT_S": "SENSAI_CLIENT_TIMEOUT_S",
+    "SENSAI_MAX_DECODED_BYTES": "SENSAI_MAX_IMAGE_PIXELS (it bounds the decoded memory too)",
+    "SENSAI_SIM_LAUNCH_MS": "SENSAI_RUNTIME=sim:MS",
+    "SENSAI_REPOSITORY_POLL_S": "SENSAI_MODEL_CONTROL=poll:SECONDS",
+    "SENSAI_MAX_BATCH": "SENSAI_MAX_REQUEST_ROWS",
+    "SENSAI_HANG_TIMEOUT_S": "SENSAI_DEADLINE_S (a worker is taken for hung after twice the "
+                             "deadline, at least 10 s)",
+    "SENSAI_LISTEN_BACKLOG": "SENSAI_MAX_REQUESTS (the backlog follows it)",
+}
+
+
+def check_retired(environ: Mapping[str, str]) -> None:
+    """A one-line :class:`SensaiError` naming each retired setting's variable set in
+    ``environ`` and what replaced it."""
+    found = [f"{name} (now {now})" for name, now in RETIRED.items() if name in environ]
+    if found:
+        raise SensaiError(f"no longer a setting: {'; '.join(found)}")
 
 
 def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:
     """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, checked
     against its backend (:func:`check_backend`), or a one-line :class:`SensaiError` naming the
-    setting as ``names`` call it."""
+    setting as ``names`` call it (or a retired setting's variable still set)."""
+    check_retired(os.environ)
     try:
         settings = GatewaySettings(**values)
     except ValidationError as e:
@@ -479,14 +546,31 @@ def settings_table() -> str:
     def code(text: str) -> str:
         return re.sub(r"(?<![\w`-])(--[a-z][a-z0-9-]*)", r"`\1`", text)
 
-    rows = ["| setting (environment variable) | flag of `sensai serve` | default | what |",
+    rows = ["| setting (environment variable) | `sensai serve` | default | what |",
             "|---|---|---|---|"]
     for field, info in GatewaySettings.model_fields.items():
-        d = described(field)
-        flags = ", ".join(f"`{f}`" for f in (d.get("flag"), d.get("short")) if f)
-        rows.append(f"| `{ENV_PREFIX}{field.upper()}` | {flags} | {default_text(field)} | "
-                    f"{code(info.description or '')} |")
+        rows.append(f"| `{ENV_PREFIX}{field.upper()}` | {how_set(field)} | "
+                    f"{default_text(field)} | {code(info.description or '')} |")
     return "\n".join(rows) + "\n"
+
+
+def knob_fields() -> list[str]:
+    """The settings ``sensai serve`` sets with ``--set KEY=VALUE``: those without a flag of their
+    own, secrets excepted (a command line is seen by every user of the machine)."""
+    return [f for f in GatewaySettings.model_fields
+            if not described(f).get("flag") and f not in SECRETS]
+
+
+def how_set(field: str) -> str:
+    """``field``'s cell of the table's ``sensai serve`` column: its flags, its ``--set`` form,
+    or "-" for a secret (its environment variable, or a file a flag names)."""
+    d = described(field)
+    if d.get("flag"):
+        return ", ".join(f"`{f}`" for f in (d["flag"], d.get("short")) if f)
+    if field not in knob_fields():
+        return "-"
+    boolean = GatewaySettings.model_fields[field].annotation is bool
+    return f"`--set {field}={d.get('metavar') or ('true' if boolean else 'VALUE')}`"
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the table for deploy/README.md

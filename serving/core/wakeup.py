@@ -84,11 +84,11 @@ def keep_cores_awake(mode: str = "off", device: str = DEVICE) -> CoresAwake:
         why = f"cannot {'write' if fd is not None else 'open'} {device}: {e.strerror or e}"
         if mode == "on":
             raise SensaiError(f"cannot keep idle cores awake: {why} (it takes root, or access "
-                              "to that file; or use --keep-cores-awake auto or off)") from None
+                              "to that file; or set keep_cores_awake to auto or off)") from None
         log.info("idle cores may sleep deeply between requests: %s (root only; see "
                  "deploy/README.md, 'Latency')", why)
         return CoresAwake(mode, False, why)
-    log.info("idle cores kept awake while serving (%s: %d us; --keep-cores-awake)", device,
+    log.info("idle cores kept awake while serving (%s: %d us; keep_cores_awake)", device,
              LATENCY_US)
     return CoresAwake(mode, True, f"{device}: {LATENCY_US} us", fd)
 

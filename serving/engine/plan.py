@@ -97,7 +97,7 @@ def subnet_specs(artifact: Artifact, settings: GatewaySettings, *, device: str |
     """The runner recipe of every subnet as ``settings`` ask (``device`` / ``runtime``: what a
     backend fixes instead, e.g. the CPU where the worker picks its own device)."""
     return runner_specs(artifact, device=device or settings.device,
-                        runtime=runtime or settings.runtime, threads=settings.threads_per_worker,
+                        runtime=runtime or settings.runtime_kind, threads=settings.threads_per_worker,
                         trust_code=settings.trust_model_code, batch_rows=settings.batch_max_rows,
                         gpu_wait=settings.gpu_wait, sim_launch_ms=settings.sim_launch_ms)
 

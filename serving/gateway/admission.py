@@ -23,7 +23,7 @@ refused afterwards for want of room: it can only fail on its own (bad input 4xx,
 One bound holds a client to account later: at most half of ``max_requests`` may be waiting for
 the rest of their body at a time (a body that comes with its head never waits), so clients
 trickling bodies cannot hold every slot: a body that does not come whole while that many are
-arriving gets a 503, and a body must arrive within ``body_timeout_s`` (408).
+arriving gets a 503, and a body must arrive within ``client_timeout_s`` (408).
 
 Image decoding runs in threads, at most one per usable core (affinity and cgroup quota) at a
 time.  Everything here runs on the event loop, so plain counters need no lock.
@@ -82,7 +82,7 @@ class Ticket:
 
 class Admission:
     """The bounds of ``settings`` (``max_requests``, ``max_predictions``, ``latency_target_s``,
-    ``body_timeout_s``, ``max_loop_lag_s``, ``deadline_s``) for one gateway's event loop;
+    ``client_timeout_s``, ``max_loop_lag_s``, ``deadline_s``) for one gateway's event loop;
     ``decode_slots``: decoding threads (default: one per usable core); ``line``: how many
     requests may wait for the predictor (see :class:`~.limit.AdaptiveLimit`)."""
 
@@ -91,7 +91,7 @@ class Admission:
         s = settings
         self.max_requests = s.max_requests
         self.max_receiving = max(1, s.max_requests // 2)
-        self.body_timeout_s = s.body_timeout_s
+        self.client_timeout_s = s.client_timeout_s
         self.deadline_s = s.deadline_s
         self.requests = 0
         self.receiving = 0
@@ -213,7 +213,7 @@ class _Body:
         self.adm, self.deadline = adm, deadline
 
     async def __aenter__(self) -> None:
-        self.by_body = asyncio.get_running_loop().time() + self.adm.body_timeout_s
+        self.by_body = asyncio.get_running_loop().time() + self.adm.client_timeout_s
         self.timeout = asyncio.timeout_at(min(self.deadline, self.by_body))
         await self.timeout.__aenter__()
 
@@ -222,7 +222,8 @@ class _Body:
             await self.timeout.__aexit__(et, exc, tb)
         except TimeoutError:
             adm = self.adm
-            limit = (f"the body timeout of {adm.body_timeout_s:g} s"
+            limit = (f"the client timeout of {adm.client_timeout_s:g} s, "
+                     "SENSAI_CLIENT_TIMEOUT_S"
                      if self.by_body <= self.deadline
                      else f"the request's deadline of {adm.deadline_s:g} s")
             raise RequestTimeout(f"the request body did not arrive in time ({limit})") from None

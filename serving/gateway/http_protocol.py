@@ -13,7 +13,7 @@ them:
 * a request head (request line and headers) over ``max_header_bytes`` -> 431, connection closed,
   counted as it arrives (so a trickled head never grows past the bound) and as parsed (a head
   that came in one read);
-* a head not complete ``head_timeout_s`` after its first byte (or after the connection opened)
+* a head not complete ``client_timeout_s`` after its first byte (or after the connection opened)
   -> 408, connection closed; an idle kept-alive connection is left to uvicorn's keep-alive
   timeout;
 * at ``max_connections`` open connections, a new one makes room: the connection that has waited
@@ -100,7 +100,7 @@ if HttpToolsProtocol is not None:
                             "limit (SENSAI_MAX_CONNECTIONS), each with a request in progress; "
                             "retry shortly", b"retry-after: 1\r\n")
                 return
-            self.head_timer = self.loop.call_later(limits.head_timeout_s, self.head_late)
+            self.head_timer = self.loop.call_later(limits.client_timeout_s, self.head_late)
 
         def make_room(self) -> bool:
             """Close the connection that has waited longest without a complete request head,
@@ -146,7 +146,7 @@ if HttpToolsProtocol is not None:
                 super().data_received(data)
                 return
             if self.head_timer is None:  # the first bytes of a kept-alive connection's next head
-                self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self.head_late)
+                self.head_timer = self.loop.call_later(self.limits.client_timeout_s, self.head_late)
             # Counted before parsing: when the head completes in this chunk, the count is reset
             # and the body bytes that came with it do not count.
             self.head_bytes += len(data)
@@ -275,7 +275,7 @@ if HttpToolsProtocol is not None:
             self.head_timer = None
             if self.awaiting_head and not self.transport.is_closing():
                 self.refuse(408, "head_timeout", f"the request head did not arrive within "
-                                 f"{self.limits.head_timeout_s:g} s (SENSAI_HEAD_TIMEOUT_S)")
+                                 f"{self.limits.client_timeout_s:g} s (SENSAI_CLIENT_TIMEOUT_S)")
 
         def stop_head_timer(self) -> None:
             if self.head_timer is not None:

@@ -28,16 +28,11 @@ FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP")
 # them.  Nothing here needs their text, so a few KiB each bound that work.
 PngImagePlugin.MAX_TEXT_CHUNK = 64 * 1024
 PngImagePlugin.MAX_TEXT_MEMORY = 256 * 1024
-# Bytes per pixel of each mode as PIL holds it decoded (RGB is stored in 4).
+# Bytes per pixel of each mode as PIL holds it decoded (RGB is stored in 4): none takes more than
+# 4, so the pixel limit bounds what a picture costs decoded at 4 bytes a pixel.
 MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 4, "PA": 4, "RGB": 4, "RGBA": 4, "RGBX": 4,
               "CMYK": 4, "YCbCr": 4, "LAB": 4, "HSV": 4, "I;16": 2, "I;16B": 2, "I;16L": 2,
               "I;16N": 2, "I": 4, "F": 4}
-
-
-def decoded_bytes(img) -> int:
-    """What decoding ``img`` costs in memory before any conversion."""
-    w, h = img.size
-    return w * h * MODE_BYTES.get(img.mode, 4)
 
 
 def _to_8bit(img):
@@ -58,12 +53,12 @@ def _to_8bit(img):
     return img
 
 
-def open_image(data: bytes, max_pixels: int, max_bytes: int | None = None):
+def open_image(data: bytes, max_pixels: int):
     """Parse the header of untrusted image bytes (no pixel is decoded yet) and check its size.
 
     Returns the opened PIL image for :func:`image_to_input`.  Raises :class:`InputError`
     (400/415) for empty, unknown or unreadable data and :class:`PayloadTooLarge` (413) when the
-    picture has more than ``max_pixels`` pixels or would take more than ``max_bytes`` decoded.
+    picture has more than ``max_pixels`` pixels (so it takes at most 4 bytes each decoded).
     """
     if not data:
         raise InputError("empty image: send PNG or JPEG bytes as the multipart field 'image' or "
@@ -89,11 +84,6 @@ def open_image(data: bytes, max_pixels: int, max_bytes: int | None = None):
         img.close()
         raise PayloadTooLarge(f"image is {w}x{h} = {w * h:,} pixels; the limit is "
                               f"{max_pixels:,} (set SENSAI_MAX_IMAGE_PIXELS)")
-    if max_bytes is not None and decoded_bytes(img) > max_bytes:
-        size = decoded_bytes(img)
-        img.close()
-        raise PayloadTooLarge(f"image is {w}x{h} in mode {img.mode}: {size:,} bytes decoded; "
-                              f"the limit is {max_bytes:,} (set SENSAI_MAX_DECODED_BYTES)")
     return img
 
 
@@ -115,8 +105,7 @@ def image_to_input(img, spec: "DatasetSpec") -> np.ndarray:
             raise InputError(f"image data is truncated or corrupt: {e}") from None
 
 
-def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int,
-                 max_bytes: int | None = None) -> np.ndarray:
+def decode_image(data: bytes, spec: "DatasetSpec", max_pixels: int) -> np.ndarray:
     """PNG/JPEG/... bytes of any size and colour mode -> float32 ``[1, C, H, W]`` per ``spec``
     (:func:`open_image` then :func:`image_to_input`, with their errors)."""
-    return image_to_input(open_image(data, max_pixels, max_bytes), spec)
+    return image_to_input(open_image(data, max_pixels), spec)

@@ -33,7 +33,7 @@ def gateway_lifespan(gw: Gateway, *, close_predictor: bool, own_port: bool,
             try:
                 gw.cores_awake = keep_cores_awake(settings.keep_cores_awake)
                 await models.start()
-                if settings.model_control == "poll":
+                if settings.model_control_kind == "poll":
                     poller = asyncio.create_task(models.poll_forever(settings.repository_poll_s))
             except SensaiError as e:
                 app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it

@@ -31,7 +31,6 @@ class ModelVersion:
     version: str
     predictor: Predictor
     max_pixels: int
-    max_decoded_bytes: int
     stamp: str = ""
     state: str = READY
     inflight: int = 0
@@ -58,8 +57,7 @@ class ModelTable:
     def version_of(self, name: str, version: str, predictor: Predictor,
                    stamp: str = "") -> ModelVersion:
         shape = predictor.spec.input_shape
-        return ModelVersion(name, version, predictor, self.settings.image_pixels(shape),
-                            self.settings.decoded_bytes(shape), stamp)
+        return ModelVersion(name, version, predictor, self.settings.image_pixels(shape), stamp)
 
     def add(self, mv: ModelVersion) -> None:
         self.models.setdefault(mv.name, {})[mv.version] = mv

@@ -135,14 +135,14 @@ async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
 async def decode(gw: Gateway, mv: ModelVersion, data: bytes, deadline: float) -> np.ndarray:
     """Image bytes -> the input of model version ``mv``; a thumbnail inline, anything larger
     in a thread, at most one per core at a time."""
-    spec, limit, max_bytes = mv.spec, mv.max_pixels, mv.max_decoded_bytes
+    spec, limit = mv.spec, mv.max_pixels
     if len(data) <= INLINE_DECODE_BYTES:
-        img = open_image(data, limit, max_bytes)  # the header only: bounded by the byte count
+        img = open_image(data, limit)  # the header only: bounded by the byte count
         if img.size[0] * img.size[1] <= INLINE_DECODE_PIXELS:
             return image_to_input(img, spec)
         img.close()
     async with gw.admission.slot(gw.admission.decoding, deadline, "image decoding"):
-        return await run_in_threadpool(decode_image, data, spec, limit, max_bytes)
+        return await run_in_threadpool(decode_image, data, spec, limit)
 
 
 def top_k_rows(scores: np.ndarray, k: int, classes, covered: list[int] | None = None

@@ -34,7 +34,7 @@ def check_access(settings: GatewaySettings, *, client: str | None, authorization
     if settings.model_control == "none":
         raise Forbidden("the model repository API is off (start the gateway with "
                         "--model-control explicit or poll)")
-    if changes and settings.model_control == "poll":
+    if changes and settings.model_control_kind == "poll":
         raise Forbidden("the repository is polled (--model-control poll): change its files, "
                         "not the API")
     token = settings.repository_token

@@ -90,9 +90,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": desc} for code, desc in (
         (400, "malformed input (not an image, truncated, wrong tensor, NaN/inf, out of range)"),
         (404, "unknown model or version, or no version of it ready"),
-        (408, "the request body did not arrive within SENSAI_BODY_TIMEOUT_S or the request's "
+        (408, "the request body did not arrive within SENSAI_CLIENT_TIMEOUT_S or the request's "
               "deadline, whichever came first"),
-        (413, "body over the size limit, or an image over the pixel or decoded-bytes limit"),
+        (413, "body over the size limit, or an image over the pixel limit"),
         (415, "unsupported image format or content encoding"),
         (422, "invalid query parameter"),
         (503, "some classes have no live subnet (missing_classes names them), or the gateway "

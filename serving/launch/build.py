@@ -111,7 +111,7 @@ def ray_predictor(artifact: Artifact, s: GatewaySettings, *, faults: Faults | No
         cpus *= ray_share
         n = len(plan.workers)
         opts, ort_threads = actor_resources(n, cpus, gpus, device=s.device, cpus=s.ray_cpus)
-        if "num_gpus" in opts and s.runtime != "onnx":
+        if "num_gpus" in opts and s.runtime_kind != "onnx":
             for sub in artifact.subnets:
                 if not sub.weights.is_file():
                     raise SensaiError(f"weights file {sub.weights} of {sub.name} does not exist "

@@ -95,7 +95,7 @@ def cpu_processes_of(plan: ServingPlan) -> int:
     on_cpus = any(device_key(w, wp.specs, n).startswith("cpu-")
                   for w, wp in enumerate(plan.workers))
     if n < workers and on_cpus:
-        name = "SENSAI_DEVICE_PROCESSES (--device-processes)"
+        name = "SENSAI_DEVICE_PROCESSES (--set device_processes)"
         if s.redundancy or s.vote:
             raise SensaiError(f"{name} {n} with copies of the groups: a copy is there to "
                               "outlive its primary's process, so each worker keeps its own")

@@ -208,7 +208,7 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     if device.startswith("cuda") and cluster_gpus < 1:
         raise SensaiError(f"device {device} requested but the Ray cluster has no GPU")
     if cpus is not None and not cpus > 0:
-        raise SensaiError(f"--ray-cpus must be > 0, got {cpus}")
+        raise SensaiError(f"ray_cpus must be > 0, got {cpus}")
     use_gpu = device != "cpu" and cluster_gpus >= 1
     slots = workers + others
     if cpus is not None:
@@ -222,7 +222,8 @@ def actor_resources(workers: int, cluster_cpus: float, cluster_gpus: float, *,
     if workers * per + others * min(1.0, per) > cluster_cpus + 1e-9:
         raise SensaiError(f"{workers} workers with {per:g} CPUs each do not fit the "
                           f"{cluster_cpus:g} CPUs they may take of the Ray cluster (a model "
-                          "repository's version: half); lower --ray-cpus (ray_cpus)")
+                          "repository's version: half); lower ray_cpus (--set ray_cpus, "
+                          "SENSAI_RAY_CPUS)")
     opts: dict[str, Any] = {"num_cpus": per}
     if use_gpu:
         whole = int(cluster_gpus)  # Ray's GPUs are whole devices

@@ -1,8 +1,8 @@
 """Keeping the thread workers of one request on cores of their own, without pinning them.
 
-Opt-in (``spread_cores``, ``--spread-cores``; deploy/README.md, "Latency"): it rewrites the
-affinity of the gateway's worker threads, a host tuning the operator chooses.  When it is off,
-no affinity is ever read or changed.
+Opt-in (``spread_cores``, ``--set spread_cores=true``; deploy/README.md, "Latency"): it rewrites
+the affinity of the gateway's worker threads, a host tuning the operator chooses.  When it is
+off, no affinity is ever read or changed.
 
 Linux wakes a thread on the core it last ran on when that core is idle.  Once two workers last
 ran on the same core, the event loop wakes the first there and the second behind it, and the

@@ -36,7 +36,7 @@ from sensai.errors import CheckpointError, SensaiError
 from sensai.models import device_for_worker, is_factory_path
 
 from ..core.errors import GraphCaptureError
-from ..core.settings import RUNTIMES, default_batch_rows
+from ..core.settings import RUNTIMES, SIM_LAUNCH_MS, default_batch_rows
 from .graphs import GraphRunner, buckets_up_to
 from .sim import SimRunner
 
@@ -228,7 +228,7 @@ class RunnerSpec:
     warmup: bool = True
     batch_rows: int = 1  # the most rows its worker batches (CUDA graphs: one per bucket)
     gpu_wait: str = "spin"  # how the host waits for a CUDA graph: spin or sleep
-    sim_launch_ms: float = 0.3  # the simulated GPU's time per launch
+    sim_launch_ms: float = SIM_LAUNCH_MS  # the simulated GPU's time per launch
     # The files' contents (bytes, or Ray object refs to them) for workers that may not see the
     # artifact's directory, e.g. Ray actors on other nodes; checked against the hashes there.
     onnx_blob: Any = None
@@ -336,7 +336,7 @@ def fetch(blob) -> bytes:
 
 def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "auto",
                  threads: int = 1, trust_code: bool = False, batch_rows: int | None = 1,
-                 gpu_wait: str = "spin", sim_launch_ms: float = 0.3) -> list[RunnerSpec]:
+                 gpu_wait: str = "spin", sim_launch_ms: float = SIM_LAUNCH_MS) -> list[RunnerSpec]:
     """One :class:`RunnerSpec` per subnet of an artifact, devices round robin over GPUs.
     ``batch_rows``: the most rows a batch of its worker holds (None: the default of its device,
     :func:`~sensai.serving.core.settings.default_batch_rows`).

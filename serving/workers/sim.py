@@ -26,7 +26,7 @@ import numpy as np
 
 from sensai.errors import SensaiError
 
-DEFAULT_LAUNCH_MS = 0.3
+from ..core.settings import SIM_LAUNCH_MS
 
 
 class SimLaunch:
@@ -66,10 +66,10 @@ class SimRunner:
     overlaps = True  # a launch returns at once; the device's time passes apart from the host's
 
     def __init__(self, *, input_shape: Sequence[int], num_outputs: int,
-                 launch_ms: float = DEFAULT_LAUNCH_MS, name: str = "sim", device: str = "cpu",
+                 launch_ms: float = SIM_LAUNCH_MS, name: str = "sim", device: str = "cpu",
                  batch_rows: int = 1):
         if launch_ms < 0:
-            raise SensaiError(f"sim_launch_ms must be >= 0, got {launch_ms:g}")
+            raise SensaiError(f"a simulated launch takes >= 0 ms, not {launch_ms:g}")
         self.name, self.device = name, device
         self.input_shape = tuple(input_shape)
         self.num_outputs = max(1, int(num_outputs))
