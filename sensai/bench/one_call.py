@@ -20,6 +20,7 @@ import numpy as np
 
 from sensai.artifact import Artifact
 from sensai.models import device_for_worker
+from sensai.serving.core.settings import SIM_LAUNCH_MS
 from sensai.serving.workers.device_runner import build_device
 from sensai.serving.workers.runners import runner_specs
 
@@ -30,7 +31,7 @@ WARMUP = 20
 
 
 def one_call_reference(artifact: Artifact, xs: Sequence[np.ndarray], *, device: str,
-                       runtime: str, threads: int = 1, sim_launch_ms: float = 0.3,
+                       runtime: str, threads: int = 1, sim_launch_ms: float = SIM_LAUNCH_MS,
                        cores: int | None = None, calls: int = CALLS) -> dict[str, Any]:
     """Every subnet of ``artifact`` as one device, timed one image at a time on ``xs``: its
     kind and runtime, the device, the cores it was given and the call's latency summary (and,
