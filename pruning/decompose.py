@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -37,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sensai.artifact import load_artifact
+from sensai.bounds import Bound, check_bounds
 from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
 from sensai.cores import usable_cores
 from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split,
@@ -54,7 +54,7 @@ from sensai.models import count_params, select_device
 from .apoz import ChannelStats, collect_activation_stats
 from .errors import RetrainFailed
 from .grouping import group_classes, penultimate_features, plot_grouping
-from .iterative import step_policies
+from .iterative import MAX_STEPS, step_policies
 from .jobs import RetrainProgress, ray_or_in_process, run_in_process, run_on_ray
 from .prune import (ALLOCATIONS, PruningPolicy, find_prunable, layer_widths, make_head,
                     prune_to_policy)
@@ -99,21 +99,22 @@ class DecomposeConfig:
     policy: str = field(default="shrink", metadata={"help": (
         "keep: the keep_fraction most active channels per layer; threshold: prune APoZ >= "
         "theta1 unless mean |a| >= theta2 (sensAI's rule); params: prune to params_fraction of "
-        "the parameters; shrink: at least `shrink` times fewer parameters and MACs")})
+        "the parameters; shrink: at least `shrink` times fewer parameters and MACs"),
+        "flag": ()})
     keep_fraction: float = field(default=0.5, metadata={
-        "help": "channels kept per layer by policy keep"})
+        "help": "channels kept per layer by policy keep", "bound": Bound(above=0, high=1)})
     theta1: float = field(default=0.73, metadata={
         "help": "policy threshold: prune a channel whose APoZ (share of zero activations) is at "
-                "least this"})
+                "least this", "bound": Bound(low=0, high=1)})
     theta2: float = field(default=0.01, metadata={
         "help": "policy threshold: keep a channel whose mean |activation| is at least this, "
-                "whatever its APoZ"})
+                "whatever its APoZ", "bound": Bound(low=0)})
     params_fraction: float | None = field(default=0.25, metadata={
         "help": "most parameters a subnet may keep, as a fraction of the original's, for policy "
-                "params (0.25: >= 4x smaller)"})
+                "params (0.25: >= 4x smaller)", "bound": Bound(above=0, high=1)})
     shrink: float | None = field(default=10.0, metadata={
         "help": "for policy shrink: every subnet has at most 1/shrink of the original's "
-                "parameters and of its MACs"})
+                "parameters and of its MACs", "bound": Bound(low=1)})
     allocation: str = field(default="uniform", metadata={
         "help": "how policies params and shrink share the budget over the layers: uniform = the "
                 "same keep fraction everywhere, apoz / activity = more where the group's "
@@ -121,19 +122,22 @@ class DecomposeConfig:
     prune_steps: int = field(default=1, metadata={
         "help": "reach the shrink / params_fraction budget in this many prune -> retrain steps, "
                 "each removing the same ratio and re-ranking channels on the retrained subnet; "
-                "the retraining images are split over the steps (1: one shot)"})
+                "the retraining images are split over the steps (1: one shot)",
+        "bound": Bound(low=1, high=MAX_STEPS)})
     prune_residual: bool = field(default=False, metadata={
         "help": "also prune residual-path channels, as coupled groups across the additions "
                 "(sensAI prunes only inside blocks)"})
     min_channels: int = field(default=2, metadata={
-        "help": "never keep fewer channels in a layer"})
+        "help": "never keep fewer channels in a layer", "bound": Bound(low=1)})
     channel_multiple: int = field(default=8, metadata={
         "help": "a pruned layer keeping at least this many channels keeps a multiple of it, the "
-                "widths GPU tensor cores and CPU vector units work in (1: any width)"})
+                "widths GPU tensor cores and CPU vector units work in (1: any width)",
+        "bound": Bound(low=1)})
     zero_threshold: float = field(default=0.005, metadata={
-        "help": "|activation| counted as zero for APoZ"})
+        "help": "|activation| counted as zero for APoZ", "bound": Bound(low=0)})
     stats_per_class: int = field(default=500, metadata={
-        "help": "training images per class the activation statistics are taken on"})
+        "help": "training images per class the activation statistics are taken on",
+        "bound": Bound(low=1)})
     # grouping (t-SNE off: on fmnist_cnn its 2-D class centroids paired Pullover with Bag and
     # Coat with Shirt, where the raw features give Pullover+Coat and T-shirt+Shirt, and it costs
     # far more time)
@@ -141,34 +145,41 @@ class DecomposeConfig:
         "help": "cluster class centroids in a 2-D t-SNE embedding of the features instead of "
                 "the raw features"})
     features_per_class: int = field(default=200, metadata={
-        "help": "training images per class for the grouping features"})
+        "help": "training images per class for the grouping features", "bound": Bound(low=2)})
     # retraining
     retrain_epochs: int = field(default=1, metadata={
-        "help": "epochs per subnet, 0 = no retraining"})
+        "help": "epochs per subnet, 0 = no retraining", "flag": (), "bound": Bound(low=0)})
     samples_per_subnet: int | None = field(default=None, metadata={
         "help": f"balanced images per subnet and epoch - the cost bound (none: "
-                f"{AUTO_TOTAL_SAMPLES} / G, at least {AUTO_MIN_SAMPLES})"})
+                f"{AUTO_TOTAL_SAMPLES} / G, at least {AUTO_MIN_SAMPLES})", "flag": (),
+        "bound": Bound(low=2)})
     negative_share: float | None = field(default=None, metadata={
         "help": "fraction of each subnet's samples that are other classes' images (none: one "
-                "(k+1)-th; the loss still weighs each class like all negatives)"})
+                "(k+1)-th; the loss still weighs each class like all negatives)",
+        "bound": Bound(above=0, below=1)})
     distill: float = field(default=0.7, metadata={
-        "help": "weight in [0, 1] of the original model's soft targets in the retraining loss"})
+        "help": "weight in [0, 1] of the original model's soft targets in the retraining loss",
+        "bound": Bound(low=0, high=1)})
     distill_temperature: float = field(default=1.0, metadata={
         "help": "temperature T > 0 of the distillation term: teacher and subnet outputs are "
                 "divided by T (and the term scaled by T^2); larger T weighs the teacher's "
-                "ranking of unlikely classes more"})
+                "ranking of unlikely classes more", "bound": Bound(above=0)})
     hard_negatives: float = field(default=0.5, metadata={
         "help": "share in [0, 1] of the negatives drawn by how strongly the original model "
-                "mistakes them for the subnet's classes"})
+                "mistakes them for the subnet's classes", "bound": Bound(low=0, high=1)})
     optimizer: str = field(default="adam", metadata={
         "help": "the retraining optimizer: sgd with Nesterov momentum, or adam (AdamW)",
         "choices": ("sgd", "adam")})
-    lr: float = field(default=0.005, metadata={"help": "peak retraining learning rate"})
-    batch_size: int = field(default=32, metadata={"help": "retraining images per step"})
+    lr: float = field(default=0.005, metadata={"help": "peak retraining learning rate",
+                                               "bound": Bound(above=0)})
+    batch_size: int = field(default=32, metadata={"help": "retraining images per step",
+                                                  "bound": Bound(low=1)})
     seed: int = field(default=0, metadata={
-        "help": "seed of the grouping, the statistics' and retraining's samples and the new heads"})
+        "help": "seed of the grouping, the statistics' and retraining's samples and the new heads",
+        "flag": (), "bound": Bound(low=0)})
     # export
-    opset: int = field(default=17, metadata={"help": "ONNX opset of the exported subnets"})
+    opset: int = field(default=17, metadata={"help": "ONNX opset of the exported subnets",
+                                             "bound": Bound(low=7, high=23)})
 
     def samples_for(self, n_groups: int) -> int:
         if self.samples_per_subnet is not None:
@@ -179,41 +190,16 @@ class DecomposeConfig:
         if self.policy not in POLICIES:
             raise SensaiError(f"unknown pruning policy {self.policy!r}; choose one of: "
                               f"{', '.join(POLICIES)}")
-        if self.policy == "keep" and not (0 < self.keep_fraction <= 1):
-            raise SensaiError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
-        if self.policy == "params":
-            if self.params_fraction is None:
-                raise SensaiError("--policy params needs params_fraction (e.g. --set "
-                                  "params_fraction=0.1 for subnets 10x smaller than the "
-                                  "original)")
-            if not (0 < self.params_fraction <= 1):
-                raise SensaiError(f"params_fraction must be in (0, 1], got {self.params_fraction}")
-        if self.policy == "shrink":
-            if self.shrink is None:
-                raise SensaiError("--policy shrink needs shrink (e.g. --set shrink=10 for subnets "
-                                  "with 10x fewer parameters and MACs than the original)")
-            if not (math.isfinite(self.shrink) and self.shrink >= 1):
-                raise SensaiError(f"shrink must be a number >= 1, got {self.shrink}")
+        check_bounds(self)
+        if self.policy == "params" and self.params_fraction is None:
+            raise SensaiError("--policy params needs params_fraction (e.g. --set "
+                              "params_fraction=0.1 for subnets 10x smaller than the original)")
+        if self.policy == "shrink" and self.shrink is None:
+            raise SensaiError("--policy shrink needs shrink (e.g. --set shrink=10 for subnets "
+                              "with 10x fewer parameters and MACs than the original)")
         if self.allocation not in ALLOCATIONS:
             raise SensaiError(f"unknown allocation {self.allocation!r}; choose one of: "
                               f"{', '.join(ALLOCATIONS)}")
-        if not (0 <= self.theta1 <= 1):
-            raise SensaiError(f"theta1 is a fraction of zeros in [0, 1], got {self.theta1}")
-        if not (self.theta2 >= 0 and math.isfinite(self.theta2)):
-            raise SensaiError(f"theta2 must be >= 0, got {self.theta2}")
-        if not (self.zero_threshold >= 0 and math.isfinite(self.zero_threshold)):
-            raise SensaiError(f"zero_threshold must be >= 0, got {self.zero_threshold}")
-        if self.min_channels < 1:
-            raise SensaiError(f"min_channels must be at least 1, got {self.min_channels}")
-        if self.channel_multiple < 1:
-            raise SensaiError(f"channel_multiple must be at least 1, got {self.channel_multiple}")
-        if self.stats_per_class < 1:
-            raise SensaiError(f"stats_per_class must be at least 1, got {self.stats_per_class}")
-        if self.features_per_class < 2:
-            raise SensaiError(f"features_per_class must be at least 2, got "
-                              f"{self.features_per_class}")
-        if not (7 <= self.opset <= 23):
-            raise SensaiError(f"opset must be between 7 and 23, got {self.opset}")
         try:
             policy = self.pruning_policy()
         except ValueError as e:

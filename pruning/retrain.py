@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from sensai.bounds import Bound, check_bounds
 from sensai.checkpoint import build_from_weights
 from sensai.data import DatasetSpec
 from sensai.errors import SensaiError
@@ -44,47 +45,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RetrainSettings:
-    """How one subnet is fine-tuned (SGD with Nesterov momentum, warm-up then cosine to zero)."""
+    """How one subnet is fine-tuned (SGD with Nesterov momentum, warm-up then cosine to zero).
+    A bad value is named as ``sensai decompose`` takes it (``metadata["name"]``), where these
+    settings come from."""
 
-    epochs: int = 1
-    samples: int = 12_000  # balanced images drawn per epoch (the cost bound)
-    lr: float = 0.02
-    batch_size: int = 128
-    weight_decay: float = 5e-4
-    momentum: float = 0.9
+    epochs: int = field(default=1, metadata={"bound": Bound(low=0),
+                                             "name": "--retrain-epochs"})
+    # balanced images drawn per epoch (the cost bound)
+    samples: int = field(default=12_000, metadata={"bound": Bound(low=2),
+                                                   "name": "--samples-per-subnet"})
+    lr: float = field(default=0.02, metadata={"bound": Bound(above=0)})
+    batch_size: int = field(default=128, metadata={"bound": Bound(low=1)})
+    weight_decay: float = field(default=5e-4, metadata={"bound": Bound(low=0)})
+    momentum: float = field(default=0.9, metadata={"bound": Bound(low=0, below=1)})
     flip: bool = True  # random horizontal flips, as in full training
-    negative_share: float | None = None  # None: k+1 equal shares; else negatives' sample fraction
-    distill: float = 0.0  # weight of the teacher's (original model's) soft targets in the loss
-    temperature: float = 1.0  # softening of teacher and student in the distillation term
-    hard_negatives: float = 0.0  # share of negatives drawn by how much the teacher confuses them
+    # None: k+1 equal shares; else negatives' sample fraction
+    negative_share: float | None = field(default=None, metadata={"bound": Bound(above=0, below=1)})
+    # weight of the teacher's (original model's) soft targets in the loss
+    distill: float = field(default=0.0, metadata={"bound": Bound(low=0, high=1)})
+    # softening of teacher and student in the distillation term
+    temperature: float = field(default=1.0, metadata={"bound": Bound(above=0),
+                                                      "name": "distill_temperature"})
+    # share of negatives drawn by how much the teacher confuses them
+    hard_negatives: float = field(default=0.0, metadata={"bound": Bound(low=0, high=1)})
     optimizer: str = "sgd"  # "sgd" (Nesterov momentum) or "adam" (lr ~1e-3)
-    seed: int = 0
+    seed: int = field(default=0, metadata={"bound": Bound(low=0)})
     compile: bool = False  # the step through torch.compile (how it runs, not what it learns)
     capture: bool = True  # on CUDA each full batch's step replayed from a captured graph (same)
 
     def validate(self) -> "RetrainSettings":
-        if self.epochs < 0:
-            raise SensaiError(f"--retrain-epochs must be 0 or more, got {self.epochs}")
-        if self.samples < 2:
-            raise SensaiError(f"--samples-per-subnet must be at least 2, got {self.samples}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise SensaiError(f"lr must be a positive number, got {self.lr}")
-        if self.batch_size < 1:
-            raise SensaiError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.negative_share is not None and not (0 < self.negative_share < 1):
-            raise SensaiError(f"negative_share must be in (0, 1), got {self.negative_share}")
         if self.optimizer not in ("sgd", "adam"):
             raise SensaiError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
-        if not (0 <= self.hard_negatives <= 1):
-            raise SensaiError(f"hard_negatives must be in [0, 1], got {self.hard_negatives}")
-        if not (0 <= self.distill <= 1):
-            raise SensaiError(f"distill must be in [0, 1], got {self.distill}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise SensaiError(f"distill_temperature must be a positive number, got "
-                              f"{self.temperature}")
-        if self.weight_decay < 0 or not (0 <= self.momentum < 1):
-            raise SensaiError("weight decay must be >= 0 and momentum in [0, 1)")
-        return self
+        return check_bounds(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -355,8 +355,8 @@ def test_targets_are_stated(short_run):
 
 def test_targets_of_another_model_are_not_reported(short_run):
     from sensai.bench.latency_report import render_markdown, render_table
-    from sensai.bench.targets import (EVERY_MODEL, TARGET_SETS, FanoutOverhead, Ratio, Target,
-                                      TargetSet, evaluate_targets)
+    from sensai.bench.targets import (EVERY_MODEL, FANOUT_OVERHEAD, TARGET_SETS, Target,
+                                      TargetSet, evaluate_targets, ratio)
 
     out, result = short_run
     md, table = (out / "bench.md").read_text(), render_table(result)
@@ -405,9 +405,9 @@ def test_targets_of_another_model_are_not_reported(short_run):
     # A table extended with another model's set: never reported for this one.
     table = (*TARGET_SETS,
              TargetSet("resnet20 only", models=("resnet20",), targets=(
-                 Target("resnet_ratio", Ratio("class-parallel", "data-parallel"), 0.123457),)),
+                 Target("resnet_ratio", ratio("class-parallel", "data-parallel"), 0.123457),)),
              TargetSet("tight fan-out", models=EVERY_MODEL, targets=(
-                 Target("tight", FanoutOverhead(), 0.001),)))
+                 Target("tight", FANOUT_OVERHEAD, 0.001),)))
     mine = copy.deepcopy(result)
     mine["targets"] = evaluate_targets(mine, table)
     assert [s["name"] for s in mine["targets"]["sets"]] == [
@@ -670,11 +670,11 @@ def test_http_client_process_reports_a_dead_gateway(fmnist_test):
         port = s.getsockname()[1]
     client = HttpClientProcess([encode_png(fmnist_test[0][0])], [bytes(4 * 784)], [1, 1, 28, 28])
     try:
-        with pytest.raises(RuntimeError, match="ConnectError"):
+        with pytest.raises(RuntimeError, match="ConnectionRefused"):
             client.timed("http", f"http://127.0.0.1:{port}", "sensai", [0])
         with pytest.raises(RuntimeError, match="ConnectionRefused"):
             client.concurrent(f"http://127.0.0.1:{port}", 2, 2)
-        with pytest.raises(RuntimeError, match="ConnectError"):
+        with pytest.raises(RuntimeError, match="ConnectionRefused"):
             client.timed("http-v2", f"http://127.0.0.1:{port}", "sensai", [0])
         with pytest.raises(RuntimeError, match="UNAVAILABLE"):
             client.timed("grpc", f"127.0.0.1:{port}", "sensai", [0])
@@ -718,6 +718,65 @@ def test_the_load_client_reads_answers_without_a_length_on_a_kept_connection():
     assert out["failures"] == {} and out["status"] == [503, 200] * 3
     assert max(out["ms"]) < 2000  # none waited for its connection to close
     assert len(seen) == 6 and len(set(seen)) == 1  # one connection, kept for all six
+
+
+def test_timed_requests_read_both_answers_on_one_connection_and_report_a_failure():
+    """The latency bench's HTTP path: a JSON answer and a KServe v2 binary one are read with the
+    server's timings (its v2 header's parameters, {} when absent); each request follows the bare
+    request on the same kept connection; an answer other than 200 names the server, its status
+    and body."""
+    import struct
+
+    from sensai.bench.client import HttpClientProcess
+    from sensai.serving.gateway.server import BackgroundServer
+
+    seen = []  # (method, path, connection) of each request
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen.append((scope["method"], scope["path"], scope["client"]))
+        while (await receive()).get("more_body"):
+            pass
+        status, headers, body = 200, [], b""
+        if scope["path"] == "/v1/predict":
+            body = b'{"index": 3, "timings_ms": {"total": 1.5}}'
+        elif scope["path"] == "/v2/models/m/infer":
+            # The third v2 answer (the tenth request) reports no timings.
+            timings = {"timings_ms": json.dumps({"total": 2.5})} if len(seen) < 10 else {}
+            head = json.dumps({"outputs": [{"name": "class_index", "datatype": "INT64",
+                                            "shape": [1, 1],
+                                            "parameters": {"binary_data_size": 8}}],
+                               "parameters": timings}).encode()
+            body = head + struct.pack("<q", 7)
+            headers = [(b"inference-header-content-length", str(len(head)).encode())]
+        elif scope["path"] == "/v2/models/json/infer":  # JSON alone, as the Ray Serve peer's
+            body = json.dumps({"outputs": [{"name": "class_index", "datatype": "INT64",
+                                            "shape": [1], "data": [5]}]}).encode()
+        elif scope["path"] != "/v2/health/live":
+            status, body = 500, b"boom " * 100
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    server = BackgroundServer(app).start()
+    client = HttpClientProcess([b"png"] * 2, [bytes(16)] * 2, [1, 4])
+    try:
+        png = client.timed("http", server.url, "m", [0, 1])
+        assert [a[1:3] for a in png] == [(3, {"total": 1.5})] * 2
+        assert all(a[0] > 0 and a[3] > 0 for a in png)
+        v2 = client.timed("http-v2", server.url, "m", [0, 1, 0])
+        assert [a[1:3] for a in v2] == [(7, {"total": 2.5})] * 2 + [(7, {})]
+        assert [a[1:3] for a in client.timed("http-v2", server.url, "json", [1])] == [(5, {})]
+        with pytest.raises(RuntimeError, match=f"server at {server.url} answered 500: "
+                                               f"boom boom") as e:
+            client.timed("http-v2", server.url, "other", [0])
+        assert len(str(e.value)) < 300
+    finally:
+        client.close()
+        server.stop()
+    assert [s[:2] for s in seen[:4]] == [("GET", "/v2/health/live"), ("POST", "/v1/predict")] * 2
+    assert len({s[2] for s in seen}) == 1  # one kept connection for all of them
 
 
 def test_throughput_counts_the_requests_a_shedding_gateway_turns_away(tiny_artifact,

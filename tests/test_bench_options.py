@@ -5,15 +5,19 @@ rest as ``--set`` keys, and the command a run records parses back to the same op
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 
 import pytest
 
 from sensai.bench.options import (BenchOptions, LoadOptions, LoadPlan, PlanOptions,
                                   RobustOptions, SwapOptions)
 from sensai.bench.plan_judge import Constraints
+from sensai.bounds import Bound, bounded_fields, check_bounds
 from sensai.cli import build_parser
 from sensai.cli.bench import load_options
 from sensai.cli.options_args import command_line, options_from
+from sensai.errors import SensaiError
 
 COMMANDS = {"bench": [BenchOptions], "bench-robust": [RobustOptions],
             "bench-load": [LoadPlan, LoadOptions], "bench-swap": [SwapOptions],
@@ -82,3 +86,125 @@ def test_progress_shows_only_on_a_terminal(monkeypatch):
     assert BenchOptions().progress is False
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert LoadOptions().progress is True and LoadOptions(progress=False).progress is False
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds: declared once in each option's field, checked by sensai.bounds.check_bounds
+
+
+def bounded_classes() -> list[type]:
+    from sensai.pruning.decompose import DecomposeConfig
+    from sensai.pruning.retrain import RetrainSettings
+    from sensai.training.options import TrainOptions
+
+    return [BenchOptions, RobustOptions, LoadOptions, LoadPlan, SwapOptions, PlanOptions,
+            TrainOptions, DecomposeConfig, RetrainSettings]
+
+
+# The gateway's settings among the bench options, checked by their own declarations
+# (sensai.serving.core.settings) when the gateway's settings are made.
+GATEWAY_CHECKED = {"deadline_s", "restart_delay_s", "max_requests", "max_predictions"}
+
+
+def numeric_fields(cls) -> list[str]:
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        kinds = {a for a in typing.get_args(hint) if a is not type(None)} or {hint}
+        kinds = {typing.get_args(k)[0] if typing.get_origin(k) is tuple else k for k in kinds}
+        if kinds & {int, float} and name in {f.name for f in dataclasses.fields(cls)}:
+            out.append(name)
+    return out
+
+
+def bad_value(bound: Bound, integer: bool, many: bool):
+    """A value just outside ``bound``: below its lower end, else above its upper end."""
+    step = 1 if integer else 0.5
+    if bound.low is not None:
+        value = bound.low - step
+    elif bound.above is not None:
+        value = bound.above
+    elif bound.high is not None:
+        value = bound.high + step
+    else:
+        value = bound.below
+    return (value,) if many else value
+
+
+def expected_name(f: dataclasses.Field) -> str:
+    if "flag" in f.metadata:
+        return next((n for n in f.metadata["flag"] if n.startswith("--")),
+                    "--" + f.name.replace("_", "-"))
+    return f"--set {f.name}" if f.metadata.get("set") else f.metadata.get("name", f.name)
+
+
+def test_every_numeric_option_declares_its_bound_and_its_defaults_are_within():
+    for cls in bounded_classes():
+        unbounded = [name for name in numeric_fields(cls)
+                     if name not in GATEWAY_CHECKED and name not in
+                     {f.name for f, *_ in bounded_fields(cls)}]
+        assert not unbounded, (cls.__name__, unbounded)
+        assert check_bounds(cls()) == cls()
+
+
+@pytest.mark.parametrize("cls, f, bound, integer, many", [
+    pytest.param(cls, f, bound, integer, many, id=f"{cls.__name__}.{f.name}")
+    for cls in bounded_classes() for f, bound, integer, _, many in bounded_fields(cls)])
+def test_a_value_outside_its_bound_is_refused_naming_the_option(cls, f, bound, integer, many):
+    bad = bad_value(bound, integer, many)
+    with pytest.raises(SensaiError) as e:
+        check_bounds(dataclasses.replace(cls(), **{f.name: bad}))
+    message = str(e.value)
+    assert message.startswith(f"{expected_name(f)} must be {bound.describe(integer)}, got ")
+    assert "\n" not in message
+    wrong_kind = [True, float("nan")] + ([2.5] if integer else [])  # never a bool, nor nan
+    for value in wrong_kind:
+        with pytest.raises(SensaiError, match=f"^{re.escape(expected_name(f))} must be "):
+            check_bounds(dataclasses.replace(cls(), **{f.name: (value,) if many else value}))
+
+
+@pytest.mark.parametrize("options, message", [
+    (BenchOptions(images=0), "--images must be an integer >= 1, got 0"),
+    (BenchOptions(workers=0), "--stages must be an integer >= 1, got 0"),
+    (BenchOptions(rounds=0), "--set rounds must be an integer >= 1, got 0"),
+    (RobustOptions(hedges_ms=(1.0, -1.0)), "--hedge-ms must be a number >= 0, got -1.0"),
+    (RobustOptions(kill_at=1.0), "--set kill_at must be in [0, 1), got 1.0"),
+    (LoadPlan(levels=(1, 0)), "--levels must be an integer >= 1, got 0"),
+    (LoadPlan(soak_seconds=0), "--set soak_seconds must be a number > 0, got 0"),
+    (SwapOptions(concurrency=2.5), "--concurrency must be an integer >= 1, got 2.5"),
+    (LoadOptions(overload_factor=float("inf")),
+     "--set overload_factor must be a number > 0, got inf"),
+])
+def test_the_bench_options_bounds_read_as_before(options, message):
+    with pytest.raises(SensaiError) as e:
+        check_bounds(options)
+    assert str(e.value) == message
+
+
+def test_none_is_a_value_only_where_the_field_is_optional():
+    assert check_bounds(BenchOptions(workers=None, requests=None, replicas=None))
+    with pytest.raises(SensaiError, match="--images must be an integer >= 1, got None"):
+        check_bounds(BenchOptions(images=None))
+
+
+def test_the_checks_of_the_commands_use_the_declared_bounds():
+    from sensai.bench.latency import check_bench_settings
+    from sensai.bench.load import check_load_settings
+    from sensai.bench.load_sweep import check_sweep_settings
+    from sensai.bench.swap import check_swap_settings
+
+    with pytest.raises(SensaiError, match=r"^--requests must be an integer >= 1, got 0$"):
+        check_bench_settings(BenchOptions(requests=0))
+    with pytest.raises(SensaiError, match=r"^--set load_timeout must be a number > 0, got 0$"):
+        check_swap_settings(SwapOptions(load_timeout=0))
+    with pytest.raises(SensaiError, match=r"^--set burst_concurrency must be an integer >= 1"):
+        check_load_settings(LoadOptions(), LoadPlan(burst_concurrency=0).resolved())
+    with pytest.raises(SensaiError, match=r"^--set overload_connections must be an integer >= "
+                                          r"--set clients \(2\), got 1$"):
+        check_load_settings(LoadOptions(), LoadPlan(overload_connections=1).resolved())
+    with pytest.raises(SensaiError, match=r"^--set overload_seconds must be a number > 0"):
+        check_load_settings(LoadOptions(), LoadPlan(overload_seconds=0).resolved())
+    check_sweep_settings(LoadOptions(), configs=["class-parallel"], levels=[1], level_s=1.0,
+                         warmup_s=0.0, overload_s=0.0, transport=None)  # 0: no overload
+    with pytest.raises(SensaiError, match=r"^--set warmup_seconds must be a number >= 0"):
+        check_sweep_settings(LoadOptions(), configs=["class-parallel"], levels=[1],
+                             level_s=1.0, warmup_s=-1.0, overload_s=0.0, transport=None)

@@ -54,10 +54,10 @@ def _my_triton_dirs() -> list[Path]:
 
 def test_without_tritonserver_the_triton_peer_is_skipped_with_its_reason(artifact, tmp_path,
                                                                          monkeypatch, capsys):
-    from sensai.bench import peers
+    from sensai.bench import server
     from sensai.cli import main
 
-    monkeypatch.setattr(peers, "find_tritonserver", lambda: None)
+    monkeypatch.setattr(server, "find_tritonserver", lambda: None)
     out = tmp_path / "out"
     assert main(["bench", str(artifact), "--out", str(out), "--strategies", "class-parallel",
                  "--transports", "http-v2", "--peers", "triton", *SHORT]) == 0

@@ -62,6 +62,13 @@ def test_bench_robust_on_ray_serve_r1_loses_no_request_to_a_killed_replica(tiny_
     assert r0["failure"]["errors"] >= r0["failure"]["errors_during_outage"] >= 1
     assert r0["failure"]["latency_ms"]["p99"] is not None
     assert r0["none"]["subnet_runs_per_request"] == 2.0  # G runs per request at r = 0
+    # Each configuration was `sensai serve` in a process of its own, stopped cleanly after.
+    for key, r in (("r=0", 0), ("r=1", 1)):
+        gw = res["serve"][key]["gateway"]
+        assert "serve" in gw["argv"] and "--backend ray-serve" in gw["command"]
+        assert gw["env"]["SENSAI_REDUNDANCY"] == str(r)
+        assert gw["exit_code"] == 0
+        assert (out / f"serve-{key}.log").exists()
     md = (out / "robust.md").read_text()
     assert "| r=1 | failure | " in md and "worker deployments of the Ray Serve application" in md
     assert (out / "robust.png").stat().st_size > 0

@@ -236,7 +236,7 @@ def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, c
     (["--set", "distill=2"], "distill must be in [0, 1]"),
     (["--samples-per-subnet", "1"], "--samples-per-subnet"),
     (["--set", "retrain_jobs=0"], "retrain_jobs must be at least 1"),
-    (["--set", "prune_steps=0"], "prune_steps: the number of pruning steps must be an integer from 1"),
+    (["--set", "prune_steps=0"], "prune_steps must be an integer from 1 to 10, got 0"),
     (["--set", "prune_steps=11"], "from 1 to 10"),
     (["--set", "prune_steps=2", "--policy", "keep"], "prune_steps: an iterative schedule needs a size budget"),
     (["--set", "prune_steps=2", "--retrain-epochs", "0"], "it needs --retrain-epochs of at least 1"),
@@ -295,7 +295,7 @@ def test_cli_set_rejects_unknown_keys_and_bad_values_in_one_line(tmp_path, capsy
 def test_cli_set_help_lists_every_key_with_its_default_and_meaning(capsys):
     from dataclasses import fields
 
-    from sensai.cli.decompose import CONFIG_FLAGS, RunOptions
+    from sensai.cli.decompose import RunOptions
     from sensai.pruning.decompose import DecomposeConfig
 
     with pytest.raises(SystemExit) as e:
@@ -303,7 +303,9 @@ def test_cli_set_help_lists_every_key_with_its_default_and_meaning(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     keys = [m.group(1) for line in out.splitlines()[1:] if (m := re.match(r"  (\w+)=", line))]
-    assert keys == [f.name for f in fields(DecomposeConfig) if f.name not in CONFIG_FLAGS] + \
+    flags = {"policy", "retrain_epochs", "samples_per_subnet", "seed"}  # the decisions
+    assert flags == {f.name for f in fields(DecomposeConfig) if "flag" in f.metadata}
+    assert keys == [f.name for f in fields(DecomposeConfig) if f.name not in flags] + \
         [f.name for f in fields(RunOptions)]
     assert "  theta1=0.73 " in out and "APoZ" in out
     flowing = " ".join(out.split())  # the meanings are wrapped to the terminal's width

@@ -66,7 +66,7 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "d"), "--set", "train_limit=3"]) == 2
     assert "train_limit must be at least 10" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--set", "lr_warmup=1.5"]) == 2
-    assert "lr_warmup is a fraction of the steps" in capsys.readouterr().err
+    assert "lr_warmup must be in [0, 1), got 1.5" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--set", "bench_images=0"]) == 2
     assert "bench_images must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2

@@ -6,10 +6,9 @@ and ``sensai demo --set`` without loading the trainer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from sensai.errors import SensaiError
+from sensai.bounds import Bound, check_bounds
 from sensai.manifest import DEFAULT_WARMUP
 
 
@@ -18,15 +17,19 @@ class TrainOptions:
     """The tunable part of :func:`sensai.training.trainer.train` (each field's ``help`` is what
     ``--set help`` prints)."""
 
-    lr: float = field(default=0.05, metadata={"help": "peak learning rate"})
+    lr: float = field(default=0.05, metadata={"help": "peak learning rate",
+                                              "bound": Bound(above=0)})
     lr_warmup: float = field(default=DEFAULT_WARMUP, metadata={
         "help": "fraction of all steps over which the learning rate ramps up to lr, before one "
-                "cosine decay to zero"})
-    batch_size: int = field(default=128, metadata={"help": "images per step"})
+                "cosine decay to zero", "bound": Bound(low=0, below=1)})
+    batch_size: int = field(default=128, metadata={"help": "images per step",
+                                                   "bound": Bound(low=1)})
     train_limit: int | None = field(default=None, metadata={
-        "help": "train on at most this many images (stratified), for quick runs (none: all)"})
+        "help": "train on at most this many images (stratified), for quick runs (none: all)",
+        "bound": Bound(low=1)})
     eval_every: int = field(default=0, metadata={
-        "help": "also measure test top-1 after every N-th epoch (0: after the last epoch only)"})
+        "help": "also measure test top-1 after every N-th epoch (0: after the last epoch only)",
+        "bound": Bound(low=0)})
     compile: bool = field(default=False, metadata={
         "help": "run each training step through torch.compile (fewer, fused kernels; each "
                 "model compiles for tens of seconds first)"})
@@ -36,14 +39,4 @@ class TrainOptions:
                 "warning line (the CPU runs eagerly)"})
 
     def validate(self) -> "TrainOptions":
-        if not 0 <= self.lr_warmup < 1:
-            raise SensaiError(f"lr_warmup is a fraction of the steps in [0, 1), got "
-                              f"{self.lr_warmup}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise SensaiError(f"lr must be a positive number, got {self.lr}")
-        if self.batch_size < 1:
-            raise SensaiError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.eval_every < 0:
-            raise SensaiError(f"eval_every must be 0 (after the last epoch only) or more, got "
-                              f"{self.eval_every}")
-        return self
+        return check_bounds(self)

@@ -3,8 +3,9 @@
 A client sharing the gateway's process (and GIL) adds its own JSON parsing and socket work to every
 measured request, and the two event loops delay each other; a real caller sits on another process or
 machine.  The child process imports this module (and the light package ``__init__`` files above
-it) and httpx, nothing heavier, so it starts in well under a second; grpc and tritonclient's
-service stubs are imported only when a gRPC request is asked for.
+it), nothing heavier, so it starts in well under a second; grpc and tritonclient's service stubs
+are imported only when a gRPC request is asked for.  Every HTTP request goes over
+:class:`_Connection`, a keep-alive HTTP/1.1 connection on asyncio streams.
 
 Transports (:data:`.names.TRANSPORTS` but ``inprocess``): ``http`` - the PNG upload to
 ``/v1/predict``; ``http-v2`` - the KServe v2 binary tensor (JSON header + raw float32 bytes, all
@@ -28,8 +29,6 @@ import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-import httpx
-
 PREDICT = "/v1/predict"
 HEADERS = {"content-type": "image/png"}
 LIVE = "/v2/health/live"
@@ -46,26 +45,24 @@ def refused(e) -> bool:
     return e.code() == grpc.StatusCode.UNAVAILABLE and "retry-after" in trailer
 
 
-def _parse(resp, url: str) -> tuple[int, dict]:
-    if resp.status_code != 200:
-        raise RuntimeError(f"gateway at {url} answered {resp.status_code}: {resp.text[:200]}")
-    body = resp.json()
-    return int(body["index"]), body["timings_ms"]
+def _failed(url: str, status: int, body: bytes) -> RuntimeError:
+    return RuntimeError(f"server at {url} answered {status}: "
+                        f"{body[:200].decode(errors='replace')}")
 
 
-def _parse_v2(resp, url: str) -> tuple[int, dict]:
-    if resp.status_code != 200:
-        raise RuntimeError(f"server at {url} answered {resp.status_code}: {resp.text[:200]}")
-    return _v2_answer(resp.content, resp.headers.get(V2_HEADER))
-
-
-def _v2_answer(body: bytes, header_length) -> tuple[int, dict]:
-    """A v2 answer (a JSON header, then each binary output's bytes in order): the class, from
-    the ``class_index`` output (the gateway's, and the Ray Serve peer's) or else the argmax of
-    the first output (a model's scores, as Triton answers), and the server's ``timings_ms``
-    ({} when it reports none)."""
-    n = int(header_length or len(body))
-    head, offset, pred, first = json.loads(body[:n]), n, None, None
+def _answer(headers: dict[bytes, bytes], body: bytes) -> tuple[int, str | None, dict]:
+    """A 200 answer's class, the model version that answered (None when it names none) and the
+    server's ``timings_ms`` ({} when it reports none): a JSON answer's ``index``,
+    ``model_version`` and ``timings_ms``, or a KServe v2 answer's (JSON alone, or a JSON header
+    then each binary output's bytes in order), whose class is its ``class_index`` output (the
+    gateway's, and the Ray Serve peer's) or else the argmax of its first output (a model's
+    scores, as Triton answers)."""
+    length = headers.get(V2_HEADER.encode())
+    n = len(body) if length is None else int(length)
+    head = json.loads(body if length is None else body[:n])
+    if "outputs" not in head:
+        return int(head["index"]), head.get("model_version"), head.get("timings_ms") or {}
+    offset, pred, first = n, None, None
     for out in head["outputs"]:
         size = (out.get("parameters") or {}).get("binary_data_size")
         if out["name"] == "class_index":
@@ -79,7 +76,7 @@ def _v2_answer(body: bytes, header_length) -> tuple[int, dict]:
             raise RuntimeError("the server answered neither class_index nor scores")
         pred = max(range(len(first)), key=first.__getitem__)
     timings = (head.get("parameters") or {}).get("timings_ms")
-    return int(pred), json.loads(timings) if timings else {}
+    return int(pred), head.get("model_version"), json.loads(timings) if timings else {}
 
 
 def _grpc_answer(resp) -> tuple[int, dict]:
@@ -116,20 +113,14 @@ class _Tensors:
 
 
 class _Client:
-    """Runs in the child: one keep-alive connection per gateway for sequential requests."""
+    """Runs in the child: one keep-alive connection per server for sequential requests."""
 
     def __init__(self, pngs: list[bytes], tensors: list[bytes] | None = None,
-                 shape: list[int] | None = None):
-        self.pngs = pngs
+                 shape: list[int] | None = None, stop: Callable[[], bool] = lambda: False):
+        self.pngs, self.stop = pngs, stop
         self.tensors = _Tensors(tensors or [], shape or [])
-        self.clients: dict = {}
+        self.conns: dict[str, _Connection] = {}
         self.channels: dict = {}
-
-    def _http(self, url: str) -> httpx.Client:
-        client = self.clients.get(url)
-        if client is None:
-            client = self.clients[url] = httpx.Client(base_url=url, timeout=TIMEOUT_S)
-        return client
 
     def _stub(self, target: str):
         if target not in self.channels:
@@ -142,32 +133,41 @@ class _Client:
 
     def _calls(self, transport: str, address: str, model: str):
         """(bare request, prepare(image) -> request, send(request) -> answer, parse(answer) ->
-        (predicted index, timings)) of one transport, on this client's connection."""
+        (predicted index, timings)) of one transport, on this client's connection; ``bare`` and
+        ``send`` are coroutine functions."""
         if transport == "grpc":
             from tritonclient.grpc import service_pb2 as pb
 
             stub, live = self._stub(address), pb.ServerLiveRequest()
-            return (lambda: stub.ServerLive(live, timeout=TIMEOUT_S),
-                    lambda j: self.tensors.grpc_request(model, j),
-                    lambda req: stub.ModelInfer(req, timeout=TIMEOUT_S), _grpc_answer)
-        client = self._http(address)
 
-        def bare() -> None:
-            resp = client.get(LIVE)
-            if resp.status_code != 200:
-                raise RuntimeError(f"server at {address} answered {resp.status_code} to {LIVE}")
+            # The blocking stub, a shorter path than grpc.aio's: nothing else runs on this
+            # loop meanwhile.
+            async def bare() -> None:
+                stub.ServerLive(live, timeout=TIMEOUT_S)
 
-        if transport == "http":
-            return (bare, lambda j: self.pngs[j],
-                    lambda png: client.post(PREDICT, content=png, headers=HEADERS),
-                    lambda resp: _parse(resp, address))
-        path = f"/v2/models/{model}/infer"
-        return (bare, self.tensors.v2_body,
-                lambda body: client.post(path, content=body[0], headers=body[1]),
-                lambda resp: _parse_v2(resp, address))
+            async def send(req):
+                return stub.ModelInfer(req, timeout=TIMEOUT_S)
 
-    def timed(self, transport: str, address: str, model: str,
-              indices: list[int]) -> list[tuple[float, int, dict, float]]:
+            return bare, lambda j: self.tensors.grpc_request(model, j), send, _grpc_answer
+        conn = self.conns.setdefault(address, _Connection(address))
+        live, requests = live_request(address), self.requests(address, transport, model)
+
+        async def bare_http() -> None:
+            status, _, body = await conn.request(live)
+            if status != 200:
+                raise _failed(address + LIVE, status, body)
+
+        def parse(answer: tuple[int, dict[bytes, bytes], bytes]) -> tuple[int, dict]:
+            status, headers, body = answer
+            if status != 200:
+                raise _failed(address, status, body)
+            index, _, timings = _answer(headers, body)
+            return index, timings
+
+        return bare_http, requests.__getitem__, conn.request, parse
+
+    async def timed(self, transport: str, address: str, model: str,
+                    indices: list[int]) -> list[tuple[float, int, dict, float]]:
         """(latency ms, predicted index, timings, bare request ms) per image: each request just
         after the same client's bare request to the same server."""
         bare, prepare, send, parse = self._calls(transport, address, model)
@@ -175,9 +175,9 @@ class _Client:
         for j in indices:
             request = prepare(j)
             t0 = time.perf_counter()
-            bare()
+            await bare()
             t1 = time.perf_counter()
-            answer = send(request)
+            answer = await send(request)
             t2 = time.perf_counter()
             out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
         return out
@@ -193,6 +193,13 @@ class _Client:
                                concurrency=concurrency, strict=True)
         ok = [ms for ms, status in zip(out["ms"], out["status"]) if status == 200]
         return {"seconds": out["seconds"], "latencies": ok, "shed": len(out["ms"]) - len(ok)}
+
+    async def load(self, url: str, plan: dict[str, Any]) -> dict[str, Any]:
+        """One :func:`load_phase` of ``plan``'s keywords, and its ``transport`` and ``model``
+        (:meth:`requests`); :meth:`HttpClientProcess.stop_load` ends a closed loop."""
+        plan = dict(plan)
+        requests = self.requests(url, plan.pop("transport", "http"), plan.pop("model", "sensai"))
+        return await load_phase(requests, url, stop=self.stop, **plan)
 
     def requests(self, url: str, transport: str, model: str) -> list[bytes]:
         """This client's images as whole HTTP/1.1 requests to ``url`` over ``transport``:
@@ -232,7 +239,7 @@ class _Client:
             return await closed_loop(n_requests, concurrency, one)
 
     def close(self) -> None:
-        for c in self.clients.values():
+        for c in self.conns.values():
             c.close()
         for channel, _ in self.channels.values():
             channel.close()
@@ -262,29 +269,32 @@ async def closed_loop(n_requests: int, concurrency: int,
 
 
 class _Connection:
-    """One keep-alive HTTP/1.1 connection of :func:`load_phase`, on asyncio streams: a small
+    """One keep-alive HTTP/1.1 connection to the server at ``url``, on asyncio streams: a small
     fraction of an HTTP library's work per request (whose pool's bookkeeping also grows with the
     requests waiting for a connection, so under overload the client, not the server, would be
     the bottleneck).  An answer's body is framed by Content-Length, by chunks (Ray Serve's
     proxy sends its own errors, a backpressure 503 among them, without a length), or else by
-    the server closing the connection."""
+    the server closing the connection.  No answer in ``timeout_s`` raises TimeoutError."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, url: str, timeout_s: float = TIMEOUT_S):
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.timeout_s = timeout_s
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
         """Send ``data`` (a whole request), read the answer: (status, headers, body)."""
         reused = self.writer is not None
-        try:
-            return await self._exchange(data)
-        except ConnectionError:
-            if not reused:
-                raise
-            # The server closed this connection while it was idle (keep-alive timeout) before
-            # reading the request: send it again on a new one.
-            return await self._exchange(data)
+        async with asyncio.timeout(self.timeout_s):
+            try:
+                return await self._exchange(data)
+            except ConnectionError:
+                if not reused:
+                    raise
+                # The server closed this connection while it was idle (keep-alive timeout)
+                # before reading the request: send it again on a new one.
+                return await self._exchange(data)
 
     async def _exchange(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
         try:
@@ -346,17 +356,6 @@ def live_request(url: str) -> bytes:
     return f"GET {LIVE} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n\r\n".encode()
 
 
-def _answer(headers: dict[bytes, bytes], body: bytes) -> tuple[int, str | None]:
-    """The class of a 200 answer and the model version that answered (None when it names
-    none): a JSON ``index`` and ``model_version``, or a KServe v2 binary answer's."""
-    if V2_HEADER.encode() in headers or b"octet-stream" in headers.get(b"content-type", b""):
-        length = headers.get(V2_HEADER.encode())
-        head = json.loads(body[:int(length or len(body))])
-        return _v2_answer(body, length)[0], head.get("model_version")
-    answer = json.loads(body)
-    return answer["index"], answer.get("model_version")
-
-
 async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.inf,
                      count: int | None = None, concurrency: int = 0, rate: float = 0.0,
                      connections: int = 0, preopen: int = 0, expected: list[int] | None = None,
@@ -398,8 +397,6 @@ class _LoadPhase:
                  strict: bool, answers: bool, retry_after: bool, stop: Callable[[], bool]):
         """``opened``: the connections opened before the phase starts; ``connections``: as
         many as an open loop may hold."""
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.requests, self.url, self.expected, self.timeout_s = requests, url, expected, timeout_s
         self.strict, self.answers, self.retry_after, self.stop = strict, answers, retry_after, stop
         self.connections = connections
@@ -409,7 +406,7 @@ class _LoadPhase:
             self.out |= {"image": [], "index": [], "version": []}
         self.images = itertools.count(first)
         self.budget = itertools.count() if count is None else iter(range(count))
-        self.conns = [_Connection(self.host, self.port) for _ in range(opened)]
+        self.conns = [_Connection(url, timeout_s) for _ in range(opened)]
         self.free: asyncio.Queue = asyncio.Queue()
         self.end = math.inf
 
@@ -447,17 +444,15 @@ class _LoadPhase:
         j = next(self.images) % len(self.requests)
         status, index, version, wait = 0, None, None, 0.0
         try:
-            async with asyncio.timeout(self.timeout_s):
-                status, headers, body = await conn.request(self.requests[j])
+            status, headers, body = await conn.request(self.requests[j])
             if self.retry_after and status == 503 and b"retry-after" in headers:
                 wait = float(headers[b"retry-after"])
                 self.out["parked"] += 1
             if self.strict and status != 200 \
                     and not (status == 503 and b"retry-after" in headers):
-                raise RuntimeError(f"server at {self.url} answered {status}: "
-                                   f"{body[:200].decode(errors='replace')}")
+                raise _failed(self.url, status, body)
             if status == 200 and (self.expected is not None or self.answers):
-                index, version = _answer(headers, body)
+                index, version, _ = _answer(headers, body)
                 if self.expected is not None and index != self.expected[j]:
                     self.out["wrong"] += 1
         except (OSError, EOFError, TimeoutError) as e:
@@ -510,7 +505,7 @@ class _LoadPhase:
 
     async def due_at(self, due: float) -> None:
         if self.free.empty() and len(self.conns) < self.connections:
-            conn = _Connection(self.host, self.port)
+            conn = _Connection(self.url, self.timeout_s)
             self.conns.append(conn)
         else:  # queued here when all the connections allowed are busy: counted as lag
             conn = await self.free.get()
@@ -541,31 +536,25 @@ def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,
     on (None: any)."""
     if cores:
         os.sched_setaffinity(0, cores)
-    client = _Client(pngs, tensors, shape)
+    client = _Client(pngs, tensors, shape, stop.is_set)
+    # One loop for the process's life: the connections of timed requests outlive each call.
+    loop = asyncio.new_event_loop()
     try:
         while True:
             msg = conn.recv()
             if msg[0] == "close":
                 return
             try:
-                if msg[0] == "timed":
-                    conn.send(("ok", client.timed(*msg[1:])))
-                elif msg[0] == "concurrent":
-                    conn.send(("ok", asyncio.run(client.concurrent(*msg[1:]))))
-                elif msg[0] == "load":
-                    plan = dict(msg[2])
-                    requests = client.requests(msg[1], plan.pop("transport", "http"),
-                                               plan.pop("model", "sensai"))
-                    conn.send(("ok", asyncio.run(load_phase(requests, msg[1], stop=stop.is_set,
-                                                            **plan))))
-                else:
-                    conn.send(("error", f"unknown request {msg[0]!r}"))
+                if msg[0] not in ("timed", "concurrent", "load"):
+                    raise ValueError(f"unknown request {msg[0]!r}")
+                conn.send(("ok", loop.run_until_complete(getattr(client, msg[0])(*msg[1:]))))
             except Exception as e:  # reported to the benchmark, which raises it there
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     except (EOFError, KeyboardInterrupt):
         return
     finally:
         client.close()
+        loop.close()
 
 
 class HttpClientProcess:
@@ -609,8 +598,8 @@ class HttpClientProcess:
 
     def load(self, url: str, **plan) -> dict[str, Any]:
         """One phase of ``sensai bench-load``: :func:`load_phase`'s keywords and answer, and
-        ``transport`` and ``model`` (:meth:`_Client.requests`; default: PNG uploads).  A closed
-        loop runs until ``seconds`` have passed or :meth:`stop_load` is called."""
+        ``transport`` and ``model`` (default: PNG uploads).  A closed loop runs until ``seconds``
+        have passed or :meth:`stop_load` is called."""
         self._stop.clear()
         return self._ask("load", url, plan, timeout_s=float(plan["seconds"]) + 600.0)
 

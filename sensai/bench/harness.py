@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sensai.artifact import Artifact
+from sensai.bounds import check_bounds
 from sensai.data import encode_png, load_split, normalize, resolve_dataset, stratified_subset
 from sensai.errors import SensaiError
 from sensai.fsutil import write_json_atomic, write_text_atomic
@@ -48,27 +48,13 @@ Timed = tuple[float, int, dict, float | None]
 # Settings and output
 
 
-def check_int(name: str, value, low: int) -> None:
-    """``value`` must be an integer >= ``low`` (None: the default applies)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < low):
-        raise SensaiError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def check_settings(*, ints: Sequence[tuple[str, Any, int]] = (),
-                   numbers: Sequence[tuple[str, Any, bool]] = (),
+def check_settings(options: Any = None, *,
                    choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
-    """Every benchmark's arguments, checked before anything is loaded: ``ints`` (name, value,
-    lowest), ``numbers`` (name, value, whether 0 is allowed; None: the default applies) and
+    """A benchmark's arguments, checked before anything is loaded: every bound ``options`` (a
+    dataclass of :mod:`.options`) declares (:func:`sensai.bounds.check_bounds`), then
     ``choices`` (what, the values given, those allowed; at least one)."""
-    for name, value, low in ints:
-        check_int(name, value, low)
-    for name, value, zero in numbers:
-        if value is not None and not (not isinstance(value, bool)
-                                      and isinstance(value, (int, float)) and math.isfinite(value)
-                                      and (value >= 0 if zero else value > 0)):
-            raise SensaiError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
-                              f"{value!r}")
+    if options is not None:
+        check_bounds(options)
     for what, given, allowed in choices:
         bad = [v for v in given if v not in allowed]
         if bad or not given:
@@ -161,23 +147,22 @@ class InProcessDriver:
     def __init__(self, predictor: Predictor, images: TestImages):
         self.predictor, self.xs = predictor, images.xs
 
-    async def one(self, j: int) -> Timed:
-        t0 = time.perf_counter()
-        pred = await self.predictor.predict(self.xs[j])
-        ms = (time.perf_counter() - t0) * 1e3
-        return ms, int(np.argmax(pred.scores[0])), pred.timings_ms, None
-
     async def sequential(self, indices: Sequence[int]) -> list[Timed]:
-        return [await self.one(int(j)) for j in indices]
+        out = []
+        for j in indices:
+            t0 = time.perf_counter()
+            pred = await self.predictor.predict(self.xs[int(j)])
+            ms = (time.perf_counter() - t0) * 1e3
+            out.append((ms, int(np.argmax(pred.scores[0])), pred.timings_ms, None))
+        return out
 
-    async def concurrent(self, n_requests: int, concurrency: int
-                         ) -> tuple[float, list[float], int]:
+    async def concurrent(self, n_requests: int, concurrency: int) -> dict[str, Any]:
+        """:func:`.client.closed_loop`'s answer: seconds, latencies and shed (none here)."""
         async def one(j: int) -> bool:
             await self.predictor.predict(self.xs[j % len(self.xs)])
             return True
 
-        r = await closed_loop(n_requests, concurrency, one)
-        return r["seconds"], r["latencies"], r["shed"]
+        return await closed_loop(n_requests, concurrency, one)
 
     async def close(self) -> None:
         pass
@@ -222,14 +207,13 @@ class RemoteDriver:
 
     async def sequential(self, indices: Sequence[int]) -> list[Timed]:
         return await self._ask(self.client.timed, self.transport, self.address, self.model,
-                               [int(j) for j in indices])
+                               indices)
 
-    async def concurrent(self, n_requests: int, concurrency: int
-                         ) -> tuple[float, list[float], int]:
-        """(seconds, latencies of the answered requests, requests the server turned away)."""
-        r = await self._ask(self.client.concurrent, self.address, n_requests, concurrency,
-                            self.transport, self.model)
-        return r["seconds"], r["latencies"], r["shed"]
+    async def concurrent(self, n_requests: int, concurrency: int) -> dict[str, Any]:
+        """Seconds, ``latencies`` of the answered requests, and ``shed``, those the server
+        turned away."""
+        return await self._ask(self.client.concurrent, self.address, n_requests, concurrency,
+                               self.transport, self.model)
 
     async def close(self) -> None:
         if self.server is not None:
@@ -280,8 +264,9 @@ async def throughput(driver, n_requests: int, concurrency: int) -> dict[str, Any
     """Answers per second at ``concurrency``; requests the server turns away (503, gRPC
     UNAVAILABLE: its admission shedding load) are counted in ``shed``, not in the rate."""
     gc.collect()
-    wall, latencies, shed = await driver.concurrent(n_requests, concurrency)
+    r = await driver.concurrent(n_requests, concurrency)
+    latencies = r["latencies"]
     return {"concurrency": concurrency, "requests": n_requests, "answered": len(latencies),
-            "shed": shed, "seconds": round(wall, 3),
-            "images_per_s": round(len(latencies) / wall, 2),
+            "shed": r["shed"], "seconds": round(r["seconds"], 3),
+            "images_per_s": round(len(latencies) / r["seconds"], 2),
             "latency_ms": summarize(latencies) if latencies else None}

@@ -7,7 +7,7 @@ process.  Latency is taken at concurrency 1 in interleaved rounds (a change in t
 hits every strategy alike), throughput afterwards.  Over a remote transport the client times the
 bare request to the same server just before each request: the floor under any request.  The
 subnets are also timed each alone, to separate their compute from competition for the cores.
-``peers`` (:mod:`.peers`) are timed over ``http-v2`` in the same rounds and compared in
+``peers`` (:mod:`.server`) are timed over ``http-v2`` in the same rounds and compared in
 :mod:`.comparison`.  Outputs: ``bench.json``, ``bench.md``, ``bench.png`` and ``models/``.
 """
 
@@ -36,11 +36,11 @@ from .harness import (InProcessDriver, RemoteDriver, TestImages, check_settings,
                       inputs, interleaved, load_test_images, progress_bar, quiet_gc, throughput,
                       warm_up)
 from .latency_report import plot, render_markdown
-from .names import (BENCH_BACKENDS, PEER_TRANSPORT, PEERS, STRATEGIES, TRANSPORTS,
-                    UNTIMED_TRANSPORTS, strategy_key)
+from .names import (BENCH_BACKENDS, PEER_LABELS, PEER_TRANSPORT, PEERS, STRATEGIES,
+                    TRANSPORTS, UNTIMED_TRANSPORTS, strategy_key)
 from .one_call import one_call_reference
 from .options import BenchOptions
-from .peers import Peer, Peers
+from .server import Server, start_peer
 from .stats import Samples, summarize
 from .strategies import (Recipe, Strategy, build, load_original, prepare_baselines,
                          prepare_class_parallel, stage_count)
@@ -53,12 +53,7 @@ def check_bench_settings(opts: BenchOptions) -> None:
     """Every option of ``sensai bench`` checked before anything is loaded."""
     backends = list(opts.backends)
     check_settings(
-        ints=(("--stages", opts.workers, 1), ("--set replicas", opts.replicas, 1),
-              ("--images", opts.images, 1), ("--set warmup", opts.warmup, 0),
-              ("--concurrency", opts.concurrency, 1), ("--requests", opts.requests, 1),
-              ("--set threads", opts.threads, 1), ("--set rounds", opts.rounds, 1),
-              ("--set isolated_images", opts.isolated_images, 0)),
-        choices=(("strategy", opts.strategies, STRATEGIES),
+        opts, choices=(("strategy", opts.strategies, STRATEGIES),
                  ("transports", opts.transports, TRANSPORTS),
                  ("runtime", [opts.runtime], MODEL_RUNTIMES),
                  ("backend", backends, BENCH_BACKENDS), ("peer", opts.peers or [PEERS[0]], PEERS)))
@@ -208,7 +203,7 @@ def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs
     """Every strategy built (class parallel once per backend) and every peer started, then all
     timed in the same rounds (:func:`_measure`); each stopped after, whatever happens."""
     built: list[Strategy] = []
-    running = Peers()
+    peers: list[Server] = []
     try:
         for key in opts.strategies:
             pools = opts.backends if key == "class-parallel" else ["local"]
@@ -228,13 +223,20 @@ def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs
         result["settings"]["runtime_resolved"] = sorted(
             {str(w.get("runtime")) for s in built for w in s.info["per_worker"]})
         if opts.peers:
-            running.start(opts.peers, Path(recipes["single"].specs[0].onnx_path),
-                          threads=opts.threads, status=bar.set_description)
-            result["peers"] = running.report()  # each filled in as it is measured
+            result["peers"] = {}  # each filled in as it is measured
+        for key in opts.peers:
+            bar.set_description(f"start {key}")
+            peer = start_peer(key, Path(recipes["single"].specs[0].onnx_path),
+                              threads=opts.threads)
+            if isinstance(peer, str):
+                result["peers"][key] = {"label": PEER_LABELS[key], "skipped": peer}
+            else:
+                peers.append(peer)
+                result["peers"][key] = peer.info
         n = len(imgs)
         timed = (opts.warmup + n + opts.n_requests) * (
             sum(t not in s.info.get("untimed_transports", {}) for s in built
-                for t in opts.transports) + len(running.running))
+                for t in opts.transports) + len(peers))
         alone = min(opts.isolated_images, n) * (
             (len(artifact.subnets) if "class-parallel" in opts.strategies else 0)
             + (1 if opts.peers else 0))
@@ -242,11 +244,12 @@ def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs
         bar.refresh()
         with quiet_gc():
             run_like_the_gateway(_measure(
-                built, running.running, imgs, opts.transports, warmup=opts.warmup,
+                built, peers, imgs, opts.transports, warmup=opts.warmup,
                 rounds=opts.rounds, concurrency=opts.concurrency, n_requests=opts.n_requests,
                 gateway=gateway, bar=bar))
     finally:
-        running.stop()
+        for p in reversed(peers):
+            p.stop()
         for s in built:
             _close(s)
 
@@ -287,7 +290,7 @@ def _close(s: Strategy) -> None:
             s.stop()
 
 
-async def _measure(built: list[Strategy], peers: Sequence[Peer], imgs: TestImages,
+async def _measure(built: list[Strategy], peers: Sequence[Server], imgs: TestImages,
                    transports: Sequence[str], *, warmup: int, rounds: int, concurrency: int,
                    n_requests: int, gateway: GatewaySettings, bar) -> None:
     """Every strategy over every transport, and over PEER_TRANSPORT every peer with them, in
@@ -313,8 +316,8 @@ async def _measure(built: list[Strategy], peers: Sequence[Peer], imgs: TestImage
                     InProcessDriver(s.predictor, imgs) if transport == "inprocess"
                     else await RemoteDriver.start(transport, s.predictor, client, gateway))
             for p in peers if transport == PEER_TRANSPORT else ():
-                infos[p.key] = p.info
-                drivers[p.key] = RemoteDriver.attach(transport, client, p.url, p.model)
+                infos[p.kind] = p.info
+                drivers[p.kind] = RemoteDriver.attach(transport, client, p.url, p.model)
             for key in drivers:
                 bar.set_description(f"{transport}: warm-up {key}")
                 await warm_up(drivers[key], n, warmup)

@@ -1,7 +1,7 @@
 """``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
 serve (overload).
 
-The gateway is ``sensai serve ART`` in a process of its own (:mod:`.gateway_process`), so its
+The gateway is ``sensai serve ART`` in a process of its own (:class:`~.server.SensaiServe`), so its
 resident set is its own; real test images go to ``/v1/predict`` as PNG uploads from client
 processes (:mod:`.client`), every 200 answer checked against offline evaluation's top-1.  Phases:
 a warm-up and a soak in a closed loop (the RSS sampled throughout; its growth is the soak's last
@@ -19,10 +19,11 @@ import io
 import math
 import resource
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -32,10 +33,8 @@ from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import BACKENDS, GatewaySettings, check_backend
 from sensai.serving.gateway.imaging import decode_image
-from sensai.serving.launch.build import free_ports
 
 from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
 from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health,
                             machine_cpu_seconds, phase_report, process_cores, rss_growth,
@@ -45,6 +44,7 @@ from .machine import (peak_rss_bytes, process_cpu_seconds, process_rss_bytes, re
                       split_cores)
 from .options import BenchData, LoadOptions, LoadPlan
 from .robust import offline_reference
+from .server import SensaiServe, Server, sigterm_as_exit, start_server
 from .stats import summarize
 from .targets import evaluate_load_targets
 
@@ -71,16 +71,12 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def check_options(options: LoadOptions, *, ints: Sequence[tuple[str, Any, int]] = (),
-                  numbers: Sequence[tuple[str, Any, bool]] = (),
+def check_options(options: LoadOptions, plan: Any = None, *,
                   choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
-    """``options`` and a command's own (as :func:`~.harness.check_settings` takes them),
-    before anything is loaded."""
-    check_settings(
-        ints=(("--set clients", options.clients, 1), ("--images", options.images, 1), *ints),
-        numbers=(*numbers, ("--set overload_factor", options.overload_factor, False),
-                 ("--set startup_timeout", options.startup_timeout, False)),
-        choices=choices)
+    """``options``, then the command's own ``plan`` and ``choices`` (as
+    :func:`~.harness.check_settings` takes them), before anything is loaded."""
+    check_settings(options)
+    check_settings(plan, choices=choices)
     split_cores(options.client_cores)  # one line now when it cannot be done
     if not Path("/proc/self/status").is_file():
         raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
@@ -130,23 +126,36 @@ def seconds_bar(options: BenchData, desc: str):
     return bar
 
 
-def gateway_process(options: LoadOptions, root: Path, env: dict[str, str], log_path: Path,
-                    args: Sequence[str] = ()) -> GatewayProcess:
-    """``sensai serve ROOT`` with ``options``, on a free port (not yet started)."""
-    return GatewayProcess(root, port=free_ports(1)[0], backend=options.backend,
-                          deadline_s=options.deadline_s, env=env, log_path=log_path, args=args,
-                          cores=split_cores(options.client_cores)[0])
+def sensai_serve(options: LoadOptions, root: Path, env: dict[str, str], log_path: Path, *,
+                 model: str = "sensai", args: Sequence[str] = ()) -> SensaiServe:
+    """``sensai serve ROOT`` with ``options`` on a free port, ready."""
+    return start_server("sensai", root, timeout_s=options.startup_timeout, backend=options.backend,
+                        deadline_s=options.deadline_s, env=env, log_path=log_path, model=model,
+                        args=args, cores=split_cores(options.client_cores)[0])
 
 
-def client_process(options: LoadOptions, *args) -> HttpClientProcess:
-    """A client process (:class:`HttpClientProcess` of ``args``) on the clients' cores."""
-    return HttpClientProcess(*args, cores=split_cores(options.client_cores)[1])
+@contextmanager
+def client_processes(n: int, *args, cores: list[int] | None = None
+                     ) -> Iterator[list[HttpClientProcess]]:
+    """``n`` client processes (:class:`HttpClientProcess` of ``args``) on ``cores``; every
+    process in the list (those added to it too) closed after, on SIGTERM too."""
+    procs: list[HttpClientProcess] = []
+    try:
+        with sigterm_as_exit():
+            for _ in range(n):  # one at a time: those started are closed if one fails
+                procs.append(HttpClientProcess(*args, cores=cores))
+            yield procs
+    finally:
+        for p in procs:
+            p.close()
 
 
-def reference_runtime(gs: GatewaySettings) -> str:
-    """How offline evaluation computes the answers to check: as the gateway does where it
-    simulates a GPU (the sim runtime answers from its inputs, not the model), else the model."""
-    return "sim" if gs.runtime_kind == "sim" else "auto"
+def offline_top1(artifact, xs, gs: GatewaySettings) -> list[int]:
+    """Offline evaluation's top-1 of each of ``xs``, the answers to check, computed as the
+    gateway computes them where it simulates a GPU (the sim runtime answers from its inputs, not
+    the model), else by the model."""
+    runtime = "sim" if gs.runtime_kind == "sim" else "auto"
+    return [int(i) for i in offline_reference(artifact, xs, runtime=runtime).argmax(1)]
 
 
 def request_timeout(gs: GatewaySettings) -> float:
@@ -157,17 +166,14 @@ def request_timeout(gs: GatewaySettings) -> float:
 
 def check_load_settings(options: LoadOptions, plan: LoadPlan) -> None:
     clients, concurrency = options.clients, plan.concurrency
-    check_options(
-        options,
-        ints=(("--concurrency", concurrency, 1),
-              ("--set overload_connections", plan.overload_connections, clients),
-              ("--set burst_concurrency", plan.burst_concurrency, 1)),
-        numbers=(("--set warmup_seconds", plan.warmup_seconds, True),
-                 ("--set burst_seconds", plan.burst_seconds, True),
-                 ("--set soak_seconds", plan.soak_seconds, False),
-                 ("--set overload_seconds", plan.overload_seconds, False),
-                 ("--set sample_seconds", plan.sample_seconds, False),
-                 ("--set overload_rate", plan.overload_rate, False)))
+    check_options(options, plan)
+    if plan.overload_seconds == 0:  # only the sweep skips its overload
+        raise SensaiError("--set overload_seconds must be a number > 0, got 0 (0 skips the "
+                          "overload with --sweep only)")
+    connections = plan.overload_connections
+    if connections is not None and connections < clients:  # each client holds one or more
+        raise SensaiError(f"--set overload_connections must be an integer >= --set clients "
+                          f"({clients}), got {connections}")
     if clients > concurrency:
         raise SensaiError(f"--set clients={clients} must not exceed --concurrency "
                           f"({concurrency}): every client process keeps at least one request "
@@ -184,18 +190,6 @@ def files_per_process() -> int:
     to spare."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 1 << 20 if soft == resource.RLIM_INFINITY else max(1, soft - 64)
-
-
-def overload_cap(gs: GatewaySettings, rate: float, clients: int, population: int,
-                 retry_after: bool) -> int:
-    """Connections an overload at ``rate`` may open: clients that honour Retry-After are a
-    ``population`` of connections, each pausing after a refusal (more would only open more
-    connections to pause); else enough for every request to take up to the deadline, within the
-    open-file limit."""
-    if retry_after:
-        return max(clients, population)
-    return max(clients, min(gs.max_requests + math.ceil(rate * gs.deadline_s),
-                            files_per_process()))
 
 
 def check_open_files(connections: int) -> None:
@@ -219,30 +213,29 @@ def burst_image(artifact, spec, gs: GatewaySettings) -> tuple[bytes, dict[str, A
     Image.new("RGBA", (side, side), (200, 100, 50, 255)).save(buf, "PNG")
     png = buf.getvalue()
     x = decode_image(png, spec, pixels)
-    expected = int(offline_reference(artifact, [x], runtime=reference_runtime(gs)).argmax(1)[0])
+    expected = offline_top1(artifact, [x], gs)[0]
     return png, {"width": side, "height": side, "mode": "RGBA", "png_bytes": len(png),
                  "decoded_bytes": side * side * 4, "expected": expected}
 
 
 class LoadRun:
-    """The running benchmark: the gateway, the client processes, the RSS sampler, the progress
+    """The running benchmark: the server, the client processes, the RSS sampler, the progress
     bar; one method per step."""
 
-    def __init__(self, gateway: GatewayProcess, procs: list[HttpClientProcess], *,
+    def __init__(self, server: Server, procs: list[HttpClientProcess], *,
                  expected: list[int], concurrency: int, timeout_s: float, sample_s: float,
                  bar, progress: bool, request: dict[str, str] | None = None,
                  metrics: bool = True):
-        """``gateway``: the server under load (a :class:`GatewayProcess`, or any object with its
-        ``url``, ``pid``, ``serving_pid`` and ``died()``); ``expected``: each image's offline
-        top-1 (empty: the answers are not checked, as for the bare route); ``request``: the
-        clients' ``transport`` and ``model`` (default: PNG uploads); ``metrics``: whether the
-        server has the gateway's ``/metrics``."""
-        self.gateway, self.procs, self.expected = gateway, procs, expected
+        """``server``: the server under load; ``expected``: each image's offline top-1 (empty:
+        the answers are not checked, as for the bare route); ``request``: the clients'
+        ``transport`` and ``model`` (default: PNG uploads); ``metrics``: whether to read the
+        gateway's ``/metrics``."""
+        self.server, self.procs, self.expected = server, procs, expected
         self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
         self.bar, self.progress = bar, progress
-        self.request, self.metrics = dict(request or {}), metrics
-        self.t0 = time.monotonic()
-        self.sampler = RssSampler(gateway.serving_pid, self.t0, sample_s, tree_of=gateway.pid)
+        self.request, self.metrics = dict(request or {}), metrics and server.gateway
+        self.t0 = self.t_phase = time.monotonic()
+        self.sampler = RssSampler(server.serving_pid, self.t0, sample_s, tree_of=server.pid)
         # Each client process starts at its own image, so they do not send the same ones.
         n, k = len(expected) or 1, len(procs)
         self.offsets = [int(o) for o in np.cumsum([0] + split(n, k))[:-1]]
@@ -251,40 +244,64 @@ class LoadRun:
         if self.progress:
             self.bar.write(message)
 
-    def drive(self, name: str, plans: list[dict[str, Any]], seconds: float,
-              procs: list[HttpClientProcess] | None = None) -> list[dict[str, Any]]:
-        """Every client process's share of one phase, while the RSS is sampled and the gateway
-        watched; a dead gateway or client ends the run at once."""
-        bar, sampler, gateway = self.bar, self.sampler, self.gateway
+    @contextmanager
+    def background(self, plans: list[dict[str, Any]],
+                   procs: list[HttpClientProcess] | None = None) -> Iterator[list[Future]]:
+        """Each client process's share of a phase (``plans``) running while the body watches
+        it (:meth:`watch`) and collects it (:meth:`collect`); should the body fail, the client
+        processes are killed, which unblocks the threads waiting for their answers."""
         procs = procs or self.procs
-        bar.reset(total=round(seconds, 1))
-        bar.set_description(name)
-        self._show(sampler.sample(name))
         with ThreadPoolExecutor(len(procs), thread_name_prefix="bench-load") as pool:
-            futures = [pool.submit(c.load, gateway.url, **plan) for c, plan in zip(procs, plans)]
-            t0 = time.monotonic()
+            futures = [pool.submit(c.load, self.server.url, **plan)
+                       for c, plan in zip(procs, plans)]
+            self.t_phase = time.monotonic()
             try:
-                while True:
-                    timeout = min(0.5, max(0.01, sampler.next_due - time.monotonic()))
-                    done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
-                    if sampler.due():
-                        self._show(sampler.sample(name))
-                    bar.n = round(min(seconds, time.monotonic() - t0), 1)
-                    bar.refresh()
-                    if not pending or any(f.exception() for f in done):
-                        break
-                    died = gateway.died()
-                    if died:
-                        raise SensaiError(f"during the {name}, {died}")
-                try:
-                    outs = [f.result() for f in futures]
-                except (RuntimeError, EOFError, OSError, TimeoutError) as e:
-                    raise SensaiError(f"HTTP load client during the {name}: {e}") from None
+                yield futures
             except BaseException:
-                for c in procs:  # unblocks the threads waiting for their answers
+                for c in procs:
                     c.process.kill()
                 raise
+
+    def watch(self, name: str, futures: list[Future], *, seconds: float = math.inf,
+              until: Callable[[], bool] | None = None) -> bool:
+        """Sample the RSS (now, then when due) and move the bar while the clients run, for
+        ``seconds`` or until ``until()``: True once every client is done or one failed.  A dead
+        server ends the run at once."""
+        bar, sampler, end = self.bar, self.sampler, time.monotonic() + seconds
+        poll = 0.5 if until is None else 0.05  # until() is polled, the clients waited for
+        bar.set_description(name)
         self._show(sampler.sample(name))
+        while not (until and until()) and (now := time.monotonic()) < end:
+            timeout = min(poll, max(0.01, min(sampler.next_due, end) - now))
+            done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+            if sampler.due():
+                self._show(sampler.sample(name))
+            bar.n = round(min(bar.total or math.inf, time.monotonic() - self.t_phase), 1)
+            bar.refresh()
+            if not pending or any(f.exception() for f in done):
+                return True
+            died = self.server.died()
+            if died:
+                raise SensaiError(f"during the {name}, {died}")
+        return False
+
+    def collect(self, name: str, futures: list[Future], timeout_s: float | None = None
+                ) -> list[dict[str, Any]]:
+        """What each client process's share of the phase returned."""
+        try:
+            return [f.result(timeout=timeout_s) for f in futures]
+        except (RuntimeError, EOFError, OSError, TimeoutError) as e:
+            raise SensaiError(f"HTTP load client during the {name}: {e}") from None
+
+    def drive(self, name: str, plans: list[dict[str, Any]], seconds: float,
+              procs: list[HttpClientProcess] | None = None) -> list[dict[str, Any]]:
+        """Every client process's share of one phase, while the RSS is sampled and the server
+        watched; a dead server or client ends the run at once."""
+        self.bar.reset(total=round(seconds, 1))
+        with self.background(plans, procs) as futures:
+            self.watch(name, futures)
+            outs = self.collect(name, futures)
+        self._show(self.sampler.sample(name))
         return outs
 
     def _show(self, sample: dict | None) -> None:
@@ -296,10 +313,9 @@ class LoadRun:
             plan.update(seconds=seconds, expected=self.expected or None,
                         timeout_s=self.timeout_s, first=first, **self.request)
         scrape = scrape_metrics if self.metrics else lambda url: None
-        before = scrape(self.gateway.url)
-        pid = self.gateway.serving_pid
-        tree_of = getattr(self.gateway, "pid", None)
-        workers = worker_pids(self.gateway.url) if tree_of is not None else set()
+        before = scrape(self.server.url)
+        pid, tree_of = self.server.serving_pid, self.server.pid
+        workers = worker_pids(self.server.url) if tree_of is not None else set()
         split_before = server_cpu(tree_of, workers)
         gpu = GpuSampler()
         gpu.start()
@@ -317,7 +333,7 @@ class LoadRun:
         rep["server_cpu"] = server_split(split_before, split_after, elapsed,
                                          rep["throughput_rps"])
         rep["duration_s"] = seconds
-        rep["server"] = server_view(before, scrape(self.gateway.url))
+        rep["server"] = server_view(before, scrape(self.server.url))
         ok = rep["latency_ok_ms"]
         self.say(f"{name}: {rep['requests']} requests, {rep['throughput_rps']} answered 200 per "
                  f"second, status codes {rep['status_counts']}, p50/p99 of the 200s "
@@ -336,9 +352,18 @@ class LoadRun:
         rep["concurrency"] = concurrency
         return rep
 
-    def overload(self, seconds: float, rate: float, connections: int, preopen: int,
-                 retry_after: bool) -> dict[str, Any]:
+    def overload(self, seconds: float, rate: float, gs: GatewaySettings, retry_after: bool,
+                 connections: int | None = None) -> dict[str, Any]:
+        """An open loop at ``rate``.  The connections opened at the start are the population
+        the gateway admits (its ``max_requests``) and the run's concurrency; at most
+        ``connections`` in all: by default, if the clients honour Retry-After, that population,
+        each pausing after a refusal (more would only open more connections to pause); else
+        enough for every request to take up to the deadline, within the open-file limit."""
         k = len(self.procs)
+        population = gs.max_requests + self.concurrency
+        connections = connections or max(k, population if retry_after else min(
+            gs.max_requests + math.ceil(rate * gs.deadline_s), files_per_process()))
+        preopen = min(connections, population)
         plans = [{"rate": rate / k, "connections": c, "preopen": min(c, o),
                   "retry_after": retry_after}
                  for c, o in zip(split(connections, k), split(preopen, k))]
@@ -362,7 +387,7 @@ class LoadRun:
         """``concurrency`` uploads of one large legal image always in flight: what decoding
         them costs the gateway at its peak (``VmHWM``, reset first), against what decoding
         every one at once would take."""
-        pid = self.gateway.serving_pid
+        pid = self.server.serving_pid
         before = process_rss_bytes(pid)
         reset = reset_peak_rss(pid)
         plan = {"concurrency": concurrency, "seconds": seconds, "expected": [image["expected"]],
@@ -388,13 +413,13 @@ class LoadRun:
         """Right after the overload, and if that fails, again every second for a while."""
         self.bar.set_description("health after the overload")
         n = min(HEALTH_IMAGES, len(self.expected))
-        health = check_health(self.gateway.url, self.procs[0], self.expected, n)
+        health = check_health(self.server.url, self.procs[0], self.expected, n)
         health["recovered_after_s"] = 0.0 if health["healthy"] else None
         t = time.monotonic()
         while not health["healthy"] and time.monotonic() - t < RECOVERY_S \
-                and self.gateway.alive():
+                and self.server.alive():
             time.sleep(1.0)
-            if check_health(self.gateway.url, self.procs[0], self.expected, n)["healthy"]:
+            if check_health(self.server.url, self.procs[0], self.expected, n)["healthy"]:
                 health["recovered_after_s"] = round(time.monotonic() - t, 2)
                 break
         self.sampler.sample("after")
@@ -421,36 +446,27 @@ def run_load_bench(artifact_dir: str | Path, out_dir: str | Path, options: LoadO
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    expected = [int(i) for i in offline_reference(artifact, imgs.xs,
-                                                  runtime=reference_runtime(gs)).argmax(1)]
+    expected = offline_top1(artifact, imgs.xs, gs)
     result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
                       settings=soak_settings(options, plan, gs, gateway_env, images=len(imgs)))
     result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    gateway = gateway_process(options, artifact.root, gateway_env, out / "gateway.log")
-    procs: list[HttpClientProcess] = []
     bar = seconds_bar(options, "bench-load")
-    run = None
     try:
-        with sigterm_as_exit():
+        with client_processes(options.clients, imgs.pngs,
+                              cores=split_cores(options.client_cores)[1]) as procs:
             bar.set_description("starting the gateway")
-            gateway.launch()
-            procs += [client_process(options, imgs.pngs) for _ in range(options.clients)]
-            gateway.wait_ready(options.startup_timeout)
-            run = LoadRun(gateway, procs, expected=expected, concurrency=plan.concurrency,
-                          timeout_s=request_timeout(gs), sample_s=plan.sample_seconds, bar=bar,
-                          progress=options.progress)
-            run.sampler.sample("startup")
-            run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
-                    f"{gateway.startup_s} s; its output: {gateway.log_path}")
-            phases = soak_phases(run, plan, options, gs, procs, result, artifact=artifact,
-                                 spec=spec)
-            run.sampler.sample("after")
+            with sensai_serve(options, artifact.root, gateway_env, out / "gateway.log") as gateway:
+                run = LoadRun(gateway, procs, expected=expected, concurrency=plan.concurrency,
+                              timeout_s=request_timeout(gs), sample_s=plan.sample_seconds,
+                              bar=bar, progress=options.progress)
+                run.sampler.sample("startup")
+                run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
+                        f"{gateway.startup_s} s; its output: {gateway.log_path}")
+                phases = soak_phases(run, plan, options, gs, procs, result, artifact=artifact,
+                                     spec=spec)
+                run.sampler.sample("after")
     finally:
         bar.close()
-        # The client processes and the gateway wind down side by side.
-        with ThreadPoolExecutor(len(procs) + 1, thread_name_prefix="bench-load-stop") as pool:
-            for stopping in [pool.submit(gateway.stop)] + [pool.submit(p.close) for p in procs]:
-                stopping.result()
     result |= gateway.report(run.sampler.samples)
     result["phases"] = phases
     result["targets"] = evaluate_load_targets(result)
@@ -499,15 +515,12 @@ def soak_phases(run: LoadRun, plan: LoadPlan, options: LoadOptions, gs: GatewayS
                    "with_descendants": rss_growth(run.sampler.samples, "soak", "tree_rss_mb")}
     rate = plan.overload_rate or options.overload_factor * (soak["throughput_rps"] or 0.0)
     if rate > 0:
-        population = gs.max_requests + plan.concurrency
-        cap = plan.overload_connections or overload_cap(gs, rate, options.clients, population,
-                                                        options.retry_after)
-        phases["overload"] = run.overload(plan.overload_seconds, rate, cap,
-                                          min(cap, population), options.retry_after)
+        phases["overload"] = run.overload(plan.overload_seconds, rate, gs, options.retry_after,
+                                          plan.overload_connections)
         result["health_after"] = run.health()
         if plan.burst_seconds > 0:
             png, image = burst_image(artifact, spec, gs)
-            procs.append(client_process(options, [png]))
+            procs.append(HttpClientProcess([png], cores=split_cores(options.client_cores)[1]))
             result["burst"] = run.burst(procs[-1], image, plan.burst_concurrency,
                                         plan.burst_seconds)
     else:

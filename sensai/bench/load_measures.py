@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .client import HttpClientProcess
 from .machine import descendant_pids, process_cpu_seconds, process_rss_bytes
+from .server import served
 from .stats import summarize
 
 PREDICT_ROUTE = "/v1/predict"
@@ -156,10 +157,7 @@ def worker_pids(url: str) -> set[int]:
     device processes (``--backend processes``, several gateway processes), worker processes (a
     model repository on the processes backend); none where the workers are threads of the
     gateway."""
-    try:
-        info = httpx.get(f"{url}/v1/models", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return set()
+    info = served(url)
     gateway = info.get("pid")
     workers = (info.get("predictor") or {}).get("workers") or []
     return {w["pid"] for w in workers if isinstance(w.get("pid"), int) and w["pid"] != gateway}

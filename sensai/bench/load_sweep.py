@@ -1,7 +1,7 @@
 """``sensai bench-load --sweep``: a throughput-latency sweep of several serving configurations.
 
-For each configuration a server starts on 127.0.0.1 - ``sensai serve`` in its own process
-(:class:`~.gateway_process.GatewayProcess`), or Triton (:mod:`.peers`) - and the same client
+For each configuration a server starts on 127.0.0.1 (:mod:`.server`) - ``sensai serve`` in its
+own process, or Triton - and the same client
 processes (:mod:`.client`) drive it with :class:`~.load.LoadRun`, bench-load's own harness: a
 warm-up, closed loops at each concurrency level, the server's bare ``GET /v2/health/live`` at
 :data:`NOOP_CONCURRENCY` in flight (the floor a predict request cannot go below), then an
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -27,20 +26,17 @@ from sensai.artifact import load_artifact
 from sensai.errors import CheckpointError, SensaiError
 
 from .client import HttpClientProcess
-from .gateway_process import served, sigterm_as_exit
 from .harness import envelope, finish, inputs, load_test_images
-from .load import (LoadRun, check_options, client_process, gateway_process, gateway_settings,
-                   overload_cap, reference_runtime, request_timeout, seconds_bar)
+from .load import (LoadRun, check_options, client_processes, gateway_settings,
+                   offline_top1, request_timeout, seconds_bar, sensai_serve)
 from .load_single import original_as_artifact
 from .machine import split_cores, tree_rss_mb
 from .load_sweep_report import plot, render_markdown
 from .names import SWEEP_CONFIGS, SWEEP_TRANSPORTS
-from .peers import MODEL as PEER_MODEL
-from .peers import Peers, unavailable
 from .perf_analyzer import PerfAnalyzer, for_sweep, missing, sweep_settings
 from .one_call import one_call_reference
 from .options import LoadOptions, LoadPlan
-from .robust import offline_reference
+from .server import Server, served, start_peer, unavailable
 from .targets import evaluate_sweep_targets
 
 CONFIGS = SWEEP_CONFIGS
@@ -53,31 +49,17 @@ CONFIG_ENV = {"class-parallel-unbatched": {"SENSAI_BATCH_MAX_ROWS": "1"}}
 PERF_ANALYZER_MODES = ("also", "only")  # beside bench-load's own client, or instead of it
 NOOP_CONCURRENCY = 16
 WARMUP_CONCURRENCY = 16
-GATEWAY_MODEL = "sensai"  # the model name the gateway serves under KServe v2
-
-
-class PeerServer:
-    """A peer (Triton) as :class:`~.load.LoadRun` watches a server: its URL, no process of ours
-    to sample, no gateway ``/metrics``."""
-
-    pid = serving_pid = None
-
-    def __init__(self, peer):
-        self.peer, self.url = peer, peer.url
-
-    def died(self) -> str | None:
-        return None
 
 
 def check_sweep_settings(options: LoadOptions, *, configs: Sequence[str],
                          levels: Sequence[int], level_s: float, warmup_s: float,
                          overload_s: float, transport: str | None,
                          perf_analyzer: str | None = None) -> None:
+    # The values are LoadPlan's or PlanOptions' (sensai plan), declared with the same bounds.
+    plan = LoadPlan(sweep=True, levels=tuple(levels), level_seconds=level_s,
+                    warmup_seconds=warmup_s, overload_seconds=overload_s)
     check_options(
-        options, ints=tuple(("--levels", c, 1) for c in levels),
-        numbers=(("--set level_seconds", level_s, False),
-                 ("--set warmup_seconds", warmup_s, True),
-                 ("--set overload_seconds", overload_s, True)),
+        options, plan,
         choices=(("configuration", configs, CONFIGS),
                  *((("--perf-analyzer mode", [perf_analyzer], PERF_ANALYZER_MODES),)
                    if perf_analyzer is not None else ())))
@@ -172,20 +154,12 @@ def server_gateways(gs, client_cores: int) -> int:
     return gs.gateway_processes(server_core_count(client_cores))
 
 
-@contextmanager
-def client_processes(options: LoadOptions, imgs, spec) -> Iterator[list[HttpClientProcess]]:
-    """The client processes, holding the test images as PNGs and as tensors, closed after
-    (on SIGTERM too)."""
+def sweep_clients(options: LoadOptions, imgs, spec):
+    """The client processes (:func:`~.load.client_processes`), holding the test images as PNGs
+    and as tensors."""
     tensors = [x.astype(np.float32).tobytes() for x in imgs.xs]
-    procs: list[HttpClientProcess] = []
-    try:
-        with sigterm_as_exit():
-            procs = [client_process(options, imgs.pngs, tensors, [1, *spec.input_shape])
-                     for _ in range(options.clients)]
-            yield procs
-    finally:
-        for p in procs:
-            p.close()
+    return client_processes(options.clients, imgs.pngs, tensors, [1, *spec.input_shape],
+                            cores=split_cores(options.client_cores)[1])
 
 
 class Sweep:
@@ -209,17 +183,18 @@ class Sweep:
         for the batching counters)."""
         self.gs, self.timeout_s = gs, request_timeout(gs)
 
-    def measure(self, key: str, server, expected: list[int], model: str, gateway: bool,
-                transport: str, label: str | None = None) -> dict[str, Any]:
+    def measure(self, key: str, server: Server, expected: list[int], transport: str,
+                label: str | None = None) -> dict[str, Any]:
         """Warm-up, the closed-loop levels, the bare route, the overload, on one server; a
         gateway's process tree's memory after each level."""
         rep: dict[str, Any] = {"label": label or CONFIG_LABELS[key], "transport": transport}
+        model, gateway = server.model, server.gateway
         if not self.own_client:
             return self.perf_analyzer(rep | {"transport": "http-v2"}, key, server.url, model)
         request = {"transport": transport, "model": model}
         run = LoadRun(server, self.procs, expected=expected, concurrency=WARMUP_CONCURRENCY,
                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
-                      progress=self.progress, request=request, metrics=gateway)
+                      progress=self.progress, request=request)
         if self.warmup_s > 0:
             run.closed(f"{key}: warm-up", self.warmup_s)
         gateways = server_gateways(self.gs, self.options.client_cores)
@@ -243,12 +218,9 @@ class Sweep:
                                 self.usable_cores)
         best = max((r["throughput_rps"] or 0.0 for r in rep["levels"]), default=0.0)
         if self.overload_s > 0 and best > 0:
-            rate = self.overload_factor * best
-            population = self.gs.max_requests + NOOP_CONCURRENCY
-            honour = self.options.retry_after
-            cap = overload_cap(self.gs, rate, len(self.procs), population, honour)
-            rep["overload"] = overload_row(
-                run.overload(self.overload_s, rate, cap, min(cap, population), honour), best)
+            rep["overload"] = overload_row(run.overload(
+                self.overload_s, self.overload_factor * best, self.gs, self.options.retry_after),
+                best)
         else:
             rep["overload"] = {"skipped": "--set overload_seconds=0" if self.overload_s <= 0 else
                                "no closed loop answered, so there is no rate to multiply"}
@@ -274,37 +246,27 @@ class Sweep:
         rep["perf_analyzer"] = rows
         return rep
 
-    def gateway(self, key: str, root: Path, env: dict[str, str],
-                expected: list[int], label: str | None = None,
-                args: Sequence[str] = ()) -> dict[str, Any]:
-        gateway = gateway_process(self.options, root, env, self.out / f"gateway-{key}.log", args)
-        try:
-            self.bar.set_description(f"{key}: starting the gateway")
-            gateway.launch()
-            gateway.wait_ready(self.options.startup_timeout)
-            rep = self.measure(key, gateway, expected, GATEWAY_MODEL, gateway=True,
-                               transport=self.transport, label=label)
-        finally:
-            gateway.stop()
-        rep["server"] = {"command": gateway.command(), "startup_s": gateway.startup_s,
-                         "exit_code": gateway.exit_code, "log": str(gateway.log_path),
-                         "sampled": gateway.sampled()}
-        return rep
-
-    def triton(self, onnx: Path, expected: list[int], threads: int) -> dict[str, Any]:
-        peers = Peers()
-        try:
-            self.bar.set_description("triton: starting tritonserver")
-            peers.start(["triton"], onnx, threads=threads)
-            if not peers.running:
-                return {"label": CONFIG_LABELS["triton"], "skipped": peers.skipped["triton"]}
-            peer = peers.running[0]
-            # Triton takes tensors only (the run's transport is http-v2 unless asked otherwise).
-            rep = self.measure("triton", PeerServer(peer), expected, PEER_MODEL, gateway=False,
-                               transport="http-v2")
-            rep["server"] = peers.report()["triton"]
-        finally:
-            peers.stop()
+    def serve(self, key: str, kind: str, source: Path, expected: list[int], *,
+              label: str | None = None, threads: int = 1, env: dict[str, str] | None = None,
+              args: Sequence[str] = ()) -> dict[str, Any]:
+        """The configuration ``key``: a server of ``kind`` serving ``source`` (``sensai``:
+        with ``env`` and ``args``, its log in ``gateway-KEY.log``; a peer: with ``threads``)
+        started, measured, stopped; a peer that cannot run here is skipped with its reason."""
+        self.bar.set_description(f"{key}: starting {kind}")
+        if kind == "sensai":
+            server: Server | str = sensai_serve(
+                self.options, source, env or {}, self.out / f"gateway-{key}.log",
+                model=self.gs.model_name, args=args)
+        else:
+            server = start_peer(kind, source, threads=threads)
+            if isinstance(server, str):
+                return {"label": CONFIG_LABELS[key], "skipped": server}
+        with server:
+            # A peer takes tensors only (the run's transport is http-v2 unless asked otherwise).
+            rep = self.measure(key, server, expected, label=label,
+                               transport=self.transport if server.gateway else "http-v2")
+        rep["server"] = (server.record() | {"sampled": server.sampled()} if server.gateway
+                         else server.info)
         return rep
 
 
@@ -335,7 +297,8 @@ def run_load_sweep(artifact_dir: str | Path, out_dir: str | Path, options: LoadO
                                                     out / "original", imgs, gs)
     plan = replace(plan, transport=sweep_transport(plan.configs, plan.transport,
                                                    "triton" not in results))
-    expected, expected_original = expected_answers(artifact, original, imgs.xs, gs)
+    expected = offline_top1(artifact, imgs.xs, gs)
+    expected_original = offline_top1(original, imgs.xs, gs) if original is not None else None
     perf = for_sweep(plan.perf_analyzer, imgs.xs, out, plan.level_seconds)
     result = envelope("sensai-bench-load-sweep", command=options.command, artifact=artifact,
                       spec=spec, settings=run_settings(plan, options, gs, gateway_env,
@@ -349,24 +312,22 @@ def run_load_sweep(artifact_dir: str | Path, out_dir: str | Path, options: LoadO
             artifact, imgs.xs, device=gs.device, runtime=gs.runtime_kind,
             threads=gs.threads_per_worker, sim_launch_ms=gs.sim_launch_ms)
     try:
-        with client_processes(options, imgs, spec) as procs:
+        with sweep_clients(options, imgs, spec) as procs:
             sweep = Sweep(options, out=out, procs=procs, levels=plan.levels,
                           level_s=plan.level_seconds, warmup_s=plan.warmup_seconds,
                           overload_s=plan.overload_seconds, gs=gs, transport=plan.transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,
                           perf=perf, own_client=plan.perf_analyzer != "only")
-            for key in plan.configs:
-                if key in results:
-                    continue
+            for key in (k for k in plan.configs if k not in results):
                 if key == "triton":
-                    results[key] = sweep.triton(full_onnx, expected_original,
-                                                gs.threads_per_worker)
-                    continue
-                single = key == "single"
-                results[key] = sweep.gateway(
-                    key, original.root if single else artifact.root,
-                    gateway_env | CONFIG_ENV.get(key, {}),
-                    expected_original if single else expected)
+                    results[key] = sweep.serve(key, key, full_onnx, expected_original,
+                                               threads=gs.threads_per_worker)
+                else:
+                    single = key == "single"
+                    results[key] = sweep.serve(
+                        key, "sensai", original.root if single else artifact.root,
+                        expected_original if single else expected,
+                        env=gateway_env | CONFIG_ENV.get(key, {}))
     finally:
         bar.close()
     result["configs"] = {key: results[key] for key in plan.configs}
@@ -399,17 +360,6 @@ def prepare_original(artifact, configs: Sequence[str], original_dir: Path, imgs,
             results["triton"] = {"label": CONFIG_LABELS["triton"],
                                  "skipped": " ".join(reason.split())}
     return original, full_onnx, results
-
-
-def expected_answers(artifact, original, xs, gs) -> tuple[list[int], list[int] | None]:
-    """Offline evaluation's top-1 of each image, by the artifact and by the original (None
-    without it), computed as the gateway computes them (:func:`~.load.reference_runtime`)."""
-    reference = reference_runtime(gs)
-    expected = [int(i) for i in offline_reference(artifact, xs, runtime=reference).argmax(1)]
-    expected_original = ([int(i) for i in offline_reference(original, xs,
-                                                            runtime=reference).argmax(1)]
-                         if original is not None else None)
-    return expected, expected_original
 
 
 def run_settings(plan: LoadPlan, options: LoadOptions, gs, gateway_env: dict[str, str], *,

@@ -204,6 +204,9 @@ def _intro(result: dict) -> list[str]:
 def _measures(result: dict) -> str:
     """The machine, and what each measure of the tables is."""
     g = result["settings"]["gateway"]
+    # Results from before the launch time was recorded name none.
+    launch = (f"{g['sim_launch_ms']:g} ms" if g.get("sim_launch_ms") is not None
+              else "a fixed time (not recorded)")
     return (
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
@@ -228,8 +231,8 @@ def _measures(result: dict) -> str:
         "What the cores allow (beside the 16-in-flight share of the bare route): the usable "
         "cores over the server's and the clients' CPU per answer at that level, every core "
         "busy (each side on its own cores with --set client_cores=N; the GPU's time not in it)."
-        + (f"  The sim runtime: a simulated GPU, {g['sim_launch_ms']:g} ms per launch whatever "
-           "its rows; answers checked against the simulation's own offline."
+        + (f"  The sim runtime: a simulated GPU, {launch} per launch whatever its rows; "
+           "answers checked against the simulation's own offline."
            if g.get("runtime") == "sim" else ""))
 
 

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sensai.bounds import BOUND_KEYS, bounded
 from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
 from sensai.serving.core.settings import MODEL_RUNTIMES
 from sensai.serving.core.wakeup import MODES
@@ -35,15 +36,20 @@ def flag(*names: str, default: Any = None, help: str, group: str | None = None,
          **argparse: Any) -> Any:
     """A field that is a flag: its option strings ``names`` (none: ``--`` and the field's name),
     its meaning ``help`` (the default is added to it unless None or False, so a help whose
-    default is None says what None does), the argument group it is listed in, and what
-    argparse needs beyond the field's type (``nargs``, ``const``, ``choices``, ``metavar``)."""
+    default is None says what None does), the argument group it is listed in, its values'
+    bound (``low``, ``above``, ``high``, ``below``: a :class:`~sensai.bounds.Bound`; each value
+    of a tuple), and what argparse needs beyond the field's type (``nargs``, ``const``,
+    ``choices``, ``metavar``)."""
+    bound = {k: argparse.pop(k) for k in BOUND_KEYS if k in argparse}
     return field(default=default, metadata={"help": help, "flag": names, "group": group,
-                                            **argparse})
+                                            **argparse, **bounded(**bound)})
 
 
-def knob(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A field that is a ``--set`` key (its name), with its meaning and allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def knob(default: Any, help: str, choices: tuple | None = None, **bound: float) -> Any:
+    """A field that is a ``--set`` key (its name), with its meaning and allowed values: one of
+    ``choices``, or within ``bound`` (as for :func:`flag`)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "set": True,
+                                            **bounded(**bound)})
 
 
 def stderr_is_terminal() -> bool:
@@ -56,11 +62,11 @@ class BenchData:
     reproduces the run (recorded in its JSON), and whether a progress bar and the phases' lines
     show (by default when stderr is a terminal, so a log or a test gets neither)."""
 
-    images: int = flag(default=200, group="test images",
+    images: int = flag(default=200, group="test images", low=1,
                        help="real test images, sent in turn (bench-robust: at least 2)")
     data_dir: str | None = flag(default=None, group="test images",
                                 help="where the dataset is (default: as the artifact records)")
-    seed: int = knob(0, "which test images")
+    seed: int = knob(0, "which test images", low=0)
     command: str | None = None
     progress: bool = field(default_factory=stderr_is_terminal)
 
@@ -77,7 +83,7 @@ class Workers:
     runtime: str = flag(default="auto", choices=MODEL_RUNTIMES,
                         help="auto: ONNX Runtime on CPUs, CUDA graphs on GPUs (torch eager where "
                              "a network cannot be captured); torch: eager")
-    threads: int = knob(1, "intra-op threads of every worker's runner")
+    threads: int = knob(1, "intra-op threads of every worker's runner", low=1)
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,12 @@ class BenchOptions(Workers, BenchData):
     each is driven, and the host switches held for the whole run."""
 
     workers: int | None = flag(
-        "--stages", "-K", metavar="K",
+        "--stages", "-K", metavar="K", low=1,
         help="model-parallel stages, one worker each (default: G, as many as subnets)")
-    concurrency: int = flag("--concurrency", "-c", default=8,
+    concurrency: int = flag("--concurrency", "-c", default=8, low=1,
                             help="requests in flight for the throughput run")
     requests: int | None = flag(
-        help="requests in the throughput run (default: max(images, 4 x concurrency))")
+        low=1, help="requests in the throughput run (default: max(images, 4 x concurrency))")
     strategies: tuple[str, ...] = flag(
         default=STRATEGIES, nargs="+", choices=STRATEGIES, metavar="STRATEGY",
         help=f"which to run, of {', '.join(STRATEGIES)}")
@@ -113,13 +119,14 @@ class BenchOptions(Workers, BenchData):
              f"{PEER_TRANSPORT} beside the strategies: bench.md's 'sensai vs Triton vs Ray "
              "Serve' table; a peer that cannot run here is skipped with its reason (default: "
              "none)")
-    replicas: int | None = knob(None, "data-parallel replicas (none: the number of stages)")
+    replicas: int | None = knob(None, "data-parallel replicas (none: the number of stages)",
+                                low=1)
     warmup: int = knob(WARMUP, "untimed requests per strategy and transport first, while the "
-                               "workers' placement on the cores settles")
+                               "workers' placement on the cores settles", low=0)
     rounds: int = knob(10, "the images are timed in this many rounds, strategies taking turns, "
-                           "so load changes hit them alike")
+                           "so load changes hit them alike", low=1)
     isolated_images: int = knob(20, "images on which each subnet (and, with peers, the original) "
-                                    "is also timed alone")
+                                    "is also timed alone", low=0)
     keep_cores_awake: str | None = knob(
         None, "as for 'sensai serve', held for the whole run so every strategy and peer is "
               "timed alike (none: the gateway's setting, off unless SENSAI_KEEP_CORES_AWAKE)",
@@ -150,9 +157,9 @@ class RobustOptions(Workers, BenchData):
     configuration is served, and how the faults are run."""
 
     redundancies: tuple[int, ...] = flag("--redundancy", "-r", default=(0, 1), nargs="+",
-                                         metavar="R", help="redundancies to compare")
+                                         metavar="R", low=0, help="redundancies to compare")
     hedges_ms: tuple[float, ...] = flag(
-        "--hedge-ms", default=(0.0,), nargs="+", metavar="MS",
+        "--hedge-ms", default=(0.0,), nargs="+", metavar="MS", low=0,
         help="for r >= 1, also one configuration per hedge delay")
     scenarios: tuple[str, ...] | None = flag(
         nargs="+", choices=SCENARIOS, metavar="SCENARIO",
@@ -169,17 +176,19 @@ class RobustOptions(Workers, BenchData):
     deadline_s: float | None = knob(None, "per-request deadline in seconds (none: the "
                                           "gateway's, 5, or $SENSAI_DEADLINE_S)")
     restart_delay_s: float = knob(0.0, "seconds before the dead worker is restarted")
-    warmup: int = knob(WARMUP, "untimed requests per configuration")
+    warmup: int = knob(WARMUP, "untimed requests per configuration", low=0)
     rounds: int = knob(5, "none/straggler runs interleave the configurations in this many "
-                          "rounds")
+                          "rounds", low=1)
     delay: str = knob("exp:50ms", "the straggler's delay before each request: fixed:50ms, "
                                   "exp:20ms (mean), uniform:10ms-80ms, optionally @p for a "
                                   "fraction")
-    straggler: int = knob(0, "worker to delay")
-    victim: int = knob(1, "worker to kill")
-    kill_at: float = knob(0.3, "kill during this fraction of the run, in [0, 1)")
-    interval_ms: float = knob(10.0, "failure scenario: one request every this many ms")
-    rejoin_timeout_s: float = knob(120.0, "seconds the killed worker's rejoin is waited for")
+    straggler: int = knob(0, "worker to delay", low=0)
+    victim: int = knob(1, "worker to kill", low=0)
+    kill_at: float = knob(0.3, "kill during this fraction of the run, in [0, 1)", low=0,
+                          below=1)
+    interval_ms: float = knob(10.0, "failure scenario: one request every this many ms", low=0)
+    rejoin_timeout_s: float = knob(120.0, "seconds the killed worker's rejoin is waited for",
+                                   above=0)
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,8 @@ class Served(BenchData):
     backend: str | None = flag(
         choices=SERVE_BACKENDS,
         help="the gateway's backend, as for 'sensai serve' (default: local, or $SENSAI_BACKEND)")
-    startup_timeout: float = knob(180.0, "seconds the gateway may take to become ready")
+    startup_timeout: float = knob(180.0, "seconds the gateway may take to become ready",
+                                  above=0)
 
 
 @dataclass(frozen=True)
@@ -203,12 +213,13 @@ class LoadOptions(Served):
     max_requests: int | None = None
     max_predictions: int | None = None
     env: dict[str, str] = field(default_factory=dict)
-    clients: int = knob(2, "client processes sharing the load")
+    clients: int = knob(2, "client processes sharing the load", low=1)
     client_cores: int = knob(0, "the client processes on the last this many usable cores, the "
                                 "gateway and every process it starts on the others (taskset); "
-                                "0: both anywhere")
+                                "0: both anywhere", low=0)
     overload_factor: float = knob(4.0, "the overload's arrival rate in multiples of the soak's "
-                                       "throughput (with --sweep: of the best closed loop's)")
+                                       "throughput (with --sweep: of the best closed loop's)",
+                                  above=0)
     retry_after: bool = knob(True, "the overload's clients honour a 503's Retry-After, as polite "
                                    "clients do: each waits that long before it sends again on "
                                    "that connection, and the rate then offered is reported "
@@ -237,7 +248,7 @@ class LoadPlan:
              "original on Triton with its dynamic batcher (skipped with the reason where it "
              "cannot run)")
     levels: tuple[int, ...] = flag(default=SWEEP_LEVELS, nargs="+", metavar="N", group="sweep",
-                                   help="requests in flight of each closed loop")
+                                   low=1, help="requests in flight of each closed loop")
     transport: str | None = flag(
         choices=SWEEP_TRANSPORTS, group="sweep",
         help="http: PNG uploads to /v1/predict; http-v2: KServe v2 binary tensors; one for "
@@ -251,28 +262,30 @@ class LoadPlan:
              "level_seconds/3 windows a level; its CSV's rows (p50/p90/p99, infer/s, the "
              "server's queue and compute) beside bench-load's own, labelled perf_analyzer. Not "
              "on PATH: also: a warning and the rest runs; only: refused")
-    concurrency: int = flag("--concurrency", "-c", default=16,
+    concurrency: int = flag("--concurrency", "-c", default=16, low=1,
                             help="the soak (and its warm-up): requests always in flight")
     warmup_seconds: float | None = knob(
         None, f"warm-up, not counted (none: {SOAK_WARMUP_S:g} at the soak's concurrency; with "
-              f"--sweep {SWEEP_WARMUP_S:g} per configuration, at 16 in flight)")
-    soak_seconds: float = knob(600.0, "the soak's duration")
+              f"--sweep {SWEEP_WARMUP_S:g} per configuration, at 16 in flight)", low=0)
+    soak_seconds: float = knob(600.0, "the soak's duration", above=0)
     overload_seconds: float | None = knob(
         None, f"the overload's duration (none: {SOAK_OVERLOAD_S:g}; with --sweep "
-              f"{SWEEP_OVERLOAD_S:g} per configuration, 0 to skip it)")
+              f"{SWEEP_OVERLOAD_S:g} per configuration, 0 to skip it)", low=0)
     overload_rate: float | None = knob(None, "the overload's arrival rate in requests/s (none: "
-                                             "overload_factor x the soak's throughput)")
+                                             "overload_factor x the soak's throughput)",
+                                         above=0)
     overload_connections: int | None = knob(
         None, "connections the overload may use (none: the gateway's max_requests + "
               "concurrency; with retry_after=false, enough for every request to wait its "
-              "deadline)")
+              "deadline)", low=1)
     burst_seconds: float = knob(20.0, "after the overload, uploads of one large legal image (as "
                                       "large as the gateway's pixel and decoded-bytes limits "
                                       "allow) for this long, to report the gateway's peak "
-                                      "memory; 0: skip")
-    burst_concurrency: int = knob(32, "large uploads in flight during the burst")
-    sample_seconds: float = knob(5.0, "RSS sampling period, and the bins of the timelines")
-    level_seconds: float = knob(5.0, "--sweep: seconds of each closed loop")
+                                      "memory; 0: skip", low=0)
+    burst_concurrency: int = knob(32, "large uploads in flight during the burst", low=1)
+    sample_seconds: float = knob(5.0, "RSS sampling period, and the bins of the timelines",
+                                 above=0)
+    level_seconds: float = knob(5.0, "--sweep: seconds of each closed loop", above=0)
 
     def resolved(self) -> LoadPlan:
         """The warm-up and overload seconds where not given: the sweep's or the soak's."""
@@ -290,14 +303,15 @@ class SwapOptions(Served):
 
     model: str | None = flag(
         help="the model's name in the repository (default: ARTIFACT_A's model)")
-    swaps: int = flag(default=5, help="versions swapped in")
-    concurrency: int = flag("--concurrency", "-c", default=8, help="requests always in flight")
-    warmup_seconds: float = knob(5.0, "load before the steady state, not counted")
+    swaps: int = flag(default=5, low=1, help="versions swapped in")
+    concurrency: int = flag("--concurrency", "-c", default=8, low=1,
+                            help="requests always in flight")
+    warmup_seconds: float = knob(5.0, "load before the steady state, not counted", low=0)
     steady_seconds: float = knob(10.0, "steady state before the first swap: the latency to "
-                                       "compare with")
-    after_seconds: float = knob(10.0, "wait after each swap's load call returned")
-    sample_seconds: float = knob(0.5, "RSS sampling period")
-    load_timeout: float = knob(600.0, "seconds a load call may take")
+                                       "compare with", above=0)
+    after_seconds: float = knob(10.0, "wait after each swap's load call returned", low=0)
+    sample_seconds: float = knob(0.5, "RSS sampling period", above=0)
+    load_timeout: float = knob(600.0, "seconds a load call may take", above=0)
     keep_repo: bool = knob(False, "keep the model repository written in the output directory "
                                   "(false: removed at the end)")
 
@@ -315,11 +329,13 @@ class PlanOptions:
     search: str = flag(default="quick", choices=SEARCHES,
                        help="quick: defaults, climb, confirm (minutes); full: every "
                             "combination, then confirm")
-    levels: tuple[int, ...] = flag(default=PLAN_LEVELS, nargs="+", metavar="N",
+    levels: tuple[int, ...] = flag(default=PLAN_LEVELS, nargs="+", metavar="N", low=1,
                                    help="requests in flight of each closed loop, the first the "
                                         "one-image latency")
     transport: str = flag(default="http-v2", choices=SWEEP_TRANSPORTS,
                           help="http: PNG uploads; http-v2: KServe v2 binary tensors")
     level_seconds: float = knob(PLAN_LEVEL_S, "seconds of each level while searching; "
-                                              "confirming runs three times as long")
-    warmup_seconds: float = knob(PLAN_WARMUP_S, "warm-up of each deployment, not counted")
+                                              "confirming runs three times as long",
+                                  above=0)
+    warmup_seconds: float = knob(PLAN_WARMUP_S, "warm-up of each deployment, not counted",
+                                 low=0)

@@ -32,13 +32,12 @@ from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySet
                                           load_settings)
 
 from .harness import envelope, finish, inputs, load_test_images
-from .load import gateway_settings, reference_runtime, seconds_bar
+from .load import gateway_settings, offline_top1, seconds_bar
 from .load_single import model_dir_as_artifact
-from .load_sweep import Sweep, check_sweep_settings, client_processes, server_core_count
+from .load_sweep import Sweep, check_sweep_settings, server_core_count, sweep_clients
 from .options import SEARCHES, LoadOptions, PlanOptions
 from .plan_judge import OBJECTIVE_TEXT, Constraints
 from .plan_report import plot, render_markdown
-from .robust import offline_reference
 
 CONFIRM = 3  # candidates measured again, beside the chosen model's defaults
 CONFIRM_FACTOR = 3  # ... for this many times the level seconds
@@ -157,8 +156,8 @@ class Planner:
         try:
             self.sweep.level_s = level_s
             self.sweep.use(load_settings(doc["settings"]))
-            rep = self.sweep.gateway(slug, entry.root, {}, entry.expected, label=label,
-                                     args=["--config", str(path)])
+            rep = self.sweep.serve(slug, "sensai", entry.root, entry.expected, label=label,
+                                   args=["--config", str(path)])
             rec["levels"], rec["server"] = rep["levels"], rep["server"]
             rec["summary"] = self.constraints.summarize(rep["levels"])
         except (SensaiError, OSError, httpx.HTTPError) as e:
@@ -249,9 +248,7 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
     spec, out = inputs(arts[0], options.data_dir, out_dir)
     t_start = time.perf_counter()
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    reference = reference_runtime(gs)
-    entries = [Entry(name, a.root, len(a.subnets),
-                     [int(i) for i in offline_reference(a, imgs.xs, runtime=reference).argmax(1)],
+    entries = [Entry(name, a.root, len(a.subnets), offline_top1(a, imgs.xs, gs),
                      sha256_file(a.root / MANIFEST))
                for name, a in zip(entry_names(arts), arts)]
     cores, base = server_core_count(options.client_cores), planned_base(gs)
@@ -266,7 +263,7 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
                       settings=settings)
     bar = seconds_bar(options, "sensai plan")
     try:
-        with client_processes(options, imgs, spec) as procs:
+        with sweep_clients(options, imgs, spec) as procs:
             sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
                           warmup_s=warmup_s, overload_s=0.0, gs=gs, transport=transport,
                           usable_cores=result["machine"].get("usable_cores"), bar=bar,

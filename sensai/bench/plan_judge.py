@@ -23,6 +23,14 @@ OBJECTIVE_TEXT = {"latency": "the lowest one-image p50", "throughput": "the most
                   "within the latency budget"}
 
 
+def rps_within(levels: Sequence[dict[str, Any]], p99_ms: float | None) -> float:
+    """The highest closed-loop throughput of the levels whose p99 is within ``p99_ms`` (None:
+    any measured p99), 0 when none is."""
+    return max((r["throughput_rps"] or 0.0 for r in levels
+                if (r.get("latency_ok_ms") or {}).get("p99") is not None
+                and (p99_ms is None or r["latency_ok_ms"]["p99"] <= p99_ms)), default=0.0)
+
+
 @dataclass(frozen=True)
 class Constraints:
     """The user's constraints (None: not constrained) and objective."""
@@ -60,14 +68,10 @@ class Constraints:
         """The figures a deployment is judged on, from its levels (ascending in flight)."""
         first = levels[0] if levels else {}
         lat = first.get("latency_ok_ms") or {}
-        budget = self.latency_budget_ms
-        within = [r["throughput_rps"] or 0.0 for r in levels
-                  if (r.get("latency_ok_ms") or {}).get("p99") is not None
-                  and (budget is None or r["latency_ok_ms"]["p99"] <= budget)]
         rss = [r["server_tree_rss_mb"] for r in levels if r.get("server_tree_rss_mb")]
         return {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"),
                 "one_image_in_flight": first.get("concurrency"),
-                "rps_within_budget": round(max(within), 1) if within else 0.0,
+                "rps_within_budget": round(rps_within(levels, self.latency_budget_ms), 1),
                 "best_rps": round(max((r["throughput_rps"] or 0.0 for r in levels),
                                       default=0.0), 1),
                 "rss_mb": max(rss) if rss else None,

@@ -1,11 +1,11 @@
 """``sensai bench-robust --backend ray-serve``: each configuration as the Ray Serve application,
 called over HTTP.
 
-A configuration (redundancy ``r``, hedge) is the application ``sensai serve ART --backend ray-serve
---redundancy r`` runs (:mod:`~sensai.serving.launch.serve_app`), started by
-:meth:`~sensai.serving.launch.serve_run.ServeRun.serve`, its ingress serving on 127.0.0.1 itself, on
-the one Ray instance of the run (a new local one unless ``ray_address``), and stopped before the
-next starts: Serve runs one application per Ray instance here.  The requests are KServe v2 binary
+A configuration (redundancy ``r``, hedge) is ``SENSAI_REDUNDANCY=r sensai serve ART --backend ray-serve``
+with its other settings as its environment (:func:`serve_env`) in a process of its own, started by the bench's
+server starter (:func:`.server.start_server`), its ingress serving on 127.0.0.1 itself, on a new
+local Ray instance of its own (or the cluster at ``ray_address``), and stopped before the next
+starts: Serve runs one application per Ray instance here.  The requests are KServe v2 binary
 tensors of the same normalized images the offline answers are computed from, sent by the benchmark's
 client process (:func:`.client.load_phase`) with :data:`IN_FLIGHT` requests always in flight (a
 closed loop), in every scenario alike; ``wrong``: answers whose top-1 differs from offline
@@ -30,23 +30,24 @@ compare.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from sensai.artifact import Artifact
 from sensai.errors import SensaiError
-from sensai.raycluster import connect, local_raylet_pid
-from sensai.serving.core.settings import GatewaySettings
-from sensai.serving.launch.build import free_ports
-from sensai.serving.launch.serve_run import ServeRun
+from sensai.raycluster import local_raylet_pid
+from sensai.serving.core.settings import SECRETS, GatewaySettings, setting_name
+from sensai.serving.launch.serve_run import STARTUP_TIMEOUT_S
 
 from .client import HttpClientProcess
-from .gateway_process import served
 from .robust_records import AFTER_REJOIN, Records
+from .server import SensaiServe, served, start_server
 from .stats import summarize
 
 IN_FLIGHT = 4  # requests the closed loop keeps in flight
@@ -56,6 +57,17 @@ PHASE_LIMIT_S = 3600.0  # a bound on a phase of a given number of requests, neve
 # What the Serve application cannot be put through, and why: refused rather than ignored
 # (node-loss is --backend ray's, refused with the other backends').
 REFUSED_SCENARIOS = {"straggler": "the Serve application takes no injected delay"}
+# What :class:`.server.SensaiServe` passes ``sensai serve`` itself, so serve_env leaves out.
+OWN_SETTINGS = {"host", "port", "backend", "deadline_s"}
+
+
+def serve_env(settings: GatewaySettings) -> dict[str, str]:
+    """The variables that make ``sensai serve`` load ``settings``: each one given (or read from
+    this environment, which it inherits anyway) as its ``SENSAI_*`` variable.  A value of None
+    stays out: ``sensai serve`` loads it from the same environment."""
+    return {setting_name(f): str(v).lower() if isinstance(v, bool) else str(v)
+            for f in sorted(settings.model_fields_set - OWN_SETTINGS - set(SECRETS))
+            if (v := getattr(settings, f)) is not None}
 
 
 def check_serve_bench(scenarios: Sequence[str]) -> None:
@@ -75,7 +87,7 @@ class ServeConfig:
         self.url, self.model, self.client, self.expected = url, model, client, expected
 
     def predictor(self) -> dict[str, Any]:
-        return served(self.url, timeout_s=30.0).get("predictor") or {}
+        return predictor(self.url)
 
     def workers(self) -> list[dict[str, Any]]:
         return self.predictor().get("workers") or []
@@ -102,16 +114,23 @@ class ServeConfig:
                                   "no answer (" + ", ".join(out["failures"]) + ")")
         return run
 
-    def wait_all_up(self, timeout_s: float) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            workers = self.workers()
-            if workers and all(w["state"] == "up" and w.get("pid") for w in workers):
-                return workers
-            if time.monotonic() > deadline:
-                raise SensaiError(f"the Serve application's workers are not all up after "
-                                  f"{timeout_s:g} s: {[w.get('state') for w in workers]}")
-            time.sleep(0.2)
+
+def predictor(url: str) -> dict[str, Any]:
+    """What the ingress at ``url`` says of its predictor (empty: it did not answer)."""
+    return served(url, timeout_s=30.0).get("predictor") or {}
+
+
+def wait_all_up(url: str, timeout_s: float) -> list[dict[str, Any]]:
+    """The workers, once the ingress at ``url`` reports every one up on a known replica."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = predictor(url).get("workers") or []
+        if workers and all(w["state"] == "up" and w.get("pid") for w in workers):
+            return workers
+        if time.monotonic() > deadline:
+            raise SensaiError(f"the Serve application's workers are not all up after "
+                              f"{timeout_s:g} s: {[w.get('state') for w in workers]}")
+        time.sleep(0.2)
 
 
 def work(predictor: dict) -> dict[str, Any]:
@@ -151,7 +170,7 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
     replica is SIGKILLed; the loop runs until its replacement has served at least
     :data:`AFTER_REJOIN` requests (and for at least ``n`` requests' time), or
     ``rejoin_timeout_s``."""
-    w0 = cfg.wait_all_up(rejoin_timeout_s)[victim]
+    w0 = wait_all_up(cfg.url, rejoin_timeout_s)[victim]
     pid = local_victim(w0)
     lead, span = kill_at * n / rate, n / rate
     # A request runs at most one subnet per group on the victim, and of the runs counted after
@@ -218,29 +237,45 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
     })
 
 
+def start_config(artifact: Artifact, key: str, settings: GatewaySettings, log_dir: Path,
+                 rejoin_timeout_s: float) -> tuple[SensaiServe, dict[str, Any]]:
+    """Configuration ``key``'s ``sensai serve`` (its log in ``log_dir``) started, and once every
+    worker is up, what its ingress says it runs with how it was started (``startup_s``: from
+    the start to every worker up)."""
+    t0 = time.monotonic()
+    name = re.sub(r"[^\w.=-]+", "_", key)  # "r=1, hedge 5 ms" -> "r=1_hedge_5_ms"
+    server = start_server("sensai", artifact.root, timeout_s=STARTUP_TIMEOUT_S,
+                          backend=settings.backend, deadline_s=settings.deadline_s,
+                          log_path=log_dir / f"serve-{name}.log", model=settings.model_name,
+                          env=serve_env(settings))
+    try:
+        wait_all_up(server.url, rejoin_timeout_s)
+        described = predictor(server.url)
+    except BaseException:
+        server.stop()
+        raise
+    return server, dict(described, url=server.url, startup_s=round(time.monotonic() - t0, 2))
+
+
 def measure_on_serve(artifact: Artifact, configs: dict[str, GatewaySettings],
                      scenarios: Sequence[str], xs: Sequence[np.ndarray], refs: np.ndarray, *,
                      warmup: int, victim: int, kill_at: float, rejoin_timeout_s: float,
-                     ray_address: str | None, bar) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Every configuration's application in turn: warm-up, ``none``, ``failure`` (those asked).
-    Returns the scenarios' reports and what each application's ingress said it runs."""
+                     log_dir: Path, bar) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every configuration's ``sensai serve`` in turn (:func:`start_config`): warm-up, ``none``,
+    ``failure`` (those asked).  Returns the scenarios' reports and what each application's
+    ingress said it runs, with its server's record (``gateway``)."""
     n = len(xs)
     client = HttpClientProcess([], [np.ascontiguousarray(x, np.float32).tobytes() for x in xs],
                                list(xs[0].shape))
     measured: dict[str, dict] = {}
     described: dict[str, dict] = {}
-    own_ray = connect(ray_address)  # one instance for the run; each launch joins it
     try:
         for key, settings in configs.items():
             bar.set_description(f"start {key}")
-            t0 = time.monotonic()
-            own = settings.model_copy(update={"host": "127.0.0.1", "port": free_ports(1)[0]})
-            run = ServeRun(ray_address).serve(artifact.root, own)
+            server, described[key] = start_config(artifact, key, settings, log_dir,
+                                                  rejoin_timeout_s)
             try:
-                cfg = ServeConfig(run.url, settings.model_name, client, refs.argmax(1))
-                cfg.wait_all_up(rejoin_timeout_s)
-                described[key] = dict(cfg.predictor(), url=run.url,
-                                      startup_s=round(time.monotonic() - t0, 2))
+                cfg = ServeConfig(server.url, server.model, client, refs.argmax(1))
                 bar.set_description(f"warm-up {key}")
                 rate = n / 2.0  # requests/s assumed until one is measured
                 if warmup:
@@ -261,11 +296,8 @@ def measure_on_serve(artifact: Artifact, configs: dict[str, GatewaySettings],
                                                        rejoin_timeout_s, rate)
                     bar.update(n)
             finally:
-                run.stop()
+                server.stop()
+                described[key]["gateway"] = server.record()
     finally:
         client.close()
-        if own_ray:
-            import ray
-
-            ray.shutdown()
     return measured, described

@@ -27,14 +27,14 @@ from sensai.models import count_params
 from sensai.serving.core.contract import Predictor
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.engine.plan import worker_devices
-from sensai.serving.launch.build import build_predictor, free_ports, launch_triton
+from sensai.serving.launch.build import build_predictor, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
 
 from .baselines import BASELINES, WorkerSet
-from .gateway_process import GatewayProcess, served
 from .harness import TestImages
 from .machine import MemoryProbe
 from .names import UNTIMED_TRANSPORTS, label
+from .server import SensaiServe, served, start_server
 from .stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
 SERVE_STARTUP_S = 300.0  # Ray, Serve and the replicas start on a busy machine too
@@ -177,7 +177,7 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
 
 def start_server_pool(artifact: Artifact, *, backend: str, device: str, runtime: str,
                       threads: int, settings: GatewaySettings, ray_address: str | None,
-                      log_path: Path) -> GatewayProcess:
+                      log_path: Path) -> SensaiServe:
     """Class parallel as ``sensai serve ART --backend B`` serves it, in a process of its own on
     127.0.0.1 (ray-serve: the Ray Serve application, on its own local Ray instance unless
     ``ray_address``; processes: a gateway process over device processes), with the run's
@@ -187,15 +187,9 @@ def start_server_pool(artifact: Artifact, *, backend: str, device: str, runtime:
            "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake}
     if ray_address:
         env["SENSAI_RAY_ADDRESS"] = ray_address
-    gateway = GatewayProcess(artifact.root, port=free_ports(1)[0], backend=backend,
-                             deadline_s=settings.deadline_s, env=env, log_path=log_path)
-    try:
-        gateway.launch()
-        gateway.wait_ready(SERVE_STARTUP_S)
-    except BaseException:
-        gateway.stop()
-        raise
-    return gateway
+    return start_server("sensai", artifact.root, timeout_s=SERVE_STARTUP_S, backend=backend,
+                        deadline_s=settings.deadline_s, env=env, log_path=log_path,
+                        model=settings.model_name)
 
 
 def served_workers(url: str) -> list[dict[str, Any]]:

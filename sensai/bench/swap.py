@@ -2,7 +2,7 @@
 
 A model repository in the output directory starts with one version (artifact A); ``sensai serve REPO
 --model-control explicit`` serves it in a process of its own
-(:class:`~.gateway_process.GatewayProcess`).  A client process (:mod:`.client`) sends real test
+(:class:`~.server.SensaiServe`).  A client process (:mod:`.client`) sends real test
 images as PNG uploads to ``/v1/predict`` in one closed loop for the whole run, recording every
 request's send time, latency, status, and the version its answer names.  After a warm-up and a
 steady period, each swap writes the next version (B, A, B, ... in turn) into the repository
@@ -11,20 +11,19 @@ steady period, each swap writes the next version (B, A, B, ... in turn) into the
 old one drained and unloaded, then waits.  The gateway's RSS is sampled throughout, just before
 each swap and at the end of each wait.  The figures (:func:`~.swap_figures.swap_figures`): per
 swap, errors, answers by version, the p99 during the swap against the steady state's, the time to
-the first answer by the new version, the RSS before and after.  Outputs: ``swap.json``,
+the first answer by the new version, the RSS before and after.  The load and the watching
+are bench-load's (:class:`~.load.LoadRun`).  Outputs: ``swap.json``,
 ``swap.md``, ``swap.png`` and ``gateway.log``.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -32,28 +31,16 @@ from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
 from sensai.serving.core.repository import add_version, check_model_name
 
-from .client import HttpClientProcess
-from .gateway_process import GatewayProcess, sigterm_as_exit
 from .harness import check_settings, envelope, finish, inputs, load_test_images
-from .load import gateway_process, gateway_settings, request_timeout
-from .load_measures import RssSampler
+from .load import (LoadRun, client_processes, gateway_settings, offline_top1, request_timeout,
+                   seconds_bar, sensai_serve)
 from .options import LoadOptions, SwapOptions
-from .robust import offline_reference
 from .swap_figures import columns, swap_figures
 from .swap_report import plot, render_markdown
 
 
 def check_swap_settings(options: SwapOptions) -> None:
-    o = options
-    check_settings(
-        ints=(("--swaps", o.swaps, 1), ("--concurrency", o.concurrency, 1),
-              ("--images", o.images, 1)),
-        numbers=(("--set warmup_seconds", o.warmup_seconds, True),
-                 ("--set steady_seconds", o.steady_seconds, False),
-                 ("--set after_seconds", o.after_seconds, True),
-                 ("--set sample_seconds", o.sample_seconds, False),
-                 ("--set load_timeout", o.load_timeout, False),
-                 ("--set startup_timeout", o.startup_timeout, False)))
+    check_settings(options)
     if not Path("/proc/self/status").is_file():
         raise SensaiError("bench-swap reads the gateway's memory from /proc: Linux only")
 
@@ -88,60 +75,30 @@ def request_load(url: str, name: str, timeout_s: float) -> dict[str, Any]:
     return {"sent": sent, "returned": time.monotonic(), "status": status, "answer": text}
 
 
-@dataclass(frozen=True)
-class SwapOutcome:
-    """What the swaps under load recorded: the first version, the run's start (monotonic), when
-    the steady period began (s from it), the RSS samples, each swap's record and the client's
-    phase."""
-
-    first: str
-    t0: float
-    steady_start: float
-    samples: list[dict[str, Any]]
-    records: list[dict[str, Any]]
-    outs: list[dict[str, Any]]
-
-
 class SwapRun:
-    """The running benchmark: the gateway, the client's closed loop in the background, the RSS
-    sampler; all sampling and checks happen in the calling thread."""
+    """The swaps while the client's closed loop (``load``) runs in the background of ``run``,
+    which samples the RSS and watches the gateway and the client."""
 
-    def __init__(self, gateway: GatewayProcess, sampler: RssSampler, pool: ThreadPoolExecutor,
-                 load: Future, *, progress: bool, request_timeout_s: float):
-        self.gateway, self.sampler, self.pool, self.load = gateway, sampler, pool, load
-        self.progress, self.request_timeout_s = progress, request_timeout_s
+    def __init__(self, run: LoadRun, load: Future):
+        self.run, self.load = run, load
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-swap")  # the load calls
 
-    def say(self, message: str) -> None:
-        if self.progress:
-            print(message, file=sys.stderr, flush=True)
-
-    def wait(self, phase: str, *, seconds: float = math.inf,
-             until: Callable[[], bool] = lambda: False) -> None:
-        """For ``seconds``, or until ``until()``: sample the RSS when due, and end the run at
-        once if the gateway or the client is gone."""
-        end = time.monotonic() + seconds
-        self.sampler.sample(phase)
-        while not until() and time.monotonic() < end:
-            if self.sampler.due():
-                self.sampler.sample(phase)
-            died = self.gateway.died()
-            if died:
-                raise SensaiError(f"during the {phase}, {died}")
-            if self.load.done():
-                error = self.load.exception()
-                raise SensaiError(f"the load client stopped during the {phase}: "
-                                  f"{error or 'its phase ended early'}")
-            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    def wait(self, phase: str, **how) -> None:
+        """As :meth:`~.load.LoadRun.watch` takes ``how``; the client's loop ending here is an
+        error: it runs until the last swap's wait is over."""
+        if self.run.watch(phase, [self.load], **how):
+            raise SensaiError(f"the load client stopped during the {phase}: "
+                              f"{self.load.exception() or 'its phase ended early'}")
 
     def swap(self, i: int, name: str, repo: Path, artifact: Artifact, serving: str,
              timeout_s: float) -> dict[str, Any]:
         """Swap ``i``: the next version written and loaded; returns its record (monotonic
         times)."""
-        self.sampler.sample(f"before swap {i}")
+        self.run.sampler.sample(f"before swap {i}")
         t = time.monotonic()
         version = str(add_version(repo, name, artifact.root))
         copy_s = time.monotonic() - t
-        call = self.pool.submit(request_load, self.gateway.url, name, timeout_s)
+        call = self.pool.submit(request_load, self.run.server.url, name, timeout_s)
         self.wait(f"swap {i}", until=call.done)
         load = call.result()
         return {"swap": i, "version": version, "from_version": serving,
@@ -161,33 +118,13 @@ class SwapRun:
             ok = rec["load_status"] == 200
             serving = rec["version"] if ok else serving
             self.wait(f"swap {i}", seconds=after_s)
-            after = self.sampler.sample(f"after swap {i}")
-            self.say(f"swap {i}/{count}: version {rec['from_version']} -> {rec['version']} "
-                     f"({artifact.root.name}): "
-                     + (f"loaded in {rec['returned'] - rec['sent']:.2f} s" if ok else
-                        f"refused: {rec['load_status']} {rec['load_answer'][:200]}")
-                     + (f"; gateway RSS {after['rss_mb']:.1f} MB" if after else ""))
+            after = self.run.sampler.sample(f"after swap {i}")
+            self.run.say(f"swap {i}/{count}: version {rec['from_version']} -> {rec['version']} "
+                         f"({artifact.root.name}): "
+                         + (f"loaded in {rec['returned'] - rec['sent']:.2f} s" if ok else
+                            f"refused: {rec['load_status']} {rec['load_answer'][:200]}")
+                         + (f"; gateway RSS {after['rss_mb']:.1f} MB" if after else ""))
         return records
-
-    def phases(self, options: SwapOptions, client: HttpClientProcess, repo: Path,
-               artifacts: tuple[Artifact, Artifact], first: str, t0: float
-               ) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
-        """The warm-up, the steady period and the swaps under the client's closed loop, which
-        is then stopped: when the steady period began (s from ``t0``), the swaps' records, and
-        the client's phase."""
-        try:
-            self.wait("warm-up", seconds=options.warmup_seconds)
-            steady_start = time.monotonic() - t0
-            self.wait("steady", seconds=options.steady_seconds)
-            records = self.swaps(options.model, repo, artifacts, first, count=options.swaps,
-                                 after_s=options.after_seconds, timeout_s=options.load_timeout)
-        finally:
-            client.stop_load()
-        try:
-            outs = [self.load.result(timeout=self.request_timeout_s + 60.0)]
-        except (RuntimeError, EOFError, OSError, TimeoutError) as e:
-            raise SensaiError(f"the load client: {e}") from None
-        return steady_start, records, outs
 
 
 def run_swap_bench(artifact_a: str | Path, artifact_b: str | Path, out_dir: str | Path,
@@ -198,7 +135,8 @@ def run_swap_bench(artifact_a: str | Path, artifact_b: str | Path, out_dir: str 
     the repository (default: A's model); the repository (``out_dir/repo``) is removed at the end
     unless ``options.keep_repo``."""
     check_swap_settings(options)
-    served = LoadOptions(backend=options.backend)  # the gateway's settings, as bench-load's
+    # The gateway's settings, as bench-load's.
+    served = LoadOptions(backend=options.backend, startup_timeout=options.startup_timeout)
     gs, gateway_env = gateway_settings(served)
     a, b = load_artifact(artifact_a), load_artifact(artifact_b)
     check_same_task(a, b)
@@ -208,19 +146,15 @@ def run_swap_bench(artifact_a: str | Path, artifact_b: str | Path, out_dir: str 
     t_start = time.perf_counter()
 
     imgs = load_test_images(spec, options.images, options.seed, png=True)
-    reference = {a.root: [int(i) for i in offline_reference(a, imgs.xs).argmax(1)],
-                 b.root: [int(i) for i in offline_reference(b, imgs.xs).argmax(1)]}
+    reference = {x.root: offline_top1(x, imgs.xs, gs) for x in (a, b)}
     result = envelope("sensai-bench-swap", command=options.command, artifact=a, spec=spec,
                       settings=swap_settings(options, (a, b), gs, images=len(imgs), repo=repo))
-    gateway = gateway_process(served, repo, gateway_env, out / "gateway.log",
-                              args=["--model-control", "explicit"])
     try:
-        outcome = swap_under_load(options, request_timeout(gs), gateway, repo, (a, b),
-                                  imgs.pngs)
+        swap_under_load(result, options, request_timeout(gs), served, gateway_env,
+                        out / "gateway.log", repo, (a, b), imgs.pngs, reference)
     finally:
         if not options.keep_repo:
             shutil.rmtree(repo, ignore_errors=True)
-    add_figures(result, outcome, reference, a, gateway)
     result["repository_kept"] = options.keep_repo
     finish(out, "swap", result, t_start, render_markdown, plot)
     return result
@@ -239,65 +173,59 @@ def swap_settings(options: SwapOptions, artifacts: tuple[Artifact, Artifact], gs
             "upload": "PNG as the raw body of POST /v1/predict", "repository": str(repo)}
 
 
-def swap_under_load(options: SwapOptions, request_timeout_s: float, gateway: GatewayProcess,
-                    repo: Path, artifacts: tuple[Artifact, Artifact],
-                    pngs: list[bytes]) -> SwapOutcome:
-    """The gateway started on the first artifact's version, the client's closed loop on it, the
-    swaps; the client and the gateway stopped after, whatever happens."""
-    client: HttpClientProcess | None = None
-    load: Future | None = None
-    pool = ThreadPoolExecutor(2, thread_name_prefix="bench-swap")
+def swap_under_load(result: dict[str, Any], options: SwapOptions, request_timeout_s: float,
+                    served: LoadOptions, env: dict[str, str], log_path: Path, repo: Path,
+                    artifacts: tuple[Artifact, Artifact], pngs: list[bytes],
+                    reference: dict[Path, list[int]]) -> None:
+    """The gateway started on the first artifact's version, the client's closed loop on it
+    through the warm-up, the steady period and the swaps; the client and the gateway stopped
+    after, whatever happens.  Into ``result``: the swaps' figures (each answer checked against
+    ``reference``, the offline answers of the version that gave it), the gateway's report, and
+    every request."""
+    first = str(add_version(repo, options.model, artifacts[0].root))
+    bar = seconds_bar(options, "bench-swap")
     try:
-        with sigterm_as_exit():
-            first = str(add_version(repo, options.model, artifacts[0].root))
-            gateway.launch()
-            client = HttpClientProcess(pngs)
-            gateway.wait_ready(options.startup_timeout)
-            t0 = time.monotonic()
-            sampler = RssSampler(gateway.serving_pid, t0, options.sample_seconds,
-                                 tree_of=gateway.pid)
-            load = pool.submit(client.load, gateway.url, concurrency=options.concurrency,
-                               seconds=options.longest_s(), answers=True,
-                               timeout_s=request_timeout_s)
-            run = SwapRun(gateway, sampler, pool, load, progress=options.progress,
-                          request_timeout_s=request_timeout_s)
+        with client_processes(1, pngs) as procs, \
+                sensai_serve(served, repo, env, log_path,
+                             args=["--model-control", "explicit"]) as gateway:
+            run = LoadRun(gateway, procs, expected=[], concurrency=options.concurrency,
+                          timeout_s=request_timeout_s, sample_s=options.sample_seconds, bar=bar,
+                          progress=options.progress)
             run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
                     f"{gateway.startup_s} s serving {options.model} version {first}; its "
                     f"output: {gateway.log_path}")
-            steady_start, records, outs = run.phases(options, client, repo, artifacts, first,
-                                                     t0)
+            plan = {"concurrency": options.concurrency, "seconds": options.longest_s(),
+                    "answers": True, "timeout_s": request_timeout_s}
+            o = options
+            bar.reset(total=round(o.warmup_seconds + o.steady_seconds
+                                  + o.swaps * o.after_seconds, 1))
+            with run.background([plan]) as futures:
+                swaps = SwapRun(run, futures[0])
+                try:
+                    swaps.wait("warm-up", seconds=options.warmup_seconds)
+                    steady_start = time.monotonic() - run.t0
+                    swaps.wait("steady", seconds=options.steady_seconds)
+                    records = swaps.swaps(options.model, repo, artifacts, first,
+                                          count=options.swaps, after_s=options.after_seconds,
+                                          timeout_s=options.load_timeout)
+                finally:
+                    procs[0].stop_load()
+                    swaps.pool.shutdown(wait=True)
+                outs = run.collect("swaps", futures, timeout_s=request_timeout_s + 60.0)
     finally:
-        if client is not None and load is not None and not load.done():
-            client.process.kill()  # unblocks the thread waiting for its answer
-        pool.shutdown(wait=True)
-        with ThreadPoolExecutor(2, thread_name_prefix="bench-swap-stop") as stopping:
-            waits = [stopping.submit(gateway.stop)]
-            if client is not None:
-                waits.append(stopping.submit(client.close))
-            for w in waits:
-                w.result()
-    return SwapOutcome(first=first, t0=t0, steady_start=steady_start, samples=sampler.samples,
-                       records=records, outs=outs)
-
-
-def add_figures(result: dict[str, Any], outcome: SwapOutcome,
-                reference: dict[Path, list[int]], first_artifact: Artifact,
-                gateway: GatewayProcess) -> None:
-    """The swaps' figures (each answer checked against the offline answers of the version that
-    gave it), the gateway's report, and every request."""
-    o = outcome
-    expected = {o.first: reference[first_artifact.root]} | {
-        r["version"]: reference[Path(r["artifact"])] for r in o.records}
-    req = columns(o.outs, o.t0)
+        bar.close()
+    expected = {first: reference[artifacts[0].root]} | {
+        r["version"]: reference[Path(r["artifact"])] for r in records}
+    req = columns(outs, run.t0)
     swaps_rel = [{k: v for k, v in r.items() if k not in ("sent", "returned")}
-                 | {"sent_s": round(r["sent"] - o.t0, 3),
-                    "returned_s": round(r["returned"] - o.t0, 3)}
-                 for r in o.records]
-    result["figures"] = swap_figures(req, first_version=o.first, swaps=swaps_rel,
-                                     steady_start_s=o.steady_start,
-                                     rss_samples=o.samples, expected=expected,
-                                     failures=o.outs[0]["failures"])
-    result |= gateway.report(o.samples)
+                 | {"sent_s": round(r["sent"] - run.t0, 3),
+                    "returned_s": round(r["returned"] - run.t0, 3)}
+                 for r in records]
+    result["figures"] = swap_figures(req, first_version=first, swaps=swaps_rel,
+                                     steady_start_s=steady_start,
+                                     rss_samples=run.sampler.samples, expected=expected,
+                                     failures=outs[0]["failures"])
+    result |= gateway.report(run.sampler.samples)
     result["requests"] = {"t": [round(float(x), 4) for x in req["t"]],
                           "ms": [round(float(x), 3) for x in req["ms"]],
                           "status": [int(x) for x in req["status"]],

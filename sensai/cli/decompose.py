@@ -14,8 +14,6 @@ from .knobs import add_set_flag, dataclass_knobs
 from .options_args import add_flag
 from .train import add_device_arg
 
-# The decisions among DecomposeConfig's fields, each a flag; the rest are --set keys.
-CONFIG_FLAGS = ("policy", "retrain_epochs", "samples_per_subnet", "seed")
 STEPS = {f.name: f.metadata for f in fields(TrainOptions)}  # retraining steps run as training's
 
 
@@ -45,7 +43,7 @@ def register(sub) -> None:
     p = sub.add_parser("evaluate", help="original vs decomposed accuracy of an artifact")
     p.add_argument("artifact", help="artifact directory written by 'sensai decompose'")
     p.add_argument("--limit", type=int, default=None,
-                   help="evaluate on a stratified subset of this many test images (default: all)")
+                   help=RunOptions.__dataclass_fields__["eval_limit"].metadata["help"])
     p.add_argument("--data-dir", default=None, help="where the dataset is (default: as recorded)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--trust-model-code", action="store_true",
@@ -70,11 +68,11 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     method = p.add_argument_group(
         "method", "Recorded in the artifact: re-running into it with other values is refused "
                   "unless --force.")
-    fields = {f.name: f for f in dataclasses.fields(DecomposeConfig)}
     hints = typing.get_type_hints(DecomposeConfig)
-    for name in CONFIG_FLAGS:
-        add_flag(method, fields[name], hints[name])
-    add_set_flag(method, [k for name, k in config.items() if name not in CONFIG_FLAGS]
+    flags = config_flags(DecomposeConfig)
+    for f in flags:
+        add_flag(method, f, hints[f.name])
+    add_set_flag(method, [k for name, k in config.items() if name not in {f.name for f in flags}]
                  + dataclass_knobs(RunOptions),
                  "the method's other knobs, and how it runs (retrain_jobs, compile, capture, "
                  "eval_limit: not recorded)")
@@ -93,12 +91,19 @@ def add_decompose_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_decompose)
 
 
+def config_flags(config_class) -> list[dataclasses.Field]:
+    """The decisions among the config's fields (``metadata["flag"]``), each a flag; the rest
+    are --set keys."""
+    return [f for f in dataclasses.fields(config_class) if "flag" in f.metadata]
+
+
 def cmd_decompose(args) -> int:
     from sensai.pruning.decompose import DecomposeConfig, decompose
 
     knobs = dict(args.knobs)
     run = RunOptions(**{f.name: knobs.pop(f.name) for f in fields(RunOptions) if f.name in knobs})
-    config = DecomposeConfig(**{name: getattr(args, name) for name in CONFIG_FLAGS}, **knobs)
+    config = DecomposeConfig(**{f.name: getattr(args, f.name)
+                                for f in config_flags(DecomposeConfig)}, **knobs)
     manifest = decompose(args.model_dir, args.out, groups=args.groups, config=config,
                          device=args.device, data_dir=args.data_dir, workers=run.retrain_jobs,
                          compile_=run.compile, capture=run.capture,

@@ -26,14 +26,16 @@ LINE_WIDTH = 100
 
 @dataclass(frozen=True)
 class Knob:
-    """One ``--set`` key: its value type (int, float, str or bool), default, meaning, and
-    whether ``none`` is a value (an optional field)."""
+    """One ``--set`` key: its value type (int, float, str or bool), default, meaning, whether
+    ``none`` is a value (an optional field), its allowed values and bound (a
+    :class:`sensai.bounds.Bound`, checked with the other options', shown by ``--set help``)."""
     name: str
     kind: type
     default: Any
     help: str
     optional: bool = False
     choices: tuple | None = None
+    bound: Any = None
 
     def parse(self, text: str) -> Any:
         """``text`` as this knob's value; ValueError says why not."""
@@ -63,7 +65,8 @@ def value_type(annotation) -> tuple[type, bool]:
 
 def dataclass_knobs(cls, names: Iterable[str] | None = None) -> list[Knob]:
     """The knobs of dataclass ``cls``'s fields (``names``: only those, in that order), each
-    described by its ``metadata["help"]`` and, where given, ``metadata["choices"]``."""
+    described by its ``metadata["help"]`` and, where given, ``metadata["choices"]`` and
+    ``metadata["bound"]``."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)  # the types, where annotations are postponed strings
     out = []
@@ -72,7 +75,7 @@ def dataclass_knobs(cls, names: Iterable[str] | None = None) -> list[Knob]:
         kind, optional = value_type(hints[name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(Knob(name, kind, default, f.metadata.get("help", ""), optional,
-                        f.metadata.get("choices")))
+                        f.metadata.get("choices"), f.metadata.get("bound")))
     return out
 
 
@@ -84,7 +87,8 @@ def describe(knobs: list[Knob]) -> str:
     width = min(MAX_KEY_COLUMN, max(map(len, shown.values()))) + 2
     lines = []
     for k in knobs:
-        choices = f" ({', '.join(map(str, k.choices))})" if k.choices else ""
+        choices = f" ({', '.join(map(str, k.choices))})" if k.choices else \
+            f" ({k.bound.describe(k.kind is int)})" if k.bound else ""
         key = shown[k.name]
         if len(key) > MAX_KEY_COLUMN:
             lines.append(f"  {key}")

@@ -51,7 +51,8 @@ def own_first(cls) -> list[dataclasses.Field]:
 def add_flag(p, f: dataclasses.Field, annotation) -> None:
     """Field ``f``'s flag: store_true for a bool, else its type's values (one per argument of a
     tuple field, ``nargs`` given)."""
-    meta = {k: v for k, v in f.metadata.items() if k not in ("help", "flag", "group")}
+    # The bound is checked with the other options' (sensai.bounds), not by argparse.
+    meta = {k: v for k, v in f.metadata.items() if k not in ("help", "flag", "group", "bound")}
     names = f.metadata.get("flag") or (f"--{f.name.replace('_', '-')}",)
     text = f.metadata["help"]
     if f.default not in (None, False, ()):
