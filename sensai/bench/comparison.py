@@ -19,12 +19,15 @@ from typing import Any
 import numpy as np
 
 from .names import BARE_REQUESTS, PEER_TRANSPORT, TRANSPORT_LABELS
-from .render import fmt, md_table, text_table
+from .render import Col, Table
 from .stats import rounded
 
 TITLE = "sensai vs Triton vs Ray Serve"
-HEADER = ["system", "serves", "pool", "p50 ms", "p99 ms", "bare p50", "compute ms (alone)",
-          "overhead p50 ms", "Triton p50 / p50", "top-1"]
+TABLE = Table(
+    Col("system", "system"), Col("serves", "serves"), Col("pool", "pool"),
+    Col("p50 ms", "p50_ms"), Col("p99 ms", "p99_ms"), Col("bare p50", "bare_p50_ms"),
+    Col("compute ms (alone)", "compute_ms"), Col("overhead p50 ms", "overhead_ms"),
+    Col("Triton p50 / p50", "triton_p50_over_p50"), Col("top-1", "top1", 4))
 
 
 def _row(key: str, system: str, serves: str, pool: str, rep: dict,
@@ -74,12 +77,6 @@ def comparison(result: dict, *, original_compute_ms: float | None) -> dict[str, 
             "skipped": {k: p["skipped"] for k, p in peers.items() if "skipped" in p}}
 
 
-def _cells(r: dict) -> list[str]:
-    return [r["system"], r["serves"], r["pool"], fmt(r["p50_ms"]), fmt(r["p99_ms"]),
-            fmt(r["bare_p50_ms"]), fmt(r["compute_ms"]), fmt(r["overhead_ms"]),
-            fmt(r["triton_p50_over_p50"]), fmt(r["top1"], 4)]
-
-
 def _skipped(c: dict) -> list[str]:
     return [f"skipped {key}: {why}" for key, why in c["skipped"].items()]
 
@@ -87,14 +84,14 @@ def _skipped(c: dict) -> list[str]:
 def comparison_text(c: dict) -> str:
     """The console's table, and a line per skipped peer."""
     return "\n".join([f"{TITLE} ({c['transport']}):",
-                      text_table(HEADER, [_cells(r) for r in c["rows"]]), *_skipped(c)])
+                      TABLE.text(c["rows"]), *_skipped(c)])
 
 
 def comparison_markdown(c: dict) -> list[str]:
     t = c["transport"]
     lines = [f"## {TITLE}", "",
              f"{TRANSPORT_LABELS[t]} (`{t}`): the same client process, images and interleaved "
-             "rounds for every system.", "", md_table(HEADER, [_cells(r) for r in c["rows"]]), "",
+             "rounds for every system.", "", TABLE.md(c["rows"]), "",
              f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just before "
              "each request. compute (alone): the same ONNX model(s) run alone on one worker in "
              "this process after the servers stopped - the original model, or the slowest "

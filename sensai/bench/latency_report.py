@@ -8,7 +8,8 @@ import numpy as np
 
 from .comparison import comparison_markdown, comparison_text
 from .names import BARE_REQUESTS, TRANSPORT_LABELS, TRANSPORTS, label
-from .render import Col, Panel, Table, draw, fmt, heading, human, markdown, mark, md_table
+from .render import (Col, Panel, Table, draw, fmt, heading, human, markdown, mark, md_table,
+                     one_call_device, quantiles)
 from .targets import all_checks
 
 STATUS_MD = {"met": "met", "not met": "NOT met", "not measured": "not measured"}
@@ -24,8 +25,7 @@ def _over(r: dict) -> float | None:
 
 LATENCY = Table(
     Col("strategy", "strategy"), Col("transport", "transport"), Col("workers", "workers"),
-    Col("p50 ms", "latency_ms.p50"), Col("p90 ms", "latency_ms.p90"),
-    Col("p99 ms", "latency_ms.p99"), Col("mean ms", "latency_ms.mean"),
+    *quantiles("latency_ms", "p50", "p90", "p99", "mean"),
     Col("img/s", "throughput.images_per_s", 1), Col("compute p50", "breakdown_ms.p50.compute"),
     Col("transport p50", "breakdown_ms.p50.transport"),
     Col("merge p50", "breakdown_ms.p50.merge", 3), Col("bare p50", "floor_ms.p50"),
@@ -244,7 +244,8 @@ def idle_lines(result: dict) -> list[str]:
     return ["Note: an idle core of this virtual machine halts at once (guest_halt_poll_ns 0; the "
             "kernel's default is 200000), so every wake-up of a sleeping worker or of the event "
             "loop goes through the hypervisor, and class parallel pays two or more of them per "
-            "request. Run as root (--set keep_cores_awake=on) to keep idle cores polling for the run; "
+            "request. Run as root (--set keep_cores_awake=on) to keep idle cores polling for "
+            "the run; "
             "see deploy/README.md, 'Latency'."]
 
 
@@ -405,10 +406,9 @@ def one_call_line(cp: dict | None) -> str | None:
     ref = one["ms"]["p50"]
     gaps = [f"{t} +{fmt(rep['latency_ms']['p50'] - ref)} ms"
             for t, rep in cp.get("transports", {}).items() if rep["latency_ms"]["p50"]]
-    cores = f", {one['cores']} core(s)" if one.get("cores") else ""
     replay = (f"; its one CUDA graph replays in {fmt(one['graph_replay_ms'], 4)} ms"
               if one.get("graph_replay_ms") else "")
-    return (f"One call of every subnet ({one['subnets']} on one device: {one['kind']}, "
-            f"{one['runtime']} on {one['device']}{cores}; in process, nothing else running): "
+    return (f"One call of every subnet ({one['subnets']} on one device: {one_call_device(one)}; "
+            "in process, nothing else running): "
             f"p50 {fmt(ref)} ms, p99 {fmt(one['ms']['p99'])} ms{replay}. Class parallel's p50 "
             "over it: " + (", ".join(gaps) or "-") + ".")

@@ -36,12 +36,12 @@ from sensai.serving.gateway.imaging import decode_image
 
 from .client import HttpClientProcess
 from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
-from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health,
-                            machine_cpu_seconds, phase_report, process_cores, rss_growth,
-                            scrape_metrics, server_cpu, server_split, server_view, worker_pids)
+from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health, phase_report,
+                            process_cores, rss_growth, scrape_metrics, server_cpu, server_split,
+                            server_view, worker_pids)
 from .load_report import plot, render_markdown
-from .machine import (peak_rss_bytes, process_cpu_seconds, process_rss_bytes, reset_peak_rss,
-                      split_cores)
+from .machine import (machine_cpu_seconds, peak_rss_bytes, process_cpu_seconds,
+                      process_rss_bytes, reset_peak_rss, split_cores)
 from .options import BenchData, LoadOptions, LoadPlan
 from .robust import offline_reference
 from .server import SensaiServe, Server, sigterm_as_exit, start_server
@@ -224,16 +224,14 @@ class LoadRun:
 
     def __init__(self, server: Server, procs: list[HttpClientProcess], *,
                  expected: list[int], concurrency: int, timeout_s: float, sample_s: float,
-                 bar, progress: bool, request: dict[str, str] | None = None,
-                 metrics: bool = True):
+                 bar, progress: bool, request: dict[str, str] | None = None):
         """``server``: the server under load; ``expected``: each image's offline top-1 (empty:
-        the answers are not checked, as for the bare route); ``request``: the clients'
-        ``transport`` and ``model`` (default: PNG uploads); ``metrics``: whether to read the
-        gateway's ``/metrics``."""
+        the answers are not checked); ``request``: the clients' ``transport`` and ``model``
+        (default: PNG uploads)."""
         self.server, self.procs, self.expected = server, procs, expected
         self.concurrency, self.timeout_s, self.sample_s = concurrency, timeout_s, sample_s
         self.bar, self.progress = bar, progress
-        self.request, self.metrics = dict(request or {}), metrics and server.gateway
+        self.request = dict(request or {})
         self.t0 = self.t_phase = time.monotonic()
         self.sampler = RssSampler(server.serving_pid, self.t0, sample_s, tree_of=server.pid)
         # Each client process starts at its own image, so they do not send the same ones.
@@ -308,11 +306,16 @@ class LoadRun:
         if sample is not None:
             self.bar.set_postfix_str(f"gateway RSS {sample['rss_mb']:.1f} MB", refresh=False)
 
-    def phase(self, name: str, seconds: float, plans: list[dict]) -> dict[str, Any]:
+    def phase(self, name: str, seconds: float, plans: list[dict], bare: bool = False
+              ) -> dict[str, Any]:
+        """One phase of ``plans``; ``bare``: the bare ``GET /v2/health/live`` in place of the
+        run's request (no answers to check, nothing the gateway's ``/metrics`` count)."""
+        request = {"transport": "live"} if bare else self.request
         for plan, first in zip(plans, self.offsets):
-            plan.update(seconds=seconds, expected=self.expected or None,
-                        timeout_s=self.timeout_s, first=first, **self.request)
-        scrape = scrape_metrics if self.metrics else lambda url: None
+            plan.update(seconds=seconds, expected=None if bare else self.expected or None,
+                        timeout_s=self.timeout_s, first=first, **request)
+        metrics = self.server.gateway and not bare
+        scrape = scrape_metrics if metrics else lambda url: None
         before = scrape(self.server.url)
         pid, tree_of = self.server.serving_pid, self.server.pid
         workers = worker_pids(self.server.url) if tree_of is not None else set()
@@ -341,13 +344,15 @@ class LoadRun:
         rep["outs"] = outs
         return rep
 
-    def closed(self, name: str, seconds: float, concurrency: int | None = None
-               ) -> dict[str, Any]:
+    def closed(self, name: str, seconds: float, concurrency: int | None = None,
+               bare: bool = False) -> dict[str, Any]:
         """A closed loop at ``concurrency`` (default: the run's), shared by as many client
-        processes as it has requests in flight (up to all of them)."""
+        processes as it has requests in flight (up to all of them); ``bare``: see
+        :meth:`phase`."""
         concurrency = concurrency or self.concurrency
         k = min(concurrency, len(self.procs))
-        rep = self.phase(name, seconds, [{"concurrency": c} for c in split(concurrency, k)])
+        rep = self.phase(name, seconds, [{"concurrency": c} for c in split(concurrency, k)],
+                         bare)
         del rep["outs"]
         rep["concurrency"] = concurrency
         return rep

@@ -5,7 +5,6 @@ health afterwards."""
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 import tempfile
@@ -18,7 +17,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from .client import HttpClientProcess
-from .machine import descendant_pids, process_cpu_seconds, process_rss_bytes
+from .machine import (descendant_pids, machine_cpu_seconds, process_cpu_seconds,
+                      process_rss_bytes, tree_rss)
 from .server import served
 from .stats import summarize
 
@@ -50,11 +50,9 @@ class RssSampler:
         rss = process_rss_bytes(self.pid)
         if rss is None:
             return None
-        root = rss if self.tree_of == self.pid else process_rss_bytes(self.tree_of) or 0
-        others = [process_rss_bytes(p) for p in descendant_pids(self.tree_of)]
-        tree = root + sum(r for r in others if r)
+        tree, processes = tree_rss(self.tree_of)
         s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
-             "tree_rss_mb": round(tree / 1e6, 2), "processes": 1 + sum(1 for r in others if r)}
+             "tree_rss_mb": round(tree / 1e6, 2), "processes": processes}
         self.samples.append(s)
         self.next_due = now + self.period_s
         return s
@@ -112,19 +110,15 @@ class GpuSampler:
         return gpu_busy(text)
 
 
-def machine_cpu_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine since boot, summed over its cores, from
-    ``/proc/stat``; None where it cannot be read.  Busy: user, nice, system, irq and softirq
-    time, not idle, iowait or steal (a hypervisor's other guests)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:8]]
-    except (OSError, ValueError):
-        return None
-    if len(ticks) < 7:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / hz
+def cores(cpu_s: float, seconds: float) -> float:
+    """CPU seconds used over ``seconds``: the cores they kept busy on average."""
+    return round(cpu_s / seconds, 3)
+
+
+def used_since(before: dict, after: dict) -> list[float]:
+    """Each process's or thread's CPU seconds between two readings by key (one that started
+    meanwhile counts from zero)."""
+    return [cpu - before.get(key, 0.0) for key, cpu in after.items()]
 
 
 def busy_cores(before: float | None, seconds: float) -> float | None:
@@ -133,23 +127,24 @@ def busy_cores(before: float | None, seconds: float) -> float | None:
     after = machine_cpu_seconds()
     if before is None or after is None or seconds <= 0:
         return None
-    return round((after - before) / seconds, 3)
+    return cores(after - before, seconds)
 
 
 def process_cores(before: tuple[float, dict[int, float]] | None,
                   after: tuple[float, dict[int, float]] | None,
                   seconds: float) -> dict[str, float] | None:
     """A process's cores over a phase (two :func:`~.machine.process_cpu_seconds`): all its
-    threads', and its busiest thread's.  The busiest is the gateway's event loop under load, and one thread
-    can use at most one core: a busiest thread near 1.0 is a ceiling more cores cannot lift."""
+    threads', and its busiest thread's.  The busiest is the gateway's event loop under load,
+    and one thread can use at most one core: a busiest thread near 1.0 is a ceiling more cores
+    cannot lift."""
     if before is None or after is None or seconds <= 0:
         return None
-    used = [cpu - before[1].get(tid, 0.0) for tid, cpu in after[1].items()]
+    used = used_since(before[1], after[1])
     # The process's figure and its threads' are read one after the other, a clock tick may
     # fall between: never less than its live threads' sum (which holds the busiest).
     process = max(after[0] - before[0], sum(used))
-    return {"process_cores": round(process / seconds, 3),
-            "busiest_thread_cores": round(max(used, default=0.0) / seconds, 3)}
+    return {"process_cores": cores(process, seconds),
+            "busiest_thread_cores": cores(max(used, default=0.0), seconds)}
 
 
 def worker_pids(url: str) -> set[int]:
@@ -190,15 +185,14 @@ def server_split(before: dict[str, dict], after: dict[str, dict], seconds: float
         return None
     out: dict[str, Any] = {}
     for part, name in (("rest", "gateway"), ("workers", "workers")):
-        used = sum(cpu - before[part].get(pid, 0.0) for pid, cpu in after[part].items())
+        used = sum(used_since(before[part], after[part]))
         out[f"{name}_processes"] = len(after[part])
-        out[f"{name}_cores"] = round(used / seconds, 3)
+        out[f"{name}_cores"] = cores(used, seconds)
         out[f"{name}_ms_per_answer"] = (round(used * 1e3 / (answers_per_s * seconds), 3)
                                         if answers_per_s > 0 else None)
-        was = before.get(f"{part}_threads", {})
-        threads = [cpu - was.get(key, 0.0) for key, cpu in after.get(f"{part}_threads", {}).items()]
-        out[f"{name}_busiest_thread_cores"] = (round(max(threads) / seconds, 3)
-                                               if threads else None)
+        threads = used_since(before.get(f"{part}_threads", {}),
+                             after.get(f"{part}_threads", {}))
+        out[f"{name}_busiest_thread_cores"] = cores(max(threads), seconds) if threads else None
     return out
 
 

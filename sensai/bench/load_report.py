@@ -6,19 +6,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .render import (SHARED_CORES, Col, Panel, Table, draw, fmt, gateway_text, heading,
-                     machine_line, markdown, mark, server_cores, status_codes)
+from .render import (SERVER_CORES, SERVER_CORES_NOTE, SHARED_CORES, STATUS_CODES, Col, Panel,
+                     Table, draw, fmt, gateway_settings, gateway_text, heading, machine_line,
+                     markdown, mark, p50_p99, quantiles, rss_line,
+                     status_codes, terminal)
 
 PHASES = (("warmup", "warm-up"), ("soak", "soak"), ("overload", "overload"))
 STATUS_COLORS = {"200": "#55A868", "503": "#DD8452", "0": "#8C8C8C"}
 PHASE_COLORS = {"warm-up": "#DDDDDD", "soak": "#DCEBF5", "overload": "#F8E0D0",
                 "burst of large images": "#E8DDF2"}
-
-
-def latency_target(gateway: dict) -> str:
-    """The gateway's latency target as its settings record it (absent in older runs)."""
-    t = gateway.get("latency_target_s")
-    return f"{t:g} s" if t is not None else "a quarter of the deadline"
 
 
 def retry_after_text(st: dict) -> str:
@@ -38,13 +34,13 @@ def _load(rep: dict) -> str:
             f"connections opened (of {rep['connections_allowed']} allowed)")
 
 
+# The latencies of the answers 200 and of the 503s (turned away at admission).
+ADMITTED_AND_TURNED_AWAY = (*quantiles("latency_ok_ms", "p50", "p99", suffix=" (200)"),
+                            *quantiles("latency_rejected_ms", "p50", "p99", suffix=" (503)"))
 PHASE = Table(
     Col("phase", "label"), Col("load", _load), Col("seconds", "seconds", 1),
-    Col("requests", "requests"), Col("200/s", "throughput_rps", 1),
-    Col("status codes", lambda r: status_codes(r["status_counts"])), Col("wrong", "wrong"),
-    Col("p50 ms (200)", "latency_ok_ms.p50"), Col("p99 ms (200)", "latency_ok_ms.p99"),
-    Col("p50 ms (503)", "latency_rejected_ms.p50"), Col("p99 ms (503)", "latency_rejected_ms.p99"),
-    Col("server cores (busiest thread)", server_cores))
+    Col("requests", "requests"), Col("200/s", "throughput_rps", 1), STATUS_CODES,
+    Col("wrong", "wrong"), *ADMITTED_AND_TURNED_AWAY, SERVER_CORES)
 SERVER = Table(
     Col("phase", "label"), Col("status codes (sensai_requests_total)",
                                lambda r: status_codes(r["status_counts"])),
@@ -117,11 +113,10 @@ TARGETS = Table(
 
 
 def render_table(result: dict) -> str:
-    return "\n\n".join([
-        PHASE.text(phases(result)), *([RSS.text(rss_rows(result))] if rss_rows(result) else []),
+    return terminal(
+        PHASE.text(phases(result)), rss_rows(result) and RSS.text(rss_rows(result)),
         TARGETS.text(result["targets"]["checks"]),
-        *(["burst: " + burst_text(result["burst"]).replace("**", "")] if result.get("burst")
-          else [])])
+        result.get("burst") and "burst: " + burst_text(result["burst"]).replace("**", ""))
 
 
 def _health_text(h: dict | None) -> str:
@@ -147,7 +142,7 @@ def burst_text(b: dict | None) -> str:
             f"{im['height']} {im['mode']} PNG ({im['png_bytes']:,} bytes on the wire, "
             f"{im['decoded_bytes'] / 1e6:.1f} MB decoded: as large as the gateway's limits "
             f"allow), {b['concurrency']} always in flight; status codes {b['status_counts']}, "
-            f"p50/p99 of the 200s {fmt(lat['p50'])}/{fmt(lat['p99'])} ms, wrong answers "
+            f"p50/p99 of the 200s {p50_p99(lat)} ms, wrong answers "
             f"{b['wrong']}.  ")
     if b.get("peak_growth_mb") is None:
         return text + "The gateway's peak RSS could not be read (`/proc/PID/clear_refs`)."
@@ -170,9 +165,7 @@ def _intro(result: dict) -> list[str]:
     g = st["gateway"]
     return [
         gateway_text(result["gateway"], _sampled(result)) + f".  Backend {st['backend']}, "
-        f"{len(result['groups'])} subnets, deadline {g['deadline_s']:g} s, max_requests "
-        f"{g['max_requests']}, max_predictions {g['max_predictions']}, latency target "
-        f"{latency_target(g)}, {_timeout(g)}.",
+        f"{len(result['groups'])} subnets, {gateway_settings(g)}, {_timeout(g)}.",
         f"Traffic: {st['images']} real test images as PNG uploads to `/v1/predict`, from "
         f"{st['clients']} client process(es); every 200 answer is compared with offline "
         f"evaluation's top-1 (`wrong`; offline top-1 on these images {result['offline_top1']}).  "
@@ -196,11 +189,9 @@ def render_markdown(result: dict) -> str:
         "200/s: answers 200 per second of the phase.  Status codes: as the client saw them "
         "(no answer: the connection failed or timed out).  503 are the gateway turning work "
         "away at admission, before the body is read (`rejected` in the JSON gives the reasons); "
-        "504 a deadline that passed.  Server cores: the serving process's own threads, and in "
-        "brackets its busiest thread's (the event loop under load: near 1.00, one core is its "
-        "ceiling).",
-        lag and f"Overload: the client sent its requests p50 {fmt(lag['p50'])} ms / p99 "
-                f"{fmt(lag['p99'])} ms after they were due (included in the latencies); it "
+        f"504 a deadline that passed.  Server cores: {SERVER_CORES_NOTE}.",
+        lag and f"Overload: the client sent its requests p50 {p50_p99(lag, ' ms / p99 ')} ms "
+                "after they were due (included in the latencies); it "
                 f"offered {fmt(over['offered_rate_rps'], 1)} of the "
                 f"{fmt(over['target_rate_rps'], 1)} requests/s asked.",
         server_rows(result) and [
@@ -232,11 +223,8 @@ def _shade_phases(result: dict, legend: bool = False) -> list[tuple]:
 
 
 def _memory(result: dict) -> Panel:
-    samples, marks = result["rss"]["samples"], _shade_phases(result, legend=True)
-    t = [s["t"] for s in samples]
-    if samples:
-        marks.append(mark("plot", t, [s["rss_mb"] for s in samples], marker=".",
-                          color="#4C72B0", label="gateway process"))
+    samples = result["rss"]["samples"]
+    marks, t = _shade_phases(result, legend=True) + rss_line(samples), [s["t"] for s in samples]
     if any(s["tree_rss_mb"] != s["rss_mb"] for s in samples):
         marks.append(mark("plot", t, [s["tree_rss_mb"] for s in samples], marker=".",
                           color="#8172B2", label="with its descendants"))

@@ -30,7 +30,7 @@ from .harness import envelope, finish, inputs, load_test_images
 from .load import (LoadRun, check_options, client_processes, gateway_settings,
                    offline_top1, request_timeout, seconds_bar, sensai_serve)
 from .load_single import original_as_artifact
-from .machine import split_cores, tree_rss_mb
+from .machine import split_cores, tree_rss
 from .load_sweep_report import plot, render_markdown
 from .names import SWEEP_CONFIGS, SWEEP_TRANSPORTS
 from .perf_analyzer import PerfAnalyzer, for_sweep, missing, sweep_settings
@@ -205,17 +205,14 @@ class Sweep:
                             self.usable_cores)
             if gateway:
                 row["batching"] = rows_per_batch(before, batching_counters(server.url, gateways))
-                row["server_tree_rss_mb"] = tree_rss_mb(server.pid)
+                row["server_tree_rss_mb"] = round(tree_rss(server.pid)[0] / 1e6, 1)
             rep["levels"].append(row)
         # Right after bench-load's own levels, before the overload leaves the server shedding.
         self.perf_analyzer(rep, key, server.url, model)
         if not self.bare_route:
             return rep
-        noop = LoadRun(server, self.procs, expected=[], concurrency=NOOP_CONCURRENCY,
-                       timeout_s=self.timeout_s, sample_s=self.level_s, bar=self.bar,
-                       progress=self.progress, request={"transport": "live"}, metrics=False)
-        rep["noop"] = level_row(noop.closed(f"{key}: GET /v2/health/live", self.level_s),
-                                self.usable_cores)
+        rep["noop"] = level_row(run.closed(f"{key}: GET /v2/health/live", self.level_s,
+                                           NOOP_CONCURRENCY, bare=True), self.usable_cores)
         best = max((r["throughput_rps"] or 0.0 for r in rep["levels"]), default=0.0)
         if self.overload_s > 0 and best > 0:
             rep["overload"] = overload_row(run.overload(

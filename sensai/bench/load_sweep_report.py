@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .load_report import TARGETS, latency_target, retry_after_text
-from .render import (SHARED_CORES, Col, Table, draw, fmt, heading, machine_line, markdown, mark,
-                     p99_panel, pct, server_cores, status_codes)
+from .load_report import ADMITTED_AND_TURNED_AWAY, TARGETS, retry_after_text
+from .render import (SERVER_CORES, SERVER_CORES_NOTE, SHARED_CORES, STATUS_CODES, Col, Table, draw,
+                     fmt, gateway_settings, heading, machine_line, markdown, mark, one_call_device,
+                     p99_line, p99_panel, pct, quantiles, terminal, with_p99)
 
 COLORS = {"class-parallel": "#4C72B0", "class-parallel-unbatched": "#8172B2",
           "single": "#55A868", "triton": "#C44E52"}
@@ -54,13 +55,12 @@ def full_gcs(r: dict) -> str:
 LEVELS = Table(
     Col("configuration", "configuration"), Col("transport", "transport"),
     Col("in flight", "concurrency"), Col("200/s", "throughput_rps", 1),
-    Col("p50 ms", "latency_ok_ms.p50"), Col("p90 ms", "latency_ok_ms.p90"),
-    Col("p99 ms", "latency_ok_ms.p99"), Col("errors", "errors"),
-    Col("status codes", lambda r: status_codes(r["status_counts"])), Col("wrong", "wrong"),
+    *quantiles("latency_ok_ms", "p50", "p90", "p99"), Col("errors", "errors"), STATUS_CODES,
+    Col("wrong", "wrong"),
     Col("client CPU (cores)", "client_cores"),
     Col("client share", lambda r: pct(r.get("client_cpu_share"))),
-    Col("machine busy cores", "machine_busy_cores"),
-    Col("server cores (busiest thread)", server_cores), Col("full GCs (ms paused)", full_gcs),
+    Col("machine busy cores", "machine_busy_cores"), SERVER_CORES,
+    Col("full GCs (ms paused)", full_gcs),
     Col("server CPU ms/answer: gateways (workers)",
         lambda r: gateways_workers(r, "ms_per_answer", 3, " (in the gateway)")),
     Col("gateways' CPU / the no-op's", over_noop),
@@ -72,11 +72,9 @@ OVERLOAD = Table(
     Col("configuration", "configuration"), Col("asked/s", "target_rate_rps", 1),
     Col("offered/s", "offered_rate_rps", 1), Col("goodput (200/s)", "goodput_rps", 1),
     Col("of best closed loop", lambda o: pct(o.get("goodput_of_best_closed"))),
-    Col("p50 ms (200)", "latency_ok_ms.p50"), Col("p99 ms (200)", "latency_ok_ms.p99"),
-    Col("503s", "rejected_503"), Col("p50 ms (503)", "latency_rejected_ms.p50"),
-    Col("p99 ms (503)", "latency_rejected_ms.p99"), Col("other", "not_200_or_503"),
-    Col("client cores", "client_cores"), Col("machine busy cores", "machine_busy_cores"),
-    Col("server cores (busiest thread)", server_cores))
+    *ADMITTED_AND_TURNED_AWAY[:2], Col("503s", "rejected_503"), *ADMITTED_AND_TURNED_AWAY[2:],
+    Col("other", "not_200_or_503"), Col("client cores", "client_cores"),
+    Col("machine busy cores", "machine_busy_cores"), SERVER_CORES)
 SKIPPED = Table(Col("configuration", "configuration"), Col("not run, because", "skipped"))
 
 
@@ -145,13 +143,13 @@ def perf_note(result: dict) -> str:
 def render_table(result: dict) -> str:
     # Without bench-load's own client (--perf-analyzer only) there are no closed loops of its.
     perf = each(result, "perf_analyzer")
-    return "\n\n".join(p for p in [
+    return terminal(
         levels(result) and LEVELS.text(levels(result)),
         overloads(result) and OVERLOAD.text(overloads(result)),
         skipped(result) and SKIPPED.text(skipped(result)),
         "perf_analyzer:\n" + PERF.text(perf) if perf else
         (result["settings"].get("perf_analyzer") or {}).get("skipped") and perf_note(result),
-        TARGETS.text(result["targets"]["checks"])] if p)
+        TARGETS.text(result["targets"]["checks"]))
 
 
 def render_markdown(result: dict) -> str:
@@ -180,10 +178,9 @@ def _intro(result: dict) -> list[str]:
     g = st["gateway"]
     return [
         f"Configurations: {', '.join(st['configs'])}.  Each gateway configuration is `sensai "
-        f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, deadline "
-        f"{g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
-        f"{g['max_predictions']}, latency target {latency_target(g)}, batch_max_rows "
-        f"{g['batch_max_rows']}, batch_delay_us {g['batch_delay_us']:g}; "
+        f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, "
+        f"{gateway_settings(g)}, batch_max_rows {g['batch_max_rows']}, "
+        f"batch_delay_us {g['batch_delay_us']:g}; "
         "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
         "serves the original model as one group on one worker, with the same settings); triton "
         "is Triton Inference Server serving the original's ONNX with its dynamic batcher.",
@@ -210,10 +207,9 @@ def _measures(result: dict) -> str:
     return (
         machine_line(result) + "  Client CPU: the client processes' own CPU time "
         "over the level's wall time (cores), and as a share of the usable cores; machine busy "
-        "cores: the whole machine's (server, client and anything else); server cores: the "
-        "serving process's own threads, and in brackets its busiest thread's (the event loop "
-        "under load: near 1.00, one core is its ceiling).  The configurations "
-        "run one after another, so what else ran on the machine may differ between them (that "
+        f"cores: the whole machine's (server, client and anything else); server cores: "
+        f"{SERVER_CORES_NOTE}.  The configurations run one after another, so what else ran on "
+        "the machine may differ between them (that "
         "column shows it).  Full GCs: the collector's full collections in the gateway's process "
         "during the level and the time they stopped it (its `/metrics`).  Server CPU per "
         "answer: the CPU time of every process of `sensai serve` over the level per 200 "
@@ -245,14 +241,13 @@ def plot(result: dict, path: Path) -> None:
         if pa:
             marks.append(mark("plot", *zip(*pa), marker=".", ls="--", color=color,
                               label=f"{c['label']} (perf_analyzer)"))
-        pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"], r["concurrency"])
-               for r in c.get("levels", []) if r["latency_ok_ms"]["p99"] is not None]
+        pts = with_p99(c.get("levels", []))
         if not pts:
             continue
-        marks.append(mark("plot", [p[0] for p in pts], [p[1] for p in pts], marker="o",
-                          color=color, label=c["label"]))
-        marks += [mark("annotate", str(n), (x, y), textcoords="offset points", xytext=(4, 4),
-                       fontsize=7, color=color) for x, y, n in pts]
+        marks.append(p99_line(pts, color=color, label=c["label"]))
+        marks += [mark("annotate", str(r["concurrency"]),
+                       (r["throughput_rps"], r["latency_ok_ms"]["p99"]), textcoords="offset points",
+                       xytext=(4, 4), fontsize=7, color=color) for r in pts]
         o = c.get("overload") or {}
         if o.get("goodput_rps") and o["latency_ok_ms"]["p99"] is not None:
             marks.append(mark("plot", [o["goodput_rps"]], [o["latency_ok_ms"]["p99"]],
@@ -269,9 +264,8 @@ def one_call_text(result: dict) -> str | None:
     one = result.get("one_call")
     if not one:
         return None
-    cores = f", {one['cores']} core(s)" if one.get("cores") else ""
     return (f"One call of every subnet, in process (the compute alone, nothing else running; "
-            f"{one['subnets']} subnets on one device: {one['kind']}, {one['runtime']} on "
-            f"{one['device']}{cores}): p50 {fmt(one['ms']['p50'], 3)} ms, p99 "
+            f"{one['subnets']} subnets on one device: {one_call_device(one)}): "
+            f"p50 {fmt(one['ms']['p50'], 3)} ms, p99 "
             f"{fmt(one['ms']['p99'], 3)} ms.  A served image at 1 in flight is measured against "
             "it (target c1_over_one_call_ms).")

@@ -117,12 +117,6 @@ def machine_description() -> dict[str, Any]:
             "versions": versions}
 
 
-def rss_bytes() -> int | None:
-    """Current resident set of this process (Linux), else None."""
-    statm = _read("/proc/self/statm")
-    return int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm else None
-
-
 def _status_bytes(pid: int | str, field: str) -> int | None:
     """A size from ``/proc/<pid>/status`` (Linux), or None when the process is gone."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
@@ -131,18 +125,35 @@ def _status_bytes(pid: int | str, field: str) -> int | None:
     return None
 
 
-def process_rss_bytes(pid: int) -> int | None:
-    """Resident set (``VmRSS``) of process ``pid``, or None when it is gone."""
+def process_rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident set (``VmRSS``) of process ``pid`` (default: this one), or None when it is
+    gone."""
     return _status_bytes(pid, "VmRSS")
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``stat`` file of ``/proc`` after ``comm`` (which may hold spaces and
+    parentheses): state, ppid, ...; None when it is gone."""
+    stat = _read(path)
+    return stat.rpartition(")")[2].split() if stat else None
 
 
 def _stat_cpu_seconds(path: str) -> float | None:
     """User plus system CPU seconds from a ``stat`` file of ``/proc``, None when it is gone."""
-    stat = _read(path)
-    if not stat:
+    fields = _stat_fields(path)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf(
+        "SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over its cores, from
+    ``/proc/stat``; None where it cannot be read.  Busy: user, nice, system, irq and softirq
+    time, not idle, iowait or steal (a hypervisor's other guests)."""
+    fields = (_read("/proc/stat") or "").split("\n", 1)[0].split()[1:8]
+    ticks = [int(v) for v in fields if v.isdigit()]
+    if len(ticks) < 7:
         return None
-    fields = stat.rpartition(")")[2].split()  # after comm, which may hold spaces and ")"
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu_seconds(pid: int | None) -> tuple[float, dict[int, float]] | None:
@@ -163,10 +174,9 @@ def descendant_pids(pid: int) -> list[int]:
     """The processes below ``pid`` - children, their children, ... - from ``/proc`` (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        stat = _read(f"{entry}/stat") if entry.name.isdigit() else None
-        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(
-                int(entry.name))
+        fields = _stat_fields(f"{entry}/stat") if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -175,14 +185,14 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def tree_rss_mb(pid: int | None) -> float | None:
-    """The resident sets of process ``pid`` and every process below it, summed, in MB
-    (10^6 bytes); None when it is gone.  Pages two processes share count twice: an upper
-    bound of what the tree holds."""
-    own = None if pid is None else process_rss_bytes(pid)
-    if own is None:
-        return None
-    return round((own + sum(process_rss_bytes(p) or 0 for p in descendant_pids(pid))) / 1e6, 1)
+def tree_rss(pid: int | None) -> tuple[int, int]:
+    """The resident sets of process ``pid`` and every live process below it, summed in bytes,
+    and how many of them are live.  Pages two processes share count twice: an upper bound of
+    what the tree holds."""
+    if pid is None:
+        return 0, 0
+    rss = [r for r in map(process_rss_bytes, [pid, *descendant_pids(pid)]) if r is not None]
+    return sum(rss), len(rss)
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
@@ -254,11 +264,11 @@ class MemoryProbe:
         gc.collect()
         self._peak_reset = reset_peak_rss()
         self.cuda.start()
-        self._rss0 = rss_bytes()
+        self._rss0 = process_rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
-        rss0, rss1, peak = self._rss0, rss_bytes(), peak_rss_bytes()
+        rss0, rss1, peak = self._rss0, process_rss_bytes(), peak_rss_bytes()
         self.figures = {
             "rss_growth_mb": round((rss1 - rss0) / 1e6, 2) if rss0 and rss1 else None,
             "peak_rss_growth_mb": (round((peak - rss0) / 1e6, 2)

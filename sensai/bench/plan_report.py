@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .render import (SHARED_CORES, Col, Table, draw, fmt, machine_line, markdown, mark,
-                     p99_panel)
+from .render import (SHARED_CORES, Col, Table, draw, machine_line, markdown, mark, p50_p99,
+                     p99_line, p99_panel, with_p99)
 
 
 def _latency(m: dict) -> str:
     s = m["summary"]
-    return "-" if s.get("error") else f"{fmt(s['p50_ms'])} / {fmt(s['p99_ms'])}"
+    return "-" if s.get("error") else p50_p99({"p50": s["p50_ms"], "p99": s["p99_ms"]}, " / ")
 
 
 MEASURED = Table(
@@ -68,12 +68,10 @@ def render_markdown(result: dict) -> str:
 def plot(result: dict, path: Path) -> None:
     marks = []
     for m in measured(result, "confirm"):
-        pts = [(r["throughput_rps"], r["latency_ok_ms"]["p99"]) for r in m["levels"]
-               if (r.get("latency_ok_ms") or {}).get("p99") is not None]
-        chosen = m["n"] == result["chosen"]
+        pts, chosen = with_p99(m["levels"]), m["n"] == result["chosen"]
         if pts:
-            marks.append(mark("plot", *zip(*pts), marker="o", lw=2.5 if chosen else 1.2,
-                              label=("chosen: " if chosen else "") + m["label"]))
+            marks.append(p99_line(pts, lw=2.5 if chosen else 1.2,
+                                  label=("chosen: " if chosen else "") + m["label"]))
     budget = result["settings"]["constraints"]["latency_budget_ms"]
     if budget:
         marks.append(mark("axhline", budget, color="crimson", ls="--",

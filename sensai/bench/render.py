@@ -53,6 +53,18 @@ def server_cores(phase: dict) -> str:
     return "-" if g is None else f"{g['process_cores']:.2f} ({g['busiest_thread_cores']:.2f})"
 
 
+def p50_p99(q: dict | None, sep: str = "/") -> str:
+    """A latency's p50 and p99 in ms, ``12.30/45.60`` ("-" where missing)."""
+    q = q or {}
+    return f"{fmt(q.get('p50'))}{sep}{fmt(q.get('p99'))}"
+
+
+def one_call_device(one: dict) -> str:
+    """Where the one-call reference (:mod:`.one_call`) ran: its kind, runtime, device, cores."""
+    cores = f", {one['cores']} core(s)" if one.get("cores") else ""
+    return f"{one['kind']}, {one['runtime']} on {one['device']}{cores}"
+
+
 def dig(row: Any, path: str) -> Any:
     """``row["a"]["b"]`` for ``"a.b"``; None where a step is missing (an older result)."""
     for key in path.split("."):
@@ -77,6 +89,17 @@ class Col:
 
     def of(self, row: Any) -> str:
         return fmt(dig(row, self.cell) if isinstance(self.cell, str) else self.cell(row), self.nd)
+
+
+def quantiles(path: str, *qs: str, suffix: str = "") -> list[Col]:
+    """A column per quantile of a latency at ``path``: ``p50 ms (200)`` for p50, `` (200)``."""
+    return [Col(f"{q} ms{suffix}", f"{path}.{q}") for q in qs]
+
+
+STATUS_CODES = Col("status codes", lambda r: status_codes(r["status_counts"]))
+SERVER_CORES = Col("server cores (busiest thread)", server_cores)
+SERVER_CORES_NOTE = ("the serving process's own threads, and in brackets its busiest thread's "
+                     "(the event loop under load: near 1.00, one core is its ceiling)")
 
 
 class Table:
@@ -134,6 +157,10 @@ def blocks(*parts: Any) -> list[str]:
     return out
 
 
+def terminal(*parts: Any) -> str:
+    return "\n\n".join(blocks(*parts))
+
+
 def markdown(*parts: Any) -> str:
     """A markdown document: its blocks separated by blank lines, a newline at the end."""
     return "\n\n".join(blocks(*parts)) + "\n"
@@ -145,12 +172,20 @@ def heading(result: dict, tool: str, fallback: str) -> list[str]:
             f"Command: `{result.get('command') or fallback}`"]
 
 
-def machine_line(result: dict) -> str:
-    """The machine a load run measured on, its load before and after, and the run's length."""
+def machine_line(result: dict, length: bool = True) -> str:
+    """The machine a run measured on, its load before and after, and the run's length."""
     m = result["machine"]
     return (f"Machine: {m['cpu_model']}, {m['usable_cores']} usable cores; load average "
-            f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end; "
-            f"{result.get('seconds')} s in all.")
+            f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end"
+            + (f"; {result.get('seconds')} s in all." if length else "."))
+
+
+def gateway_settings(g: dict) -> str:
+    """The admission settings every gateway of a load run was started with."""
+    t = g.get("latency_target_s")  # absent in older runs
+    return (f"deadline {g['deadline_s']:g} s, max_requests {g['max_requests']}, max_predictions "
+            f"{g['max_predictions']}, latency target "
+            + (f"{t:g} s" if t is not None else "a quarter of the deadline"))
 
 
 def gateway_text(gw: dict, note: str = "") -> str:
@@ -214,6 +249,22 @@ def p99_panel(title: str, marks: Sequence[tuple]) -> Panel:
     return Panel(marks, title, "throughput (answers 200 per second)", "p99 latency (ms, log)",
                  yscale="log", legend={"fontsize": 8, "loc": "upper left"},
                  grid={"alpha": 0.3, "which": "both"})
+
+
+def with_p99(levels: Iterable[dict]) -> list[dict]:
+    return [r for r in levels if dig(r, "latency_ok_ms.p99") is not None]
+
+
+def p99_line(levels: Sequence[dict], **kw) -> tuple:
+    """A line through levels' (:func:`with_p99`) throughput and p99, on a :func:`p99_panel`."""
+    return mark("plot", [r["throughput_rps"] for r in levels],
+                [r["latency_ok_ms"]["p99"] for r in levels], marker="o", **kw)
+
+
+def rss_line(samples: Sequence[dict]) -> list[tuple]:
+    """The gateway process's sampled RSS over time (none: no line)."""
+    return [mark("plot", [s["t"] for s in samples], [s["rss_mb"] for s in samples], marker=".",
+                 color="#4C72B0", label="gateway process")] if samples else []
 
 
 def draw(path: Path, panels: Sequence[Panel], size: tuple[float, float], rows: int = 1,

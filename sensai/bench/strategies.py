@@ -34,7 +34,7 @@ from .baselines import BASELINES, WorkerSet
 from .harness import TestImages
 from .machine import MemoryProbe
 from .names import UNTIMED_TRANSPORTS, label
-from .server import SensaiServe, served, start_server
+from .server import served, start_server
 from .stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
 SERVE_STARTUP_S = 300.0  # Ray, Serve and the replicas start on a busy machine too
@@ -175,23 +175,6 @@ def _worker_fields(worker: dict, spec) -> dict[str, Any]:
             "threads": spec.threads, "worker": worker.get("name"), "node": worker.get("node")}
 
 
-def start_server_pool(artifact: Artifact, *, backend: str, device: str, runtime: str,
-                      threads: int, settings: GatewaySettings, ray_address: str | None,
-                      log_path: Path) -> SensaiServe:
-    """Class parallel as ``sensai serve ART --backend B`` serves it, in a process of its own on
-    127.0.0.1 (ray-serve: the Ray Serve application, on its own local Ray instance unless
-    ``ray_address``; processes: a gateway process over device processes), with the run's
-    device, runtime, threads and gateway settings; returns once it is ready."""
-    env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
-           "SENSAI_THREADS_PER_WORKER": str(threads), "SENSAI_MODEL_NAME": settings.model_name,
-           "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake}
-    if ray_address:
-        env["SENSAI_RAY_ADDRESS"] = ray_address
-    return start_server("sensai", artifact.root, timeout_s=SERVE_STARTUP_S, backend=backend,
-                        deadline_s=settings.deadline_s, env=env, log_path=log_path,
-                        model=settings.model_name)
-
-
 def served_workers(url: str) -> list[dict[str, Any]]:
     """The workers a gateway describes (``GET /v1/models``), as a predictor's ``describe()``."""
     workers = (served(url, timeout_s=30.0).get("predictor") or {}).get("workers")
@@ -207,22 +190,27 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
     """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
     recipe's) names class parallel on a further backend.  Backend ``triton``: a
     ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backends
-    ``ray-serve`` and ``processes``: ``sensai serve --backend B`` in a process of its own
-    (:func:`start_server_pool`, its log in ``log_dir``), stopped with the strategy and timed
-    over HTTP only (bench.json's ``untimed_transports`` says why)."""
+    ``ray-serve`` and ``processes``: ``sensai serve --backend B`` in a process of its own on
+    127.0.0.1 (ray-serve: the Ray Serve application, on its own local Ray instance unless
+    ``ray_address``; processes: a gateway process over device processes) with the run's
+    device, runtime, threads and gateway settings, its log in ``log_dir``, stopped with the
+    strategy and timed over HTTP only (bench.json's ``untimed_transports`` says why)."""
     key = key or recipe.key
     parallel = recipe.key == "class-parallel"
-    if parallel:
-        devices = worker_devices(len(recipe.specs), device)
-    else:
-        devices = [s.device for s in recipe.specs]
+    devices = (worker_devices(len(recipe.specs), device) if parallel
+               else [s.device for s in recipe.specs])
     triton = gateway = None
     with MemoryProbe(devices) as probe:
         if parallel and backend in UNTIMED_TRANSPORTS:
-            gateway = start_server_pool(artifact, backend=backend, device=device,
-                                        runtime=runtime, threads=threads, settings=settings,
-                                        ray_address=ray_address,
-                                        log_path=Path(log_dir or ".") / f"gateway-{key}.log")
+            env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
+                   "SENSAI_THREADS_PER_WORKER": str(threads),
+                   "SENSAI_MODEL_NAME": settings.model_name,
+                   "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake,
+                   **({"SENSAI_RAY_ADDRESS": ray_address} if ray_address else {})}
+            gateway = start_server("sensai", artifact.root, timeout_s=SERVE_STARTUP_S,
+                                   backend=backend, deadline_s=settings.deadline_s, env=env,
+                                   log_path=Path(log_dir or ".") / f"gateway-{key}.log",
+                                   model=settings.model_name)
             try:
                 described = served_workers(gateway.url)
             except BaseException:

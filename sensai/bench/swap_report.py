@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .render import (SHARED_CORES, Col, Panel, Table, draw, fmt, gateway_text, heading,
-                     machine_line, markdown, mark)
+                     machine_line, markdown, mark, rss_line)
 from .swap_figures import WINDOW_TAIL_S, version_order
 
 VERSION_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#8172B2", "#937860", "#DA8BC3",
@@ -59,8 +59,7 @@ def render_markdown(result: dict) -> str:
         f"whose version 1 is `{st['artifacts'][0]}`.  Each swap writes the next version (in turn "
         f"`{st['artifacts'][1]}`, `{st['artifacts'][0]}`, ...) into the repository and calls "
         f"`POST /v2/repository/models/{st['model']}/load`, which returns once the new version "
-        "is ready and the old one drained and unloaded; then waits "
-        f"{st['after_s']:g} s.",
+        f"is ready and the old one drained and unloaded; then waits {st['after_s']:g} s.",
         f"Traffic: {st['images']} real test images as PNG uploads to `/v1/predict`, a closed "
         f"loop at concurrency {st['concurrency']} from a client process of its own, for the "
         f"whole run: {st['warmup_s']:g} s warm-up, {st['steady_s']:g} s steady state, then "
@@ -109,14 +108,12 @@ def plot(result: dict, path: Path) -> None:
     if bad.any():
         marks.append(mark("scatter", answered[bad], ms[bad], s=18, marker="x", color="#C44E52",
                           label="error (not 200, or no answer)"))
-    samples = result["rss"]["samples"]
-    rss = [mark("plot", [s["t"] for s in samples], [s["rss_mb"] for s in samples], marker=".",
-                color="#4C72B0", label="gateway process")] if samples else []
     draw(path, [
         Panel(marks, "each request's latency by when it was answered, one colour per version "
                      "that answered\n(grey: swap windows; dotted: load request; dashed: its "
                      "return)", ylabel="latency (ms, log)", yscale="log" if len(ms) else "linear",
               legend={"fontsize": 7, "loc": "upper left", "markerscale": 3}, title_size=10),
-        Panel(rss + _windows(result), xlabel="seconds since the gateway was ready",
+        Panel(rss_line(result["rss"]["samples"]) + _windows(result),
+              xlabel="seconds since the gateway was ready",
               ylabel="RSS (MB)")],
         (11, 7.5), 2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
