@@ -121,6 +121,8 @@ class _Client:
         self.tensors = _Tensors(tensors or [], shape or [])
         self.conns: dict[str, _Connection] = {}
         self.channels: dict = {}
+        # One loop for the process's life: the connections of timed requests outlive each call.
+        self.loop = asyncio.new_event_loop()
 
     def _stub(self, target: str):
         if target not in self.channels:
@@ -133,27 +135,24 @@ class _Client:
 
     def _calls(self, transport: str, address: str, model: str):
         """(bare request, prepare(image) -> request, send(request) -> answer, parse(answer) ->
-        (predicted index, timings)) of one transport, on this client's connection; ``bare`` and
-        ``send`` are coroutine functions."""
+        (predicted index, timings)) of one transport, on this client's connection; each a
+        blocking call, as a caller timing one request at a time makes it."""
         if transport == "grpc":
             from tritonclient.grpc import service_pb2 as pb
 
+            # The blocking stub: a shorter path than grpc.aio's.
             stub, live = self._stub(address), pb.ServerLiveRequest()
-
-            # The blocking stub, a shorter path than grpc.aio's: nothing else runs on this
-            # loop meanwhile.
-            async def bare() -> None:
-                stub.ServerLive(live, timeout=TIMEOUT_S)
-
-            async def send(req):
-                return stub.ModelInfer(req, timeout=TIMEOUT_S)
-
-            return bare, lambda j: self.tensors.grpc_request(model, j), send, _grpc_answer
+            return (lambda: stub.ServerLive(live, timeout=TIMEOUT_S),
+                    lambda j: self.tensors.grpc_request(model, j),
+                    lambda req: stub.ModelInfer(req, timeout=TIMEOUT_S), _grpc_answer)
         conn = self.conns.setdefault(address, _Connection(address))
         live, requests = live_request(address), self.requests(address, transport, model)
 
-        async def bare_http() -> None:
-            status, _, body = await conn.request(live)
+        def send(request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+            return self.loop.run_until_complete(conn.request(request))
+
+        def bare_http() -> None:
+            status, _, body = send(live)
             if status != 200:
                 raise _failed(address + LIVE, status, body)
 
@@ -164,9 +163,9 @@ class _Client:
             index, _, timings = _answer(headers, body)
             return index, timings
 
-        return bare_http, requests.__getitem__, conn.request, parse
+        return bare_http, requests.__getitem__, send, parse
 
-    async def timed(self, transport: str, address: str, model: str,
+    def timed(self, transport: str, address: str, model: str,
                     indices: list[int]) -> list[tuple[float, int, dict, float]]:
         """(latency ms, predicted index, timings, bare request ms) per image: each request just
         after the same client's bare request to the same server."""
@@ -175,9 +174,9 @@ class _Client:
         for j in indices:
             request = prepare(j)
             t0 = time.perf_counter()
-            await bare()
+            bare()
             t1 = time.perf_counter()
-            answer = await send(request)
+            answer = send(request)
             t2 = time.perf_counter()
             out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
         return out
@@ -243,6 +242,7 @@ class _Client:
             c.close()
         for channel, _ in self.channels.values():
             channel.close()
+        self.loop.close()
 
 
 async def closed_loop(n_requests: int, concurrency: int,
@@ -537,8 +537,6 @@ def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,
     if cores:
         os.sched_setaffinity(0, cores)
     client = _Client(pngs, tensors, shape, stop.is_set)
-    # One loop for the process's life: the connections of timed requests outlive each call.
-    loop = asyncio.new_event_loop()
     try:
         while True:
             msg = conn.recv()
@@ -547,14 +545,16 @@ def _serve(conn, stop, pngs: list[bytes], tensors: list[bytes] | None = None,
             try:
                 if msg[0] not in ("timed", "concurrent", "load"):
                     raise ValueError(f"unknown request {msg[0]!r}")
-                conn.send(("ok", loop.run_until_complete(getattr(client, msg[0])(*msg[1:]))))
+                answer = getattr(client, msg[0])(*msg[1:])
+                if asyncio.iscoroutine(answer):
+                    answer = client.loop.run_until_complete(answer)
+                conn.send(("ok", answer))
             except Exception as e:  # reported to the benchmark, which raises it there
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     except (EOFError, KeyboardInterrupt):
         return
     finally:
         client.close()
-        loop.close()
 
 
 class HttpClientProcess:
