@@ -92,7 +92,7 @@ class Col:
 
 
 def quantiles(path: str, *qs: str, suffix: str = "") -> list[Col]:
-    """A column per quantile of a latency at ``path``: ``p50 ms (200)`` for p50, `` (200)``."""
+    """A column per quantile ``q`` of a latency at ``path``, headed ``"{q} ms{suffix}"``."""
     return [Col(f"{q} ms{suffix}", f"{path}.{q}") for q in qs]
 
 

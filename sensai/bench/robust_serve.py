@@ -42,7 +42,7 @@ import numpy as np
 from sensai.artifact import Artifact
 from sensai.errors import SensaiError
 from sensai.raycluster import local_raylet_pid
-from sensai.serving.core.settings import SECRETS, GatewaySettings, setting_name
+from sensai.serving.core.settings import SECRETS, GatewaySettings, environment
 from sensai.serving.launch.serve_run import STARTUP_TIMEOUT_S
 
 from .client import HttpClientProcess
@@ -65,9 +65,9 @@ def serve_env(settings: GatewaySettings) -> dict[str, str]:
     """The variables that make ``sensai serve`` load ``settings``: each one given (or read from
     this environment, which it inherits anyway) as its ``SENSAI_*`` variable.  A value of None
     stays out: ``sensai serve`` loads it from the same environment."""
-    return {setting_name(f): str(v).lower() if isinstance(v, bool) else str(v)
-            for f in sorted(settings.model_fields_set - OWN_SETTINGS - set(SECRETS))
-            if (v := getattr(settings, f)) is not None}
+    return environment({f: v for f in sorted(settings.model_fields_set - OWN_SETTINGS
+                                             - set(SECRETS))
+                        if (v := getattr(settings, f)) is not None})
 
 
 def check_serve_bench(scenarios: Sequence[str]) -> None:
@@ -243,7 +243,7 @@ def start_config(artifact: Artifact, key: str, settings: GatewaySettings, log_di
     worker is up, what its ingress says it runs with how it was started (``startup_s``: from
     the start to every worker up)."""
     t0 = time.monotonic()
-    name = re.sub(r"[^\w.=-]+", "_", key)  # "r=1, hedge 5 ms" -> "r=1_hedge_5_ms"
+    name = re.sub(r"[^\w.=-]+", "_", key)  # the key's spaces and commas: not in a file name
     server = start_server("sensai", artifact.root, timeout_s=STARTUP_TIMEOUT_S,
                           backend=settings.backend, deadline_s=settings.deadline_s,
                           log_path=log_dir / f"serve-{name}.log", model=settings.model_name,

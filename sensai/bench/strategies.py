@@ -25,7 +25,7 @@ from sensai.flops import count_flops
 from sensai.fsutil import sha256_file
 from sensai.models import count_params
 from sensai.serving.core.contract import Predictor
-from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.settings import GatewaySettings, environment
 from sensai.serving.engine.plan import worker_devices
 from sensai.serving.launch.build import build_predictor, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
@@ -202,11 +202,10 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
     triton = gateway = None
     with MemoryProbe(devices) as probe:
         if parallel and backend in UNTIMED_TRANSPORTS:
-            env = {"SENSAI_DEVICE": device, "SENSAI_RUNTIME": runtime,
-                   "SENSAI_THREADS_PER_WORKER": str(threads),
-                   "SENSAI_MODEL_NAME": settings.model_name,
-                   "SENSAI_KEEP_CORES_AWAKE": settings.keep_cores_awake,
-                   **({"SENSAI_RAY_ADDRESS": ray_address} if ray_address else {})}
+            env = environment({"device": device, "runtime": runtime, "threads_per_worker": threads,
+                               "model_name": settings.model_name,
+                               "keep_cores_awake": settings.keep_cores_awake,
+                               **({"ray_address": ray_address} if ray_address else {})})
             gateway = start_server("sensai", artifact.root, timeout_s=SERVE_STARTUP_S,
                                    backend=backend, deadline_s=settings.deadline_s, env=env,
                                    log_path=Path(log_dir or ".") / f"gateway-{key}.log",

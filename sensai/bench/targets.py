@@ -23,6 +23,7 @@ from sensai.models import DEMO_MODEL
 from .load_measures import LAST_WINDOW_S
 from .names import PEER_LABELS, label
 from .plan_judge import rps_within
+from .render import dig
 
 # A figure of a result, read over a transport (ignored by the figures no transport has).
 Reader = Callable[[dict, str], Any]
@@ -57,12 +58,10 @@ class Target:
 # Readers.  A p50 latency of 0 is no measurement (nothing was timed); other figures may be 0.
 
 def _at(*path: str) -> Reader:
-    def read(result: dict, over: str = "") -> Any:
-        node: Any = result
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        return node
-    return read
+    """The figure at ``path`` (:func:`~.render.dig`; no path: the result itself), whatever the
+    transport."""
+    dotted = ".".join(path)
+    return lambda result, over="": dig(result, dotted) if path else result
 
 
 def _rep(result: dict, key: str, transport: str) -> dict | None:

@@ -159,14 +159,15 @@ def config_settings(path: str | None, artifact: str) -> dict:
     if path is None:
         return {}
     from sensai.artifact import load_artifact
-    from sensai.serving.core.settings import read_config
+    from sensai.serving.core.settings import environment, read_config
 
     from .serve import check_config_artifact
 
     settings, measured = read_config(path)
     check_config_artifact(path, measured, load_artifact(artifact))
-    return {k if k in ("backend", "deadline_s") else f"SENSAI_{k.upper()}": str(v).lower()
-            if isinstance(v, bool) else str(v) for k, v in settings.items()}
+    own = ("backend", "deadline_s")
+    return ({k: str(v) for k, v in settings.items() if k in own}
+            | environment({k: v for k, v in settings.items() if k not in own}))
 
 
 def env_number(name: str, value: str | None, kind):

@@ -15,7 +15,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Mapping
+from typing import Annotated, Any, Mapping
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -449,6 +449,13 @@ def setting_name(field: str, names: Mapping[str, str] | None = None) -> str:
     """A setting as its user gave it: its flag or ``--set KEY`` (``names``: field -> that), else
     its environment variable."""
     return (names or {}).get(field) or f"{ENV_PREFIX}{field.upper()}"
+
+
+def environment(values: Mapping[str, Any]) -> dict[str, str]:
+    """Settings (field -> value) as the variables that give them to another process (a switch
+    as true / false, as the settings read it)."""
+    return {setting_name(k): str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in values.items()}
 
 
 # Variables of settings this version no longer has -> what says the same now.  The settings
