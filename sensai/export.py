@@ -28,7 +28,9 @@ OUTPUT_NAME = "output"
 DEFAULT_OPSET = 17
 
 
-def _torch_export(model: nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+def torch_export(model: nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    """``model`` (one input, ``example`` of it) as ONNX at ``path``, with a dynamic batch axis,
+    unchecked (:func:`check_onnx` checks it)."""
     kwargs = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                   dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
                   opset_version=opset, do_constant_folding=True)
@@ -43,12 +45,16 @@ def _torch_export(model: nn.Module, example: torch.Tensor, path: Path, opset: in
 
 
 def check_onnx(path: str | Path, model: nn.Module, batch: torch.Tensor, *, atol: float = 1e-4) -> float:
-    """Max |onnxruntime - torch| on ``batch`` (float32 network input); raises above ``atol``."""
+    """Max |onnxruntime - torch| on ``batch`` (float32 network input); raises above ``atol``
+    times the largest |output| (at least 1).
+    torch runs on the model's device (``batch``'s for a module without parameters) on a copy of
+    ``batch``, so a module that starts in place leaves it as it was for onnxruntime."""
     import onnxruntime as ort
 
     model = model.eval()
+    device = next(model.parameters(), batch).device
     with torch.no_grad():
-        want = model(batch.to(next(model.parameters()).device)).float().cpu().numpy()
+        want = model(batch.to(device).clone()).float().cpu().numpy()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
@@ -61,8 +67,12 @@ def check_onnx(path: str | Path, model: nn.Module, batch: torch.Tensor, *, atol:
     if got.shape != want.shape:
         raise ExportError(f"{path}: onnxruntime output shape {got.shape} != torch {want.shape}")
     err = float(np.max(np.abs(got - want))) if got.size else 0.0
-    if not np.isfinite(err) or err > atol:
-        raise ExportError(f"{path}: onnxruntime and torch differ by {err:.3g} (> {atol:g})")
+    # float32 rounding grows with the outputs' size: logits in the tens differ by more than
+    # ``atol`` between two correct kernels, so the bound scales with the largest output above 1.
+    bound = atol * max(1.0, float(np.max(np.abs(want))) if want.size else 1.0)
+    if not np.isfinite(err) or err > bound:
+        raise ExportError(f"{path}: onnxruntime and torch differ by {err:.3g} "
+                          f"(> {bound:.3g}: {atol:g} x max(1, largest |output|))")
     return err
 
 
@@ -73,7 +83,8 @@ def export_onnx(model: nn.Module, input_shape: Sequence[int], path: str | Path, 
 
     ``input_shape`` is ``(C, H, W)``.  The written graph is run with onnxruntime on
     ``check_batch`` (real, normalised images; a random batch of 8 when None) and compared with
-    torch; a difference above ``atol`` raises :class:`ExportError` and leaves no file behind.
+    torch; a difference above ``atol`` (times the largest |output| above 1) raises
+    :class:`ExportError` and leaves no file behind.
     Returns the measured max absolute difference.
     """
     path = Path(path)
@@ -92,7 +103,7 @@ def export_onnx(model: nn.Module, input_shape: Sequence[int], path: str | Path, 
         raise ExportError(f"check batch has shape {tuple(check_batch.shape)}, expected [B, {shape}]")
     try:
         with atomic_path(path) as tmp:
-            _torch_export(model, check_batch[:1], tmp, opset)
+            torch_export(model, check_batch[:1], tmp, opset)
             err = check_onnx(tmp, model, check_batch, atol=atol)
     finally:
         model.to(original_device).train(was_training)

@@ -720,6 +720,38 @@ def test_the_load_client_reads_answers_without_a_length_on_a_kept_connection():
     assert len(seen) == 6 and len(set(seen)) == 1  # one connection, kept for all six
 
 
+def test_the_one_closed_loop_shares_its_budget_counts_refusals_parks_and_stops():
+    """The closed loop every client runs (HTTP load phases, gRPC and in-process concurrency):
+    the callers share one request budget; a refusal is counted in ``shed``; a Retry-After parks
+    only the caller that got it, no answer pauses its caller instead of spinning, and the loop
+    ends at its end time or when ``stop()`` says so."""
+    import asyncio
+    import time
+
+    from sensai.bench.client import callers_loop, closed_loop
+
+    async def even_answered(j):
+        await asyncio.sleep(0)
+        return j % 2 == 0
+
+    r = asyncio.run(closed_loop(10, 3, even_answered))
+    assert r["shed"] == 5 and len(r["latencies"]) == 5 and r["seconds"] > 0
+    sent = []
+
+    async def one(caller, start):
+        sent.append(caller)
+        await asyncio.sleep(0.01)
+        return {"gone": (0, 0.0), "parked": (503, 10.0)}.get(caller, (200, 0.0))
+
+    t0 = time.monotonic()
+    asyncio.run(callers_loop(["gone", "parked", "ok"], one, until=t0 + 0.5))
+    assert time.monotonic() - t0 < 5  # parked until the end, not for the whole Retry-After
+    assert sent.count("parked") == 1 and sent.count("gone") <= 10 < sent.count("ok")
+    sent.clear()
+    asyncio.run(callers_loop(["a", "b"], one, stop=lambda: len(sent) >= 6))
+    assert 6 <= len(sent) <= 7
+
+
 def test_timed_requests_read_both_answers_on_one_connection_and_report_a_failure():
     """The latency bench's HTTP path: a JSON answer and a KServe v2 binary one are read with the
     server's timings (its v2 header's parameters, {} when absent); each request follows the bare

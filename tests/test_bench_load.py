@@ -23,17 +23,17 @@ TARGETS = ["soak_errors", "soak_rss_growth", "lean_gateway_rss", "overload_only_
 
 @pytest.fixture(scope="module")
 def load_run(tiny_artifact, tmp_path_factory):
-    from sensai.bench.load import run_load_bench
+    from sensai.bench.load_run import run_load
     from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path_factory.mktemp("load_out")
     # A small gateway (16 requests in flight, 2 in the predictor), so the overload meets its
     # limits with few connections.
-    options = LoadOptions(deadline_s=2.0, max_requests=16, max_predictions=2, clients=2,
-                          images=12, progress=False, command="test")
+    options = LoadOptions(deadline_s=2.0, clients=2, images=12, progress=False, command="test",
+                          env={"SENSAI_MAX_REQUESTS": "16", "SENSAI_MAX_PREDICTIONS": "2"})
     plan = LoadPlan(concurrency=2, warmup_seconds=0.5, soak_seconds=3.0, overload_seconds=2.0,
                     sample_seconds=0.5, burst_seconds=2.0, burst_concurrency=6)
-    result = run_load_bench(tiny_artifact, out, options, plan)
+    result = run_load(tiny_artifact, out, options, plan)
     return out, result
 
 
@@ -170,7 +170,7 @@ def test_a_set_key_reaches_the_run_and_the_recorded_command(tiny_artifact, tmp_p
                                                             monkeypatch):
     """``--set KEY=VALUE`` lands in the plan or the options the run is given, and in the command
     load.json records, which parses back to the same."""
-    import sensai.bench.load as load
+    import sensai.bench.load_run as load
     from sensai.cli import build_parser, main
     from sensai.errors import SensaiError
 
@@ -180,7 +180,7 @@ def test_a_set_key_reaches_the_run_and_the_recorded_command(tiny_artifact, tmp_p
         seen.update(options=options, plan=plan)
         raise SensaiError("measured nothing")
 
-    monkeypatch.setattr(load, "run_load_bench", run)
+    monkeypatch.setattr(load, "run_load", run)
     argv = ["bench-load", str(tiny_artifact), "--out", str(tmp_path / "o"), "-c", "4",
             "--set", "overload_seconds=0", "--set", "clients=3", "--set", "retry_after=false"]
     assert main(argv) == 2

@@ -25,15 +25,15 @@ SWEEP_TARGETS = ["batching_c1_p50_ratio", "c16_vs_noop_route", "p99_c16_over_p50
 
 @pytest.fixture(scope="module")
 def sweep_run(tiny_artifact, tmp_path_factory):
-    from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.load_run import run_load
     from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path_factory.mktemp("sweep_out")
-    options = LoadOptions(deadline_s=2.0, max_requests=32, images=12, progress=False,
-                          command="test")
-    plan = LoadPlan(configs=("class-parallel", "class-parallel-unbatched"), levels=(1, 16),
-                    level_seconds=1.0, warmup_seconds=0.5, overload_seconds=1.0)
-    result = run_load_sweep(tiny_artifact, out, options, plan)
+    options = LoadOptions(deadline_s=2.0, images=12, progress=False, command="test",
+                          env={"SENSAI_MAX_REQUESTS": "32"})
+    plan = LoadPlan(sweep=True, configs=("class-parallel", "class-parallel-unbatched"),
+                    levels=(1, 16), level_seconds=1.0, warmup_seconds=0.5, overload_seconds=1.0)
+    result = run_load(tiny_artifact, out, options, plan)
     return out, result
 
 
@@ -191,14 +191,14 @@ def test_pinned_clients_and_a_server_of_two_gateway_processes(tiny_artifact_g2, 
     """``--set client_cores=1``: the clients on the last core, the gateway - two gateway processes
     over device processes - on the rest; the server's CPU per answer is split between the
     gateways and the device processes, and every answer agrees with offline evaluation."""
-    from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.load_run import run_load
     from sensai.bench.options import LoadOptions, LoadPlan
 
     options = LoadOptions(deadline_s=5.0, images=8, progress=False, command="test",
                           client_cores=1, env={"SENSAI_GATEWAY_REPLICAS": "2"})
-    plan = LoadPlan(configs=("class-parallel",), levels=(4,), level_seconds=1.0,
+    plan = LoadPlan(sweep=True, configs=("class-parallel",), levels=(4,), level_seconds=1.0,
                     warmup_seconds=0.5, overload_seconds=0.0)
-    result = run_load_sweep(tiny_artifact_g2, tmp_path, options, plan)
+    result = run_load(tiny_artifact_g2, tmp_path, options, plan)
     c = result["configs"]["class-parallel"]
     assert result["settings"]["clients_on_cores"] == [max(os.sched_getaffinity(0))]
     assert result["settings"]["gateway"]["gateway_processes"] == 2
@@ -222,7 +222,7 @@ def test_the_gateway_count_recorded_is_the_one_the_pinned_server_chooses(monkeyp
     processes (half its cores), not the 8 the bench's own 16 cores would give; unpinned it is
     the bench's count; a count set is the count."""
     from sensai.bench import machine
-    from sensai.bench.load_sweep import server_gateways
+    from sensai.bench.load_run import server_gateways
     from sensai.serving.core import settings as settings_module
     from sensai.serving.core.settings import GatewaySettings
 

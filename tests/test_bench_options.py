@@ -188,8 +188,7 @@ def test_none_is_a_value_only_where_the_field_is_optional():
 
 def test_the_checks_of_the_commands_use_the_declared_bounds():
     from sensai.bench.latency import check_bench_settings
-    from sensai.bench.load import check_load_settings
-    from sensai.bench.load_sweep import check_sweep_settings
+    from sensai.bench.load_run import check_load_settings
     from sensai.bench.swap import check_swap_settings
 
     with pytest.raises(SensaiError, match=r"^--requests must be an integer >= 1, got 0$"):
@@ -203,8 +202,8 @@ def test_the_checks_of_the_commands_use_the_declared_bounds():
         check_load_settings(LoadOptions(), LoadPlan(overload_connections=1).resolved())
     with pytest.raises(SensaiError, match=r"^--set overload_seconds must be a number > 0"):
         check_load_settings(LoadOptions(), LoadPlan(overload_seconds=0).resolved())
-    check_sweep_settings(LoadOptions(), configs=["class-parallel"], levels=[1], level_s=1.0,
-                         warmup_s=0.0, overload_s=0.0, transport=None)  # 0: no overload
+    sweep = LoadPlan(sweep=True, configs=("class-parallel",), levels=(1,), level_seconds=1.0,
+                     warmup_seconds=0.0, overload_seconds=0.0)
+    check_load_settings(LoadOptions(), sweep)  # 0: no overload
     with pytest.raises(SensaiError, match=r"^--set warmup_seconds must be a number >= 0"):
-        check_sweep_settings(LoadOptions(), configs=["class-parallel"], levels=[1],
-                             level_s=1.0, warmup_s=-1.0, overload_s=0.0, transport=None)
+        check_load_settings(LoadOptions(), dataclasses.replace(sweep, warmup_seconds=-1.0))

@@ -17,15 +17,15 @@ def test_the_load_sweep_measures_the_serve_application(tiny_artifact, tmp_path):
     """Every answer agrees with offline evaluation; the overload is answered, each request with
     a 200 or a 503 (the ingress's own admission); the memory sampled is the Serve ingress
     replica's, not the CLI's; the gateway stops with exit status 0."""
-    from sensai.bench.load_sweep import run_load_sweep
+    from sensai.bench.load_run import run_load
     from sensai.bench.options import LoadOptions, LoadPlan
 
     out = tmp_path / "sweep"
-    options = LoadOptions(backend="ray-serve", deadline_s=20.0, max_requests=32, images=12,
-                          progress=False, command="test")
-    run_load_sweep(tiny_artifact, out, options,
-                   LoadPlan(configs=("class-parallel",), levels=(1, 4), level_seconds=1.0,
-                            warmup_seconds=0.5, overload_seconds=2.0))
+    options = LoadOptions(backend="ray-serve", deadline_s=20.0, images=12, progress=False,
+                          command="test", env={"SENSAI_MAX_REQUESTS": "32"})
+    run_load(tiny_artifact, out, options,
+             LoadPlan(sweep=True, configs=("class-parallel",), levels=(1, 4), level_seconds=1.0,
+                      warmup_seconds=0.5, overload_seconds=2.0))
     result = json.loads((out / "load.json").read_text())
     assert result["settings"]["backend"] == "ray-serve"
     c = result["configs"]["class-parallel"]

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sensai.bench.swap_figures import lifetimes, misattributed, swap_figures
-from sensai.bench.swap_report import plot, render_markdown, render_table
+from sensai.bench.swap_report import (lifetimes, misattributed, plot, render_markdown,
+                                      render_table, swap_figures)
 
 
 def records(rows):

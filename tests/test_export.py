@@ -83,3 +83,30 @@ def test_export_refuses_bad_shapes_and_leaves_no_file(pruned_subnet, tmp_path):
         export_onnx(pruned_subnet, (1, 28, 28), tmp_path / "b.onnx",
                     check_batch=torch.zeros(2, 3, 28, 28))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_check_scales_with_the_outputs_size(tmp_path):
+    """Logits in the thousands differ by float32 rounding alone far above 1e-4 between two
+    correct runtimes: the check bounds the difference relative to the largest output, and still
+    refuses a graph that computes something else at that size."""
+    import copy
+
+    from sensai.errors import ExportError
+    from sensai.export import check_onnx, export_onnx
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 26 * 26, 10))
+    with torch.no_grad():
+        net[3].weight.mul_(3e3)
+    batch = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "big.onnx"
+    err = export_onnx(net, (1, 28, 28), path, check_batch=batch)
+    with torch.no_grad():
+        largest = float(net(batch).abs().max())
+    assert largest > 1e3 and err <= 1e-4 * largest
+    other = copy.deepcopy(net)
+    with torch.no_grad():
+        other[3].bias.add_(largest * 1e-3)
+    with pytest.raises(ExportError, match="differ by .* x max\\(1, largest"):
+        check_onnx(path, other, batch)

@@ -1,8 +1,8 @@
 """The benchmark harness: ``sensai bench`` (:mod:`.latency`: class parallelism against single
 device, model parallel and data parallel, and ``--peers``: the original model on Triton and Ray
 Serve), ``sensai bench-robust`` (:mod:`.robust`: redundancy under faults), ``sensai
-bench-load`` (:mod:`.load`: soak and overload of a gateway process; :mod:`.load_sweep`: the
-throughput-latency sweep), ``sensai bench-swap`` (:mod:`.swap`) and ``sensai plan``
+bench-load`` (:mod:`.load_run`: the soak and overload of a gateway process, or with ``--sweep``
+a throughput-latency sweep), ``sensai bench-swap`` (:mod:`.swap`) and ``sensai plan``
 (:mod:`.plan`).  :mod:`.options` declares their options, :mod:`.harness` holds what they share;
 :mod:`.server` starts every server they measure, :mod:`.load`'s ``LoadRun`` drives every load
 phase, :mod:`.client` is the HTTP/gRPC client, in its own process, :mod:`.render` renders every

@@ -13,10 +13,7 @@ from typing import Any
 
 from sensai.manifest import DecompositionManifest
 
-
-def _r(v, nd: int = 5):
-    return None if v is None else round(float(v), nd)
-
+from .stats import rounded
 
 def accuracy(manifest: DecompositionManifest) -> dict[str, Any]:
     ev = manifest.evaluation or {}
@@ -25,23 +22,22 @@ def accuracy(manifest: DecompositionManifest) -> dict[str, Any]:
     if original is None and manifest.source.test_top1 is not None:
         original, original_from = manifest.source.test_top1, "training record (source.test_top1)"
     decomposed = ev.get("decomposed_top1")
-    images, limit = ev.get("images"), ev.get("limit")
+    images, limit, split = ev.get("images"), ev.get("limit"), ev.get("split", "test")
     if decomposed is None:
         measured_on = "not recorded in the manifest"
     elif limit:
         measured_on = (f"a stratified subset of {images} images of the {manifest.dataset.name} "
-                       f"{ev.get('split', 'test')} split (sensai decompose --set eval_limit={limit})")
+                       f"{split} split (sensai decompose --set eval_limit={limit})")
     else:
-        measured_on = (f"the whole {manifest.dataset.name} {ev.get('split', 'test')} split "
-                       f"({images} images)")
+        measured_on = f"the whole {manifest.dataset.name} {split} split ({images} images)"
     delta = (round(100 * (decomposed - original), 3)
              if decomposed is not None and original is not None else None)
     return {"source": "the artifact's manifest (sensai decompose's evaluation)",
-            "split": ev.get("split", "test"), "images": images, "limit": limit,
-            "measured_on": measured_on, "original_top1": _r(original),
+            "split": split, "images": images, "limit": limit,
+            "measured_on": measured_on, "original_top1": rounded(original, 5),
             "original_top1_from": original_from if original is not None else None,
-            "decomposed_top1": _r(decomposed), "delta_points": delta,
-            "original_top1_at_training": _r(manifest.source.test_top1)}
+            "decomposed_top1": rounded(decomposed, 5), "delta_points": delta,
+            "original_top1_at_training": rounded(manifest.source.test_top1, 5)}
 
 
 def shrink(manifest: DecompositionManifest) -> dict[str, Any]:

@@ -4,9 +4,9 @@ Every baseline's workers are a :class:`~sensai.serving.engine.pool.WorkerPool` o
 engine on its thread transport, answering with the compute time measured inside the worker;
 :class:`WorkerSet` is the pool's listener their answers come back to.  The class-parallel
 predictor's request path cannot serve them: it sends every request to all its workers and
-merges their class groups, while a baseline calls one worker (:class:`SingleDevice`,
-:class:`DataParallel`: the least busy replica) or hands the activation from worker to worker
-(:class:`ModelParallel`).  Each answers with the predictor's timing keys (``compute``,
+merges their class groups, while a baseline calls one worker (:class:`DataParallel`: the least
+busy replica; :class:`SingleDevice`: its one replica) or hands the activation from worker to
+worker (:class:`ModelParallel`).  Each answers with the predictor's timing keys (``compute``,
 ``compute_sum``, ``merge``: a softmax here, ``total``, ``compute.<worker>``) and keeps a
 deadline the same way (a late answer is a 504).
 """
@@ -152,18 +152,6 @@ class _Baseline:
         return Prediction(scores=scores, timings_ms=timings)
 
 
-class SingleDevice(_Baseline):
-    """The original model on one worker."""
-
-    strategy = "single"
-
-    async def predict(self, x: np.ndarray, *, allow_partial: bool = False,
-                      deadline: float | None = None) -> Prediction:
-        t0 = time.perf_counter()
-        logits, ms = await self.workers.run(0, x, deadline)
-        return self._answer(logits, t0, time.perf_counter(), {self.workers.workers[0].name: ms})
-
-
 class ModelParallel(_Baseline):
     """K contiguous stages of the original model on K workers, one after the other."""
 
@@ -208,6 +196,12 @@ class DataParallel(_Baseline):
         finally:
             self._inflight[i] -= 1
         return self._answer(logits, t0, time.perf_counter(), {self.workers.workers[i].name: ms})
+
+
+class SingleDevice(DataParallel):
+    """The original model on one worker: data parallel's one replica."""
+
+    strategy = "single"
 
 
 BASELINES = {"single": SingleDevice, "model-parallel": ModelParallel,

@@ -5,7 +5,8 @@ measured request, and the two event loops delay each other; a real caller sits o
 machine.  The child process imports this module (and the light package ``__init__`` files above
 it), nothing heavier, so it starts in well under a second; grpc and tritonclient's service stubs
 are imported only when a gRPC request is asked for.  Every HTTP request goes over
-:class:`_Connection`, a keep-alive HTTP/1.1 connection on asyncio streams.
+:class:`_Connection`, a keep-alive HTTP/1.1 connection on asyncio streams.  Every closed loop
+(HTTP load phases, concurrency over HTTP or gRPC, the in-process driver's) is :func:`callers_loop`.
 
 Transports (:data:`.names.TRANSPORTS` but ``inprocess``): ``http`` - the PNG upload to
 ``/v1/predict``; ``http-v2`` - the KServe v2 binary tensor (JSON header + raw float32 bytes, all
@@ -26,7 +27,7 @@ import multiprocessing as mp
 import os
 import struct
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 PREDICT = "/v1/predict"
@@ -34,15 +35,6 @@ HEADERS = {"content-type": "image/png"}
 LIVE = "/v2/health/live"
 V2_HEADER = "inference-header-content-length"
 TIMEOUT_S = 120.0
-
-
-def refused(e) -> bool:
-    """A gRPC error that is the server's admission turning the call away (UNAVAILABLE with a
-    ``retry-after`` trailer, as HTTP's 503 with Retry-After), not a failure."""
-    import grpc
-
-    trailer = dict(e.trailing_metadata() or ())
-    return e.code() == grpc.StatusCode.UNAVAILABLE and "retry-after" in trailer
 
 
 def _failed(url: str, status: int, body: bytes) -> RuntimeError:
@@ -183,15 +175,37 @@ class _Client:
 
     async def concurrent(self, url: str, n_requests: int, concurrency: int,
                          transport: str = "http", model: str = "sensai") -> dict[str, Any]:
-        """``n_requests`` requests from ``concurrency`` callers: the load generator's closed
-        loop with a request budget; a refusal by the server's admission is counted in ``shed``,
-        any other failure ends the run."""
-        if transport == "grpc":
-            return await self._concurrent_grpc(url, n_requests, concurrency, model)
-        out = await load_phase(self.requests(url, transport, model), url, count=n_requests,
-                               concurrency=concurrency, strict=True)
-        ok = [ms for ms, status in zip(out["ms"], out["status"]) if status == 200]
-        return {"seconds": out["seconds"], "latencies": ok, "shed": len(out["ms"]) - len(ok)}
+        """``n_requests`` requests from ``concurrency`` callers, a closed loop with a request
+        budget (HTTP: a :func:`load_phase`; gRPC: :func:`closed_loop`, the callers sharing one
+        channel, which multiplexes them on a connection); a refusal by the server's admission is
+        counted in ``shed``, any other failure ends the run."""
+        if transport != "grpc":
+            out = await load_phase(self.requests(url, transport, model), url, count=n_requests,
+                                   concurrency=concurrency, strict=True)
+            ok = [ms for ms, status in zip(out["ms"], out["status"]) if status == 200]
+            return {"seconds": out["seconds"], "latencies": ok, "shed": len(out["ms"]) - len(ok)}
+        import grpc
+        from tritonclient.grpc import service_pb2 as pb
+        from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            async def one(j: int) -> bool:
+                req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
+                try:
+                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
+                    return True
+                except grpc.aio.AioRpcError as e:
+                    # Turned away by the server's admission: UNAVAILABLE with a retry-after
+                    # trailer (HTTP's 503 with Retry-After), not a failure.
+                    if (e.code() != grpc.StatusCode.UNAVAILABLE
+                            or "retry-after" not in dict(e.trailing_metadata() or ())):
+                        raise
+                    return False
+
+            await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
+            return await closed_loop(n_requests, concurrency, one)
 
     async def load(self, url: str, plan: dict[str, Any]) -> dict[str, Any]:
         """One :func:`load_phase` of ``plan``'s keywords, and its ``transport`` and ``model``
@@ -214,29 +228,6 @@ class _Client:
                                       for j in range(len(self.tensors.tensors))])
         raise ValueError(f"no HTTP load over {transport!r}")
 
-    async def _concurrent_grpc(self, target: str, n_requests: int, concurrency: int,
-                               model: str) -> dict[str, Any]:
-        """``concurrency`` callers sharing one channel (gRPC multiplexes them on a connection)."""
-        import grpc
-        from tritonclient.grpc import service_pb2 as pb
-        from tritonclient.grpc import service_pb2_grpc as pb_grpc
-
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-
-            async def one(j: int) -> bool:
-                req = self.tensors.grpc_request(model, j % len(self.tensors.tensors))
-                try:
-                    _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
-                    return True
-                except grpc.aio.AioRpcError as e:
-                    if not refused(e):
-                        raise
-                    return False  # turned away by admission (HTTP's 503)
-
-            await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)  # connect first
-            return await closed_loop(n_requests, concurrency, one)
-
     def close(self) -> None:
         for c in self.conns.values():
             c.close()
@@ -245,27 +236,49 @@ class _Client:
         self.loop.close()
 
 
+async def callers_loop(callers: Sequence[Any],
+                       one: Callable[[Any, float], Awaitable[tuple[int, float]]], *,
+                       until: float = math.inf, count: int | None = None,
+                       stop: Callable[[], bool] = lambda: False) -> None:
+    """The benchmark's one closed loop (HTTP load phases, HTTP/gRPC concurrency, the in-process
+    driver's): each of ``callers`` sends its next request, ``one(caller, start)`` (``start``:
+    ``time.monotonic()``), as soon as its last is answered, until ``until`` (a
+    ``time.monotonic()``), ``count`` requests in all, or ``stop()`` true.  ``one`` answers
+    (status, wait): status 0 (no answer: the server gone?) pauses that caller a moment instead
+    of spinning; a wait (a 503's Retry-After, honoured) parks it that long, never past
+    ``until``."""
+    budget = itertools.count() if count is None else iter(range(count))
+
+    async def caller(c: Any) -> None:
+        while ((now := time.monotonic()) < until and not stop()
+               and next(budget, None) is not None):
+            status, wait = await one(c, now)
+            if not status:
+                await asyncio.sleep(0.05)
+            elif wait:
+                await asyncio.sleep(min(wait, max(0.0, until - time.monotonic())))
+
+    await asyncio.gather(*(caller(c) for c in callers))
+
+
 async def closed_loop(n_requests: int, concurrency: int,
                       one: Callable[[int], Awaitable[bool]]) -> dict[str, Any]:
-    """``n_requests`` calls of ``one(j)`` from ``concurrency`` callers, each taking the next
-    request as soon as its last is answered: seconds, the answered requests' latencies (ms),
-    and ``shed``, those ``one`` says the server turned away."""
-    counter = iter(range(n_requests))
-    latencies: list[float] = []
-    shed = 0
+    """``n_requests`` calls of ``one(j)`` (``j``: 0, 1, ...) from ``concurrency`` callers of
+    :func:`callers_loop`: seconds, the answered requests' latencies (ms), and ``shed``, those
+    ``one`` says the server turned away (False; the caller sends its next one at once)."""
+    numbers, latencies, shed = itertools.count(), [], 0
 
-    async def caller() -> None:
+    async def counted(_caller: int, start: float) -> tuple[int, float]:
         nonlocal shed
-        for j in counter:
-            t0 = time.perf_counter()
-            if await one(j):
-                latencies.append((time.perf_counter() - t0) * 1e3)
-            else:
-                shed += 1
+        if await one(next(numbers)):
+            latencies.append((time.monotonic() - start) * 1e3)
+        else:
+            shed += 1
+        return 1, 0.0
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    return {"seconds": time.perf_counter() - t0, "latencies": latencies, "shed": shed}
+    t0 = time.monotonic()
+    await callers_loop(range(concurrency), counted, count=n_requests)
+    return {"seconds": time.monotonic() - t0, "latencies": latencies, "shed": shed}
 
 
 class _Connection:
@@ -342,26 +355,23 @@ class _Connection:
 
 def raw_requests(url: str, items: list[tuple[str, dict[str, str], bytes]]) -> list[bytes]:
     """Each (path, headers, body) as a whole HTTP/1.1 POST to ``url``, built once."""
-    parts = urlsplit(url)
-    head = f"HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
-    return [f"POST {path} {head}".encode()
-            + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
-            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    return [_request(url, "POST", path, headers | {"Content-Length": len(body)}) + body
             for path, headers, body in items]
 
 
 def live_request(url: str) -> bytes:
     """The server's bare ``GET /v2/health/live``, as a whole HTTP/1.1 request."""
+    return _request(url, "GET", LIVE, {})
+
+
+def _request(url: str, method: str, path: str, headers: dict[str, Any]) -> bytes:
     parts = urlsplit(url)
-    return f"GET {LIVE} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n\r\n".encode()
+    return (f"{method} {path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
 
 
 async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.inf,
-                     count: int | None = None, concurrency: int = 0, rate: float = 0.0,
-                     connections: int = 0, preopen: int = 0, expected: list[int] | None = None,
-                     timeout_s: float = TIMEOUT_S, first: int = 0,
-                     strict: bool = False, answers: bool = False, retry_after: bool = False,
-                     stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+                     rate: float = 0.0, **how) -> dict[str, Any]:
     """The load generator: ``requests`` (whole HTTP requests, sent in turn) for ``seconds`` or
     ``count`` requests, closed loop (``concurrency`` requests always in flight) or, given
     ``rate``, open loop (a request every 1/rate s whatever the answers; ``preopen`` connections
@@ -381,32 +391,29 @@ async def load_phase(requests: list[bytes], url: str, *, seconds: float = math.i
     ``stop()`` true ends a closed loop early: each caller sends no more requests once its last
     is answered.  The collector is kept out of the phase (a full collection of this process's
     heap would stall the sending and show as server latency)."""
-    phase = _LoadPhase(requests, url, count=count, opened=concurrency or preopen or connections,
-                       connections=connections, expected=expected, timeout_s=timeout_s,
-                       first=first, strict=strict, answers=answers, retry_after=retry_after,
-                       stop=stop)
-    return await phase.run(seconds, rate)
+    return await _LoadPhase(requests, url, **how).run(seconds, rate)
 
 
 class _LoadPhase:
-    """One :func:`load_phase`: what it sends and checks, its connections, and what it records
-    (``out``)."""
+    """One :func:`load_phase` (``how``: its other keywords): what it sends and checks, its
+    connections, and what it records (``out``)."""
 
-    def __init__(self, requests: list[bytes], url: str, *, count: int | None, opened: int,
-                 connections: int, expected: list[int] | None, timeout_s: float, first: int,
-                 strict: bool, answers: bool, retry_after: bool, stop: Callable[[], bool]):
-        """``opened``: the connections opened before the phase starts; ``connections``: as
-        many as an open loop may hold."""
+    def __init__(self, requests: list[bytes], url: str, *, count: int | None = None,
+                 concurrency: int = 0, connections: int = 0, preopen: int = 0,
+                 expected: list[int] | None = None, timeout_s: float = TIMEOUT_S, first: int = 0,
+                 strict: bool = False, answers: bool = False, retry_after: bool = False,
+                 stop: Callable[[], bool] = lambda: False):
         self.requests, self.url, self.expected, self.timeout_s = requests, url, expected, timeout_s
         self.strict, self.answers, self.retry_after, self.stop = strict, answers, retry_after, stop
-        self.connections = connections
+        self.count, self.connections = count, connections
         self.out: dict[str, Any] = {"t": [], "ms": [], "status": [], "lag_ms": [],
                                     "sent_in_time": 0, "wrong": 0, "failures": {}, "parked": 0}
         if answers:
             self.out |= {"image": [], "index": [], "version": []}
         self.images = itertools.count(first)
-        self.budget = itertools.count() if count is None else iter(range(count))
-        self.conns = [_Connection(url, timeout_s) for _ in range(opened)]
+        # Opened before the phase starts; an open loop may open more, up to ``connections``.
+        self.conns = [_Connection(url, timeout_s)
+                      for _ in range(concurrency or preopen or connections)]
         self.free: asyncio.Queue = asyncio.Queue()
         self.end = math.inf
 
@@ -425,7 +432,8 @@ class _LoadPhase:
             if rate:
                 await self.open_loop(t0, rate)
             else:
-                await asyncio.gather(*(self.closed(c) for c in self.conns))
+                await callers_loop(self.conns, self.one, until=self.end, count=self.count,
+                                   stop=self.stop)
         finally:
             if collecting:
                 gc.enable()
@@ -480,15 +488,6 @@ class _LoadPhase:
             out["image"].append(j)
             out["index"].append(index)
             out["version"].append(version)
-
-    async def closed(self, conn: _Connection) -> None:
-        while ((now := time.monotonic()) < self.end and not self.stop()
-               and next(self.budget, None) is not None):
-            status, wait = await self.one(conn, now)
-            if not status:
-                await asyncio.sleep(0.05)  # no answer (server gone?): do not spin
-            elif wait:
-                await asyncio.sleep(min(wait, max(0.0, self.end - time.monotonic())))
 
     async def open_loop(self, t0: float, rate: float) -> None:
         for c in self.conns:
@@ -592,8 +591,8 @@ class HttpClientProcess:
 
     def concurrent(self, url: str, n_requests: int, concurrency: int, transport: str = "http",
                    model: str = "sensai") -> dict[str, Any]:
-        """``n_requests`` requests from ``concurrency`` clients: seconds and per-request
-        latencies."""
+        """``n_requests`` requests from ``concurrency`` callers: seconds, the answered ones'
+        ``latencies`` (ms) and ``shed``, those the server's admission turned away."""
         return self._ask("concurrent", url, int(n_requests), int(concurrency), transport, model)
 
     def load(self, url: str, **plan) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """``sensai bench --peers``: sensai against the systems a user would pick instead, in one table
-("sensai vs Triton vs Ray Serve" in bench.md, ``comparison`` in bench.json).
+(``comparison`` in bench.json; "sensai vs Triton vs Ray Serve" in bench.md, by
+:mod:`.latency_report`).
 
 The rows come from one run, over :data:`~.names.PEER_TRANSPORT` (the KServe v2 binary tensor
 over HTTP), from the same client process, on the same images, in the same interleaved rounds:
@@ -18,16 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .names import BARE_REQUESTS, PEER_TRANSPORT, TRANSPORT_LABELS
-from .render import Col, Table
+from .names import PEER_TRANSPORT
 from .stats import rounded
 
 TITLE = "sensai vs Triton vs Ray Serve"
-TABLE = Table(
-    Col("system", "system"), Col("serves", "serves"), Col("pool", "pool"),
-    Col("p50 ms", "p50_ms"), Col("p99 ms", "p99_ms"), Col("bare p50", "bare_p50_ms"),
-    Col("compute ms (alone)", "compute_ms"), Col("overhead p50 ms", "overhead_ms"),
-    Col("Triton p50 / p50", "triton_p50_over_p50"), Col("top-1", "top1", 4))
 
 
 def _row(key: str, system: str, serves: str, pool: str, rep: dict,
@@ -55,12 +50,10 @@ def comparison(result: dict, *, original_compute_ms: float | None) -> dict[str, 
         rep = s["transports"].get(PEER_TRANSPORT)
         if rep is None or not (key == "single" or key.startswith("class-parallel")):
             continue
-        if key == "single":
-            rows.append(_row(key, "sensai gateway", "original model", "local",
-                             rep, original_compute_ms))
-        else:
-            rows.append(_row(key, "sensai gateway", f"{g} class-parallel subnets", s["backend"],
-                             rep, subnet_ms))
+        single = key == "single"  # its backend is "local"
+        rows.append(_row(key, "sensai gateway",
+                         "original model" if single else f"{g} class-parallel subnets",
+                         s["backend"], rep, original_compute_ms if single else subnet_ms))
     for key, p in peers.items():
         rep = p.get("transports", {}).get(PEER_TRANSPORT)
         if rep is not None:
@@ -75,28 +68,3 @@ def comparison(result: dict, *, original_compute_ms: float | None) -> dict[str, 
             "compute_alone_ms": {"original": original_compute_ms, "slowest_subnet": subnet_ms},
             "rows": rows,
             "skipped": {k: p["skipped"] for k, p in peers.items() if "skipped" in p}}
-
-
-def _skipped(c: dict) -> list[str]:
-    return [f"skipped {key}: {why}" for key, why in c["skipped"].items()]
-
-
-def comparison_text(c: dict) -> str:
-    """The console's table, and a line per skipped peer."""
-    return "\n".join([f"{TITLE} ({c['transport']}):",
-                      TABLE.text(c["rows"]), *_skipped(c)])
-
-
-def comparison_markdown(c: dict) -> list[str]:
-    t = c["transport"]
-    lines = [f"## {TITLE}", "",
-             f"{TRANSPORT_LABELS[t]} (`{t}`): the same client process, images and interleaved "
-             "rounds for every system.", "", TABLE.md(c["rows"]), "",
-             f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just before "
-             "each request. compute (alone): the same ONNX model(s) run alone on one worker in "
-             "this process after the servers stopped - the original model, or the slowest "
-             "subnet. overhead: the p50, request by request, of latency - bare, minus that "
-             "compute: what the serving system adds. Triton p50 / p50: how many times faster "
-             "than the Triton-served original model.", ""]
-    lines += [f"- {s}" for s in _skipped(c)] + ([""] if c["skipped"] else [])
-    return lines

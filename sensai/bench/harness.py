@@ -171,8 +171,9 @@ class InProcessDriver:
 class RemoteDriver:
     """Requests over ``transport`` (``http``: PNG upload, ``http-v2``: KServe v2 binary tensor,
     ``grpc``: KServe v2 over gRPC) to the predictor's own gateway on 127.0.0.1 (free ports; with
-    its gRPC server for ``grpc``), from the benchmark's client process.  Use :meth:`start`, or
-    :meth:`attach` for a server of another kind (a peer of ``sensai bench --peers``)."""
+    its gRPC server for ``grpc``), from the benchmark's client process: :meth:`start`.  Made
+    with ``server`` None: requests to a server the driver does not own (a peer of ``sensai bench
+    --peers``, serving ``model`` at ``address``), which closing the driver leaves running."""
 
     def __init__(self, transport: str, server: BackgroundServer | None,
                  client: HttpClientProcess, address: str, model: str):
@@ -191,13 +192,6 @@ class RemoteDriver:
         address = (f"{server.host}:{app.state.grpc.port}" if transport == "grpc"
                    else server.url)
         return cls(transport, server, client, address, predictor.name)
-
-    @classmethod
-    def attach(cls, transport: str, client: HttpClientProcess, address: str,
-               model: str) -> "RemoteDriver":
-        """Requests to a server the driver does not own (a peer the run started, serving
-        ``model`` at ``address``): closing the driver leaves it running."""
-        return cls(transport, None, client, address, model)
 
     async def _ask(self, fn, *args):
         try:
@@ -231,11 +225,6 @@ async def warm_up(driver, n_images: int, count: int) -> None:
         await driver.sequential([j % n_images for j in range(count)])
 
 
-def rounds_of(n: int, rounds: int) -> list[np.ndarray]:
-    """The image indices ``0..n-1`` in ``min(rounds, n)`` consecutive chunks."""
-    return np.array_split(np.arange(n), min(rounds, n))
-
-
 @contextmanager
 def quiet_gc() -> Iterator[None]:
     """``with quiet_gc(): <measure>``: everything alive now is moved out of the collector's
@@ -253,8 +242,9 @@ def quiet_gc() -> Iterator[None]:
 async def interleaved(keys: Sequence[str], n: int, rounds: int,
                       run_chunk: Callable[[str, np.ndarray], Awaitable[None]]) -> None:
     """Every key serves each round's images in turn, rounds one after the other, so a change in
-    the machine's load hits every key alike."""
-    for chunk in rounds_of(n, rounds):
+    the machine's load hits every key alike (the rounds: the image indices ``0..n-1`` in
+    ``min(rounds, n)`` consecutive chunks)."""
+    for chunk in np.array_split(np.arange(n), min(rounds, n)):
         for key in keys:
             gc.collect()
             await run_chunk(key, chunk)

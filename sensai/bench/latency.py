@@ -26,7 +26,7 @@ from sensai.serving.core.settings import MODEL_RUNTIMES, GatewaySettings
 from sensai.serving.core.wakeup import check_mode, keep_cores_awake
 from sensai.serving.gateway.server import run_like_the_gateway
 from sensai.serving.launch.tritonserver import TRITON_HINT, find_tritonserver
-from sensai.serving.workers.runners import resolve_runtime, runner_specs
+from sensai.serving.workers.runners import resolve_runtime
 
 from .accuracy import accuracy, shrink
 from .baselines import WorkerSet
@@ -63,14 +63,13 @@ def check_bench_settings(opts: BenchOptions) -> None:
         raise SensaiError(f"--backend names a backend twice: {' '.join(backends)}")
     if opts.ray_address and not {"ray", "ray-serve"} & set(backends):
         raise SensaiError("--ray-address is for --backend ray and ray-serve")
+    pools = backends if "class-parallel" in opts.strategies else []  # what runs on them
     for pool, untimed in UNTIMED_TRANSPORTS.items():
-        if pool in backends and "class-parallel" in opts.strategies \
-                and not set(opts.transports) - set(untimed):
+        if pool in pools and not set(opts.transports) - set(untimed):
             raise SensaiError(f"--backend {pool} is timed over "
                               f"{' and '.join(t for t in TRANSPORTS if t not in untimed)} only: "
                               "add one to --transports")
-    if "triton" in backends and "class-parallel" in opts.strategies \
-            and find_tritonserver() is None:
+    if "triton" in pools and find_tritonserver() is None:
         raise SensaiError(f"--backend triton: {TRITON_HINT}")
     if opts.peers and PEER_TRANSPORT not in opts.transports:
         raise SensaiError(f"the peers (--peers) are measured over {PEER_TRANSPORT} (the KServe "
@@ -131,13 +130,10 @@ def original_model(artifact, opts: BenchOptions):
 
 def stages_and_replicas(artifact, opts: BenchOptions, model, input_shape) -> tuple[int, int]:
     """K, model parallel's stages (``--stages``, default G, as the model allows), and data
-    parallel's replicas (default K); class parallel's runners are checked here too."""
+    parallel's replicas (default K)."""
     k = opts.workers or len(artifact.subnets)
     if "model-parallel" in opts.strategies:
         k = stage_count(model, input_shape, k, explicit=opts.workers is not None)
-    if "class-parallel" in opts.strategies:
-        # Fails now, not after the baselines are ready, when a subnet's file is missing.
-        runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads)
     return k, opts.replicas or k
 
 
@@ -178,22 +174,22 @@ def hold_cores(opts: BenchOptions, result: dict[str, Any]):
 def prepare_recipes(artifact, opts: BenchOptions, model, record, imgs: TestImages,
                     models_dir: Path, *, stages: int, replicas: int, result: dict[str, Any],
                     bar) -> dict[str, Recipe]:
-    """Each strategy's recipe: the baselines' from the original model (and the single device's
-    where the peers need it), class parallel's from the artifact."""
+    """Each strategy's recipe: class parallel's from the artifact (first: it fails at once, not
+    after the baselines are ready, when a subnet's file is missing), the baselines' from the
+    original model (and the single device's where the peers need it)."""
     recipes: dict[str, Recipe] = {}
+    if "class-parallel" in opts.strategies:
+        recipes["class-parallel"] = prepare_class_parallel(artifact, imgs, opts)
     if opts.needs_original:
         # The peers serve the single device's ONNX file.
-        recipes, plan = prepare_baselines(
-            model, record, artifact, imgs, models_dir, stages=stages, replicas=replicas,
+        baselines, plan = prepare_baselines(
+            model, record, artifact, imgs, models_dir, opts, stages=stages, replicas=replicas,
             strategies=[*opts.strategies, "single"] if opts.peers else opts.strategies,
-            device=opts.device, runtime=opts.runtime, threads=opts.threads,
             status=bar.set_description)
         if plan is not None:
             result["stage_plan"] = plan
             result["settings"]["stages"] = plan["num_stages"]
-    if "class-parallel" in opts.strategies:
-        recipes["class-parallel"] = prepare_class_parallel(
-            artifact, imgs, device=opts.device, runtime=opts.runtime, threads=opts.threads)
+        recipes.update(baselines)
     return recipes
 
 
@@ -210,14 +206,8 @@ def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs
             for i, pool in enumerate(pools):
                 name = strategy_key(pool, i == 0) if key == "class-parallel" else key
                 bar.set_description(f"load {name}")
-                s = build(recipes[key], artifact, backend=pool, device=opts.device,
-                          runtime=opts.runtime, threads=opts.threads, settings=gateway,
-                          ray_address=opts.ray_address, key=name,
-                          spread_cores=opts.spread_cores, log_dir=log_dir)
-                if "untimed_transports" in s.info:  # those of this run only
-                    s.info["untimed_transports"] = {
-                        t: why for t, why in s.info["untimed_transports"].items()
-                        if t in opts.transports}
+                s = build(recipes[key], artifact, opts, backend=pool, settings=gateway, key=name,
+                          log_dir=log_dir)
                 built.append(s)
                 result["strategies"][name] = s.info
         result["settings"]["runtime_resolved"] = sorted(
@@ -234,9 +224,8 @@ def time_together(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs
                 peers.append(peer)
                 result["peers"][key] = peer.info
         n = len(imgs)
-        timed = (opts.warmup + n + opts.n_requests) * (
-            sum(t not in s.info.get("untimed_transports", {}) for s in built
-                for t in opts.transports) + len(peers))
+        timed = (opts.warmup + n + opts.n_requests) * sum(
+            len(timed_over(t, built, peers)) for t in opts.transports)
         alone = min(opts.isolated_images, n) * (
             (len(artifact.subnets) if "class-parallel" in opts.strategies else 0)
             + (1 if opts.peers else 0))
@@ -258,25 +247,25 @@ def time_alone(artifact, opts: BenchOptions, recipes: dict[str, Recipe], imgs: T
                result: dict[str, Any], bar) -> None:
     """After the strategies and peers are stopped: each model alone, nothing else running."""
     cores = result["machine"].get("usable_cores") or 1
-    reports, isolated_images = result["strategies"], opts.isolated_images
-    if "class-parallel" in opts.strategies and isolated_images:
-        reports["class-parallel"].update(isolated_compute(
-            recipes["class-parallel"], imgs, isolated_images, cores=cores, threads=opts.threads,
-            bar=bar))
-    if "class-parallel" in opts.strategies:
+    reports = result["strategies"]
+
+    def alone(key: str) -> dict[str, Any]:
+        return isolated_compute(recipes[key], imgs, opts.isolated_images, cores=cores,
+                                threads=opts.threads, bar=bar)
+
+    if "class-parallel" in reports:
+        reports["class-parallel"].update(alone("class-parallel"))
         bar.set_description("class-parallel: one call of every subnet")
         reports["class-parallel"]["one_call"] = one_call_reference(
             artifact, imgs.xs, device=resolved_device(opts), runtime=opts.runtime,
             threads=opts.threads, cores=cores)
     # On CUDA graphs: the GPU's own time per image, the floor class parallel aims for.
     for key in ("class-parallel", "single"):
-        if key in opts.strategies and key in reports:
+        if key in reports:
             reports[key].update(graph_replay(recipes[key], bar))
     if opts.peers:
-        alone = (isolated_compute(recipes["single"], imgs, isolated_images, cores=cores,
-                                  threads=opts.threads, bar=bar) if isolated_images else {})
-        result["comparison"] = comparison(
-            result, original_compute_ms=alone.get("isolated_compute_ms_p50_max"))
+        result["comparison"] = comparison(result, original_compute_ms=alone("single").get(
+            "isolated_compute_ms_p50_max"))
 
 
 def _close(s: Strategy) -> None:
@@ -290,6 +279,27 @@ def _close(s: Strategy) -> None:
             s.stop()
 
 
+def timed_over(transport: str, built: Sequence[Strategy],
+               peers: Sequence[Server]) -> dict[str, Strategy | Server]:
+    """What the run times over ``transport``, by key: every strategy that can be timed over it,
+    and over PEER_TRANSPORT every peer."""
+    return ({s.key: s for s in built if transport not in s.info.get("untimed_transports", {})}
+            | {p.kind: p for p in (peers if transport == PEER_TRANSPORT else ())})
+
+
+async def _driver(transport: str, x: Strategy | Server, imgs: TestImages, client,
+                  gateway: GatewaySettings):
+    """How ``x`` is called over ``transport``: a server of its own (a peer; class parallel as
+    ``sensai serve``) at its address, left running; a predictor directly in process, else
+    through a gateway of its own that the driver starts and stops."""
+    server = x if isinstance(x, Server) else x.server
+    if server is not None:
+        return RemoteDriver(transport, None, client, server.url, server.model)
+    if transport == "inprocess":
+        return InProcessDriver(x.predictor, imgs)
+    return await RemoteDriver.start(transport, x.predictor, client, gateway)
+
+
 async def _measure(built: list[Strategy], peers: Sequence[Server], imgs: TestImages,
                    transports: Sequence[str], *, warmup: int, rounds: int, concurrency: int,
                    n_requests: int, gateway: GatewaySettings, bar) -> None:
@@ -298,26 +308,14 @@ async def _measure(built: list[Strategy], peers: Sequence[Server], imgs: TestIma
     n = len(imgs)
     for transport in transports:
         drivers: dict[str, Any] = {}
-        infos: dict[str, dict] = {}
+        targets = timed_over(transport, built, peers)
         client = None
         try:
             if transport != "inprocess":
                 client = HttpClientProcess(imgs.pngs, [x.tobytes() for x in imgs.xs],
                                            list(imgs.xs[0].shape))
-            for s in built:
-                if transport in s.info.get("untimed_transports", {}):
-                    continue
-                infos[s.key] = s.info
-                if s.url is not None:  # its own gateway, which it stops
-                    drivers[s.key] = RemoteDriver.attach(transport, client, s.url,
-                                                         gateway.model_name)
-                    continue
-                drivers[s.key] = (
-                    InProcessDriver(s.predictor, imgs) if transport == "inprocess"
-                    else await RemoteDriver.start(transport, s.predictor, client, gateway))
-            for p in peers if transport == PEER_TRANSPORT else ():
-                infos[p.kind] = p.info
-                drivers[p.kind] = RemoteDriver.attach(transport, client, p.url, p.model)
+            for key, x in targets.items():
+                drivers[key] = await _driver(transport, x, imgs, client, gateway)
             for key in drivers:
                 bar.set_description(f"{transport}: warm-up {key}")
                 await warm_up(drivers[key], n, warmup)
@@ -344,7 +342,7 @@ async def _measure(built: list[Strategy], peers: Sequence[Server], imgs: TestIma
                 if samples[key].floor:  # request by request, beside latencies_ms
                     rep["floors_ms"] = [round(v, 4) for v in samples[key].floor]
                 rep["predictions"] = predictions[key]  # image by image, in the run's order
-                infos[key]["transports"][transport] = rep
+                targets[key].info["transports"][transport] = rep
         finally:
             for d in drivers.values():
                 await d.close()
@@ -356,7 +354,9 @@ def isolated_compute(recipe: Recipe, imgs: TestImages, count: int, *, cores: int
                      bar) -> dict[str, Any]:
     """Each of the recipe's workers (a subnet; the original model) alone on a thread worker, one
     after the other, on the first ``count`` images: its compute without neighbours competing
-    for the cores."""
+    for the cores (none: nothing to report)."""
+    if not count:
+        return {}
     bar.set_description(f"{recipe.key}: each worker alone")
     workers = WorkerSet(recipe.names, recipe.specs)
 

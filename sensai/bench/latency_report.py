@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .comparison import comparison_markdown, comparison_text
+from .comparison import TITLE
 from .names import BARE_REQUESTS, TRANSPORT_LABELS, TRANSPORTS, label
-from .render import (Col, Panel, Table, draw, fmt, heading, human, markdown, mark, md_table,
-                     one_call_device, quantiles)
+from .render import (SHARED_CORES, Col, Panel, Table, draw, fmt, heading, human, markdown, mark,
+                     md_table, one_call_device, quantiles)
 from .targets import all_checks
 
 STATUS_MD = {"met": "met", "not met": "NOT met", "not measured": "not measured"}
@@ -56,6 +56,11 @@ def _reference(c: dict) -> str:
     return f"{fmt(c.get(other + '_value'), 3)} ({other})"
 
 
+COMPARISON = Table(
+    Col("system", "system"), Col("serves", "serves"), Col("pool", "pool"),
+    Col("p50 ms", "p50_ms"), Col("p99 ms", "p99_ms"), Col("bare p50", "bare_p50_ms"),
+    Col("compute ms (alone)", "compute_ms"), Col("overhead p50 ms", "overhead_ms"),
+    Col("Triton p50 / p50", "triton_p50_over_p50"), Col("top-1", "top1", 4))
 TARGETS = Table(
     Col("target set", "set"), Col("target", "rule"),
     Col("value", lambda c: f"{fmt(c['value'], 3)} ({c['transport']})"),
@@ -99,8 +104,9 @@ def render_table(result: dict, *, model_targets_only: bool = False) -> str:
     parts = [LATENCY.text(runs(result)), "", WORKERS.text(strategies(result)), "",
              accuracy_line(result), *untimed_lines(result), *side_by_side_lines(result),
              *shed_lines(result), *idle_lines(result)]
-    if result.get("comparison"):
-        parts += ["", comparison_text(result["comparison"]), ""]
+    if c := result.get("comparison"):
+        parts += ["", f"{TITLE} ({c['transport']}):", COMPARISON.text(c["rows"]),
+                  *_skipped(c), ""]
     targets = result.get("targets", {})
     if model_targets_only:
         targets = {**targets, "sets": [s for s in targets.get("sets", [])
@@ -197,15 +203,19 @@ def _backends(settings: dict) -> list[str]:
     return settings.get("class_parallel_backends") or [settings["class_parallel_backend"]]
 
 
+def _bare(t: str) -> str:
+    """What a remote transport's floor is."""
+    return (f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just "
+            "before each request")
+
+
 def _latency_tables(result: dict) -> list[str]:
     """One table per transport, the strategies as rows."""
     out = []
     for t in measured_transports(result):
         floor = ("no request: the floor is 0, the last-but-one column is p50(latency - compute)"
-                 if t == "inprocess" else
-                 f"bare: the same client's `{BARE_REQUESTS[t]}` to the same server, timed just "
-                 "before each request; the last-but-one column is the p50, request by request, "
-                 "of latency - bare - compute")
+                 if t == "inprocess" else f"{_bare(t)}; the last-but-one column is the p50, "
+                 "request by request, of latency - bare - compute")
         out += [f"### {TRANSPORT_LABELS[t]} (`{t}`)",
                 LATENCY.without("transport").md(runs(result, t)), f"{floor}."]
     return out
@@ -285,9 +295,7 @@ def _latency_section(result: dict) -> list[str]:
         "## Latency (ms, one image per request)", _latency_tables(result),
         [x + "." for x in untimed_lines(result) + side_by_side_lines(result)
          + shed_lines(result)],
-        _summary_lines(result),
-        "\n".join(comparison_markdown(result["comparison"])).strip("\n")
-        if result.get("comparison") else None,
+        _summary_lines(result), _comparison_section(result.get("comparison")),
         "compute: the runners' own time measured inside the workers - the one run (single, "
         "data parallel), the sum of the stages (model parallel), the slowest subnet (class "
         "parallel: the floor). transport: latency - compute - merge (hand-offs to the workers, "
@@ -295,6 +303,25 @@ def _latency_section(result: dict) -> list[str]:
         "outputs -> class scores (softmax, or merge_outputs for the subnets). http: the PNG "
         "upload to /v1/predict (JSON answer); http-v2: the KServe v2 binary tensor (binary "
         "answer); grpc: KServe v2 ModelInfer with raw tensor contents."]
+
+
+def _skipped(c: dict) -> list[str]:
+    return [f"skipped {key}: {why}" for key, why in c["skipped"].items()]
+
+
+def _comparison_section(c: dict | None) -> list[str]:
+    """The systems of ``sensai bench --peers`` (:mod:`.comparison`) in one table."""
+    if not c:
+        return []
+    t = c["transport"]
+    return [
+        f"## {TITLE}", f"{TRANSPORT_LABELS[t]} (`{t}`): the same client process, images and "
+        "interleaved rounds for every system.", COMPARISON.md(c["rows"]),
+        f"{_bare(t)}. compute (alone): the same ONNX model(s) run alone on one worker in this "
+        "process after the servers stopped - the original model, or the slowest subnet. "
+        "overhead: the p50, request by request, of latency - bare, minus that compute: what the "
+        "serving system adds. Triton p50 / p50: how many times faster than the Triton-served "
+        "original model.", "\n".join(f"- {s}" for s in _skipped(c))]
 
 
 def _where_the_time_goes(result: dict) -> list[str]:
@@ -363,17 +390,13 @@ def _closing_notes(result: dict) -> list[str]:
         "was preempted. The 'each subnet alone' figures above show the compute without that "
         "competition." if cores and not m["gpus"] and busiest * st["threads_per_worker"] > cores
         else None,
-        idle_lines(result),
-        "The machine's cores may have been shared with other work while this ran (see the "
-        "load averages); compare figures from one run, not across runs."]
+        idle_lines(result), SHARED_CORES]
 
 
 def plot(result: dict, path: Path) -> None:
     """Latency distribution per strategy and transport, and the mean latency split in parts
     (over a remote transport, the request's part split at its floor, the bare request)."""
-    transports = measured_transports(result)
-    order = [r for key in result["strategies"] for t in transports for r in runs(result, t)
-             if r["key"] == key]  # by strategy, then transport
+    order = runs(result)  # by strategy, then transport (measured in the canonical order)
     timed = [r for r in order if r.get("latencies_ms")]
     means = [r["breakdown_ms"]["mean"] for r in order]
     outside = [max(0.0, b["http"] or 0) for b in means]

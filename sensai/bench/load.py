@@ -1,16 +1,12 @@
-"""``sensai bench-load``: the gateway under a long steady load (soak), then beyond what it can
-serve (overload).
-
-The gateway is ``sensai serve ART`` in a process of its own (:class:`~.server.SensaiServe`), so its
-resident set is its own; real test images go to ``/v1/predict`` as PNG uploads from client
-processes (:mod:`.client`), every 200 answer checked against offline evaluation's top-1.  Phases:
-a warm-up and a soak in a closed loop (the RSS sampled throughout; its growth is the soak's last
-minute against its first sample); an open-loop overload at a multiple of the soak's throughput
-(requests leave when due whatever the answers, latency counts from when a request was due, a new
-connection is opened whenever all are busy, so the client does not limit the requests in
-flight); health afterwards; a burst of the largest legal image for the peak memory.  Targets:
-:func:`~.targets.evaluate_load_targets`.  Outputs: ``load.json``, ``load.md``, ``load.png`` and
-``gateway.log``.
+"""``sensai bench-load``'s run loop, which the soak, the sweep (:mod:`.load_run`), ``sensai
+plan`` and ``sensai bench-swap`` drive: the gateway's settings from the options, ``sensai serve
+ART`` in a process of its own (:class:`~.server.SensaiServe`, so its resident set is its own),
+the client processes (:mod:`.client`) sending real test images, every 200 answer checked
+against offline evaluation's top-1, and :class:`LoadRun`, one method per kind of phase: a closed
+loop, an open-loop overload (requests leave when due whatever the answers, latency counts from
+when a request was due, a new connection is opened whenever all are busy, so the client does
+not limit the requests in flight), the health afterwards, a burst of the largest legal image for
+the peak memory; the gateway's RSS sampled throughout.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import resource
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,24 +24,21 @@ import numpy as np
 from PIL import Image
 from pydantic import ValidationError
 
-from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
 from sensai.serving.core.settings import BACKENDS, GatewaySettings, check_backend
 from sensai.serving.gateway.imaging import decode_image
 
 from .client import HttpClientProcess
-from .harness import check_settings, envelope, finish, inputs, load_test_images, progress_bar
+from .harness import progress_bar
 from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health, phase_report,
-                            process_cores, rss_growth, scrape_metrics, server_cpu, server_split,
-                            server_view, worker_pids)
-from .load_report import plot, render_markdown
+                            process_cores, scrape_metrics, server_cpu, server_split, server_view,
+                            worker_pids)
 from .machine import (machine_cpu_seconds, peak_rss_bytes, process_cpu_seconds,
                       process_rss_bytes, reset_peak_rss, split_cores)
-from .options import BenchData, LoadOptions, LoadPlan
+from .options import BenchData, LoadOptions
 from .robust import offline_reference
 from .server import SensaiServe, Server, sigterm_as_exit, start_server
 from .stats import summarize
-from .targets import evaluate_load_targets
 
 HEALTH_IMAGES = 20  # predictions checked after the overload
 RECOVERY_S = 30.0  # how long an unhealthy gateway is given to recover after the overload
@@ -71,18 +63,6 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def check_options(options: LoadOptions, plan: Any = None, *,
-                  choices: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()) -> None:
-    """``options``, then the command's own ``plan`` and ``choices`` (as
-    :func:`~.harness.check_settings` takes them), before anything is loaded."""
-    check_settings(options)
-    check_settings(plan, choices=choices)
-    split_cores(options.client_cores)  # one line now when it cannot be done
-    if not Path("/proc/self/status").is_file():
-        raise SensaiError("bench-load reads the gateway's memory and the machine's CPU from "
-                          "/proc: Linux only")
-
-
 def gateway_settings(options: LoadOptions) -> tuple[GatewaySettings, dict[str, str]]:
     """The settings the gateway will run with (this environment's ``SENSAI_*`` variables,
     overridden by ``options.env`` and the options), and the variables to add to its
@@ -98,10 +78,6 @@ def gateway_settings(options: LoadOptions) -> tuple[GatewaySettings, dict[str, s
             raise SensaiError(f"--env {key}: set by the benchmark itself (from --backend and "
                               "the deadline; the gateway listens on 127.0.0.1)")
         extra[key] = str(value)
-    for key, value in (("SENSAI_MAX_REQUESTS", options.max_requests),
-                       ("SENSAI_MAX_PREDICTIONS", options.max_predictions)):
-        if value is not None:
-            extra[key] = str(value)
     if options.backend is not None and options.backend not in BACKENDS:
         raise SensaiError(f"unknown backend {options.backend!r}; choose one of "
                           f"{', '.join(BACKENDS)}")
@@ -162,22 +138,6 @@ def request_timeout(gs: GatewaySettings) -> float:
     """How long a client waits for an answer: past the gateway's own deadline and body
     timeout, so the gateway's answer (a 503) is what the client sees, not its own timeout."""
     return gs.deadline_s + gs.client_timeout_s + 10.0
-
-
-def check_load_settings(options: LoadOptions, plan: LoadPlan) -> None:
-    clients, concurrency = options.clients, plan.concurrency
-    check_options(options, plan)
-    if plan.overload_seconds == 0:  # only the sweep skips its overload
-        raise SensaiError("--set overload_seconds must be a number > 0, got 0 (0 skips the "
-                          "overload with --sweep only)")
-    connections = plan.overload_connections
-    if connections is not None and connections < clients:  # each client holds one or more
-        raise SensaiError(f"--set overload_connections must be an integer >= --set clients "
-                          f"({clients}), got {connections}")
-    if clients > concurrency:
-        raise SensaiError(f"--set clients={clients} must not exceed --concurrency "
-                          f"({concurrency}): every client process keeps at least one request "
-                          "in flight")
 
 
 def split(n: int, parts: int) -> list[int]:
@@ -431,104 +391,3 @@ class LoadRun:
         self.say(f"after the overload: ready {health['ready_status']}, {health['correct']}/"
                  f"{health['predictions']} predictions agree with offline evaluation")
         return health
-
-
-def run_load_bench(artifact_dir: str | Path, out_dir: str | Path, options: LoadOptions,
-                   plan: LoadPlan) -> dict[str, Any]:
-    """Soak and overload ``sensai serve`` of the artifact in ``artifact_dir`` over HTTP; write
-    load.json, load.md, load.png (and gateway.log) to ``out_dir``; return what load.json holds.
-    ``options``: what the soak shares with the sweep; ``plan``: its phases (the warm-up and
-    overload seconds the soak's where None); ``plan.overload_connections`` (default:
-    ``max_requests`` plus the arrivals of one deadline, within the open-file limit) caps the
-    overload's connections."""
-    plan = replace(plan, sweep=False).resolved()
-    check_load_settings(options, plan)
-    gs, gateway_env = gateway_settings(options)
-    if plan.overload_connections is not None:
-        check_open_files(plan.overload_connections)
-    artifact = load_artifact(artifact_dir)
-    spec, out = inputs(artifact, options.data_dir, out_dir)
-    t_start = time.perf_counter()
-
-    imgs = load_test_images(spec, options.images, options.seed, png=True)
-    expected = offline_top1(artifact, imgs.xs, gs)
-    result = envelope("sensai-bench-load", command=options.command, artifact=artifact, spec=spec,
-                      settings=soak_settings(options, plan, gs, gateway_env, images=len(imgs)))
-    result["offline_top1"] = round(float(np.mean(np.asarray(expected) == imgs.labels)), 5)
-    bar = seconds_bar(options, "bench-load")
-    try:
-        with client_processes(options.clients, imgs.pngs,
-                              cores=split_cores(options.client_cores)[1]) as procs:
-            bar.set_description("starting the gateway")
-            with sensai_serve(options, artifact.root, gateway_env, out / "gateway.log") as gateway:
-                run = LoadRun(gateway, procs, expected=expected, concurrency=plan.concurrency,
-                              timeout_s=request_timeout(gs), sample_s=plan.sample_seconds,
-                              bar=bar, progress=options.progress)
-                run.sampler.sample("startup")
-                run.say(f"gateway pid {gateway.serving_pid} ready at {gateway.url} in "
-                        f"{gateway.startup_s} s; its output: {gateway.log_path}")
-                phases = soak_phases(run, plan, options, gs, procs, result, artifact=artifact,
-                                     spec=spec)
-                run.sampler.sample("after")
-    finally:
-        bar.close()
-    result |= gateway.report(run.sampler.samples)
-    result["phases"] = phases
-    result["targets"] = evaluate_load_targets(result)
-    finish(out, "load", result, t_start, render_markdown, plot)
-    return result
-
-
-def soak_settings(options: LoadOptions, plan: LoadPlan, gs: GatewaySettings,
-                  gateway_env: dict[str, str], *, images: int) -> dict[str, Any]:
-    """load.json's ``settings``."""
-    return {
-        "backend": gs.backend, "concurrency": plan.concurrency, "clients": options.clients,
-        "warmup_s": plan.warmup_seconds, "soak_s": plan.soak_seconds,
-        "overload_s": plan.overload_seconds,
-        "overload_factor": options.overload_factor, "overload_rate_rps": plan.overload_rate,
-        "overload_connections": plan.overload_connections,
-        "overload_retry_after": "honoured" if options.retry_after else "ignored",
-        "burst_s": plan.burst_seconds,
-        "burst_concurrency": plan.burst_concurrency, "sample_s": plan.sample_seconds,
-        "images": images, "seed": options.seed, "request_timeout_s": request_timeout(gs),
-        "transport": "http",
-        "batch": 1, "upload": "PNG as the raw body of POST /v1/predict",
-        "gateway": {"deadline_s": gs.deadline_s, "max_requests": gs.max_requests,
-                    "max_predictions": gs.max_predictions,
-                    "latency_target_s": gs.latency_target_s,
-                    "client_timeout_s": gs.client_timeout_s,
-                    "redundancy": gs.redundancy, "vote": gs.vote,
-                    "threads_per_worker": gs.threads_per_worker, "runtime": gs.runtime,
-                    "device": gs.device, "hang_timeout_s": gs.hang_timeout()},
-        "gateway_env": gateway_env,
-    }
-
-
-def soak_phases(run: LoadRun, plan: LoadPlan, options: LoadOptions, gs: GatewaySettings,
-                procs: list[HttpClientProcess], result: dict[str, Any], *, artifact,
-                spec) -> dict[str, Any]:
-    """The warm-up, the soak, then (at a rate the soak's throughput gives, unless one is set)
-    the overload, the health after it and the burst of ``artifact``'s largest legal image;
-    returns the phases (the health and the burst go into ``result``; the burst's client
-    process joins ``procs``)."""
-    phases: dict[str, Any] = {}
-    if plan.warmup_seconds > 0:
-        phases["warmup"] = run.closed("warm-up", plan.warmup_seconds)
-    phases["soak"] = soak = run.closed("soak", plan.soak_seconds)
-    soak["rss"] = {"gateway": rss_growth(run.sampler.samples, "soak", "rss_mb"),
-                   "with_descendants": rss_growth(run.sampler.samples, "soak", "tree_rss_mb")}
-    rate = plan.overload_rate or options.overload_factor * (soak["throughput_rps"] or 0.0)
-    if rate > 0:
-        phases["overload"] = run.overload(plan.overload_seconds, rate, gs, options.retry_after,
-                                          plan.overload_connections)
-        result["health_after"] = run.health()
-        if plan.burst_seconds > 0:
-            png, image = burst_image(artifact, spec, gs)
-            procs.append(HttpClientProcess([png], cores=split_cores(options.client_cores)[1]))
-            result["burst"] = run.burst(procs[-1], image, plan.burst_concurrency,
-                                        plan.burst_seconds)
-    else:
-        phases["overload"] = {"skipped": "the soak answered no request, so there is no "
-                                         "rate to multiply; give --set overload_rate=R"}
-    return phases

@@ -93,11 +93,7 @@ def machine_description() -> dict[str, Any]:
     """CPU model and cores, memory, GPUs, idle policy, library versions, load - to read the
     figures against."""
     cpu_model, physical = _cpu()
-    mem_total = None
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        if line.startswith("MemTotal:"):
-            mem_total = round(int(line.split()[1]) / 1024 ** 2, 1)
-    usable = usable_cores()
+    mem_total = _size("/proc/meminfo", "MemTotal")
     gpus, cuda = _gpus()
     versions = {"python": platform.python_version()}
     for pkg in VERSIONED:
@@ -110,16 +106,18 @@ def machine_description() -> dict[str, Any]:
     except Exception:
         providers = []
     return {"cpu_model": cpu_model, "logical_cores": os.cpu_count(), "physical_cores": physical,
-            "usable_cores": usable, "memory_gb": mem_total, "gpus": gpus, "cuda": cuda,
+            "usable_cores": usable_cores(), "gpus": gpus, "cuda": cuda,
+            "memory_gb": None if mem_total is None else round(mem_total / 1024 ** 3, 1),
             "onnxruntime_providers": providers,
             "os": f"{platform.system()} {platform.release()}", "cpu_idle": cpu_idle(),
             "load_average": load_average(),
             "versions": versions}
 
 
-def _status_bytes(pid: int | str, field: str) -> int | None:
-    """A size from ``/proc/<pid>/status`` (Linux), or None when the process is gone."""
-    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+def _size(path: str, field: str) -> int | None:
+    """A size in bytes from a ``Field: N kB`` file of ``/proc`` (``/proc/<pid>/status``,
+    ``/proc/meminfo``; Linux), or None where it cannot be read (the process is gone)."""
+    for line in (_read(path) or "").splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return None
@@ -128,7 +126,7 @@ def _status_bytes(pid: int | str, field: str) -> int | None:
 def process_rss_bytes(pid: int | str = "self") -> int | None:
     """Resident set (``VmRSS``) of process ``pid`` (default: this one), or None when it is
     gone."""
-    return _status_bytes(pid, "VmRSS")
+    return _size(f"/proc/{pid}/status", "VmRSS")
 
 
 def _stat_fields(path: str) -> list[str] | None:
@@ -198,7 +196,7 @@ def tree_rss(pid: int | None) -> tuple[int, int]:
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
     """Peak resident set (``VmHWM``) of process ``pid`` (default: this one) since the last
     :func:`reset_peak_rss` or since it started; None when it is gone."""
-    peak = _status_bytes(pid, "VmHWM")
+    peak = _size(f"/proc/{pid}/status", "VmHWM")
     if peak is not None or pid != "self":
         return peak
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -216,59 +214,44 @@ def reset_peak_rss(pid: int | str = "self") -> bool:
         return False
 
 
-class CudaMemory:
-    """GPU memory a strategy takes while it loads and warms up, per CUDA device it uses.
+class MemoryProbe:
+    """``with MemoryProbe(devices) as probe: <load a strategy>``, then ``probe.figures``: the
+    growth of this process's resident set and of its peak, and per CUDA device of ``devices``
+    (none: no GPU figures) ``torch_peak_mb``, the growth of torch's peak allocation over its
+    allocation at the start, and ``device_used_mb``, the growth of the memory in use on the
+    whole device (``cudaMemGetInfo``, which also sees ONNX Runtime's allocations)."""
 
-    ``torch_peak_mb``: growth of torch's peak allocation over the baseline at :meth:`start`;
-    ``device_used_mb``: growth of the memory in use on the whole device (``cudaMemGetInfo``),
-    which also sees ONNX Runtime's allocations.  No-op without CUDA devices.
-    """
-
-    def __init__(self, devices: Sequence[str]):
+    def __init__(self, devices: Sequence[str] = ()):
         self.devices = sorted({str(d) for d in devices if str(d).startswith("cuda")})
-        self._before: dict[str, tuple[int, int]] = {}
+        self.figures: dict[str, Any] = {}
 
-    def start(self) -> None:
-        if not self.devices:
-            return
-        for d in self.devices:
-            dev = torch.device(d)
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            free, total = torch.cuda.mem_get_info(dev)
-            self._before[d] = (torch.cuda.memory_allocated(dev), total - free)
-
-    def growth_mb(self) -> dict[str, dict[str, float]]:
-        if not self.devices:
-            return {}
+    def _cuda(self, reset: bool = False) -> dict[str, tuple[int, int, int]]:
+        """Per device: torch's allocation, its peak, the device's memory in use."""
         out = {}
         for d in self.devices:
             dev = torch.device(d)
             torch.cuda.synchronize(dev)
-            alloc0, used0 = self._before.get(d, (0, 0))
+            if reset:
+                torch.cuda.reset_peak_memory_stats(dev)
             free, total = torch.cuda.mem_get_info(dev)
-            peak = torch.cuda.max_memory_allocated(dev)
-            out[d] = {"torch_peak_mb": round((peak - alloc0) / 1e6, 2),
-                      "device_used_mb": round(((total - free) - used0) / 1e6, 2)}
+            out[d] = (torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev),
+                      total - free)
         return out
-
-
-class MemoryProbe:
-    """``with MemoryProbe(devices) as probe: <load a strategy>``, then ``probe.figures``."""
-
-    def __init__(self, devices: Sequence[str] = ()):
-        self.cuda = CudaMemory(devices)
-        self.figures: dict[str, Any] = {}
 
     def __enter__(self) -> "MemoryProbe":
         gc.collect()
         self._peak_reset = reset_peak_rss()
-        self.cuda.start()
+        self._cuda0 = self._cuda(reset=True)
         self._rss0 = process_rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
         rss0, rss1, peak = self._rss0, process_rss_bytes(), peak_rss_bytes()
+        cuda = {}
+        for d, (_, peak_alloc, used) in (self._cuda() if exc[0] is None else {}).items():
+            alloc0, _, used0 = self._cuda0[d]
+            cuda[d] = {"torch_peak_mb": round((peak_alloc - alloc0) / 1e6, 2),
+                       "device_used_mb": round((used - used0) / 1e6, 2)}
         self.figures = {
             "rss_growth_mb": round((rss1 - rss0) / 1e6, 2) if rss0 and rss1 else None,
             "peak_rss_growth_mb": (round((peak - rss0) / 1e6, 2)
@@ -276,7 +259,7 @@ class MemoryProbe:
             "process_peak_rss_mb": round(peak / 1e6, 1),
             "peak_scope": ("since this strategy started loading" if self._peak_reset
                            else "process lifetime (peak reset unavailable)"),
-            "cuda": self.cuda.growth_mb() if exc[0] is None else {},
+            "cuda": cuda,
         }
 
 

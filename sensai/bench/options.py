@@ -205,13 +205,11 @@ class Served(BenchData):
 @dataclass(frozen=True)
 class LoadOptions(Served):
     """What ``sensai bench-load``'s soak, its sweep and ``sensai plan`` share: the gateway's
-    settings (``backend``, ``deadline_s``, ``max_requests``, ``max_predictions`` and ``env``,
-    ``SENSAI_*``; unset ones from this environment as for ``sensai serve``), the client
-    processes sharing the load and where they run, and how the overload is offered."""
+    settings (``backend``, ``deadline_s`` and ``env``, ``SENSAI_*``; unset ones from this
+    environment as for ``sensai serve``), the client processes sharing the load and where they
+    run, and how the overload is offered."""
 
     deadline_s: float | None = None
-    max_requests: int | None = None
-    max_predictions: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     clients: int = knob(2, "client processes sharing the load", low=1)
     client_cores: int = knob(0, "the client processes on the last this many usable cores, the "
@@ -272,8 +270,8 @@ class LoadPlan:
         None, f"the overload's duration (none: {SOAK_OVERLOAD_S:g}; with --sweep "
               f"{SWEEP_OVERLOAD_S:g} per configuration, 0 to skip it)", low=0)
     overload_rate: float | None = knob(None, "the overload's arrival rate in requests/s (none: "
-                                             "overload_factor x the soak's throughput)",
-                                         above=0)
+                                             "overload_factor x the soak's throughput, or the "
+                                             "best closed loop's)", above=0)
     overload_connections: int | None = knob(
         None, "connections the overload may use (none: the gateway's max_requests + "
               "concurrency; with retry_after=false, enough for every request to wait its "
@@ -286,6 +284,7 @@ class LoadPlan:
     sample_seconds: float = knob(5.0, "RSS sampling period, and the bins of the timelines",
                                  above=0)
     level_seconds: float = knob(5.0, "--sweep: seconds of each closed loop", above=0)
+    bare_route: bool = True  # the sweep's bare GET /v2/health/live (sensai plan: none)
 
     def resolved(self) -> LoadPlan:
         """The warm-up and overload seconds where not given: the sweep's or the soak's."""

@@ -5,7 +5,7 @@ gateway serves; each artifact as decomposed) crossed with the settings that move
 how many devices the groups are placed on (``workers``), where they run (``backend``), the
 gateway processes and the workers' batch size.  Each candidate is written as the deployment file
 ``sensai serve ART --config FILE`` reads and served exactly so, in a process of its own, driven
-by bench-load's own client processes and levels (:class:`~.load_sweep.Sweep`), every answer
+by bench-load's own client processes and levels (:class:`~.load_run.Sweep`), every answer
 checked against offline evaluation.  The quick search measures every model's defaults, then
 climbs one setting at a time from the best, then measures the top few again for longer (the
 confirmation decides); the full search measures every combination before the confirmation.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,9 +33,9 @@ from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySet
 
 from .harness import envelope, finish, inputs, load_test_images
 from .load import gateway_settings, offline_top1, seconds_bar
+from .load_run import Sweep, check_load_settings, server_core_count, sweep_clients
 from .load_single import model_dir_as_artifact
-from .load_sweep import Sweep, check_sweep_settings, server_core_count, sweep_clients
-from .options import SEARCHES, LoadOptions, PlanOptions
+from .options import SEARCHES, LoadOptions, LoadPlan, PlanOptions
 from .plan_judge import OBJECTIVE_TEXT, Constraints
 from .plan_report import plot, render_markdown
 
@@ -128,10 +128,10 @@ class Planner:
     """Measures candidates one after another on the same client processes."""
 
     def __init__(self, sweep: Sweep, entries: list[Entry], base: dict[str, Any],
-                 constraints: Constraints, out: Path, cores: int, level_s: float, bar):
+                 constraints: Constraints, out: Path, cores: int):
         self.sweep, self.entries, self.base = sweep, entries, base
         self.constraints, self.out, self.cores = constraints, out, cores
-        self.level_s, self.bar = level_s, bar
+        self.level_s = sweep.plan.level_seconds  # the search's; confirming runs longer
         self.measured: list[dict[str, Any]] = []
         self.seen: dict[tuple, dict[str, Any]] = {}  # (entry, effective, confirming) -> it
 
@@ -154,7 +154,7 @@ class Planner:
                                "phase": phase, "level_s": level_s, "config": str(path),
                                "label": label}
         try:
-            self.sweep.level_s = level_s
+            self.sweep.plan = replace(self.sweep.plan, level_seconds=level_s)
             self.sweep.use(load_settings(doc["settings"]))
             rep = self.sweep.serve(slug, "sensai", entry.root, entry.expected, label=label,
                                    args=["--config", str(path)])
@@ -180,7 +180,7 @@ class Planner:
                     + (f", {s['rss_mb']:g} MB" if s["rss_mb"] else "") + ": "
                     + ("meets the constraints" if v["meets"] else "; ".join(v["why_not"])))
         if self.sweep.progress:
-            self.bar.write(f"[{rec['phase']}] {rec['label']}: {line}")
+            self.sweep.bar.write(f"[{rec['phase']}] {rec['label']}: {line}")
 
     def ranked(self, phase: str | None = None) -> list[dict[str, Any]]:
         pool = [m for m in self.measured if phase is None or m["phase"] == phase]
@@ -238,11 +238,12 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
     and measured as ``plan`` says; writes plan.json, plan.md, plan.png and deployment.json (or
     closest.json) to ``out_dir`` and returns what plan.json holds (``chosen``: the deployment's
     number among ``measured``, ``meets``: whether it meets the constraints)."""
-    search, transport = plan.search, plan.transport
-    levels, level_s, warmup_s = sorted(set(plan.levels)), plan.level_seconds, plan.warmup_seconds
-    check_plan(paths, constraints, search)
-    check_sweep_settings(options, configs=["class-parallel"], levels=levels, level_s=level_s,
-                         warmup_s=warmup_s, overload_s=0.0, transport=transport)
+    # Each candidate is measured as the sweep measures a configuration: its closed loops only.
+    phases = LoadPlan(sweep=True, configs=("class-parallel",), levels=tuple(sorted(set(
+        plan.levels))), transport=plan.transport, level_seconds=plan.level_seconds,
+        warmup_seconds=plan.warmup_seconds, overload_seconds=0.0, bare_route=False)
+    check_plan(paths, constraints, plan.search)
+    check_load_settings(options, phases)
     gs, _ = gateway_settings(options)
     arts = resolve_models(paths, Path(out_dir))
     spec, out = inputs(arts[0], options.data_dir, out_dir)
@@ -252,9 +253,10 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
                      sha256_file(a.root / MANIFEST))
                for name, a in zip(entry_names(arts), arts)]
     cores, base = server_core_count(options.client_cores), planned_base(gs)
-    settings = {"constraints": asdict(constraints), "search": search, "levels": levels,
-                "level_s": level_s, "warmup_s": warmup_s, "transport": transport,
-                "confirm": CONFIRM, "confirm_level_s": level_s * CONFIRM_FACTOR,
+    settings = {"constraints": asdict(constraints), "search": plan.search,
+                "levels": list(phases.levels), "level_s": plan.level_seconds,
+                "warmup_s": plan.warmup_seconds, "transport": plan.transport,
+                "confirm": CONFIRM, "confirm_level_s": plan.level_seconds * CONFIRM_FACTOR,
                 "clients": options.clients, "images": len(imgs), "seed": options.seed,
                 "server_cores": cores, "fixed_settings": base,
                 "models": [{"name": e.name, "artifact": str(e.root), "groups": e.groups}
@@ -264,13 +266,10 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
     bar = seconds_bar(options, "sensai plan")
     try:
         with sweep_clients(options, imgs, spec) as procs:
-            sweep = Sweep(options, out=out, procs=procs, levels=levels, level_s=level_s,
-                          warmup_s=warmup_s, overload_s=0.0, gs=gs, transport=transport,
-                          usable_cores=result["machine"].get("usable_cores"), bar=bar,
-                          bare_route=False)
-            planner = Planner(sweep, entries, base, constraints, out, cores,
-                              level_s, bar)
-            planner.quick() if search == "quick" else planner.full()
+            planner = Planner(Sweep(options, phases, out=out, procs=procs, gs=gs, bar=bar,
+                                    usable_cores=result["machine"].get("usable_cores")),
+                              entries, base, constraints, out, cores)
+            planner.quick() if plan.search == "quick" else planner.full()
             planner.confirm()
     finally:
         bar.close()

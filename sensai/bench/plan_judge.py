@@ -1,6 +1,6 @@
 """What ``sensai plan`` asks of a deployment and how it ranks the measured ones.
 
-A measured deployment is the levels of :class:`~.load_sweep.Sweep` (closed loops at a few
+A measured deployment is the levels of :class:`~.load_run.Sweep` (closed loops at a few
 requests in flight).  It meets the constraints when no answer failed or was wrong, its one-image
 p99 (the first level) is within the latency budget, some level within the budget answers at
 least the minimum throughput, and its process tree stayed under the memory cap.  Among those
@@ -72,8 +72,7 @@ class Constraints:
         return {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"),
                 "one_image_in_flight": first.get("concurrency"),
                 "rps_within_budget": round(rps_within(levels, self.latency_budget_ms), 1),
-                "best_rps": round(max((r["throughput_rps"] or 0.0 for r in levels),
-                                      default=0.0), 1),
+                "best_rps": round(rps_within(levels, None), 1),
                 "rss_mb": max(rss) if rss else None,
                 "errors": sum(r.get("errors", 0) for r in levels),
                 "wrong": sum(r.get("wrong", 0) for r in levels)}

@@ -47,26 +47,27 @@ from .harness import (check_settings, envelope, finish, inputs, interleaved, loa
 from .machine import descendant_pids
 from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS
 from .options import RobustOptions
-from .robust_records import AFTER_REJOIN, Records
+from .robust_records import AFTER_REJOIN, Outage, Records, outage_report
 from .robust_report import plot, render_markdown
-from .robust_serve import (IN_FLIGHT, REFUSED_SCENARIOS, TRANSPORT, check_serve_bench,
-                           measure_on_serve)
-from .stats import summarize
+from .robust_serve import IN_FLIGHT, TRANSPORT, measure_on_serve
 
 log = logging.getLogger(__name__)
 
-# How bench-robust names the settings the Serve application is given, for its one-line
-# refusals.
+# How bench-robust names the settings each configuration is given, for its one-line refusals.
 FLAGS = {"deadline_s": "--set deadline_s", "restart_delay_s": "--set restart_delay_s",
          "hedge_ms": "--hedge-ms", "threads_per_worker": "--set threads"}
+# The scenarios a backend cannot be put through, and why: refused rather than ignored.
+REFUSED_SCENARIOS = {
+    "straggler": {"ray-serve": "the Serve application takes no injected delay"},
+    "node-loss": {b: "it kills a Ray node: use --backend ray" for b in ROBUST_BACKENDS
+                  if b != "ray"}}
 
 
 def config_key(r: int, hedge_ms: float) -> str:
     return f"r={r}" + (f", hedge {hedge_ms:g} ms" if hedge_ms else "")
 
 
-def check_robust_settings(options: RobustOptions, redundancies, hedges, scenarios,
-                          groups: int) -> None:
+def check_robust_settings(options: RobustOptions, redundancies, scenarios, groups: int) -> None:
     if not redundancies:
         raise SensaiError("give at least one --redundancy")
     check_settings(options, choices=(("scenario", scenarios, SCENARIOS),
@@ -82,8 +83,10 @@ def check_robust_settings(options: RobustOptions, redundancies, hedges, scenario
             raise SensaiError(f"{name} must be a worker index 0..{groups - 1}, got {v!r}")
     if options.ray_address and options.backend not in ("ray", "ray-serve"):
         raise SensaiError("--ray-address is for --backend ray and ray-serve")
-    if "node-loss" in scenarios and options.backend != "ray":
-        raise SensaiError("the node-loss scenario kills a Ray node: use --backend ray")
+    for s in scenarios:
+        if why := REFUSED_SCENARIOS.get(s, {}).get(options.backend):
+            raise SensaiError(f"the {s} scenario does not apply to --backend {options.backend} "
+                              f"({why})")
 
 
 def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
@@ -98,8 +101,7 @@ def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "aut
 
 async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,
                       kill=None) -> None:
-    run.requests += 1
-    t0 = time.perf_counter()
+    start = time.monotonic()
     task = asyncio.ensure_future(pred.predict(x))
     if kill is not None:
         await asyncio.sleep(0)  # the request is dispatched to every worker...
@@ -107,14 +109,13 @@ async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarr
     try:
         p = await task
     except ServingError as e:
-        run.errors.append(f"{e.status}: {e}")
+        run.add(start, (time.monotonic() - start) * 1e3, error=f"{e.status}: {e}")
         return
-    run.latency.append((time.perf_counter() - t0) * 1e3)
+    ms = (time.monotonic() - start) * 1e3
     run.answered_by.append(dict(p.answered_by))
     run.degraded += bool(p.degraded)
-    if int(p.scores[0].argmax()) != int(ref.argmax()) or not np.allclose(p.scores[0], ref,
-                                                                          atol=1e-5):
-        run.wrong += 1
+    run.add(start, ms, wrong=int(p.scores[0].argmax()) != int(ref.argmax())
+            or not np.allclose(p.scores[0], ref, atol=1e-5))
 
 
 async def settle(pred: ClassParallelPredictor, timeout: float = 5.0) -> None:
@@ -136,18 +137,9 @@ def _straggler_figures(pred: ClassParallelPredictor, run: Records, straggler: in
             "straggler_answered_share": round(by_it / total, 4) if total else None}
 
 
-def gateway_settings(options: RobustOptions, r: int, hedge_ms: float) -> GatewaySettings:
-    """The settings of the predictor built in this process for redundancy ``r``."""
-    return GatewaySettings(
-        backend=options.backend, redundancy=r, vote=options.vote, device=options.device,
-        runtime=options.runtime, threads_per_worker=options.threads,
-        deadline_s=options.deadline_s, hedge_ms=hedge_ms,
-        restart_delay_s=options.restart_delay_s, ray_address=options.ray_address)
-
-
-def serve_settings(options: RobustOptions, r: int, hedge_ms: float) -> GatewaySettings:
-    """The settings the Serve application is given for redundancy ``r``, checked as ``sensai
-    serve`` checks its flags."""
+def config_settings(options: RobustOptions, r: int, hedge_ms: float) -> GatewaySettings:
+    """The settings of the configuration (``r``, ``hedge_ms``), for the predictor built in this
+    process or the Serve application, checked as ``sensai serve`` checks its flags."""
     return load_settings(
         {"backend": options.backend, "redundancy": r, "hedge_ms": hedge_ms,
          "vote": options.vote, "deadline_s": options.deadline_s,
@@ -217,15 +209,15 @@ def victim_raylet(pred: ClassParallelPredictor, victim: int) -> tuple[str, int]:
     return node, pid
 
 
-class OutageClock:
+class OutageClock(Outage):
     """The victim's outage: ``kill`` ends it (``node``: its node's raylet, so every worker
     there), ``watch`` times it until the victim is up again."""
 
     def __init__(self, pred: ClassParallelPredictor, victim: int, node: bool):
+        super().__init__()
         self.pred, self.victim, self.node = pred, victim, node
-        self.events: dict[str, Any] = {}
         self.stop = asyncio.Event()
-        self.node_id = self.raylet = None
+        self.node_id = self.raylet = self.pid = None
         self.victims = [victim]  # every worker lost with it
         if node:
             self.node_id, self.raylet = victim_raylet(pred, victim)
@@ -233,19 +225,13 @@ class OutageClock:
 
     async def watch(self) -> None:
         # Poll the worker's state to time the outage: ended -> restarted -> up again.
-        seen_down = False
         while not self.stop.is_set():
             up = self.pred.pool.states()[self.victim] == "up"
-            if "kill" in self.events:
-                if not up and not seen_down:
-                    seen_down = True
-                    self.events["down"] = time.perf_counter()
-                elif up and seen_down and "up" not in self.events:
-                    self.events["up"] = time.perf_counter()
+            self.see(down=not up, up=up)
             await asyncio.sleep(0.002)
 
     def kill(self) -> None:
-        self.events["kill"] = time.perf_counter()
+        self.killed()
         if self.node:
             # What losing the machine does: the raylet and every process it started (the
             # node's workers, which would otherwise go on answering direct actor calls until
@@ -255,9 +241,9 @@ class OutageClock:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            self.events["pid"] = self.raylet
+            self.pid = self.raylet
         else:
-            self.events["pid"] = self.pred.pool.kill(self.victim)
+            self.pid = self.pred.pool.kill(self.victim)
 
     async def rejoin(self, timeout_s: float) -> bool:
         """Whether every worker that was lost (a node takes several) is up within
@@ -267,15 +253,14 @@ class OutageClock:
             self.pred.pool.wait_until_up(v, max(0.0, deadline - time.monotonic()))
             for v in self.victims))
 
-    def outage_s(self) -> float | None:
-        events = self.events
-        return (events["up"] - events["kill"]) if "up" in events and "kill" in events else None
-
 
 async def measure_outage(pred: ClassParallelPredictor, xs, refs, options: RobustOptions,
                          bar, *, node: bool = False) -> dict:
-    """Paced requests; at ``kill_at`` the victim worker is killed (``node``: its node's raylet,
-    so every worker there) and the outage timed until it is up again."""
+    """Every image in turn, a request every ``interval_ms`` (paced arrivals: a request that
+    fails fast must not let the next ones rush in, or the error count would measure how quickly
+    errors come back, not the outage); the victim worker is killed (``node``: its node's
+    raylet, so every worker there) while request ``kill_at`` x images is in flight, and the
+    outage timed until it is up again."""
     run = Records()
     kill_index = int(options.kill_at * len(xs))
     wk = pred.workers[options.victim]
@@ -285,8 +270,14 @@ async def measure_outage(pred: ClassParallelPredictor, xs, refs, options: Robust
     before = pred.pool.counters()
     watcher = asyncio.ensure_future(clock.watch())
     try:
-        errors_in_outage, during_ms = await paced_requests(
-            pred, xs, refs, run, clock, kill_index, options.interval_ms / 1e3, bar)
+        next_start = time.monotonic()
+        for j in range(len(xs)):
+            if (wait := next_start - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            next_start = time.monotonic() + options.interval_ms / 1e3
+            await one_request(pred, xs[j], refs[j], run,
+                              kill=clock.kill if j == kill_index else None)
+            bar.update(1)
         await settle(pred)
         run.add_work(before, pred.pool.counters())
         # Wait for the rejoin of every worker that was lost, then check the victim serves
@@ -297,49 +288,12 @@ async def measure_outage(pred: ClassParallelPredictor, xs, refs, options: Robust
         clock.stop.set()
         await watcher
     after, rejoin_runs = await after_rejoin(pred, xs, refs, options.victim)
-    outage = clock.outage_s()
     extra = {"node": clock.node_id,
              "workers_on_node": [pred.workers[v].name for v in clock.victims],
              "nodes_after": [w.get("node") for w in pred.describe()["workers"]]} if node else {}
-    return run.report({
-        **extra,
-        "victim": wk.name, "killed_pid": clock.events.get("pid"), "kill_at_request": kill_index,
-        "restarted": wk.restarts > restarts0, "rejoined": bool(rejoined),
-        "outage_s": round(outage, 3) if outage is not None else None,
-        "errors_during_outage": errors_in_outage,
-        "latency_during_outage_ms": summarize(during_ms),
-        "after_rejoin": {"requests": after.requests, "errors": len(after.errors),
-                         "wrong": after.wrong, "victim_subnet_runs": rejoin_runs,
-                         "latency_ms": summarize(after.latency)},
-    })
-
-
-async def paced_requests(pred: ClassParallelPredictor, xs, refs, run: Records,
-                         clock: OutageClock, kill_index: int, interval_s: float,
-                         bar) -> tuple[int, list[float]]:
-    """Every image in turn, a request every ``interval_s``, the victim killed while request
-    ``kill_index`` is in flight: the errors while it was down, and the latencies of the
-    requests answered meanwhile."""
-    events = clock.events
-    errors_in_outage = 0
-    during_ms: list[float] = []
-    next_start = time.perf_counter()
-    for j in range(len(xs)):
-        # Paced arrivals: a request that fails fast must not let the next ones rush in, or
-        # the error count would measure how quickly errors come back, not the outage.
-        wait = next_start - time.perf_counter()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        next_start = time.perf_counter() + interval_s
-        was, answered = len(run.errors), len(run.latency)
-        in_outage = j >= kill_index and "up" not in events
-        await one_request(pred, xs[j], refs[j], run, kill=clock.kill if j == kill_index else None)
-        if len(run.errors) > was and "kill" in events and "up" not in events:
-            errors_in_outage += 1
-        if in_outage and len(run.latency) > answered:
-            during_ms.append(run.latency[-1])
-        bar.update(1)
-    return errors_in_outage, during_ms
+    return outage_report(run, clock, after, rejoin_runs, **extra, victim=wk.name,
+                         killed_pid=clock.pid, kill_at_request=kill_index,
+                         restarted=wk.restarts > restarts0, rejoined=bool(rejoined))
 
 
 async def after_rejoin(pred: ClassParallelPredictor, xs, refs, victim: int
@@ -354,10 +308,10 @@ async def after_rejoin(pred: ClassParallelPredictor, xs, refs, victim: int
     return after, pred.pool.counters()["per_worker_runs"][victim] - runs0
 
 
-def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) -> None:
-    """Compute overheads relative to r = 0 without faults (one full answer's work), and p99
-    relative to the same configuration without faults."""
-    base = measured.get(base_key, {}).get("none") if base_key else None
+def _relative_costs(measured: dict[str, dict[str, dict]]) -> None:
+    """Compute overheads relative to r = 0 without faults (one full answer's work), where it
+    ran, and p99 relative to the same configuration without faults."""
+    base = measured.get(config_key(0, 0.0), {}).get("none")
     for per in measured.values():
         none = per.get("none")
         for scen, rep in per.items():
@@ -370,27 +324,6 @@ def _relative_costs(measured: dict[str, dict[str, dict]], base_key: str | None) 
             if scen != "none" and none and none["latency_ms"]["p99"] and rep["latency_ms"]["p99"]:
                 rep["p99_vs_no_fault"] = round(rep["latency_ms"]["p99"]
                                                / none["latency_ms"]["p99"], 3)
-
-
-def _in_process(artifact, configs, scenarios, xs, refs, *, bar, options: RobustOptions
-                ) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Every configuration's predictor built in this process, then measured (:func:`_measure`);
-    returns the scenarios' reports and each predictor's ``describe()``."""
-    preds: dict[str, ClassParallelPredictor] = {}
-    try:
-        for r, h in configs:
-            key = config_key(r, h)
-            bar.set_description(f"start {key}")
-            preds[key] = build_predictor(artifact.root, gateway_settings(options, r, h),
-                                         seed=options.seed)
-        described = {k: p.describe() for k, p in preds.items()}
-        with quiet_gc():
-            measured = run_like_the_gateway(_measure(preds, scenarios, xs, refs, options,
-                                                     bar=bar))
-    finally:
-        for p in preds.values():
-            p.shutdown()
-    return measured, described
 
 
 def run_robust_bench(artifact_dir: str | Path, out_dir: str | Path,
@@ -406,8 +339,6 @@ def run_robust_bench(artifact_dir: str | Path, out_dir: str | Path,
         options = replace(options, deadline_s=load_settings({}).deadline_s)
     artifact = load_artifact(artifact_dir)
     scenarios, configs = robust_configs(artifact, options)
-    serve = ([serve_settings(options, r, h) for r, h in configs]
-             if options.backend == "ray-serve" else [])
     spec, out = inputs(artifact, options.data_dir, out_dir)
     t_start = time.perf_counter()
 
@@ -419,86 +350,95 @@ def run_robust_bench(artifact_dir: str | Path, out_dir: str | Path,
                                                           images=len(imgs.xs),
                                                           workers=len(artifact.groups)))
     result["offline_top1"] = round(float((refs.argmax(1) == imgs.labels).mean()), 5)
-    measured, described = measure_configs(artifact, configs, serve, scenarios, imgs.xs, refs,
-                                          result, options=options, log_dir=out)
-    add_reports(result, measured, described, configs, options)
+    measured, described = measure_configs(artifact, configs, scenarios, imgs.xs, refs,
+                                          options=options, log_dir=out)
+    add_reports(result, measured, described, configs)
     finish(out, "robust", result, t_start, render_markdown, plot)
     return result
 
 
 def robust_configs(artifact, options: RobustOptions
-                   ) -> tuple[list[str], list[tuple[int, float]]]:
+                   ) -> tuple[list[str], dict[str, GatewaySettings]]:
     """The scenarios (None: the backend's defaults) in canonical order, and the configurations
-    (redundancy, hedge), each checked before anything is loaded."""
-    backend, scenarios = options.backend, options.scenarios
+    (redundancy, hedge) by key with their settings, each checked before anything is loaded."""
+    scenarios = options.scenarios
     if scenarios is None:  # the backend's defaults
         scenarios = [s for s in DEFAULT_SCENARIOS
-                     if backend != "ray-serve" or s not in REFUSED_SCENARIOS]
+                     if options.backend not in REFUSED_SCENARIOS.get(s, {})]
     scenarios = [s for s in SCENARIOS if s in set(scenarios)] or list(scenarios)
     redundancies = sorted({int(r) for r in options.redundancies})
     hedges = sorted({float(h) for h in options.hedges_ms}) or [0.0]
-    check_robust_settings(options, redundancies, hedges, scenarios, len(artifact.groups))
+    check_robust_settings(options, redundancies, scenarios, len(artifact.groups))
     configs = [(r, 0.0) for r in redundancies if r == 0] + [
         (r, h) for r in redundancies if r > 0 for h in hedges]
     if "node-loss" in scenarios and len(configs) > 1:
         raise SensaiError("the node-loss scenario loses a node for good: run one configuration "
                           "(one --redundancy, one --hedge-ms) at a time")
-    if backend == "ray-serve":
-        check_serve_bench(scenarios)
-    return scenarios, configs
+    return scenarios, {config_key(r, h): config_settings(options, r, h) for r, h in configs}
 
 
 def robust_settings(configs, scenarios, options: RobustOptions, *, images: int,
                     workers: int) -> dict[str, Any]:
-    """robust.json's ``settings``."""
-    return {"configs": [config_key(r, h) for r, h in configs], "scenarios": scenarios,
+    """robust.json's ``settings`` (the Serve application's requests: always :data:`IN_FLIGHT`
+    of them, over HTTP, neither paced nor in rounds)."""
+    served = options.backend == "ray-serve"
+    return {"configs": list(configs), "scenarios": scenarios,
             "backend": options.backend, "ray_address": options.ray_address, "images": images,
-            "warmup": options.warmup, "rounds": options.rounds,
+            "warmup": options.warmup, "rounds": None if served else options.rounds,
             "workers": workers, "vote": options.vote, "delay": options.delay,
             "straggler_worker": options.straggler, "victim_worker": options.victim,
-            "kill_at": options.kill_at, "failure_interval_ms": options.interval_ms,
+            "kill_at": options.kill_at,
+            "failure_interval_ms": None if served else options.interval_ms,
             "deadline_s": options.deadline_s, "restart_delay_s": options.restart_delay_s,
             "device": options.device, "runtime": options.runtime,
             "threads_per_worker": options.threads, "seed": options.seed, "batch": 1,
-            "concurrency": 1, "transport": "inprocess"}
+            "concurrency": IN_FLIGHT if served else 1,
+            "transport": TRANSPORT if served else "inprocess"}
 
 
-def measure_configs(artifact, configs, serve, scenarios, xs, refs, result, *,
+def measure_configs(artifact, configs: dict[str, GatewaySettings], scenarios, xs, refs, *,
                     options: RobustOptions, log_dir: Path
                     ) -> tuple[dict[str, dict], dict[str, dict]]:
     """Every configuration under every scenario, on the Ray Serve application (``sensai serve``
-    with its settings ``serve``, its log in ``log_dir``) or in this process: the scenarios'
-    reports and each configuration's description."""
+    with the configuration's settings, its log in ``log_dir``) or as a predictor built in this
+    process (every one built, then measured: :func:`_measure`): the scenarios' reports and each
+    configuration's description (a predictor's ``describe()``)."""
     bar = progress_bar(options.progress, "bench-robust")
+    preds: dict[str, ClassParallelPredictor] = {}
     try:
         bar.total = len(configs) * (options.warmup + len(xs) * len(scenarios))
         bar.refresh()
-        if options.backend != "ray-serve":
-            return _in_process(artifact, configs, scenarios, xs, refs, bar=bar, options=options)
-        result["settings"].update(concurrency=IN_FLIGHT, transport=TRANSPORT,
-                                  failure_interval_ms=None, rounds=None)
-        return measure_on_serve(
-            artifact, {config_key(r, h): s for (r, h), s in zip(configs, serve)},
-            scenarios, xs, refs, warmup=options.warmup, victim=options.victim,
-            kill_at=options.kill_at, rejoin_timeout_s=options.rejoin_timeout_s,
-            log_dir=log_dir, bar=bar)
+        if options.backend == "ray-serve":
+            return measure_on_serve(
+                artifact, configs, scenarios, xs, refs, warmup=options.warmup,
+                victim=options.victim, kill_at=options.kill_at,
+                rejoin_timeout_s=options.rejoin_timeout_s, log_dir=log_dir, bar=bar)
+        for key, settings in configs.items():
+            bar.set_description(f"start {key}")
+            preds[key] = build_predictor(artifact.root, settings, seed=options.seed)
+        described = {k: p.describe() for k, p in preds.items()}
+        with quiet_gc():
+            return run_like_the_gateway(_measure(preds, scenarios, xs, refs, options,
+                                                 bar=bar)), described
     finally:
+        for p in preds.values():
+            p.shutdown()
         bar.close()
 
 
 def add_reports(result: dict[str, Any], measured: dict[str, dict], described: dict[str, dict],
-                configs: list[tuple[int, float]], options: RobustOptions) -> None:
+                configs: dict[str, GatewaySettings]) -> None:
     """Each configuration's placement, worker transport and nodes, and its scenarios' reports
     with their costs against r = 0 without faults (where it ran)."""
     result["placement"] = {k: d["placement"] for k, d in described.items()}
     result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
     result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
                               for k, d in described.items()}
-    if options.backend == "ray-serve":
+    if result["settings"]["backend"] == "ray-serve":
         result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"],
                                "gateway": d["gateway"]} for k, d in described.items()}
-    _relative_costs(measured, config_key(0, 0.0) if any(r == 0 for r, _ in configs) else None)
-    result["configs"] = {k: {"redundancy": r, "hedge_ms": h,
-                             "subnets_hosted_per_worker": r * (2 if options.vote else 1) + 1,
+    _relative_costs(measured)
+    result["configs"] = {k: {"redundancy": s.redundancy, "hedge_ms": s.hedge_ms,
+                             "subnets_hosted_per_worker": s.redundancy * (2 if s.vote else 1) + 1,
                              "scenarios": measured[k]}
-                         for (r, h), k in zip(configs, described)}
+                         for k, s in configs.items()}

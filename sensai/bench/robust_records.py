@@ -1,10 +1,11 @@
-"""``sensai bench-robust``'s per-request records of one configuration in one scenario, and how
-they are summed up: one implementation for the in-process predictors and the Ray Serve
-application called over HTTP."""
+"""``sensai bench-robust``'s per-request records of one configuration in one scenario, the
+victim's outage, and how they are summed up: one implementation for the in-process predictors
+and the Ray Serve application called over HTTP."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 from .stats import summarize
 
@@ -24,6 +25,30 @@ class Records:
         self.compute_ms: float | None = 0.0
         self.skipped = 0
         self.requests = 0
+        # Each request's start (monotonic seconds), length (ms), error (None: answered), and
+        # whether its answer was wrong: what :meth:`window` picks from.
+        self.spans: list[tuple[float, float, str | None, bool]] = []
+
+    def add(self, start: float, ms: float, error: str | None = None, wrong: bool = False
+            ) -> None:
+        """One request, started at ``start`` (monotonic seconds) and over ``ms`` later:
+        answered (``wrong``: unlike offline evaluation) or failed with ``error``."""
+        self.requests += 1
+        self.spans.append((start, ms, error, wrong))
+        if error is None:
+            self.latency.append(ms)
+            self.wrong += wrong
+        else:
+            self.errors.append(error)
+
+    def window(self, keep: Callable[[float, float], bool]) -> Records:
+        """The requests that ``keep(start, end)`` (monotonic seconds), as records of their
+        own."""
+        out = Records()
+        for start, ms, error, wrong in self.spans:
+            if keep(start, start + ms / 1e3):
+                out.add(start, ms, error, wrong)
+        return out
 
     def add_work(self, before: dict, after: dict) -> None:
         """The work the workers did between two readings of their counters; a reading without
@@ -48,3 +73,55 @@ class Records:
                "latencies_ms": [round(v, 4) for v in self.latency]}
         out.update(extra or {})
         return out
+
+
+class Outage:
+    """The victim's outage as its watcher saw it, in monotonic seconds (``events``): ``kill``;
+    ``down``, first seen down; ``up``, first seen up again after that; ``served``, where it can
+    be seen, first seen serving again.  The outage lasts from the kill until it served again
+    (else until it was up)."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, float] = {}
+
+    def killed(self) -> None:
+        self.events["kill"] = time.monotonic()
+
+    def see(self, *, down: bool, up: bool) -> None:
+        """One look at the victim after the kill: whether it is down, whether up again."""
+        if "kill" not in self.events:
+            return
+        if down:
+            self.events.setdefault("down", time.monotonic())
+        if up and "down" in self.events:
+            self.events.setdefault("up", time.monotonic())
+
+    def since_kill(self, event: str) -> float | None:
+        return round(self.events[event] - self.events["kill"], 3) if event in self.events else None
+
+    def end(self) -> float:
+        return self.events.get("served", self.events.get("up", float("inf")))
+
+    def during(self, start: float, end: float) -> bool:
+        """Whether a request from ``start`` to ``end`` overlapped the outage."""
+        return end >= self.events["kill"] and start < self.end()
+
+    def after(self, start: float, end: float) -> bool:
+        """Whether a request was sent once the outage was over."""
+        return start >= self.end()
+
+
+def outage_report(run: Records, outage: Outage, after: Records, victim_runs: int,
+                  **figures) -> dict[str, Any]:
+    """A failure scenario's report: ``run``'s with ``figures`` (the victim, ...), the outage's
+    times from the kill, the errors and latency of the requests that overlapped it, and those of
+    ``after``, the requests once it was over (``victim_runs``: the victim's subnet runs for
+    them)."""
+    during = run.window(outage.during)
+    return run.report({
+        **figures, "down_s": outage.since_kill("down"), "outage_s": outage.since_kill("up"),
+        "errors_during_outage": len(during.errors),
+        "latency_during_outage_ms": summarize(during.latency),
+        "after_rejoin": {"requests": after.requests, "errors": len(after.errors),
+                         "wrong": after.wrong, "victim_subnet_runs": victim_runs,
+                         "latency_ms": summarize(after.latency)}})

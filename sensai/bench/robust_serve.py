@@ -2,10 +2,11 @@
 called over HTTP.
 
 A configuration (redundancy ``r``, hedge) is ``sensai serve ART --backend ray-serve`` with its
-settings as its environment (:func:`serve_env`: ``SENSAI_REDUNDANCY=r``, ...) in a process of its
-own, started by the bench's server starter (:func:`.server.start_server`), its ingress serving on
-127.0.0.1 itself, on a new local Ray instance of its own (or the cluster at ``ray_address``), and
-stopped before the next starts: Serve runs one application per Ray instance here. The requests are
+settings as its environment (:func:`.server.serve_env`: ``SENSAI_REDUNDANCY=r``, ...) in a
+process of its own, started by the bench's server starter (:func:`.server.start_server`), its
+ingress serving on 127.0.0.1 itself, on a new local Ray instance of its own (or the cluster at
+``ray_address``), and stopped before the next starts: Serve runs one application per Ray
+instance here. The requests are
 KServe v2 binary tensors of the same normalized images the offline answers are computed from, sent
 by the benchmark's client process (:func:`.client.load_phase`) with :data:`IN_FLIGHT` requests
 always in flight (a closed loop), in every scenario alike; ``wrong``: answers whose top-1 differs
@@ -35,50 +36,24 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from sensai.artifact import Artifact
 from sensai.errors import SensaiError
 from sensai.raycluster import local_raylet_pid
-from sensai.serving.core.settings import SECRETS, GatewaySettings, environment
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.launch.serve_run import STARTUP_TIMEOUT_S
 
 from .client import HttpClientProcess
-from .robust_records import AFTER_REJOIN, Records
-from .server import SensaiServe, served, start_server
-from .stats import summarize
+from .robust_records import AFTER_REJOIN, Outage, Records, outage_report
+from .server import SensaiServe, serve_env, served, start_server
 
 IN_FLIGHT = 4  # requests the closed loop keeps in flight
 TRANSPORT = "http-v2"
 POLL_S = 0.05  # how often GET /v1/models is read during an outage
 PHASE_LIMIT_S = 3600.0  # a bound on a phase of a given number of requests, never reached
-# What the Serve application cannot be put through, and why: refused rather than ignored
-# (node-loss is --backend ray's, refused with the other backends').
-REFUSED_SCENARIOS = {"straggler": "the Serve application takes no injected delay"}
-# What :class:`.server.SensaiServe` passes ``sensai serve`` itself, so serve_env leaves out.
-OWN_SETTINGS = {"host", "port", "backend", "deadline_s"}
-
-
-def serve_env(settings: GatewaySettings) -> dict[str, str]:
-    """The variables that make ``sensai serve`` load ``settings``: each one given (or read from
-    this environment, which it inherits anyway) as its ``SENSAI_*`` variable.  A value of None
-    stays out: ``sensai serve`` loads it from the same environment."""
-    return environment({f: v for f in sorted(settings.model_fields_set - OWN_SETTINGS
-                                             - set(SECRETS))
-                        if (v := getattr(settings, f)) is not None})
-
-
-def check_serve_bench(scenarios: Sequence[str]) -> None:
-    """One line for the first scenario the Serve application cannot take (its settings were
-    checked as they were loaded)."""
-    for s in scenarios:
-        if s in REFUSED_SCENARIOS:
-            raise SensaiError(f"the {s} scenario does not apply to --backend ray-serve "
-                              f"({REFUSED_SCENARIOS[s]})")
-
-
 class ServeConfig:
     """One configuration's running application: its URL, what its ingress reports, and load
     phases from the client process."""
@@ -89,29 +64,19 @@ class ServeConfig:
     def predictor(self) -> dict[str, Any]:
         return predictor(self.url)
 
-    def workers(self) -> list[dict[str, Any]]:
-        return self.predictor().get("workers") or []
-
     def phase(self, **plan) -> dict[str, Any]:
         plan.setdefault("seconds", PHASE_LIMIT_S)
         return self.client.load(self.url, transport=TRANSPORT, model=self.model, answers=True,
                                 concurrency=IN_FLIGHT, **plan)
 
-    def records(self, out: dict, keep: Callable[[float, float], bool] = lambda t, end: True
-                ) -> Records:
-        """The phase's requests that ``keep(start, end)`` (monotonic seconds) as records."""
+    def records(self, out: dict) -> Records:
+        """A phase's requests as records."""
         run = Records()
         for t, ms, status, image, index in zip(out["t"], out["ms"], out["status"],
                                                out["image"], out["index"]):
-            if not keep(t, t + ms / 1e3):
-                continue
-            run.requests += 1
-            if status == 200:
-                run.latency.append(ms)
-                run.wrong += index != int(self.expected[image])
-            else:
-                run.errors.append(str(status) if status else
-                                  "no answer (" + ", ".join(out["failures"]) + ")")
+            error = (None if status == 200 else str(status) if status
+                     else "no answer (" + ", ".join(out["failures"]) + ")")
+            run.add(t, ms, error, wrong=index != int(self.expected[image]))
         return run
 
 
@@ -180,7 +145,8 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
     # poll that sees it belong to requests sent before, and how many depends on the poll's lag.)
     after_runs = (AFTER_REJOIN + IN_FLIGHT) * len(w0["groups"])
     before = cfg.predictor()
-    ev: dict[str, float] = {}
+    outage = Outage()
+    ev = outage.events
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(cfg.phase, seconds=span + rejoin_timeout_s + 60.0)
         w, runs_up, runs_served = w0, 0, 0
@@ -190,51 +156,37 @@ def failure(cfg: ServeConfig, n: int, victim: int, kill_at: float, rejoin_timeou
                 time.sleep(POLL_S)
             t_start = time.monotonic()
             time.sleep(lead)
-            ev["kill"] = time.monotonic()
+            outage.killed()
             os.kill(pid, signal.SIGKILL)
             while not load.done() and time.monotonic() - ev["kill"] < rejoin_timeout_s:
                 time.sleep(POLL_S)
-                now, ws = time.monotonic(), cfg.workers()
+                ws = cfg.predictor().get("workers") or []
                 if not ws:  # the ingress did not answer this time
                     continue
-                w = ws[victim]
-                if "down" not in ev and (w["state"] != "up" or w.get("pid") != pid):
-                    ev["down"] = now
-                if "up" not in ev and w["state"] == "up" and w.get("pid") not in (None, pid):
-                    ev["up"], runs_up = now, w["runs"]
+                w, was_up = ws[victim], "up" in ev
+                # Up again: on a new replica (the old one may still be reported up at first).
+                outage.see(down=w["state"] != "up" or w.get("pid") != pid,
+                           up=w["state"] == "up" and w.get("pid") not in (None, pid))
+                if "up" in ev and not was_up:
+                    runs_up = w["runs"]
                 if "up" in ev and "served" not in ev and w["runs"] > runs_up:
-                    ev["served"], runs_served = now, w["runs"]
+                    ev["served"], runs_served = time.monotonic(), w["runs"]
                 if ("served" in ev and w["runs"] - runs_served >= after_runs
-                        and now - t_start >= span):
+                        and time.monotonic() - t_start >= span):
                     break
         finally:
             cfg.client.stop_load()
         out = load.result()
     after = cfg.predictor()
-    end = ev.get("served", ev.get("up", float("inf")))
     run = counted(cfg, out, before, after)
-    in_outage = cfg.records(out, lambda t0, t1: t1 >= ev["kill"] and t0 < end)
-    rejoin = cfg.records(out, lambda t0, t1: t0 >= end)
     w_after = (after.get("workers") or [w])[victim]
-
-    def since_kill(key: str) -> float | None:
-        return round(ev[key] - ev["kill"], 3) if key in ev else None
-
-    return run.report({
-        "victim": w0["name"], "killed_pid": pid, "replica_pid_after": w_after.get("pid"),
-        "kill_at_s": round(ev["kill"] - t_start, 3),
-        "in_flight_at_kill": sum(1 for t, ms in zip(out["t"], out["ms"])
-                                 if t <= ev["kill"] < t + ms / 1e3),
-        "restarted": w_after["restarts"] > w0["restarts"], "rejoined": "up" in ev,
-        "down_s": since_kill("down"), "outage_s": since_kill("up"),
-        "serving_again_s": since_kill("served"),
-        "errors_during_outage": len(in_outage.errors),
-        "latency_during_outage_ms": summarize(in_outage.latency),
-        "after_rejoin": {"requests": rejoin.requests, "errors": len(rejoin.errors),
-                         "wrong": rejoin.wrong, "victim_subnet_runs": w_after["runs"] - runs_up
-                         if "up" in ev else 0,
-                         "latency_ms": summarize(rejoin.latency)},
-    })
+    return outage_report(
+        run, outage, run.window(outage.after), w_after["runs"] - runs_up if "up" in ev else 0,
+        victim=w0["name"], killed_pid=pid, replica_pid_after=w_after.get("pid"),
+        kill_at_s=round(ev["kill"] - t_start, 3),
+        in_flight_at_kill=run.window(lambda t0, t1: t0 <= ev["kill"] < t1).requests,
+        restarted=w_after["restarts"] > w0["restarts"], rejoined="up" in ev,
+        serving_again_s=outage.since_kill("served"))
 
 
 def start_config(artifact: Artifact, key: str, settings: GatewaySettings, log_dir: Path,

@@ -14,7 +14,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -26,8 +25,10 @@ import httpx
 
 from sensai.errors import SensaiError
 from sensai.optional import missing
+from sensai.serving.core.settings import SECRETS, GatewaySettings, environment
 from sensai.serving.launch import child
 from sensai.serving.launch.build import free_ports, start_tritonserver
+from sensai.serving.launch.signals import StopSignals
 from sensai.serving.launch.triton_repo import write_model
 from sensai.serving.launch.tritonserver import TRITON_HINT, find_tritonserver
 
@@ -36,6 +37,19 @@ from .names import PEER_LABELS, PEER_TRANSPORT
 log = logging.getLogger(__name__)
 
 MODEL = "original"  # the name every peer serves the original model under
+
+
+# What :class:`SensaiServe` passes ``sensai serve`` itself, so serve_env leaves out.
+OWN_SETTINGS = {"host", "port", "backend", "deadline_s"}
+
+
+def serve_env(settings: GatewaySettings) -> dict[str, str]:
+    """The variables that make ``sensai serve`` load ``settings``: each one given (or read from
+    this environment, which it inherits anyway) as its ``SENSAI_*`` variable.  A value of None
+    stays out: ``sensai serve`` loads it from the same environment."""
+    return environment({f: v for f in sorted(settings.model_fields_set - OWN_SETTINGS
+                                             - set(SECRETS))
+                        if (v := getattr(settings, f)) is not None})
 
 
 def served(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -59,19 +73,13 @@ def unavailable(kind: str) -> str | None:
 
 @contextmanager
 def sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM unwinds this process like Ctrl-C does, so the server is stopped either way."""
+    """SIGTERM unwinds this process like Ctrl-C does (:class:`StopSignals`, never waited on), so
+    the server is stopped either way."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
+    with StopSignals():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 class Server:
@@ -133,6 +141,8 @@ class SensaiServe(Server):
         if deadline_s is not None:
             self.argv += ["--deadline", f"{deadline_s:g}"]
         self.argv += list(args)
+        # On its cores from its first instruction (and so every process it starts).
+        self.pin = ["taskset", "--cpu-list", ",".join(map(str, cores))] if cores else []
         self.proc: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self._log = None
@@ -140,20 +150,16 @@ class SensaiServe(Server):
     def command(self) -> str:
         """The command line, with the environment variables set for it."""
         env = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-        pin = ["taskset", "--cpu-list", ",".join(map(str, self.cores))] if self.cores else []
-        return " ".join([*env, shlex.join([*pin, "sensai", *self.argv[3:]])])
+        return " ".join([*env, shlex.join([*self.pin, "sensai", *self.argv[3:]])])
 
     def start(self, timeout_s: float) -> "SensaiServe":
         """Launched, and ready within ``timeout_s``; stopped if it is not."""
-        # On its cores from its first instruction (and so every process it starts).
-        pin = (["taskset", "--cpu-list", ",".join(map(str, self.cores))]
-               if self.cores and shutil.which("taskset") else [])
-        if self.cores and not pin:
+        if self.pin and not shutil.which("taskset"):
             raise SensaiError("--set client_cores needs taskset (util-linux) to keep the "
                               "gateway off the clients' cores")
         try:
             self._log = open(self.log_path, "wb")
-            self.proc = subprocess.Popen([*child.death_guard("TERM"), *pin, *self.argv],
+            self.proc = subprocess.Popen([*child.death_guard("TERM"), *self.pin, *self.argv],
                                          stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=os.environ | self.env,
                                          start_new_session=True)

@@ -19,23 +19,19 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from sensai.errors import ExportError, SensaiError
-from sensai.export import INPUT_NAME, OUTPUT_NAME
+from sensai.errors import SensaiError
+from sensai.export import DEFAULT_OPSET, check_onnx, torch_export
 from sensai.fsutil import atomic_path
 
 log = logging.getLogger(__name__)
-
-ONNX_OPSET = 17  # same as sensai.export.DEFAULT_OPSET
 
 
 @dataclass(frozen=True)
@@ -89,8 +85,13 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None
 
 
-def _is_tensor(node: fx.Node) -> bool:
-    return _shape(node) is not None
+def _last_uses(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Where each value of ``nodes`` (in the order ``forward`` runs them) is used last, by node
+    (unused: its own position).  ``get_attr`` nodes (parameters, buffers) are not activations:
+    a stage that needs one simply refers to it again, so they are never live."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    return {n: max((pos[u] for u in n.users), default=pos[n]) for n in nodes
+            if n.op not in ("get_attr", "output")}
 
 
 def node_macs(gm: fx.GraphModule, node: fx.Node) -> int:
@@ -118,20 +119,13 @@ def node_macs(gm: fx.GraphModule, node: fx.Node) -> int:
             w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
             ws = _shape(w) if isinstance(w, fx.Node) else None
             if ws is None and isinstance(w, fx.Node) and w.op == "get_attr":
-                ws = tuple(_get_attr(gm, w.target).shape)
+                ws = tuple(operator.attrgetter(w.target)(gm).shape)
             return numel * math.prod(ws[1:]) if ws else 0
         if f in (torch.nn.functional.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm):
             a = node.args[0]
             a_shape = _shape(a) if isinstance(a, fx.Node) else None
             return numel * a_shape[-1] if a_shape else 0
     return 0
-
-
-def _get_attr(gm: nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def peak_activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
@@ -143,13 +137,9 @@ def peak_activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
     gm = trace(model, example)  # always afresh: copied stage graphs carry their own shapes
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    sizes, last = {}, {}
-    for n in nodes:
-        tm = n.meta.get("tensor_meta")
-        if n.op in ("get_attr", "output") or tm is None or not hasattr(tm, "shape"):
-            continue
-        sizes[n] = math.prod(tm.shape) * torch.empty((), dtype=tm.dtype).element_size()
-        last[n] = max((pos[u] for u in n.users), default=pos[n])
+    last = _last_uses(nodes)
+    sizes = {n: math.prod(shape) * n.meta["tensor_meta"].dtype.itemsize
+             for n in last if (shape := _shape(n)) is not None}
     peak = 0
     for i in range(len(nodes)):
         peak = max(peak, sum(b for n, b in sizes.items() if pos[n] <= i <= last[n]))
@@ -161,21 +151,14 @@ def peak_activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
 
 
 def _cut_candidates(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
-    """(position, the one live tensor) for every position after which exactly one tensor is live.
-
-    ``get_attr`` nodes (parameters, buffers) are not activations: a stage that needs one simply
-    refers to it again, so they never count as live.
-    """
+    """(position, the one live tensor) for every position after which exactly one tensor is live
+    (:func:`_last_uses`)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     output_pos = next(i for i, n in enumerate(nodes) if n.op == "output")
-    last_use: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n.op in ("get_attr", "output"):
-            continue
-        last_use[n] = max((pos[u] for u in n.users), default=pos[n])
-    # Sweep: values born at or before i whose last use lies after i.
-    births = sorted(last_use, key=lambda n: pos[n])
+    last_use = _last_uses(nodes)
+    # Sweep: values born at or before i whose last use lies after i (in order of birth).
+    births = list(last_use)
     live: set[fx.Node] = set()
     out: list[tuple[int, fx.Node]] = []
     j = 0
@@ -192,7 +175,7 @@ def _cut_candidates(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
             break
         if len(live) == 1:
             (v,) = live
-            if _is_tensor(v) and v.op != "placeholder":
+            if _shape(v) is not None and v.op != "placeholder":
                 out.append((i, v))
     return out
 
@@ -339,16 +322,14 @@ def split_model(model: nn.Module, k: int, example: torch.Tensor
     gm = trace(model, example)
     plan, cuts = plan_stages(gm, k)
     nodes = list(gm.graph.nodes)
-    placeholder = next(n for n in nodes if n.op == "placeholder")
-    by_pos = dict(_cut_candidates(gm))
-    bounds = [nodes.index(placeholder), *cuts, len(nodes) - 1]
+    inp = next(n for n in nodes if n.op == "placeholder")
+    bounds = [nodes.index(inp), *cuts, len(nodes) - 1]
+    by_name = {n.name: n for n in nodes}
+    outs = [*(by_name[name] for name in plan.boundaries), None]  # the last: the model's output
     stages = []
-    inp = placeholder
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        out = by_pos.get(b) if i < k - 1 else None
-        stages.append(_build_stage(gm, nodes, a, b, inp, out, i))
-        if out is not None:
-            inp = out
+        stages.append(_build_stage(gm, nodes, a, b, inp, outs[i], i))
+        inp = outs[i]
     params = tuple(sum(p.numel() for p in s.parameters()) for s in stages)
     plan = StagePlan(**{**plan.__dict__, "stage_params": params})
     log.info("cut %s into %d stages (MACs per stage: %s)", type(model).__name__, k,
@@ -368,39 +349,17 @@ def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def export_stage_onnx(module: nn.Module, example: torch.Tensor, path: str | Path, *,
-                      opset: int = ONNX_OPSET, atol: float = 1e-4) -> float:
+                      opset: int = DEFAULT_OPSET, atol: float = 1e-4) -> float:
     """Write a stage (or any one-input module) to ONNX with a dynamic batch axis, atomically.
 
     ``example`` is a real input batch of the module (for a stage: the previous stage's output on
     real images); the file is run with ONNX Runtime and compared with torch on it before it is
-    kept, as :mod:`sensai.export` does for subnets. Returns the max absolute difference.
+    kept (:func:`sensai.export.check_onnx`), as :mod:`sensai.export` does for subnets, whose
+    :func:`~sensai.export.export_onnx` expects (C, H, W) images: a stage may start after a
+    flatten, and may hold no parameter at all.  Returns the max absolute difference.
     """
-    import onnxruntime as ort  # only the model-parallel baseline's export needs it
-
-    path = Path(path)
     module = module.eval()
     example = example.detach().to("cpu", torch.float32)
-    with atomic_path(path) as tmp:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            # TorchScript-based exporter, as in sensai.export (the dynamo one needs onnxscript).
-            # sensai.export.export_onnx expects (C, H, W) images; a stage may start after a
-            # flatten, and may hold no parameter at all, hence this variant.
-            torch.onnx.export(module, (example[:1].clone(),), str(tmp), input_names=[INPUT_NAME],
-                              output_names=[OUTPUT_NAME], opset_version=opset, dynamo=False,
-                              do_constant_folding=True,
-                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
-            want = module(example.clone()).float().numpy()  # clone: stages may start in place
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        try:
-            sess = ort.InferenceSession(str(tmp), sess_options=opts,
-                                        providers=["CPUExecutionProvider"])
-            got = sess.run([OUTPUT_NAME], {INPUT_NAME: example.numpy()})[0]
-        except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-            raise ExportError(f"onnxruntime cannot run {path}: {str(e).splitlines()[0]}") from None
-        err = float(np.max(np.abs(got - want))) if got.size else 0.0
-        if got.shape != want.shape or not np.isfinite(err) or err > atol:
-            raise ExportError(f"{path}: onnxruntime and torch differ ({got.shape} vs "
-                              f"{want.shape}, max |diff| {err:.3g} > {atol:g})")
-    return err
+    with atomic_path(path) as tmp, torch.no_grad():
+        torch_export(module, example[:1].clone(), tmp, opset)  # clone: stages may start in place
+        return check_onnx(tmp, module, example, atol=atol)

@@ -25,7 +25,7 @@ from sensai.flops import count_flops
 from sensai.fsutil import sha256_file
 from sensai.models import count_params
 from sensai.serving.core.contract import Predictor
-from sensai.serving.core.settings import GatewaySettings, environment
+from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.engine.plan import worker_devices
 from sensai.serving.launch.build import build_predictor, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
@@ -34,7 +34,8 @@ from .baselines import BASELINES, WorkerSet
 from .harness import TestImages
 from .machine import MemoryProbe
 from .names import UNTIMED_TRANSPORTS, label
-from .server import served, start_server
+from .options import BenchOptions, Workers
+from .server import Server, serve_env, served, start_server
 from .stages import export_stage_onnx, peak_activation_bytes, plan_stages, split_model, trace
 
 SERVE_STARTUP_S = 300.0  # Ray, Serve and the replicas start on a busy machine too
@@ -55,12 +56,12 @@ class Recipe:
 @dataclass
 class Strategy:
     key: str
-    predictor: Predictor | None  # None: served by a server of its own only (``url``)
+    predictor: Predictor | None  # None: served by a server of its own only (``server``)
     recipe: Recipe
     info: dict[str, Any] = field(default_factory=dict)  # what bench.json holds for it
     # What it runs beside its predictor (a tritonserver), or instead of one (a gateway process).
     stop: Callable[[], None] | None = None
-    url: str | None = None  # the gateway of a strategy without a predictor in this process
+    server: Server | None = None  # the gateway of a strategy without a predictor in this process
 
 
 def load_original(artifact: Artifact):
@@ -96,16 +97,16 @@ def _cost(params: int, flops: int, activation_bytes: int, **extra) -> dict[str, 
             "activations_mb": round(activation_bytes / 1e6, 3), **extra}
 
 
-def prepare_baselines(model, record, artifact: Artifact, images: TestImages, models_dir: Path, *,
-                      stages: int, replicas: int, strategies: Sequence[str], device: str,
-                      runtime: str, threads: int,
+def prepare_baselines(model, record, artifact: Artifact, images: TestImages, models_dir: Path,
+                      opts: Workers, *, stages: int, replicas: int, strategies: Sequence[str],
                       status: Callable[[str], None]) -> tuple[dict[str, Recipe], dict | None]:
-    """Recipes of the baselines in ``strategies``, and the model-parallel stage plan."""
-    spec = artifact.spec
+    """Recipes of the baselines in ``strategies`` on the workers ``opts`` describe (device,
+    runtime, threads), and the model-parallel stage plan."""
+    spec, runtime, threads = artifact.spec, opts.runtime, opts.threads
     check = images.batch(32)
     cost = _cost(count_params(model), count_flops(model, spec.input_shape),
                  peak_activation_bytes(model, check[:2]))
-    devices = worker_devices(max(stages, replicas), device)
+    devices = worker_devices(max(stages, replicas), opts.device)
     full_onnx = models_dir / "full.onnx"
     if (any(resolve_runtime(runtime, d) == "onnx" for d in devices)
             and {"single", "data-parallel"} & set(strategies)):
@@ -122,14 +123,12 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
             weights_path=str(Path(artifact.manifest.source.model_dir) / record.weights),
             weights_sha256=record.weights_sha256)
 
-    recipes: dict[str, Recipe] = {}
-    if "single" in strategies:
-        recipes["single"] = Recipe("single", ["full"], [full("full", 0)], [dict(cost)])
-    if "data-parallel" in strategies:
-        names = [f"replica_{i:02d}" for i in range(replicas)]
-        recipes["data-parallel"] = Recipe("data-parallel", names,
-                                          [full(nm, i) for i, nm in enumerate(names)],
-                                          [dict(cost) for _ in names])
+    # The single device is data parallel's one replica.
+    replicated = {"single": ["full"],
+                  "data-parallel": [f"replica_{i:02d}" for i in range(replicas)]}
+    recipes = {key: Recipe(key, names, [full(nm, i) for i, nm in enumerate(names)],
+                           [dict(cost) for _ in names])
+               for key, names in replicated.items() if key in strategies}
     plan = None
     if "model-parallel" in strategies:
         status(f"cut into {stages} stages")
@@ -140,16 +139,15 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
         for i, (stage, name) in enumerate(zip(modules, names)):
             in_shape = tuple(h.shape[1:])
             act = peak_activation_bytes(stage, h[:2].clone())
+            model_file: dict[str, Any] = {"runtime": runtime, "module": stage}
             if resolve_runtime(runtime, devices[i]) == "onnx":
                 status(f"export stage {i + 1}/{stage_plan.num_stages}")
                 path = models_dir / f"{name}.onnx"
                 export_stage_onnx(stage, h, path)
-                specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
-                                        runtime="onnx", threads=threads, onnx_path=str(path),
-                                        onnx_sha256=sha256_file(path)))
-            else:
-                specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
-                                        runtime=runtime, threads=threads, module=stage))
+                model_file = {"runtime": "onnx", "onnx_path": str(path),
+                              "onnx_sha256": sha256_file(path)}
+            specs.append(RunnerSpec(name=name, input_shape=in_shape, device=devices[i],
+                                    threads=threads, **model_file))
             with torch.no_grad():
                 h = stage(h.clone())
             infos.append(_cost(stage_plan.stage_params[i], stage_plan.stage_macs[i], act,
@@ -158,10 +156,10 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
     return recipes, plan
 
 
-def prepare_class_parallel(artifact: Artifact, images: TestImages, *, device: str, runtime: str,
-                           threads: int) -> Recipe:
-    """The subnets' recipes (checks their files now) and what each subnet costs."""
-    specs = runner_specs(artifact, device=device, runtime=runtime, threads=threads)
+def prepare_class_parallel(artifact: Artifact, images: TestImages, opts: Workers) -> Recipe:
+    """The subnets' recipes on the workers ``opts`` describe (checks their files now) and what
+    each subnet costs."""
+    specs = runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads)
     example = images.batch(2)
     infos = []
     for rec, sub in zip(artifact.manifest.subnets, artifact.load_subnets("cpu")):
@@ -183,33 +181,33 @@ def served_workers(url: str) -> list[dict[str, Any]]:
     return workers
 
 
-def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runtime: str,
-          threads: int, settings: GatewaySettings, ray_address: str | None = None,
-          key: str | None = None, spread_cores: bool = False,
+def build(recipe: Recipe, artifact: Artifact, opts: BenchOptions, *, backend: str,
+          settings: GatewaySettings, key: str | None = None,
           log_dir: Path | None = None) -> Strategy:
-    """Load one strategy's workers (blocking) under a memory probe; ``key`` (default: the
-    recipe's) names class parallel on a further backend.  Backend ``triton``: a
-    ``tritonserver`` started for the artifact's subnets, stopped with the strategy.  Backends
-    ``ray-serve`` and ``processes``: ``sensai serve --backend B`` in a process of its own on
-    127.0.0.1 (ray-serve: the Ray Serve application, on its own local Ray instance unless
-    ``ray_address``; processes: a gateway process over device processes) with the run's
-    device, runtime, threads and gateway settings, its log in ``log_dir``, stopped with the
-    strategy and timed over HTTP only (bench.json's ``untimed_transports`` says why)."""
+    """Load one strategy's workers (blocking) under a memory probe, as ``opts`` say (device,
+    runtime, threads, Ray address, spread cores); ``key`` (default: the recipe's) names class
+    parallel on a further backend.  Backend ``triton``: a ``tritonserver`` started for the
+    artifact's subnets, stopped with the strategy.  Backends ``ray-serve`` and ``processes``:
+    ``sensai serve --backend B`` in a process of its own on 127.0.0.1 (ray-serve: the Ray Serve
+    application, on its own local Ray instance unless ``ray_address``; processes: a gateway
+    process over device processes) with the run's device, runtime, threads and gateway
+    settings, its log in ``log_dir``, stopped with the strategy and timed over HTTP only
+    (bench.json's ``untimed_transports`` says why, for the run's transports)."""
     key = key or recipe.key
     parallel = recipe.key == "class-parallel"
-    devices = (worker_devices(len(recipe.specs), device) if parallel
+    devices = (worker_devices(len(recipe.specs), opts.device) if parallel
                else [s.device for s in recipe.specs])
+    # Class parallel as `sensai serve ART --backend B` runs it, with the gateway's defaults.
+    served = settings.model_copy(update=dict(
+        backend=backend, device=opts.device, runtime=opts.runtime,
+        threads_per_worker=opts.threads, ray_address=opts.ray_address))
     triton = gateway = None
     with MemoryProbe(devices) as probe:
         if parallel and backend in UNTIMED_TRANSPORTS:
-            env = environment({"device": device, "runtime": runtime, "threads_per_worker": threads,
-                               "model_name": settings.model_name,
-                               "keep_cores_awake": settings.keep_cores_awake,
-                               **({"ray_address": ray_address} if ray_address else {})})
             gateway = start_server("sensai", artifact.root, timeout_s=SERVE_STARTUP_S,
-                                   backend=backend, deadline_s=settings.deadline_s, env=env,
-                                   log_path=Path(log_dir or ".") / f"gateway-{key}.log",
-                                   model=settings.model_name)
+                                   backend=backend, deadline_s=settings.deadline_s,
+                                   env=serve_env(served), model=settings.model_name,
+                                   log_path=Path(log_dir or ".") / f"gateway-{key}.log")
             try:
                 described = served_workers(gateway.url)
             except BaseException:
@@ -217,13 +215,11 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
                 raise
             predictor = None
         elif parallel:
-            triton = launch_triton(artifact.root, threads=threads) if backend == "triton" else None
+            triton = (launch_triton(artifact.root, threads=opts.threads)
+                      if backend == "triton" else None)
             try:
-                # Exactly what `sensai serve ART --backend B` runs, with the gateway's defaults.
-                predictor = build_predictor(artifact.root, settings.model_copy(update=dict(
-                    backend=backend, device=device, runtime=runtime, threads_per_worker=threads,
-                    ray_address=ray_address, triton_url=triton.url if triton else None,
-                    spread_cores=spread_cores)))
+                predictor = build_predictor(artifact.root, served.model_copy(update=dict(
+                    triton_url=triton.url if triton else None, spread_cores=opts.spread_cores)))
             except BaseException:
                 if triton is not None:
                     triton.stop()
@@ -258,6 +254,7 @@ def build(recipe: Recipe, artifact: Artifact, *, backend: str, device: str, runt
     if gateway is not None:
         info["gateway"] = {"command": gateway.command(), "url": gateway.url,
                            "startup_s": gateway.startup_s, "log": str(gateway.log_path)}
-        info["untimed_transports"] = dict(UNTIMED_TRANSPORTS[backend])
-        return Strategy(key, None, recipe, info, gateway.stop, gateway.url)
+        info["untimed_transports"] = {t: why for t, why in UNTIMED_TRANSPORTS[backend].items()
+                                      if t in opts.transports}
+        return Strategy(key, None, recipe, info, gateway.stop, gateway)
     return Strategy(key, predictor, recipe, info, triton.stop if triton else None)

@@ -9,7 +9,7 @@ steady period, each swap writes the next version (B, A, B, ... in turn) into the
 (:func:`~sensai.serving.core.repository.add_version`) and calls
 ``POST /v2/repository/models/{name}/load``, which returns once the new version is ready and the
 old one drained and unloaded, then waits.  The gateway's RSS is sampled throughout, just before
-each swap and at the end of each wait.  The figures (:func:`~.swap_figures.swap_figures`): per
+each swap and at the end of each wait.  The figures (:func:`~.swap_report.swap_figures`): per
 swap, errors, answers by version, the p99 during the swap against the steady state's, the time to
 the first answer by the new version, the RSS before and after.  The load and the watching
 are bench-load's (:class:`~.load.LoadRun`).  Outputs: ``swap.json``,
@@ -35,8 +35,7 @@ from .harness import check_settings, envelope, finish, inputs, load_test_images
 from .load import (LoadRun, client_processes, gateway_settings, offline_top1, request_timeout,
                    seconds_bar, sensai_serve)
 from .options import LoadOptions, SwapOptions
-from .swap_figures import columns, swap_figures
-from .swap_report import plot, render_markdown
+from .swap_report import columns, plot, render_markdown, swap_figures
 
 
 def check_swap_settings(options: SwapOptions) -> None:
@@ -90,40 +89,36 @@ class SwapRun:
             raise SensaiError(f"the load client stopped during the {phase}: "
                               f"{self.load.exception() or 'its phase ended early'}")
 
-    def swap(self, i: int, name: str, repo: Path, artifact: Artifact, serving: str,
-             timeout_s: float) -> dict[str, Any]:
-        """Swap ``i``: the next version written and loaded; returns its record (monotonic
-        times)."""
-        self.run.sampler.sample(f"before swap {i}")
-        t = time.monotonic()
-        version = str(add_version(repo, name, artifact.root))
-        copy_s = time.monotonic() - t
-        call = self.pool.submit(request_load, self.run.server.url, name, timeout_s)
-        self.wait(f"swap {i}", until=call.done)
-        load = call.result()
-        return {"swap": i, "version": version, "from_version": serving,
-                "artifact": str(artifact.root), "artifact_name": artifact.root.name,
-                "copy_s": round(copy_s, 3), "sent": load["sent"], "returned": load["returned"],
-                "load_status": load["status"], "load_answer": load["answer"]}
-
     def swaps(self, name: str, repo: Path, artifacts: tuple[Artifact, Artifact], first: str,
               *, count: int, after_s: float, timeout_s: float) -> list[dict[str, Any]]:
-        """``count`` swaps, the second artifact and the first in turn, each followed by a wait
-        of ``after_s``: their records."""
+        """``count`` swaps, the second artifact and the first in turn: each writes the next
+        version and loads it, then waits ``after_s``; their records (times in seconds since the
+        gateway was ready)."""
         records, serving = [], first
         for i in range(1, count + 1):
             artifact = artifacts[i % 2]
-            rec = self.swap(i, name, repo, artifact, serving, timeout_s)
-            records.append(rec)
-            ok = rec["load_status"] == 200
-            serving = rec["version"] if ok else serving
+            self.run.sampler.sample(f"before swap {i}")
+            t = time.monotonic()
+            version = str(add_version(repo, name, artifact.root))
+            copy_s = time.monotonic() - t
+            call = self.pool.submit(request_load, self.run.server.url, name, timeout_s)
+            self.wait(f"swap {i}", until=call.done)
+            load = call.result()
+            records.append({"swap": i, "version": version, "from_version": serving,
+                            "artifact": str(artifact.root), "artifact_name": artifact.root.name,
+                            "copy_s": round(copy_s, 3), "load_status": load["status"],
+                            "load_answer": load["answer"],
+                            "sent_s": round(load["sent"] - self.run.t0, 3),
+                            "returned_s": round(load["returned"] - self.run.t0, 3)})
             self.wait(f"swap {i}", seconds=after_s)
             after = self.run.sampler.sample(f"after swap {i}")
-            self.run.say(f"swap {i}/{count}: version {rec['from_version']} -> {rec['version']} "
+            self.run.say(f"swap {i}/{count}: version {serving} -> {version} "
                          f"({artifact.root.name}): "
-                         + (f"loaded in {rec['returned'] - rec['sent']:.2f} s" if ok else
-                            f"refused: {rec['load_status']} {rec['load_answer'][:200]}")
+                         + (f"loaded in {load['returned'] - load['sent']:.2f} s"
+                            if load["status"] == 200 else
+                            f"refused: {load['status']} {load['answer'][:200]}")
                          + (f"; gateway RSS {after['rss_mb']:.1f} MB" if after else ""))
+            serving = version if load["status"] == 200 else serving
         return records
 
 
@@ -217,11 +212,7 @@ def swap_under_load(result: dict[str, Any], options: SwapOptions, request_timeou
     expected = {first: reference[artifacts[0].root]} | {
         r["version"]: reference[Path(r["artifact"])] for r in records}
     req = columns(outs, run.t0)
-    swaps_rel = [{k: v for k, v in r.items() if k not in ("sent", "returned")}
-                 | {"sent_s": round(r["sent"] - run.t0, 3),
-                    "returned_s": round(r["returned"] - run.t0, 3)}
-                 for r in records]
-    result["figures"] = swap_figures(req, first_version=first, swaps=swaps_rel,
+    result["figures"] = swap_figures(req, first_version=first, swaps=records,
                                      steady_start_s=steady_start,
                                      rss_samples=run.sampler.samples, expected=expected,
                                      failures=outs[0]["failures"])

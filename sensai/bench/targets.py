@@ -420,9 +420,9 @@ SWEEP_CONFIG = "class-parallel"  # the configuration the targets judge
 FLAGSHIP_P99_MS = 50.0  # the latency bound its throughput against Triton's is taken within
 
 
-def best_rps_within(config: dict | None, p99_ms: float) -> float | None:
-    """The highest closed-loop throughput of a configuration at a p99 within ``p99_ms``
-    (0 when no level kept it), None when it did not run."""
+def best_rps_within(config: dict | None, p99_ms: float | None) -> float | None:
+    """The highest closed-loop throughput of a configuration at a p99 within ``p99_ms`` (None:
+    any; 0 when no level kept it), None when it did not run."""
     return rps_within(config["levels"], p99_ms) if config and "levels" in config else None
 
 
@@ -458,10 +458,7 @@ def _level(config: str, concurrency: int, *path: str) -> Reader:
 
 def _best_rps(config: str) -> Reader:
     """A configuration's highest closed-loop throughput (None when it did not run)."""
-    def read(result: dict, over: str = "") -> float | None:
-        rows = _at("configs", config, "levels")(result) or []
-        return max((r["throughput_rps"] or 0.0 for r in rows), default=None)
-    return read
+    return lambda result, over="": best_rps_within(_at("configs", config)(result), None)
 
 
 def _within_flagship_p99(config: str) -> Reader:

@@ -134,9 +134,15 @@ def cmd_bench(args) -> int:
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_bench(args.artifact, args.out, options)
-    print(render_table(result))
-    out = Path(args.out)
-    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    return reported(render_table(result), args.out, "bench")
+
+
+def reported(table: str, out: str | Path, name: str, also: str = "") -> int:
+    """Print a bench's table and the files it wrote (``also``: more of them, in brackets)."""
+    out = Path(out)
+    print(table)
+    print(f"\nwrote {out / f'{name}.json'}, {out / f'{name}.md'}, {out / f'{name}.png'}"
+          + (f" ({also})" if also else ""))
     return 0
 
 
@@ -147,10 +153,7 @@ def cmd_bench_robust(args) -> int:
 
     result = run_robust_bench(args.artifact, args.out,
                               options_from(RobustOptions, args, command=command_line(args)))
-    print(render_table(result))
-    out = Path(args.out)
-    print(f"\nwrote {out / 'robust.json'}, {out / 'robust.md'}, {out / 'robust.png'}")
-    return 0
+    return reported(render_table(result), args.out, "robust")
 
 
 def config_settings(path: str | None, artifact: str) -> dict:
@@ -170,17 +173,6 @@ def config_settings(path: str | None, artifact: str) -> dict:
             | environment({k: v for k, v in settings.items() if k not in own}))
 
 
-def env_number(name: str, value: str | None, kind):
-    """A setting the load's own arithmetic reads too (its deadline, its limits), as a number,
-    or one line naming it."""
-    if value is None:
-        return None
-    try:
-        return kind(value)
-    except ValueError:
-        raise SensaiError(f"--env {name}={value}: not a number") from None
-
-
 def load_options(args, config: dict[str, str] | None = None):
     """bench-load's and plan's :class:`~sensai.bench.options.LoadOptions`: the flags and
     ``--set`` keys, and the gateway's environment from ``--env`` over a deployment file's
@@ -192,38 +184,26 @@ def load_options(args, config: dict[str, str] | None = None):
     backend, deadline = config.pop("backend", None), config.pop("deadline_s", None)
     env = config | parse_env(args.env)
     deadline = env.pop("SENSAI_DEADLINE_S", deadline)
-    return options_from(
-        LoadOptions, args, backend=getattr(args, "backend", None) or backend,
-        deadline_s=env_number("SENSAI_DEADLINE_S", deadline, float),
-        max_requests=env_number("SENSAI_MAX_REQUESTS", env.pop("SENSAI_MAX_REQUESTS", None), int),
-        max_predictions=env_number("SENSAI_MAX_PREDICTIONS",
-                                   env.pop("SENSAI_MAX_PREDICTIONS", None), int),
-        env=env, command=command_line(args))
+    try:  # the load's own arithmetic reads the deadline too, as a number
+        deadline = None if deadline is None else float(deadline)
+    except ValueError:
+        raise SensaiError(f"--env SENSAI_DEADLINE_S={deadline}: not a number") from None
+    return options_from(LoadOptions, args, backend=getattr(args, "backend", None) or backend,
+                        deadline_s=deadline, env=env, command=command_line(args))
 
 
 def cmd_bench_load(args) -> int:
+    from sensai.bench.load_report import render_table
+    from sensai.bench.load_run import run_load
     from sensai.bench.options import LoadPlan
 
     options = load_options(args, config_settings(args.config, args.artifact))
     plan = options_from(LoadPlan, args)
     out = Path(args.out)
-    if plan.perf_analyzer and not plan.sweep:
-        raise SensaiError("--perf-analyzer runs at the sweep's --levels: add --sweep")
-    if plan.sweep:
-        from sensai.bench.load_sweep import run_load_sweep
-        from sensai.bench.load_sweep_report import render_table
-
-        result = run_load_sweep(args.artifact, out, options, plan)
-        logs = f"server output: {out}/gateway-*.log"
-    else:
-        from sensai.bench.load import run_load_bench
-        from sensai.bench.load_report import render_table
-
-        result = run_load_bench(args.artifact, out, options, plan)
-        logs = f"gateway output: {out / 'gateway.log'}"
-    print(render_table(result))
-    print(f"\nwrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'} ({logs})")
-    return 0
+    result = run_load(args.artifact, out, options, plan)
+    return reported(render_table(result), out, "load",
+                    f"server output: {out}/gateway-*.log" if plan.sweep else
+                    f"gateway output: {out / 'gateway.log'}")
 
 
 def cmd_bench_swap(args) -> int:
@@ -233,8 +213,5 @@ def cmd_bench_swap(args) -> int:
 
     result = run_swap_bench(args.artifact, args.artifact_b, args.out,
                             options_from(SwapOptions, args, command=command_line(args)))
-    print(render_table(result))
-    out = Path(args.out)
-    print(f"\nwrote {out / 'swap.json'}, {out / 'swap.md'}, {out / 'swap.png'} "
-          f"(gateway output: {out / 'gateway.log'})")
-    return 0
+    return reported(render_table(result), args.out, "swap",
+                    f"gateway output: {Path(args.out) / 'gateway.log'}")

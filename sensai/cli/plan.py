@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .bench import PHASES, env_arg, load_options
+from .bench import PHASES, env_arg, load_options, reported
 from .options_args import add_bench_options, options_from
 
 
@@ -50,10 +50,8 @@ def cmd_plan(args) -> int:
     out = Path(args.out)
     result = run_plan(args.models, out, options_from(Constraints, args), load_options(args),
                       options_from(PlanOptions, args))
-    print(render_table(result))
     chosen = next(m for m in result["measured"] if m["n"] == result["chosen"])
-    print(f"\nwrote {out / 'plan.json'}, {out / 'plan.md'}, {out / 'plan.png'}, "
-          f"{result['deployment']}")
+    reported(render_table(result), out, "plan", str(result["deployment"]))
     if not result["meets"]:
         print(f"sensai plan: {result['why']}", file=sys.stderr)
         return 1
