@@ -196,6 +196,30 @@ def server_split(before: dict[str, dict], after: dict[str, dict], seconds: float
     return out
 
 
+def columns(outs: Sequence[dict[str, Any]], t0: float) -> dict[str, np.ndarray]:
+    """The clients' records of one phase (:func:`.client.load_phase`) merged into arrays: ``t``
+    (s since ``t0``), ``ms``, ``status``; with ``answers``, also ``version`` (str, "" where no
+    answer named one), ``image`` and ``index`` (-1 where there was no 200 answer)."""
+    def cat(key: str, dtype) -> np.ndarray:
+        return np.concatenate([np.asarray(o[key], dtype=dtype) for o in outs]) if outs \
+            else np.zeros(0, dtype=dtype)
+
+    out = {"t": cat("t", np.float64) - t0, "ms": cat("ms", np.float64),
+           "status": cat("status", np.int64)}
+    if outs and "version" in outs[0]:
+        out |= {"version": np.asarray([v or "" for o in outs for v in o["version"]],
+                                      dtype=object),
+                "image": cat("image", np.int64),
+                "index": np.asarray([-1 if i is None else i for o in outs for i in o["index"]],
+                                    dtype=np.int64)}
+    return out
+
+
+def code_counts(status: np.ndarray) -> dict[str, int]:
+    """How many requests got each status code (0: no answer), in code order."""
+    return {str(k): v for k, v in sorted(Counter(int(s) for s in status).items())}
+
+
 def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, span: float,
               bin_s: float) -> list[dict[str, Any]]:
     """The phase in bins of ``bin_s`` from ``start``: requests sent (by when they were sent, or
@@ -212,12 +236,11 @@ def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, sp
         sel = back == b
         width = bin_s if b < n_bins - 1 else max(span - b * bin_s, 1e-3)
         ok = sel & (status == 200)
-        codes = Counter(int(s) for s in status[sel])
         p50, p99 = (np.percentile(ms[ok], [50, 99]) if ok.any() else (None, None))
         bins.append({"t": round(start + b * bin_s, 3), "seconds": round(width, 3),
                      "sent": int((sent == b).sum()), "answered": int(sel.sum()),
                      "ok_per_s": round(int(ok.sum()) / width, 2),
-                     "status_counts": {str(k): v for k, v in sorted(codes.items())},
+                     "status_counts": code_counts(status[sel]),
                      "p50_ok_ms": None if p50 is None else round(float(p50), 3),
                      "p99_ok_ms": None if p99 is None else round(float(p99), 3)})
     return bins
@@ -226,30 +249,27 @@ def timeline(t: np.ndarray, ms: np.ndarray, status: np.ndarray, start: float, sp
 def phase_report(outs: list[dict[str, Any]], *, t0: float, bin_s: float) -> dict[str, Any]:
     """What the clients recorded in one phase, merged: counts, throughput, latencies, the
     timeline (``t`` in seconds since ``t0``)."""
-    t = np.concatenate([np.asarray(o["t"], dtype=np.float64) for o in outs]) - t0
-    ms = np.concatenate([np.asarray(o["ms"], dtype=np.float64) for o in outs])
-    status = np.concatenate([np.asarray(o["status"], dtype=np.int64) for o in outs])
+    req = columns(outs, t0)
+    t, ms, status = req["t"], req["ms"], req["status"]
     start = min(o["t0"] for o in outs) - t0
     wall = max(o["t0"] + o["seconds"] for o in outs) - t0 - start
-    codes = Counter(int(s) for s in status)
-    ok = status == 200
+    ok, no_answer = status == 200, int((status == 0).sum())
     failures: Counter = Counter()
     for o in outs:
         failures.update(o["failures"])
-    n = int(len(status))
+    n, client_cpu_s = int(len(status)), sum(o.get("cpu_s", 0.0) for o in outs)
     return {
         "start_s": round(start, 3), "seconds": round(wall, 3), "requests": n,
-        "status_counts": {str(k): v for k, v in sorted(codes.items())},
+        "status_counts": code_counts(status),
         "ok": int(ok.sum()), "errors": n - int(ok.sum()),
         "not_200_or_503": int(((status != 200) & (status != 503)).sum()),
-        "no_answer": codes.get(0, 0), "failures": dict(failures),
+        "no_answer": no_answer, "failures": dict(failures),
         "wrong": sum(o["wrong"] for o in outs),
         "throughput_rps": round(int(ok.sum()) / wall, 2) if wall > 0 else None,
         # The client processes' own CPU (they share the machine with the server).
-        "client_cpu_s": round(sum(o.get("cpu_s", 0.0) for o in outs), 3),
-        "client_cores": (round(sum(o.get("cpu_s", 0.0) for o in outs) / wall, 3)
-                         if wall > 0 else None),
-        "answers_per_s": round((n - codes.get(0, 0)) / wall, 2) if wall > 0 else None,
+        "client_cpu_s": round(client_cpu_s, 3),
+        "client_cores": cores(client_cpu_s, wall) if wall > 0 else None,
+        "answers_per_s": round((n - no_answer) / wall, 2) if wall > 0 else None,
         "latency_ms": summarize(ms.tolist()),
         "latency_ok_ms": summarize(ms[ok].tolist()),
         "latency_rejected_ms": summarize(ms[status == 503].tolist()),

@@ -34,8 +34,9 @@ from sensai.serving.core.repository import add_version, check_model_name
 from .harness import check_settings, envelope, finish, inputs, load_test_images
 from .load import (LoadRun, client_processes, gateway_settings, offline_top1, request_timeout,
                    seconds_bar, sensai_serve)
+from .load_measures import columns
 from .options import LoadOptions, SwapOptions
-from .swap_report import columns, plot, render_markdown, swap_figures
+from .swap_report import plot, render_markdown, swap_figures
 
 
 def check_swap_settings(options: SwapOptions) -> None:

@@ -23,27 +23,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .load_measures import code_counts
 from .render import (SHARED_CORES, Col, Panel, Table, draw, fmt, gateway_text, heading,
                      machine_line, markdown, mark, rss_line)
 from .stats import summarize
 
 WINDOW_TAIL_S = 1.0  # a swap's window ends this long after its load call returned
-
-
-def columns(outs: Sequence[dict[str, Any]], t0: float) -> dict[str, np.ndarray]:
-    """The clients' records (:func:`.client.load_phase` with ``answers``) merged into arrays:
-    ``t`` (s since ``t0``), ``ms``, ``status``, ``version`` (str, "" where no answer named
-    one), ``image`` and ``index`` (-1 where there was no 200 answer)."""
-    def cat(key: str, dtype) -> np.ndarray:
-        return np.concatenate([np.asarray(o[key], dtype=dtype) for o in outs]) if outs \
-            else np.zeros(0, dtype=dtype)
-
-    return {"t": cat("t", np.float64) - t0, "ms": cat("ms", np.float64),
-            "status": cat("status", np.int64),
-            "version": np.asarray([v or "" for o in outs for v in o["version"]], dtype=object),
-            "image": cat("image", np.int64),
-            "index": np.asarray([-1 if i is None else i for o in outs for i in o["index"]],
-                                dtype=np.int64)}
 
 
 def lifetimes(first_version: str, swaps: Sequence[dict[str, Any]]
@@ -106,8 +91,7 @@ def _counts(req: dict[str, np.ndarray], sel: np.ndarray, alive: dict[str, tuple[
     ok = sel & (req["status"] == 200)
     by_version = Counter(req["version"][ok])
     return {"requests": int(sel.sum()), "errors": int((sel & ~ok).sum()),
-            "status_counts": {str(k): v for k, v in
-                              sorted(Counter(int(x) for x in req["status"][sel]).items())},
+            "status_counts": code_counts(req["status"][sel]),
             "answers_by_version": {v or "(none)": n for v, n in
                                    sorted(by_version.items(), key=lambda kv: version_order(kv[0]))},
             "misattributed": misattributed(req, alive, ok),
