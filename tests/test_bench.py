@@ -937,3 +937,34 @@ def test_bench_robust_reports_straggler_and_failure(artifact, tmp_path):
         r1["none"]["subnet_runs_per_request"] / 5.0, abs=1e-3)
     md = (out / "robust.md").read_text()
     assert "| r=1 | failure |" in md and "worker threads" in md
+
+
+def test_the_memory_probe_reports_each_cuda_devices_growth(monkeypatch):
+    """The GPU figures of a strategy's load, on a stand-in for torch.cuda's counters: torch's
+    peak over its allocation at the start (the peak reset first), the device's memory in use
+    over its own at the start, per CUDA device asked for, none for the CPU."""
+    import torch
+
+    from sensai.bench.machine import MemoryProbe
+
+    state = {"cuda:0": {"alloc": 100e6, "peak": 900e6, "used": 1000e6},
+             "cuda:1": {"alloc": 0.0, "peak": 0.0, "used": 500e6}}
+    total = 80e9
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda dev: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats",
+                        lambda dev: state[str(dev)].update(peak=state[str(dev)]["alloc"]))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda dev: int(state[str(dev)]["alloc"]))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda dev: int(state[str(dev)]["peak"]))
+    monkeypatch.setattr(cuda, "mem_get_info",
+                        lambda dev: (int(total - state[str(dev)]["used"]), int(total)))
+    with MemoryProbe(["cpu", "cuda:0", "cuda:1", "cuda:0"]) as probe:
+        assert state["cuda:0"]["peak"] == 100e6  # reset when the probe started
+        state["cuda:0"].update(alloc=300e6, peak=450e6, used=1600e6)
+        state["cuda:1"].update(used=520e6)
+    assert probe.figures["cuda"] == {
+        "cuda:0": {"torch_peak_mb": 350.0, "device_used_mb": 600.0},
+        "cuda:1": {"torch_peak_mb": 0.0, "device_used_mb": 20.0}}
+    with MemoryProbe(["cpu"]) as probe:
+        pass
+    assert probe.figures["cuda"] == {} and probe.figures["rss_growth_mb"] is not None

@@ -15,6 +15,7 @@ from sensai.manifest import DecompositionManifest
 
 from .stats import rounded
 
+
 def accuracy(manifest: DecompositionManifest) -> dict[str, Any]:
     ev = manifest.evaluation or {}
     original = ev.get("original_top1")

@@ -68,6 +68,11 @@ def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
     the test split must be where the spec says, the directory writable."""
     spec = artifact.spec.with_data_dir(data_dir)
     resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
+    return spec, writable_dir(out_dir)
+
+
+def writable_dir(out_dir: str | Path) -> Path:
+    """The output directory, made if needed and checked writable (one line if not)."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +81,7 @@ def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
         probe.unlink()
     except OSError as e:
         raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
-    return spec, out
+    return out
 
 
 def progress_bar(enabled: bool, desc: str = "bench"):

@@ -31,7 +31,7 @@ from sensai.manifest import MANIFEST
 from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySettings,
                                           load_settings)
 
-from .harness import envelope, finish, inputs, load_test_images
+from .harness import envelope, finish, inputs, load_test_images, writable_dir
 from .load import gateway_settings, offline_top1, seconds_bar
 from .load_run import Sweep, check_load_settings, server_core_count, sweep_clients
 from .load_single import model_dir_as_artifact
@@ -91,10 +91,7 @@ def settings_text(planned: dict[str, Any]) -> str:
 def resolve_models(paths: Sequence[str | Path], out: Path) -> list[Artifact]:
     """The artifacts to serve: each artifact as it is, each trained model directory as its
     one-group artifact (under ``out/models/``); they must answer the same question."""
-    try:  # before anything is written under it
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    writable_dir(out)  # before anything is written under it
     arts = []
     for i, path in enumerate(paths):
         path = Path(path)

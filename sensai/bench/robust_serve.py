@@ -2,16 +2,16 @@
 called over HTTP.
 
 A configuration (redundancy ``r``, hedge) is ``sensai serve ART --backend ray-serve`` with its
-settings as its environment (:func:`.server.serve_env`: ``SENSAI_REDUNDANCY=r``, ...) in a
-process of its own, started by the bench's server starter (:func:`.server.start_server`), its
-ingress serving on 127.0.0.1 itself, on a new local Ray instance of its own (or the cluster at
-``ray_address``), and stopped before the next starts: Serve runs one application per Ray
-instance here. The requests are
-KServe v2 binary tensors of the same normalized images the offline answers are computed from, sent
-by the benchmark's client process (:func:`.client.load_phase`) with :data:`IN_FLIGHT` requests
-always in flight (a closed loop), in every scenario alike; ``wrong``: answers whose top-1 differs
-from offline evaluation's (the v2 answer's ``class_index``). Subnet runs and skipped copies come
-from the ingress's ``GET /v1/models``; the ingress does not report compute time.
+settings as its environment (:func:`.server.serve_env`: ``SENSAI_REDUNDANCY=r``, ...) in a process
+of its own, started by the bench's server starter (:func:`.server.start_server`), its ingress
+serving on 127.0.0.1 itself, on a new local Ray instance of its own (or the cluster at
+``ray_address``), and stopped before the next starts: Serve runs one application per Ray instance
+here. The requests are KServe v2 binary tensors of the same normalized images the offline answers
+are computed from, sent by the benchmark's client process (:func:`.client.load_phase`) with
+:data:`IN_FLIGHT` requests always in flight (a closed loop), in every scenario alike; ``wrong``:
+answers whose top-1 differs from offline evaluation's (the v2 answer's ``class_index``). Subnet
+runs and skipped copies come from the ingress's ``GET /v1/models``; the ingress does not report
+compute time.
 
 ``failure``: the victim worker's replica process is SIGKILLed while the loop runs, then
 ``GET /v1/models`` is polled: the outage ends when the ingress reports the victim up on a new
