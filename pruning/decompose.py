@@ -158,14 +158,14 @@ class DecomposeConfig:
                 "(k+1)-th; the loss still weighs each class like all negatives)",
         "bound": Bound(above=0, below=1)})
     distill: float = field(default=0.7, metadata={
-        "help": "weight in [0, 1] of the original model's soft targets in the retraining loss",
+        "help": "weight of the original model's soft targets in the retraining loss",
         "bound": Bound(low=0, high=1)})
     distill_temperature: float = field(default=1.0, metadata={
-        "help": "temperature T > 0 of the distillation term: teacher and subnet outputs are "
+        "help": "temperature T of the distillation term: teacher and subnet outputs are "
                 "divided by T (and the term scaled by T^2); larger T weighs the teacher's "
                 "ranking of unlikely classes more", "bound": Bound(above=0)})
     hard_negatives: float = field(default=0.5, metadata={
-        "help": "share in [0, 1] of the negatives drawn by how strongly the original model "
+        "help": "share of the negatives drawn by how strongly the original model "
                 "mistakes them for the subnet's classes", "bound": Bound(low=0, high=1)})
     optimizer: str = field(default="adam", metadata={
         "help": "the retraining optimizer: sgd with Nesterov momentum, or adam (AdamW)",

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from sensai.errors import SensaiError
-from sensai.fsutil import sha256_file, write_json_atomic
+from sensai.fsutil import sha256_file, writable_dir, write_json_atomic
 from sensai.manifest import MANIFEST
 
 from .errors import SettingsMismatch
@@ -79,17 +78,6 @@ def file_ok(path: Path, sha: str | None) -> bool:
     return bool(sha) and path.is_file() and sha256_file(path) == sha
 
 
-def check_writable(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise SensaiError(f"output {root} exists and is not a directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise SensaiError(f"cannot write to output directory {root}: {e.strerror or e}") from None
-
-
 def settings_diff(old: dict, new: dict) -> list[str]:
     diffs = []
     for key in sorted(set(old) | set(new)):
@@ -105,7 +93,7 @@ def prepare_out(layout: Layout, fingerprint: dict, force: bool, defaults: dict) 
     """Refuse to mix settings in one artifact; with ``force`` remove only what we wrote.
     ``defaults``: the config's defaults, read for knobs an older artifact does not record."""
     root = layout.root
-    check_writable(root)
+    writable_dir(root)
     old = read_json(layout.settings)
     if old is not None and isinstance(old.get("config"), dict):
         # Made before a knob existed means made with its default: not other settings.

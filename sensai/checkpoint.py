@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .errors import CheckpointError
-from .fsutil import atomic_path, sha256_file
+from .errors import CheckpointError, first_line
+from .fsutil import atomic_path, check_out_dir, sha256_file
 from .manifest import MODEL_WEIGHTS, DatasetInfo, ModelRecord, load_model_record, save_model_record
 from .models import count_params, create_model
 
@@ -125,10 +125,15 @@ def load_trained_model(model_dir: str | Path, *, trust_code: bool = False
 def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | Path,
                    test_top1: float | None = None) -> ModelRecord:
     """Adopt a user's own trained weights (safetensors, or a plain tensor state dict in a .pt/.pth
-    loaded with ``weights_only=True``) for a registry model or ``package.module:factory``."""
-    weights_path = Path(weights_path)
+    loaded with ``weights_only=True``) for a registry model or ``package.module:factory``;
+    ``model_dir`` is made only once the weights fit the model."""
+    model_dir, weights_path = check_out_dir(model_dir), Path(weights_path)
+    if weights_path.is_dir():
+        raise CheckpointError(f"weights file {weights_path} is a directory; give the file")
     if not weights_path.is_file():
         raise CheckpointError(f"weights file {weights_path} does not exist")
+    if weights_path.stat().st_size == 0:
+        raise CheckpointError(f"weights file {weights_path} is empty")
     if weights_path.suffix == ".safetensors":
         state = load_weights(weights_path)
     else:
@@ -136,7 +141,7 @@ def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | P
             state = torch.load(weights_path, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only refuses arbitrary objects with various errors
             raise CheckpointError(f"cannot load {weights_path} as a plain state dict "
-                                  f"(weights_only=True): {str(e).splitlines()[0]}") from None
+                                  f"(weights_only=True): {first_line(e)}") from None
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -144,7 +149,6 @@ def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | P
     # The operator named ``arch`` on the command line: their consent to import it.
     model = create_model(arch, spec.num_classes, spec.in_channels, trust_code=True)
     load_state_strict(model, state, f"weights in {weights_path}")
-    model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     sha = save_weights(model_dir / MODEL_WEIGHTS, model)
     record = ModelRecord(model=arch, num_classes=spec.num_classes, in_channels=spec.in_channels,

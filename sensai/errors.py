@@ -10,6 +10,13 @@ class SensaiError(Exception):
     """A problem with the user's input, data or files, explained in one line."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, for a one-line error quoting it; its type's name when
+    the message is empty (many library errors have none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class DataError(SensaiError):
     """A dataset is missing, malformed or does not match what a model expects."""
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ExportError
+from .errors import ExportError, first_line
 from .fsutil import atomic_path
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def check_onnx(path: str | Path, model: nn.Module, batch: torch.Tensor, *, atol:
                                        providers=["CPUExecutionProvider"])
         got = session.run([OUTPUT_NAME], {INPUT_NAME: batch.cpu().numpy().astype(np.float32)})[0]
     except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-        raise ExportError(f"onnxruntime cannot run {path}: {str(e).splitlines()[0]}") from None
+        raise ExportError(f"onnxruntime cannot run {path}: {first_line(e)}") from None
     if got.shape != want.shape:
         raise ExportError(f"{path}: onnxruntime output shape {got.shape} != torch {want.shape}")
     err = float(np.max(np.abs(got - want))) if got.size else 0.0

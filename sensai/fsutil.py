@@ -1,4 +1,5 @@
-"""Atomic file writes: a crash or a bad run never leaves a half-written file in place.
+"""Atomic file writes: a crash or a bad run never leaves a half-written file in place; output
+directories checked before anything is written (:func:`check_out_dir`, :func:`writable_dir`).
 
 The data reaches the disk (fsync of the file, then of its directory) before the rename makes it
 visible, and the file gets ordinary permissions (0644 less the umask), not mkstemp's 0600: an
@@ -13,6 +14,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from sensai.errors import SensaiError
 
 
 @contextmanager
@@ -65,6 +68,40 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_out_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
+    """``path`` as a directory to write into, checked without creating anything (so a run
+    refused later leaves nothing behind): it, or the nearest of its parents that exists, must
+    be a directory this process may write to; one line if not."""
+    path = Path(path)
+    try:
+        for p in (path, *path.parents):
+            if not p.exists():
+                continue
+            if not p.is_dir():
+                raise SensaiError(f"cannot write to {what} {path}: "
+                                  f"{'it' if p == path else p} is a file, not a directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise SensaiError(f"cannot write to {what} {path}: {p} is not writable")
+            break
+    except OSError as e:
+        raise SensaiError(f"cannot write to {what} {path}: {e.strerror or e}") from None
+    return path
+
+
+def writable_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
+    """The directory at ``path`` (:func:`check_out_dir`), made if needed and checked writable
+    by writing a file in it (one line if not)."""
+    out = check_out_dir(path, what)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test-sensai"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SensaiError(f"cannot write to {what} {out}: {e.strerror or e}") from None
+    return out
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

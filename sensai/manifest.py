@@ -212,6 +212,9 @@ def load_model_record(model_dir: str | Path) -> ModelRecord:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
+    if (model_dir / MANIFEST).is_file() and not (model_dir / MODEL_RECORD).exists():
+        raise CheckpointError(f"{model_dir} is an artifact ('sensai decompose'), not a trained "
+                              "model directory ('sensai train' or 'sensai import')")
     return _load(model_dir / MODEL_RECORD, ModelRecord, "model record", MODEL_RECORD_VERSION)
 
 
@@ -219,10 +222,20 @@ def save_model_record(model_dir: str | Path, record: ModelRecord) -> None:
     write_json_atomic(Path(model_dir) / MODEL_RECORD, record.model_dump(mode="json"))
 
 
+def refuse_model_dir(path: str | Path, wanted: str = "an artifact") -> None:
+    """One line when ``path`` is a trained model directory where ``wanted`` is expected."""
+    path = Path(path)
+    if (path / MODEL_RECORD).is_file() and not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path} is a trained model directory ('sensai train' or 'sensai "
+                              f"import'), not {wanted}; 'sensai decompose --model-dir {path} "
+                              "--groups N --out ART' makes an artifact of it")
+
+
 def load_manifest(artifact_dir: str | Path) -> DecompositionManifest:
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.is_dir():
         raise CheckpointError(f"artifact directory {artifact_dir} does not exist")
+    refuse_model_dir(artifact_dir)
     return _load(artifact_dir / MANIFEST, DecompositionManifest, "manifest", MANIFEST_VERSION,
                  " (re-run the same 'sensai decompose' command: it resumes and rewrites the "
                  "manifest)")

@@ -117,3 +117,26 @@ def test_an_old_manifest_says_how_to_upgrade(tiny_artifact, tmp_path):
     art = tampered(tiny_artifact, tmp_path, lambda root, m: m.update(schema_version=1))
     with pytest.raises(CheckpointError, match="re-run the same 'sensai decompose' command"):
         load_artifact(art)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "{model}"], "{model} is a trained model directory ('sensai train' or 'sensai "
+                           "import'), not an artifact or a model repository; 'sensai decompose "
+                           "--model-dir {model} --groups N --out ART' makes an artifact of it"),
+    (["predict", "{model}", "{image}"], "{model} is a trained model directory ('sensai train' "
+                                        "or 'sensai import'), not an artifact;"),
+    (["export", "{model}", "--repository", "{tmp}/repo", "--model", "m"],
+     "{model} is a trained model directory"),
+    (["predict", "{art}", "{tmp}"], "image {tmp} is a directory; give one image file"),
+])
+def test_what_a_directory_is_and_what_was_wanted_is_said_in_one_line(
+        argv, fragment, tiny_artifact, trained_model_dir, tmp_path, capsys):
+    """A trained model directory where an artifact is wanted (serve would take it for a model
+    repository without models), a directory where an image is wanted."""
+    (tmp_path / "one.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    names = dict(model=trained_model_dir, art=tiny_artifact, tmp=tmp_path,
+                 image=tmp_path / "one.png")
+    assert main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment.format(**names) in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.png"]  # nothing created

@@ -238,6 +238,9 @@ def test_v2_element_count_mismatch(client, good_tensor, good_png):
     t = _tensor(good_tensor)
     t["data"] = t["data"][:-1]
     assert_error(_infer_json(client, {"inputs": [t]}), 400, "1568 elements", "1567")
+    # So few values that the body could not hold the shape's: said as such.
+    t["data"] = [0.0, 1.0]
+    assert_error(_infer_json(client, {"inputs": [t]}), 400, "is its data complete?")
     # Binary: the size does not match the shape.
     head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 1, 28, 28],
                         "parameters": {"binary_data_size": 784 * 4}}]}

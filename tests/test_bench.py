@@ -611,7 +611,7 @@ def test_bad_settings_fail_fast(artifact, tmp_path, kwargs, match):
 
     with pytest.raises(SensaiError, match=match):
         run_bench(artifact, tmp_path / "out", BenchOptions(progress=False, **kwargs))
-    assert not (tmp_path / "out" / "bench.json").exists()
+    assert not (tmp_path / "out").exists()  # refused before the output directory is made
 
 
 def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
@@ -630,12 +630,21 @@ def test_missing_original_model_is_a_clear_error(artifact, tmp_path):
         run_bench(art, tmp_path / "out", BenchOptions(progress=False))
 
 
-def test_cli_reports_errors_in_one_line(tmp_path, capsys):
+def test_cli_reports_errors_in_one_line(artifact, tmp_path, capsys):
     from sensai.cli import main
 
     assert main(["bench", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "sensai bench: error:" in err and "Traceback" not in err
+    afile = tmp_path / "afile"
+    afile.touch()
+    for argv, fragment in (
+            (["--out", str(tmp_path / "o"), "--stages", "100"], "--stages 100: "),
+            (["--out", str(afile)], f"output directory {afile}: it is a file, not a directory")):
+        assert main(["bench", str(artifact), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("sensai bench: error: ") and fragment in err[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # no output directory made
 
 
 def test_in_process_runs_on_the_event_loop_the_gateway_gets():

@@ -207,3 +207,24 @@ def test_the_checks_of_the_commands_use_the_declared_bounds():
     check_load_settings(LoadOptions(), sweep)  # 0: no overload
     with pytest.raises(SensaiError, match=r"^--set warmup_seconds must be a number >= 0"):
         check_load_settings(LoadOptions(), dataclasses.replace(sweep, warmup_seconds=-1.0))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "single"], "--configs: --sweep's only"),
+    (["--levels", "1", "4", "--set", "level_seconds=2"],
+     "--levels, --set level_seconds: --sweep's"),
+    (["--transport", "http-v2"], "--transport: --sweep's only"),
+    (["--sweep", "-c", "4", "--set", "burst_seconds=1"],
+     "--concurrency, --set burst_seconds: the soak's only"),
+])
+def test_bench_load_refuses_what_its_kind_of_run_does_not_read(tiny_artifact, tmp_path, capsys,
+                                                               argv, message):
+    """A sweep's flag given to the soak (or the reverse) would be silently ignored: refused in
+    one line, before anything is made."""
+    from sensai.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench-load", str(tiny_artifact), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not out.exists()

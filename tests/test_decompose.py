@@ -214,10 +214,15 @@ def test_cli_rejects_bad_group_counts(trained_model_dir, tmp_path, capsys, group
     assert not out.exists()
 
 
-def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tmp_path, capsys):
+def test_cli_rejects_missing_or_corrupt_model_dir(trained_model_dir, tiny_artifact, tmp_path,
+                                                  capsys):
     code, err = run_cli(capsys, "decompose", "--model-dir", str(tmp_path / "nope"), "--groups", "2",
                         "--out", str(tmp_path / "art"))
     assert code == 2 and "does not exist" in err and len(err.splitlines()) == 1
+    code, err = run_cli(capsys, "decompose", "--model-dir", str(tiny_artifact), "--groups", "2",
+                        "--out", str(tmp_path / "art"))
+    assert code == 2 and len(err.splitlines()) == 1 and f"{tiny_artifact} is an artifact " \
+        "('sensai decompose'), not a trained model directory" in err
 
     broken = copy_artifact(trained_model_dir, tmp_path / "broken")
     (broken / "model.json").write_text("{not json")

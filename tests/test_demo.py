@@ -72,6 +72,14 @@ def test_demo_rejects_bad_arguments_in_one_line(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "d"), "--model", "alexnet"]) == 2
     assert "'alexnet' is not a registry model" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+    afile = tmp_path / "afile"  # an ordinary file where the working directory would go
+    afile.touch()
+    for out in (afile, afile / "d"):
+        assert main(["demo", "--out", str(out), "--no-bench"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"cannot write to working directory {out}: " in err[0], err
+        assert f"{'it' if out == afile else afile} is a file, not a directory" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
 
 
 def test_demo_says_how_far_from_converged_a_model_is(trained_model_dir):

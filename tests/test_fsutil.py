@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from sensai.fsutil import atomic_path, write_json_atomic
+from sensai.errors import SensaiError
+from sensai.fsutil import atomic_path, check_out_dir, writable_dir, write_json_atomic
 
 
 def mode(path) -> int:
@@ -41,3 +42,20 @@ def test_every_artifact_file_follows_the_umask(tiny_artifact):
     for path in tiny_artifact.rglob("*"):
         if path.is_file():
             assert mode(path) == 0o666 & ~umask, f"{path} is {oct(mode(path))}"
+
+
+def test_an_output_directory_is_checked_before_anything_is_made(tmp_path):
+    """A file at the path, or at a folder above it, is refused in one line; a usable path is
+    left unmade by the check and made (with no probe file left) by ``writable_dir``."""
+    afile = tmp_path / "afile"
+    afile.touch()
+    for path, says in ((afile, "it is"), (afile / "a" / "b", f"{afile} is")):
+        for check in (check_out_dir, writable_dir):
+            with pytest.raises(SensaiError, match=f"cannot write to output directory {path}: "
+                                                  f"{says} a file, not a directory"):
+                check(path)
+    assert check_out_dir(tmp_path / "new" / "out") == tmp_path / "new" / "out"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert writable_dir(tmp_path / "new" / "out").is_dir()
+    assert list((tmp_path / "new" / "out").iterdir()) == []
+

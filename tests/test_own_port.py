@@ -63,7 +63,7 @@ def test_a_port_another_server_holds_is_refused_in_one_line():
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        with pytest.raises(SensaiError, match=f"cannot listen on 127.0.0.1:{port}: "):
+        with pytest.raises(SensaiError, match=f"cannot listen on 127.0.0.1:{port} \\(Address "):
             asyncio.run(EmbeddedServer(named("a"), "127.0.0.1", port).start())
 
 

@@ -112,17 +112,23 @@ def test_its_entries_are_answered_with_the_offline_class(gateway, entries, match
     (["ARTIFACT", "--count", "0"], "--count must be at least 1"),
     (["ARTIFACT", "--count", "20000"], "--count must be an integer from 1 to 10000"),
     (["ARTIFACT", "--out-is-a-dir"], "is a directory"),
+    (["ARTIFACT", "--out-under-a-file"], "cannot write to --out's folder {tmp}/afile: it is a "
+                                         "file, not a directory"),
     (["ARTIFACT", "--data-dir", "/no/such/dir"], "does not exist"),
 ])
 def test_bad_arguments_give_one_line(argv, says, tiny_artifact, tmp_path, capsys):
+    (tmp_path / "afile").touch()  # an ordinary file, where a folder is wanted
+    says = says.format(tmp=tmp_path)
     argv = [str(tiny_artifact) if a == "ARTIFACT" else a for a in argv]
     out = str(tmp_path) if "--out-is-a-dir" in argv else str(tmp_path / "x.json")
-    argv = [a for a in argv if a != "--out-is-a-dir"]
+    if "--out-under-a-file" in argv:
+        out = str(tmp_path / "afile" / "x.json")
+    argv = [a for a in argv if not a.startswith("--out-")]
     assert main(["perf-data", *argv, "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sensai perf-data: error: ") and says in err
     assert err.count("\n") == 1
-    assert not (tmp_path / "x.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # nothing written
 
 
 def test_the_command_fails_in_one_line_without_a_traceback(tmp_path):

@@ -121,7 +121,8 @@ def test_bad_constraints_are_refused_in_one_line(tiny_artifact, tmp_path, capsys
     assert not (tmp_path / "o" / "plan.json").exists()
 
 
-def test_a_model_of_another_question_is_refused(tiny_artifact, tmp_path, capsys):
+def test_a_model_of_another_question_is_refused(tiny_artifact, trained_model_dir, tmp_path,
+                                                capsys):
     from sensai.manifest import load_manifest, save_manifest
 
     other = tmp_path / "other"
@@ -132,6 +133,28 @@ def test_a_model_of_another_question_is_refused(tiny_artifact, tmp_path, capsys)
     save_manifest(other, m.model_copy(update={"dataset": bigger}))
     assert main(["plan", str(tiny_artifact), str(other), "--out", str(tmp_path / "o")]) == 2
     assert "a plan compares deployments of one model" in capsys.readouterr().err
+    # A trained model directory is read, not yet made an artifact under --out, when refused.
+    assert main(["plan", str(trained_model_dir), str(other), "--out", str(tmp_path / "o")]) == 2
+    assert "a plan compares deployments of one model" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("model, out, fragment", [
+    ("{tmp}/nothing", "{tmp}/o", "artifact directory {tmp}/nothing does not exist"),
+    ("{tmp}/bad", "{tmp}/o", "manifest {tmp}/bad/manifest.json is not valid JSON"),
+    ("{art}", "{tmp}/afile", "cannot write to output directory {tmp}/afile: it is a file"),
+    ("{art}", "{tmp}/afile/o", "output directory {tmp}/afile/o: {tmp}/afile is a file"),
+])
+def test_a_refused_plan_creates_nothing(tiny_artifact, tmp_path, capsys, model, out, fragment):
+    """The models and --out are checked before --out is made."""
+    (tmp_path / "afile").touch()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{broken")
+    names = dict(tmp=tmp_path, art=tiny_artifact)
+    assert main(["plan", model.format(**names), "--out", out.format(**names)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment.format(**names) in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "bad"]
 
 
 def deployment(path, **fields):

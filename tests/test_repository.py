@@ -394,6 +394,33 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
         assert stop_server(proc) == 0
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--repository", "{tmp}/afile"],
+     "cannot write to model repository {tmp}/afile: it is a file, not a directory"),
+    (["--repository", "{tmp}/afile/repo"],
+     "cannot write to model repository {tmp}/afile/repo: {tmp}/afile is a file, not a "
+     "directory"),
+    (["--repository", "{tmp}/repo", "--version", "-1"],
+     "version must be a positive integer, got -1"),
+    (["--repository", "{tmp}/repo", "--version", "0"], "version must be a positive integer"),
+    (["--repository", "{tmp}/repo", "--model", "afile"],
+     "cannot write to model folder {tmp}/repo/afile: it is a file, not a directory"),
+])
+def test_a_refused_export_is_one_line_and_creates_nothing(tmp_path, tiny_artifact, capsys,
+                                                          argv, fragment):
+    from sensai.cli import main
+
+    (tmp_path / "afile").touch()
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "afile").touch()
+    assert main(["export", str(tiny_artifact), "--model", MODEL,
+                 *[a.format(tmp=tmp_path) for a in argv]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment.format(tmp=tmp_path) in err[0], err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "afile", "repo", "repo/afile"]
+
+
 def test_a_repository_on_ray_actors_swaps_under_load(tmp_path, tiny_artifact, tiny_artifact_g2,
                                                      images, expected):
     """``sensai serve REPO --backend ray``: one Ray for every version's actors (the CLI's, so

@@ -3,12 +3,15 @@ real local Ray instance, its ingress replica serving on 127.0.0.1 itself (no Ser
 over HTTP with real images - answers equal offline evaluation at concurrency 1 and 16, the
 gateway's settings reach the application (its connection limits too), a second start on the same
 cluster is refused, and SIGTERM stops it all with exit status 0.  Settings the Serve application
-cannot honour are refused in one line before anything starts."""
+cannot honour are refused in one line before anything starts; so is a port that cannot be bound,
+on every backend, and a port 0 is announced and reported as the port the kernel chose."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ import pytest
 
 from sensai.bench.machine import descendant_pids
 from tests.helpers import (free_port, local_ray, offline_scores, png, process_name, running,
-                           sample_images, wait_for_server, wait_until)
+                           sample_images, stop_server, wait_for_server, wait_until)
 
 MODEL = "tiny"
 
@@ -279,3 +282,83 @@ def test_a_signal_to_its_whole_process_group_stops_it_cleanly(tiny_artifact, fmn
     assert f"Ray Serve did not stop within {SERVE_STOP_S:g} s" in err.decode()
     assert took < 50  # Ray's own wait for its GCS is 60 s
     wait_until(lambda: not any(running(pid) for pid in raylets), 30, "the raylet to end")
+
+
+@pytest.mark.parametrize("argv, env, fragment", [
+    (["--port", "{busy}"], {},
+     "--port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    ([], {"SENSAI_PORT": "{busy}"},
+     "SENSAI_PORT {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    (["--port", "{busy}", "--set", "gateway_replicas=2"], {},
+     "--port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    (["--port", "{busy}", "--backend", "ray-serve"], {},
+     "--port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    (["--port", "0", "--grpc-port", "{busy}"], {},
+     "--grpc-port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"),
+    (["--host", "999.1.1.1", "--port", "0"], {},
+     "--host 999.1.1.1: cannot listen on 999.1.1.1:0 ("),
+    (["--port", "0", "--set", "gateway_replicas=2"], {"SENSAI_HOST": "999.1.1.1"},
+     "SENSAI_HOST 999.1.1.1: cannot listen on 999.1.1.1:0 ("),
+], ids=["busy", "busy-variable", "busy-two-gateways", "busy-ray-serve", "busy-grpc", "bad-host",
+        "bad-host-variable"])
+def test_a_port_that_cannot_be_bound_is_refused_in_one_line_before_anything_is_said(
+        tiny_artifact, capsys, monkeypatch, argv, env, fragment):
+    """The port is bound (or, where other processes bind it, checked) before any worker starts
+    and before the banner: a busy port or a host that is not this machine's is one line naming
+    the setting as it was given, exit 2 - never the banner then uvicorn's own error."""
+    from sensai.cli import main
+
+    with socket.socket() as held:  # another server on the port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        for k, v in env.items():
+            monkeypatch.setenv(k, v.format(busy=busy))
+        assert main(["serve", str(tiny_artifact), "--log-level", "warning",
+                     *(a.format(busy=busy) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sensai serve: error: {fragment.format(busy=busy)}"), err
+    assert len(err.strip().splitlines()) == 1 and "serving" not in err
+
+
+@pytest.mark.parametrize("argv", [[], ["--set", "gateway_replicas=2"]],
+                         ids=["one-gateway", "two-gateways"])
+def test_port_0_is_announced_and_reported_as_the_port_the_kernel_chose(tiny_artifact, tmp_path,
+                                                                        argv):
+    """``--port 0 --grpc-port 0``: the banner and ``/v1/models`` say the ports clients connect
+    to (every gateway process of a server on the same gRPC port), not 0."""
+    import tritonclient.grpc as tc
+
+    log = tmp_path / "stderr.txt"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--port", "0",
+             "--grpc-port", "0", "--device", "cpu", "--log-level", "warning", *argv],
+            stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_until(lambda: proc.poll() is not None or "serving " in log.read_text(), 120,
+                   "the banner")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        banner = re.search(r"on http://127\.0\.0\.1:(\d+) and gRPC port (\d+)\n",
+                           log.read_text())
+        port, grpc_port = int(banner[1]), int(banner[2])
+        assert port and grpc_port
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: ready(url), 60, "the gateway to answer")
+        settings = httpx.get(f"{url}/v1/models", timeout=10).json()["settings"]
+        assert (settings["port"], settings["grpc_port"]) == (port, grpc_port)
+        client = tc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        assert client.is_server_ready()
+        client.close()
+        assert stop_server(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -258,6 +258,10 @@ def test_cli_predict_local_and_remote(tiny_artifact, local_gateway, fmnist_test,
 
     assert main(["predict", str(tiny_artifact), str(tmp_path / "missing.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # More classes than the model has: refused in process as over HTTP (a 422 there).
+    for where in ([], ["--url", local_gateway.url]):
+        assert main(["predict", str(tiny_artifact), str(path), "--top-k", "11", *where]) == 2
+        assert "at most 10" in capsys.readouterr().err
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     assert main(["predict", str(tiny_artifact), str(bad), "--device", "cpu"]) == 2
@@ -290,7 +294,7 @@ def test_by_default_the_gateway_leaves_the_host_alone(tiny_artifact, fmnist_test
     finally:
         server.stop()
     assert info["cores_awake"] == {"mode": "off", "held": False, "latency_us": None,
-                                   "detail": "not asked (keep-cores-awake off)"}
+                                   "detail": "not asked: keep_cores_awake off"}
     assert info["predictor"]["transport"] == {"kind": "threads", "spread_cores": False,
                                               "spread_moves": None}
     assert DEVICE not in opened and moved == []

@@ -93,6 +93,22 @@ def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
     assert main(["export-triton", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "r2").exists()
+    # An ordinary file where the repository (or a folder above it) would go: one line, and the
+    # file is left as it was, --overwrite or not.
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, overwrite in ((afile, []), (afile, ["--overwrite"]), (afile / "r", [])):
+        assert main(["export-triton", str(tiny_artifact), "--out", str(out), *overwrite]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"cannot write to model repository {out}: " in err[0], err
+        assert f"{'it' if out == afile else afile} is a file, not a directory" in err[0], err
+    assert afile.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "afile", "repo"]
+    for threads in ("0", "-3"):  # Triton would be given a thread count it cannot use
+        assert main(["export-triton", str(tiny_artifact), "--out", str(tmp_path / "r3"),
+                     "--threads", threads]) == 2
+        assert f"--threads must be at least 1, got {threads}" in capsys.readouterr().err
+    assert not (tmp_path / "r3").exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -191,6 +191,64 @@ def test_bad_values_are_refused_in_one_line_by_their_flag(argv, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("command, variable, value, message", [
+    ("serve", "SENSAI_PORT", "abc",
+     "invalid setting SENSAI_PORT: expected an integer from 0 to 65535; got 'abc'"),
+    ("serve", "SENSAI_DEADLINE_S", "-1", "SENSAI_DEADLINE_S must be > 0, got -1"),
+    ("serve", "SENSAI_HEDGE_MS", "abc",
+     "invalid setting SENSAI_HEDGE_MS: expected a number >= 0; got 'abc'"),
+    ("serve", "SENSAI_BACKEND", "bogus", "invalid setting SENSAI_BACKEND: expected one of "
+                                         "local, processes, ray, triton, ray-serve; got 'bogus'"),
+    ("predict", "SENSAI_BACKEND", "bogus", "invalid setting SENSAI_BACKEND: expected one of "
+                                           "local, processes, ray, triton, ray-serve; got 'bogus'"),
+    ("serve", "SENSAI_VOTE", "maybe", "invalid setting SENSAI_VOTE: expected true or false; "
+                                      "got 'maybe'"),
+    ("serve", "SENSAI_RUNTIME", "gpu", "invalid setting SENSAI_RUNTIME: expected one of auto, "
+                                       "onnx, torch, cuda-graph, sim, or sim:MS; got 'gpu'"),
+    # A secret is not repeated.
+    ("serve", "SENSAI_REPOSITORY_TOKEN", "short",
+     "invalid setting SENSAI_REPOSITORY_TOKEN: expected at least 16 characters"),
+])
+def test_an_environment_variables_error_names_the_variable(monkeypatch, command, variable,
+                                                           value, message):
+    """A value from the environment is called by its variable, never by the flag that was not
+    given, and what the setting takes is said in words."""
+    from sensai.cli import build_parser
+
+    top = build_parser()
+    monkeypatch.setenv(variable, value)
+    argv = [command, "ART"] + (["x.png"] if command == "predict" else [])
+    with pytest.raises(SensaiError) as e:
+        settings_from(top.parse_args(argv))
+    assert str(e.value) == message
+    if command == "serve" and variable == "SENSAI_PORT":  # the flag given wins, and is named
+        assert settings_from(top.parse_args([command, "ART", "--port", "5"])).port == 5
+        with pytest.raises(SensaiError, match="--port must be <= 65535, got 70000"):
+            settings_from(top.parse_args([command, "ART", "--port", "70000"]))
+
+
+def test_a_setting_with_a_flag_refused_by_the_backend_is_named_by_its_variable(monkeypatch):
+    monkeypatch.setenv("SENSAI_GRPC_PORT", "1")
+    top, _ = parser()
+    with pytest.raises(SensaiError) as e:
+        settings_from(top.parse_args(["serve", "ART", "--backend", "ray-serve"]))
+    assert str(e.value) == ("SENSAI_GRPC_PORT does not apply to --backend ray-serve (the Serve "
+                            "ingress has no gRPC server)")
+
+
+def test_a_config_files_value_is_named_by_the_file_and_said_in_words(tmp_path):
+    import json
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"kind": "sensai-serve-config", "schema_version": 1,
+                                "settings": {"hedge_ms": "abc"}}))
+    top, _ = parser()
+    with pytest.raises(SensaiError) as e:
+        settings_from(top.parse_args(["serve", "ART", "--config", str(path)]))
+    assert str(e.value) == (f"invalid setting --config {path}: hedge_ms: expected a number "
+                            ">= 0; got 'abc'")
+
+
 def test_without_a_flag_an_error_names_the_setting():
     with pytest.raises(SensaiError, match="max_requests must be >= 1, got 0"):
         load_settings({"max_requests": 0})

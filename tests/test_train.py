@@ -142,15 +142,33 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
     (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),
+    (["train", "--out", "{tmp}/afile"],
+     "cannot write to output directory {tmp}/afile: it is a file, not a directory"),
+    (["train", "--out", "{tmp}/afile/x"], "{tmp}/afile is a file, not a directory"),
+    (["import", "--model", "fmnist_cnn", "--weights", "{weights}", "--out", "{tmp}/afile"],
+     "cannot write to output directory {tmp}/afile: it is a file, not a directory"),
+    (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/empty.pt", "--out", "{tmp}/x"],
+     "weights file {tmp}/empty.pt is empty"),
+    (["import", "--model", "fmnist_cnn", "--weights", "{tmp}", "--out", "{tmp}/x"],
+     "weights file {tmp} is a directory; give the file"),
+    # A load error without a message is still named (its type), in one line.
+    (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/cut.pt", "--out", "{tmp}/x"],
+     "cut.pt as a plain state dict (weights_only=True): EOFError"),
 ])
-def test_cli_errors_are_one_line(tmp_path, capsys, trained_model_dir, argv, needle):
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, trained_model_dir, argv, needle):
     if "cuda:3" in argv and torch.cuda.device_count() > 3:
         pytest.skip("this machine has a cuda:3")
+    given = {"afile": b"", "empty.pt": b"", "cut.pt": b"\x80\x02"}  # an ordinary file; bad .pt
+    for name, data in given.items():
+        (tmp_path / name).write_bytes(data)
+    if "{tmp}/afile" in argv:  # refused before any data is read
+        monkeypatch.setattr("sensai.data.load_split", lambda *a, **k: pytest.fail("data read"))
     argv = [a.format(tmp=tmp_path, weights=trained_model_dir / "model.safetensors") for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
-    assert not (tmp_path / "x" / "model.json").exists()
+    assert needle.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(given)  # nothing created
 
 
 def test_pickled_module_is_refused(tmp_path, capsys):

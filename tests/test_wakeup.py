@@ -42,7 +42,7 @@ def test_off_is_the_default_and_never_opens_the_file(tmp_path, monkeypatch):
     device.write_bytes(b"x")
     awake = keep_cores_awake(device=str(device))
     assert awake.describe() == {"mode": "off", "held": False, "latency_us": None,
-                                "detail": "not asked (keep-cores-awake off)"}
+                                "detail": "not asked: keep_cores_awake off"}
     assert opened == [] and device.read_bytes() == b"x"
     assert GatewaySettings().keep_cores_awake == "off"
 

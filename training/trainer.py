@@ -19,7 +19,7 @@ from sensai.checkpoint import load_state_strict, load_weights, save_weights
 from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batches, normalize,
                          stratified_subset)
 from sensai.errors import CheckpointError, SensaiError
-from sensai.fsutil import atomic_path, write_json_atomic
+from sensai.fsutil import atomic_path, check_out_dir, write_json_atomic
 from sensai.manifest import MODEL_WEIGHTS, DatasetInfo, ModelRecord, TrainInfo, save_model_record
 from sensai.feed import DeviceImages, to_device
 from sensai.learning import (StepLosses, augment, fast_layout, optimizer_options, predict_logits,
@@ -185,7 +185,7 @@ def train(
     if epochs < 1:
         raise SensaiError(f"--epochs must be at least 1, got {epochs}")
     o = options.validate()
-    out = Path(out_dir)
+    out = check_out_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     # The caller names the architecture itself: its consent to import a factory.

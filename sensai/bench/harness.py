@@ -25,7 +25,7 @@ from sensai.artifact import Artifact
 from sensai.bounds import check_bounds
 from sensai.data import encode_png, load_split, normalize, resolve_dataset, stratified_subset
 from sensai.errors import SensaiError
-from sensai.fsutil import write_json_atomic, write_text_atomic
+from sensai.fsutil import writable_dir, write_json_atomic, write_text_atomic
 from sensai.manifest import utc_now
 from sensai.serving.core.contract import Predictor
 from sensai.serving.core.settings import GatewaySettings
@@ -69,19 +69,6 @@ def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
     spec = artifact.spec.with_data_dir(data_dir)
     resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
     return spec, writable_dir(out_dir)
-
-
-def writable_dir(out_dir: str | Path) -> Path:
-    """The output directory, made if needed and checked writable (one line if not)."""
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".bench-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise SensaiError(f"cannot write to output directory {out}: {e.strerror or e}") from None
-    return out
 
 
 def progress_bar(enabled: bool, desc: str = "bench"):

@@ -95,8 +95,9 @@ def run_bench(artifact_dir: str | Path, out_dir: str | Path,
     t_start = time.perf_counter()
     artifact = load_artifact(artifact_dir)
     model, record = original_model(artifact, opts)
+    # Every setting checked before --out is made: a refused run leaves nothing behind.
+    k, r = stages_and_replicas(artifact, opts, model, artifact.spec.input_shape)
     spec, out = inputs(artifact, opts.data_dir, out_dir)
-    k, r = stages_and_replicas(artifact, opts, model, spec.input_shape)
     imgs = load_test_images(spec, opts.images, opts.seed, png="http" in opts.transports)
     log.info("benchmarking %s (G=%d) on %d %s test images", artifact.manifest.model,
              len(artifact.subnets), len(imgs), spec.name)

@@ -254,9 +254,8 @@ def idle_lines(result: dict) -> list[str]:
     return ["Note: an idle core of this virtual machine halts at once (guest_halt_poll_ns 0; the "
             "kernel's default is 200000), so every wake-up of a sleeping worker or of the event "
             "loop goes through the hypervisor, and class parallel pays two or more of them per "
-            "request. Run as root (--set keep_cores_awake=on) to keep idle cores polling for "
-            "the run; "
-            "see deploy/README.md, 'Latency'."]
+            "request. --set keep_cores_awake=on (as root) keeps idle cores polling for the "
+            "run; see deploy/README.md, 'Latency'."]
 
 
 def render_markdown(result: dict) -> str:
@@ -278,8 +277,8 @@ def _intro(result: dict) -> list[str]:
         f"Every worker: runtime {', '.join(st.get('runtime_resolved') or [st['runtime']])} "
         f"(--runtime {st['runtime']}) on {st['device_resolved']}, {st['threads_per_worker']} "
         f"thread(s). Class parallel: the predictor `sensai serve` builds (backend "
-        f"{', '.join(_backends(st))}); the baselines run on worker threads. Model parallel: "
-        f"{st['stages']} stages; data parallel: {st['replicas']} replicas.",
+        f"{', '.join(_backends(st))}); the baselines run on worker threads."
+        + _baseline_sizes(result),
         f"Machine: {m['cpu_model']}, {m['logical_cores']} logical cores "
         f"({m['usable_cores']} usable), {m['memory_gb']} GB; GPU: {gpu}; load average "
         f"{m.get('load_average')} at the start, {m.get('load_average_end')} at the end"
@@ -287,6 +286,14 @@ def _intro(result: dict) -> list[str]:
         f"torch {v.get('torch')}, onnxruntime {v.get('onnxruntime')}, numpy {v.get('numpy')}, "
         f"ray {v.get('ray')}, fastapi {v.get('fastapi')}, uvicorn {v.get('uvicorn')}, "
         f"python {v.get('python')}."]
+
+
+def _baseline_sizes(result: dict) -> str:
+    """The stages and replicas of the baselines that ran."""
+    st, ran = result["settings"], result.get("strategies", {})
+    sizes = [f"model parallel: {st['stages']} stages" if "model-parallel" in ran else None,
+             f"data parallel: {st['replicas']} replicas" if "data-parallel" in ran else None]
+    return "".join(f" {s[0].upper()}{s[1:]}." for s in sizes if s)
 
 
 def _latency_section(result: dict) -> list[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sensai.serving.core.settings import CPU_BATCH_ROWS, GPU_BATCH_ROWS
+
 from .render import (SERVER_CORES, SERVER_CORES_NOTE, SHARED_CORES, STATUS_CODES, Col, Panel,
                      Table, draw, fmt, gateway_settings, gateway_text, heading, machine_line,
                      markdown, mark, one_call_device, p50_p99, p99_line, p99_panel, pct,
@@ -43,14 +45,14 @@ def overload_text(st: dict, of: str) -> str:
     throughput it multiplies), how requests were sent and how the clients took a 503's
     Retry-After (older runs: at once)."""
     asked = f" (asked: {st['overload_rate_rps']:g}/s)" if st.get("overload_rate_rps") else ""
+    polite = st.get("overload_retry_after") == "honoured"
     retry = ("a client that got a 503 with Retry-After waited that long before sending again "
-             "on that connection, as polite clients do, and latency counts from when a request "
-             "was sent; asked: the rate due, offered: the rate sent"
-             if st.get("overload_retry_after") == "honoured" else
+             "on that connection, as polite clients do; asked: the rate due, offered: the rate "
+             "sent" if polite else
              "a client sent again at once after a 503, whatever its Retry-After")
     return (f"then {st['overload_s']:g} s of open-loop overload at {st['overload_factor']:g} x "
             f"{of}{asked} (requests sent when due whatever the answers, latency counted from "
-            f"when each was due; {retry})")
+            f"when each was {'sent' if polite else 'due'}; {retry})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +215,9 @@ def soak_intro(result: dict) -> list[str]:
 def soak_sections(result: dict) -> list:
     over = result["phases"].get("overload") or {}
     lag = over.get("send_lag_ms")
+    counted = ("not in the latencies, which count from the send"
+               if result["settings"].get("overload_retry_after") == "honoured"
+               else "included in the latencies")
     return [
         "## Phases", PHASE.md(phases(result)),
         "200/s: answers 200 per second of the phase.  Status codes: as the client saw them "
@@ -220,9 +225,9 @@ def soak_sections(result: dict) -> list:
         "away at admission, before the body is read (`rejected` in the JSON gives the reasons); "
         f"504 a deadline that passed.  Server cores: {SERVER_CORES_NOTE}.",
         lag and f"Overload: the client sent its requests p50 {p50_p99(lag, ' ms / p99 ')} ms "
-                "after they were due (included in the latencies); it "
-                f"offered {fmt(over['offered_rate_rps'], 1)} of the "
-                f"{fmt(over['target_rate_rps'], 1)} requests/s asked.",
+                f"after they were due ({counted}); it offered "
+                f"{fmt(over['offered_rate_rps'], 1)} of the {fmt(over['target_rate_rps'], 1)} "
+                "requests/s asked.",
         server_rows(result) and [
             "As the gateway counted them (its `/metrics`, before and after each phase; latency "
             "from when its middleware saw a request, as the bucket of its histogram it falls "
@@ -411,9 +416,18 @@ def levels(result: dict) -> list[dict]:
                          (c["noop"], "GET /v2/health/live")]]
 
 
-def overloads(result: dict) -> list:
-    return [[key, o["skipped"]] if "skipped" in o else o | {"configuration": key}
-            for key, c in result["configs"].items() if (o := c.get("overload"))]
+def overloads(result: dict) -> list[dict]:
+    return [o | {"configuration": key} for key, c in result["configs"].items()
+            if (o := c.get("overload")) and "skipped" not in o]
+
+
+def no_overload(result: dict) -> str | None:
+    """Which configurations skipped their overload, and why (a sentence, not a row of -)."""
+    why = {key: o["skipped"] for key, c in result["configs"].items()
+           if (o := c.get("overload")) and "skipped" in o}
+    return why and "No overload for " + "; ".join(
+        f"{', '.join(k for k in why if why[k] == reason)}: {reason}"
+        for reason in dict.fromkeys(why.values())) + "."
 
 
 def skipped(result: dict) -> list[dict]:
@@ -439,7 +453,7 @@ def sweep_tables(result: dict) -> list:
     # Without bench-load's own client (--perf-analyzer only) there are no closed loops of its.
     perf = each(result, "perf_analyzer")
     return [levels(result) and LEVELS.text(levels(result)),
-            overloads(result) and OVERLOAD.text(overloads(result)),
+            overloads(result) and OVERLOAD.text(overloads(result)), no_overload(result),
             skipped(result) and SKIPPED.text(skipped(result)),
             "perf_analyzer:\n" + PERF.text(perf) if perf else
             (result["settings"].get("perf_analyzer") or {}).get("skipped") and perf_note(result)]
@@ -451,6 +465,7 @@ def sweep_sections(result: dict) -> list:
         "## Closed loops", LEVELS.md(levels(result)),
         overloads(result) and ["## Overload", OVERLOAD.md(overloads(result)),
                                "other: answers neither 200 nor 503 (or no answer)."],
+        no_overload(result),
         result["settings"].get("perf_analyzer") and [
             "## perf_analyzer", perf_note(result), perf and PERF.md(perf)],
         batching and [
@@ -462,6 +477,10 @@ def sweep_sections(result: dict) -> list:
         "![p99 latency against throughput](load.png)"]
 
 
+# What batch_max_rows unset means (the settings' default).
+BATCH_ROWS_DEFAULT = f"{CPU_BATCH_ROWS} on CPUs, {GPU_BATCH_ROWS} on GPUs and the sim runtime"
+
+
 def sweep_intro(result: dict) -> list[str]:
     """The configurations and the traffic."""
     st = result["settings"]
@@ -469,7 +488,7 @@ def sweep_intro(result: dict) -> list[str]:
     return [
         f"Configurations: {', '.join(st['configs'])}.  Each gateway configuration is `sensai "
         f"serve` in its own process on 127.0.0.1 (backend {st['backend']}, "
-        f"{gateway_settings(g)}, batch_max_rows {g['batch_max_rows']}, "
+        f"{gateway_settings(g)}, batch_max_rows {g['batch_max_rows'] or BATCH_ROWS_DEFAULT}, "
         f"batch_delay_us {g['batch_delay_us']:g}; "
         "class-parallel-unbatched adds SENSAI_BATCH_MAX_ROWS=1; single "
         "serves the original model as one group on one worker, with the same settings); triton "

@@ -22,6 +22,7 @@ client competes with the server).  Targets: :func:`~.targets.evaluate_load_targe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import replace
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sensai.artifact import load_artifact
+from sensai.bounds import option_name
 from sensai.errors import CheckpointError, SensaiError
 
 from .client import HttpClientProcess
@@ -100,6 +102,24 @@ def check_load_settings(options: LoadOptions, plan: LoadPlan) -> None:
         raise SensaiError(f"--set clients={clients} must not exceed --concurrency "
                           f"({plan.concurrency}): every client process keeps at least one "
                           "request in flight")
+
+
+# What only one kind of run reads: given to the other kind, refused rather than ignored.
+SWEEP_ONLY = ("configs", "levels", "transport", "level_seconds")
+SOAK_ONLY = ("concurrency", "soak_seconds", "burst_seconds", "burst_concurrency",
+             "sample_seconds")
+
+
+def check_kind(plan: LoadPlan) -> None:
+    """One line if ``plan`` sets what its kind of run (the soak, or the sweep) does not read."""
+    default = LoadPlan()
+    fields = {f.name: f for f in dataclasses.fields(LoadPlan)}
+    ignored = [option_name(fields[name]) for name in (SOAK_ONLY if plan.sweep else SWEEP_ONLY)
+               if getattr(plan, name) != getattr(default, name)]
+    if ignored:
+        raise SensaiError(f"{', '.join(ignored)}: " + (
+            "the soak's only, not read by --sweep" if plan.sweep else
+            "--sweep's only (the soak measures the artifact at --concurrency): add --sweep"))
 
 
 def canonical(plan: LoadPlan) -> LoadPlan:
@@ -378,6 +398,7 @@ def run_load(artifact_dir: str | Path, out_dir: str | Path, options: LoadOptions
     ``also`` (beside bench-load's own client) or ``only`` (instead of it) drive every
     configuration with NVIDIA's perf_analyzer at each level (:class:`.PerfAnalyzer`; ``also``
     where it is not on PATH: a warning, and the sweep runs without it)."""
+    check_kind(plan)
     plan = canonical(plan)
     check_load_settings(options, plan)
     gs, gateway_env = gateway_settings(options)

@@ -63,7 +63,7 @@ class BenchData:
     show (by default when stderr is a terminal, so a log or a test gets neither)."""
 
     images: int = flag(default=200, group="test images", low=1,
-                       help="real test images, sent in turn (bench-robust: at least 2)")
+                       help="real test images, sent in turn")
     data_dir: str | None = flag(default=None, group="test images",
                                 help="where the dataset is (default: as the artifact records)")
     seed: int = knob(0, "which test images", low=0)
@@ -156,6 +156,9 @@ class RobustOptions(Workers, BenchData):
     """``sensai bench-robust``: the configurations (redundancy x hedge), the scenarios, how each
     configuration is served, and how the faults are run."""
 
+    # A failure needs a request before the kill and one after it.
+    images: int = flag(default=200, group="test images", low=2,
+                       help="real test images, sent in turn (at least 2)")
     redundancies: tuple[int, ...] = flag("--redundancy", "-r", default=(0, 1), nargs="+",
                                          metavar="R", low=0, help="redundancies to compare")
     hedges_ms: tuple[float, ...] = flag(
@@ -184,7 +187,7 @@ class RobustOptions(Workers, BenchData):
                                   "fraction")
     straggler: int = knob(0, "worker to delay", low=0)
     victim: int = knob(1, "worker to kill", low=0)
-    kill_at: float = knob(0.3, "kill during this fraction of the run, in [0, 1)", low=0,
+    kill_at: float = knob(0.3, "kill during this fraction of the run", low=0,
                           below=1)
     interval_ms: float = knob(10.0, "failure scenario: one request every this many ms", low=0)
     rejoin_timeout_s: float = knob(120.0, "seconds the killed worker's rejoin is waited for",

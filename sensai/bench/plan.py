@@ -26,12 +26,12 @@ import httpx
 
 from sensai.artifact import Artifact, load_artifact
 from sensai.errors import SensaiError
-from sensai.fsutil import sha256_file, write_json_atomic
-from sensai.manifest import MANIFEST
+from sensai.fsutil import check_out_dir, sha256_file, write_json_atomic
+from sensai.manifest import MANIFEST, load_model_record
 from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySettings,
                                           load_settings)
 
-from .harness import envelope, finish, inputs, load_test_images, writable_dir
+from .harness import envelope, finish, inputs, load_test_images
 from .load import gateway_settings, offline_top1, seconds_bar
 from .load_run import Sweep, check_load_settings, server_core_count, sweep_clients
 from .load_single import model_dir_as_artifact
@@ -90,26 +90,25 @@ def settings_text(planned: dict[str, Any]) -> str:
 
 def resolve_models(paths: Sequence[str | Path], out: Path) -> list[Artifact]:
     """The artifacts to serve: each artifact as it is, each trained model directory as its
-    one-group artifact (under ``out/models/``); they must answer the same question."""
-    writable_dir(out)  # before anything is written under it
-    arts = []
-    for i, path in enumerate(paths):
-        path = Path(path)
-        if (path / MANIFEST).is_file() or not path.is_dir():
-            arts.append(load_artifact(path))
-        else:
-            arts.append(model_dir_as_artifact(path, out / "models" / f"{i}-{path.name}")[0])
-    first = arts[0].manifest
-    for a in arts[1:]:
-        m = a.manifest
+    one-group artifact (under ``out/models/``); they must answer the same question.  Every
+    model is read and checked (and ``out`` too) before anything is written: a refused plan
+    leaves nothing behind."""
+    check_out_dir(out)
+    paths = [Path(p) for p in paths]
+    read = [load_artifact(p) if (p / MANIFEST).is_file() or not p.is_dir() else None
+            for p in paths]
+    described = [load_model_record(p) if a is None else a.manifest for p, a in zip(paths, read)]
+    first = described[0]
+    for path, m in zip(paths[1:], described[1:]):
         if (m.dataset.name, tuple(m.dataset.input_shape), m.num_classes) != (
                 first.dataset.name, tuple(first.dataset.input_shape), first.num_classes):
-            raise SensaiError(f"{a.root} answers {m.num_classes} classes of {m.dataset.name} at "
-                              f"{list(m.dataset.input_shape)}, {arts[0].root} "
+            raise SensaiError(f"{path} answers {m.num_classes} classes of {m.dataset.name} at "
+                              f"{list(m.dataset.input_shape)}, {paths[0]} "
                               f"{first.num_classes} of {first.dataset.name} at "
                               f"{list(first.dataset.input_shape)}: a plan compares deployments "
                               "of one model")
-    return arts
+    return [model_dir_as_artifact(p, out / "models" / f"{i}-{p.name}")[0] if a is None else a
+            for i, (p, a) in enumerate(zip(paths, read))]
 
 
 def entry_names(arts: Sequence[Artifact]) -> list[str]:
@@ -296,8 +295,10 @@ def decide(measured: list[dict[str, Any]], constraints: Constraints, out: Path
     other = out / ("closest.json" if meets else "deployment.json")
     other.unlink(missing_ok=True)  # a previous plan's choice no longer stands
     write_json_atomic(target, doc)
-    why = (f"{chosen['label']} meets {constraints.describe()} with "
-           f"{constraints.objective_value(chosen)}, {OBJECTIVE_TEXT[constraints.objective]} "
+    given = constraints.describe()
+    why = (f"{chosen['label']} "
+           + (f"meets {given} with " if given != "no constraint" else "(no constraint given): ")
+           + f"{constraints.objective_value(chosen)}, {OBJECTIVE_TEXT[constraints.objective]} "
            "of the confirmed deployments" if meets else
            f"no measured deployment meets {constraints.describe()}; the closest is "
            f"{chosen['label']} ({'; '.join(chosen['verdict']['why_not'])})")

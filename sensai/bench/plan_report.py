@@ -26,8 +26,10 @@ MEASURED = Table(
 
 
 def measured(result: dict, phase: str | None = None) -> list[dict]:
-    """The measured deployments (of ``phase``), each marked chosen, meeting or not."""
-    return [m | {"meets": "**chosen**" if m["n"] == result["chosen"] else
+    """The measured deployments (of ``phase``), each marked chosen (the closest, when none
+    meets the constraints), meeting or not."""
+    first = "**chosen**" if result["meets"] else "**closest**"
+    return [m | {"meets": first if m["n"] == result["chosen"] else
                  "yes" if m["verdict"]["meets"] else "no"}
             for m in result["measured"] if phase in (None, m["phase"])]
 
@@ -71,7 +73,8 @@ def plot(result: dict, path: Path) -> None:
         pts, chosen = with_p99(m["levels"]), m["n"] == result["chosen"]
         if pts:
             marks.append(p99_line(pts, lw=2.5 if chosen else 1.2,
-                                  label=("chosen: " if chosen else "") + m["label"]))
+                                  label=(m["meets"].strip("*") + ": " if chosen else "")
+                                  + m["label"]))
     budget = result["settings"]["constraints"]["latency_budget_ms"]
     if budget:
         marks.append(mark("axhline", budget, color="crimson", ls="--",

@@ -26,6 +26,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from sensai.errors import first_line
 from sensai.serving.gateway.oip import HEADER_LENGTH, parse_infer_request
 from sensai.serving.launch.serve_run import ServeRun, launch
 from sensai.serving.workers.runners import OrtRunner
@@ -57,7 +58,7 @@ class OriginalModel:
             scores = self.runner.run(x)
             t2 = time.perf_counter()
         except Exception as e:  # bad request, or a shape the model does not take
-            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=400)
+            return JSONResponse({"error": first_line(e)}, status_code=400)
         index = [int(k) for k in np.argmax(scores, axis=1)]
         timings = {"compute": (t2 - t1) * 1e3, "total": (time.perf_counter() - t0) * 1e3}
         return JSONResponse({

@@ -75,8 +75,6 @@ def check_robust_settings(options: RobustOptions, redundancies, scenarios, group
                                      ("runtime", [options.runtime], MODEL_RUNTIMES)))
     for r in redundancies:
         check_redundancy(groups, None, r, options.vote)
-    if options.images < 2:  # bench-robust's floor, above the one BenchData.images declares
-        raise SensaiError(f"--images must be an integer >= 2, got {options.images}")
     parse_delay(options.delay)
     for name, v in (("--set straggler", options.straggler), ("--set victim", options.victim)):
         if v >= groups:
@@ -434,6 +432,10 @@ def add_reports(result: dict[str, Any], measured: dict[str, dict], described: di
     result["worker_transport"] = {k: d["transport"] for k, d in described.items()}
     result["worker_nodes"] = {k: [w.get("node") for w in d["workers"]]
                               for k, d in described.items()}
+    workers = [w for d in described.values() for w in d["workers"]]
+    for what in ("runtime", "device"):  # what "auto" became
+        result["settings"][f"{what}_resolved"] = sorted({str(w[what]) for w in workers
+                                                         if w.get(what)})
     if result["settings"]["backend"] == "ray-serve":
         result["serve"] = {k: {"url": d["url"], "startup_s": d["startup_s"],
                                "gateway": d["gateway"]} for k, d in described.items()}

@@ -90,7 +90,9 @@ def _setup(result: dict, served: bool) -> str:
     backend, kill_at = st.get("backend", "local"), int(st["kill_at"] * st["images"])
     placed = f"{len(result['groups'])} subnets on W = {st['workers']} "
     vote = ", vote mode" if st["vote"] else ""
-    run = (f"after {st['warmup']} warm-up requests; runtime {st['runtime']} on {st['device']}, "
+    runtime, device = (", ".join(st[f"{k}_resolved"]) + f" (--{k} {st[k]})"
+                       if st.get(f"{k}_resolved") else st[k] for k in ("runtime", "device"))
+    run = (f"after {st['warmup']} warm-up requests; runtime {runtime} on {device}, "
            f"{st['threads_per_worker']} thread(s) per worker; deadline {st['deadline_s']} s.  ")
     if not served:
         return (

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from sensai.errors import SensaiError
+from sensai.errors import SensaiError, first_line
 from sensai.export import DEFAULT_OPSET, check_onnx, torch_export
 from sensai.fsutil import atomic_path
 
@@ -67,7 +67,7 @@ def trace(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
         gm = fx.symbolic_trace(model)
     except Exception as e:  # fx raises many kinds of errors on data-dependent control flow
         raise SensaiError(f"cannot trace {type(model).__name__} with torch.fx for stage cutting "
-                          f"(data-dependent control flow?): {str(e).splitlines()[0]}") from None
+                          f"(data-dependent control flow?): {first_line(e)}") from None
     finally:
         model.train(was_training)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -50,9 +50,10 @@ def register(sub) -> None:
                    help="training epochs, one warm-up and cosine schedule over all (default: "
                         "%(default)s)")
     p.add_argument("--groups", "-G", type=int, default=2,
-                   help="subnets (default: %(default)s, one per core of this 2-core machine; "
+                   help="subnets (default: %(default)s, one per core of a 2-core machine; "
                         "10 gives one binary subnet per class)")
-    p.add_argument("--images", type=int, default=8, help="test images sent over HTTP")
+    p.add_argument("--images", type=int, default=8,
+                   help="test images sent over HTTP (default: %(default)s)")
     p.add_argument("--no-bench", action="store_true", help="skip the latency benchmark")
     p.add_argument("--samples-per-subnet", type=int, default=DEMO_SAMPLES_PER_SUBNET,
                    help="retraining images per subnet (default: %(default)s, sized for the "
@@ -114,9 +115,11 @@ def check_demo_args(args):
     any long work)."""
     from sensai.data import resolve_dataset
     from sensai.errors import SensaiError
+    from sensai.fsutil import check_out_dir
     from sensai.models import list_models
     from sensai.pruning.decompose import DecomposeConfig
 
+    check_out_dir(args.out, "working directory")
     if args.model not in list_models():
         raise SensaiError(f"--model {args.model!r} is not a registry model; choose one of: "
                           f"{', '.join(list_models())}")

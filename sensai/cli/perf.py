@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sensai.errors import SensaiError
+from sensai.fsutil import check_out_dir
 
 
 def register(sub) -> None:
@@ -43,6 +44,7 @@ def cmd_perf_data(args) -> int:
         raise SensaiError(f"--count must be at least 1, got {args.count}")
     if Path(args.out).is_dir():
         raise SensaiError(f"--out {args.out} is a directory; give the JSON file to write")
+    check_out_dir(Path(args.out).parent, "--out's folder")
     spec = dataset_of(args.source, args.data_dir)
     xs = pick_test_images(spec, args.count, args.seed)
     path = write_perf_data(args.out, xs)

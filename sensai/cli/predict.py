@@ -50,6 +50,8 @@ def cmd_predict(args) -> int:
     if args.repeat < 1:
         raise SensaiError("--repeat must be at least 1")
     path = Path(args.image)
+    if path.is_dir():
+        raise SensaiError(f"image {path} is a directory; give one image file")
     if not path.is_file():
         raise SensaiError(f"image {path} does not exist")
     if args.url:
@@ -61,6 +63,9 @@ def cmd_predict(args) -> int:
 
     settings = settings_from(args)
     artifact = load_artifact(args.artifact)
+    classes = artifact.spec.classes
+    if args.top_k > len(classes):  # as the gateway refuses it
+        raise SensaiError(f"--top-k: at most {len(classes)}, the classes of the model")
     # The image is checked before any subnet is loaded.
     x = decode_image(path.read_bytes(), artifact.spec,
                      settings.image_pixels(artifact.spec.input_shape))
@@ -88,8 +93,7 @@ def cmd_predict(args) -> int:
             await predictor.close()
 
     pred = asyncio.run(run())
-    classes = artifact.spec.classes
-    idx, val = top_k(pred.scores, min(args.top_k, len(classes)))
+    idx, val = top_k(pred.scores, args.top_k)
     rows = [{"index": int(i), "label": classes[int(i)], "score": float(v)}
             for i, v in zip(idx[0], val[0])]
     if args.json:

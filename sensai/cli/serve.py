@@ -109,8 +109,9 @@ def setting_names(args, from_file=()) -> dict[str, str]:
     ``--config FILE: KEY`` for one of ``from_file`` set nowhere else on the command line; a
     setting not named here is called by its environment variable."""
     knobs = getattr(args, "knobs", None) or {}
-    on_line = set(flag_values(args)) | set(knobs)
-    return {**getattr(args, "flags", {}),
+    given = flag_values(args)
+    on_line = set(given) | set(knobs)
+    return {**{f: flag for f, flag in getattr(args, "flags", {}).items() if f in given},
             **{f: f"--config {args.config}: {f}" for f in from_file if f not in on_line},
             **{k: f"--set {k}" for k in knobs}}
 
@@ -157,6 +158,7 @@ def injected_faults(items: list[str], workers: int):
 
 def cmd_serve(args) -> int:
     from sensai.artifact import load_artifact
+    from sensai.manifest import refuse_model_dir
     from sensai.serving.core.placement import check_redundancy
     from sensai.serving.engine.plan import worker_count
     from sensai.serving.core.repository import is_repository
@@ -166,6 +168,7 @@ def cmd_serve(args) -> int:
     config = read_config(args.config) if args.config else None
     settings = settings_from(args, config)
     names = setting_names(args, config[0] if config else ())
+    refuse_model_dir(args.artifact, "an artifact or a model repository")
     if args.config and is_repository(args.artifact):
         raise SensaiError(f"--config {args.config}: a deployment file is measured for one "
                           "artifact, not a model repository")
@@ -181,26 +184,28 @@ def cmd_serve(args) -> int:
                                worker_count(settings, len(artifact.subnets)),
                                settings.redundancy, settings.vote)
     if settings.backend == "ray-serve":
-        return serve_on_ray_serve(args, settings)
+        return serve_on_ray_serve(args, settings, names)
     faults = injected_faults(args.inject_delay, workers)
-    check_gateway_host(settings)
     processes = settings.gateway_processes()
     # The processes backend's workers are device processes at any gateway count: read on the
     # gateway's event loop, batched across requests, nothing pickled (worker processes over
     # pipes would cost a thread hop each way and a pickle per run).
     if processes > 1 or settings.backend == "processes":
-        return serve_fleet(args, settings, faults, processes)
+        settings, sock = check_gateway_host(settings, names)
+        sock.close()  # the fleet holds the port, shared by its gateway processes
+        return serve_fleet(args, settings, faults, processes, names)
     refuse_device_processes(names, settings, "the local backend with one gateway process runs "
                                              "the subnets in its own threads; use --backend "
                                              "processes")
+    settings, sock = check_gateway_host(settings, names)
     server = None
     url = settings.triton_url
-    if settings.backend == "triton" and url is None:
-        server = launch_triton(args.artifact, threads=settings.threads_per_worker)
-        url = server.url
-        print(f"started tritonserver ({server.install.source}, {server.backend} backend) at "
-              f"{url}", file=sys.stderr)
     try:
+        if settings.backend == "triton" and url is None:
+            server = launch_triton(args.artifact, threads=settings.threads_per_worker)
+            url = server.url
+            print(f"started tritonserver ({server.install.source}, {server.backend} backend) "
+                  f"at {url}", file=sys.stderr)
         predictor = build_predictor(args.artifact,
                                     settings.model_copy(update={"triton_url": url}),
                                     faults=faults)
@@ -209,8 +214,9 @@ def cmd_serve(args) -> int:
               f"{predictor.placement.redundancy}{', vote' if predictor.placement.vote else ''}) "
               f"on {endpoints(settings)}\nplacement:\n{placement_table(predictor.describe())}",
               file=sys.stderr)
-        run_gateway(create_app(predictor, settings), settings)
+        run_gateway(create_app(predictor, settings), settings, sock)
     finally:
+        sock.close()
         if server is not None:
             server.stop()
     return 0
@@ -243,13 +249,13 @@ def serve_repository(args, settings: GatewaySettings, names: dict[str, str]) -> 
     if not model_names(repo) and settings.model_control_kind == "none":
         raise SensaiError(f"model repository {repo} has no models (folders {repo}/<model>/"
                           "<version>/ holding an artifact; see 'sensai export')")
-    check_gateway_host(settings)
+    settings, sock = check_gateway_host(settings, names)
     own_ray = False
-    if settings.backend == "ray":  # one Ray for every model's workers, not one per version
-        from sensai.raycluster import connect
-
-        own_ray = connect(settings.ray_address)
     try:
+        if settings.backend == "ray":  # one Ray for every model's workers, not one per version
+            from sensai.raycluster import connect
+
+            own_ray = connect(settings.ray_address)
         models = ServedModels(
             settings, repository=repo, policy=VersionPolicy.parse(settings.version_policy),
             loader=lambda name, path: build_predictor(
@@ -257,8 +263,9 @@ def serve_repository(args, settings: GatewaySettings, names: dict[str, str]) -> 
                 ray_share=REPOSITORY_RAY_SHARE))
         print(f"serving model repository {repo} ({settings.version_policy}, model control "
               f"{settings.model_control}) on {endpoints(settings)}", file=sys.stderr)
-        run_gateway(create_app(models, settings), settings)
+        run_gateway(create_app(models, settings), settings, sock)
     finally:
+        sock.close()
         if own_ray:
             import ray
 
@@ -274,13 +281,14 @@ def refuse_device_processes(names: dict[str, str], settings: GatewaySettings, wh
                           f"({why})")
 
 
-def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
+def serve_fleet(args, settings: GatewaySettings, faults, processes: int,
+                names: dict[str, str]) -> int:
     """``processes`` gateway processes on the port over device processes, until SIGINT or
-    SIGTERM."""
+    SIGTERM (``names``: how the user gave each setting)."""
     from sensai.serving.launch.fleet import Fleet
     from sensai.serving.launch.signals import StopSignals
 
-    fleet = Fleet(args.artifact, settings, processes=processes, faults=faults)
+    fleet = Fleet(args.artifact, settings, processes=processes, faults=faults, names=names)
     with StopSignals() as signals:
         try:
             fleet.start()
@@ -288,7 +296,7 @@ def serve_fleet(args, settings: GatewaySettings, faults, processes: int) -> int:
                   f"{len(fleet.plan.workers)} workers in {len(fleet.devices)} device "
                   f"process{'es' if len(fleet.devices) > 1 else ''}, "
                   f"{processes} gateway process{'es' if processes > 1 else ''}) on "
-                  f"{endpoints(settings, fleet.port)}\nplacement:"
+                  f"{endpoints(fleet.settings)}\nplacement:"
                   f"\n{plan_table(fleet)}", file=sys.stderr)
             threading.Thread(target=fleet.watch, daemon=True, name="sensai-fleet-watch").start()
             signals.wait()
@@ -307,25 +315,50 @@ def plan_table(fleet) -> str:
                      + f"  [device {d.device}]" for d in fleet.device_plans)
 
 
-def check_gateway_host(settings: GatewaySettings) -> None:
-    """What can be refused before any worker starts, in one line."""
-    if settings.grpc_port:
-        check_port_free(settings.host, settings.grpc_port, "--grpc-port")
+def check_gateway_host(settings: GatewaySettings,
+                       names: dict[str, str]) -> tuple[GatewaySettings, socket.socket]:
+    """What can be refused before any worker starts or anything is said, in one line; then
+    :func:`bind_ports`."""
     if settings.keep_cores_awake == "on":
         keep_cores_awake("on").release()
+    return bind_ports(settings, names)
 
 
-def endpoints(settings: GatewaySettings, port: int | None = None) -> str:
-    return f"http://{settings.host}:{settings.port if port is None else port}" + (
+def bind_ports(settings: GatewaySettings,
+               names: dict[str, str]) -> tuple[GatewaySettings, socket.socket]:
+    """The HTTP port bound (returned, not yet listening) and the gRPC port found free, before
+    any worker starts or anything is said, or one line naming the address, why, and the
+    setting as the user gave it (``names``).  Returns ``settings`` with the ports as bound, a
+    port 0 the kernel's choice, so what is announced and reported is where clients connect."""
+    from sensai.serving.gateway.server import bind_port
+
+    sock = bind_port(settings.host, settings.port, names=names)
+    grpc_port = settings.grpc_port
+    if grpc_port is not None:
+        try:
+            # Closed again: the gRPC server binds it itself when the gateway starts.
+            with bind_port(settings.host, grpc_port, field="grpc_port", names=names) as s:
+                grpc_port = s.getsockname()[1]
+        except SensaiError:
+            sock.close()
+            raise
+    return settings.model_copy(update={"port": sock.getsockname()[1],
+                                       "grpc_port": grpc_port}), sock
+
+
+def endpoints(settings: GatewaySettings) -> str:
+    return f"http://{settings.host}:{settings.port}" + (
         f" and gRPC port {settings.grpc_port}" if settings.grpc_port is not None else "")
 
 
-def run_gateway(app, settings: GatewaySettings) -> None:
-    """``app`` under uvicorn until SIGINT/SIGTERM; a failed startup is one line."""
+def run_gateway(app, settings: GatewaySettings, sock: socket.socket) -> None:
+    """``app`` under uvicorn on ``sock`` (bound by :func:`check_gateway_host`) until
+    SIGINT/SIGTERM; a failed startup is one line."""
     from sensai.serving.gateway.server import run_uvicorn
 
     try:
-        run_uvicorn(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        run_uvicorn(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                    sock=sock)
     except SystemExit:  # uvicorn's exit when the app's startup failed
         failed = getattr(app.state, "startup_error", None)
         if failed is None:
@@ -333,8 +366,9 @@ def run_gateway(app, settings: GatewaySettings) -> None:
         raise SensaiError(f"the gateway did not start: {failed}") from None
 
 
-def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
-    """``--backend ray-serve``: the artifact's Ray Serve application until SIGTERM/SIGINT."""
+def serve_on_ray_serve(args, settings: GatewaySettings, names: dict[str, str]) -> int:
+    """``--backend ray-serve``: the artifact's Ray Serve application until SIGTERM/SIGINT
+    (``names``: how the user gave each setting)."""
     from sensai.serving.launch.build import check_backend_installed
     from sensai.serving.launch.serve_run import serve_artifact
 
@@ -343,9 +377,10 @@ def serve_on_ray_serve(args, settings: GatewaySettings) -> int:
                           "are Serve replicas)")
     check_backend_installed(settings.backend)
     if settings.port == 0:
-        raise SensaiError("--backend ray-serve needs a fixed --port (its ingress replicas share "
-                          "it)")
-    check_port_free(settings.host, settings.port, "--port")
+        raise SensaiError(f"--backend ray-serve needs a fixed {setting_name('port', names)} "
+                          "(its ingress replicas share it)")
+    settings, sock = bind_ports(settings, names)
+    sock.close()  # Serve's ingress replicas bind it, shared
     serve_artifact(args.artifact, settings)
     return 0
 
@@ -360,17 +395,6 @@ def placement_table(described: dict) -> str:
         at = ", ".join(f"{k} {w[k]}" for k in ("device", "node") if w.get(k))
         lines.append(f"  {w['name']}: {', '.join(parts)}" + (f"  [{at}]" if at else ""))
     return "\n".join(lines)
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """Fail in one line, before any worker starts, when something listens on ``port``."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise SensaiError(f"{flag} {port}: cannot listen on {host}:{port} "
-                              f"({e.strerror or e})") from None
 
 
 def cmd_export(args) -> int:

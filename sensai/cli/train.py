@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from sensai.fsutil import check_out_dir
 from sensai.spec import DATASET_NAMES
 from sensai.training.options import TrainOptions
 
@@ -75,6 +76,7 @@ def cmd_train(args) -> int:
     from sensai.models import DEFAULT_MODEL, create_model, select_device
     from sensai.training.trainer import train
 
+    check_out_dir(args.out)  # before any data is read
     model_name = args.model or DEFAULT_MODEL
     spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
     # The operator typed the name: consent to import a factory.  Fail fast on a bad name.

@@ -23,6 +23,7 @@ from typing import Iterable
 
 from sensai.artifact import load_artifact, verify_file
 from sensai.errors import SensaiError
+from sensai.fsutil import check_out_dir
 from sensai.manifest import MANIFEST as MANIFEST_NAME
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -130,23 +131,25 @@ def add_version(repo: str | Path, name: str, artifact_dir: str | Path,
                 version: int | None = None) -> int:
     """Copy the artifact at ``artifact_dir`` (its manifest and the files it names, each checked
     against its hash first) into ``repo/name/<version>`` (default: one above the highest), in
-    one rename: a poller sees all of it or nothing.  Returns the version."""
+    one rename: a poller sees all of it or nothing; a refused export creates nothing.  Returns
+    the version."""
     repo, src = Path(repo), Path(artifact_dir)
     check_model_name(name)
+    if version is not None and version < 1:
+        raise SensaiError(f"version must be a positive integer, got {version}")
+    check_out_dir(repo, "model repository")
+    folder = check_out_dir(repo / name, "model folder")
     artifact = load_artifact(src)
     files = [verify_file(p, sha, "artifact file") for s in artifact.subnets
              for p, sha in ((s.weights, s.weights_sha256), (s.onnx, s.onnx_sha256))
              if p is not None]
-    folder = repo / name
-    folder.mkdir(parents=True, exist_ok=True)
     if version is None:
-        taken = [int(p.name) for p in folder.iterdir() if VERSION.match(p.name)]
-        version = max(taken, default=0) + 1
-    elif version < 1:
-        raise SensaiError(f"version must be a positive integer, got {version}")
+        taken = folder.iterdir() if folder.is_dir() else ()
+        version = max((int(p.name) for p in taken if VERSION.match(p.name)), default=0) + 1
     dest = folder / str(version)
     if dest.exists():
         raise SensaiError(f"{dest} exists already: versions are never overwritten (add a new one)")
+    folder.mkdir(parents=True, exist_ok=True)  # every check passed: the export starts
     tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=folder))
     try:
         for path in [artifact.root / MANIFEST_NAME, *files]:

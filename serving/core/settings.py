@@ -14,12 +14,15 @@ import json
 import math
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Mapping
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sensai.bounds import Bound
 from sensai.errors import SensaiError
 
 from .repository import VersionPolicy
@@ -429,18 +432,47 @@ def number(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
+def expected(field: str) -> str | None:
+    """What setting ``field`` takes, in words ("an integer from 0 to 65535", "one of ...");
+    None where its validator says it (or it is no setting)."""
+    info = GatewaySettings.model_fields.get(field)
+    if info is None:
+        return None
+    if described(field).get("choices"):
+        return f"one of {', '.join(described(field)['choices'])}"
+    kind = info.annotation
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    meta = {k: getattr(m, k) for m in info.metadata
+            for k in ("ge", "gt", "le", "lt", "min_length", "pattern") if hasattr(m, k)}
+    if kind is bool:
+        return "true or false"
+    if kind in (int, float):
+        return Bound(meta.get("ge"), meta.get("gt"), meta.get("le"),
+                     meta.get("lt")).describe(kind is int)
+    if "min_length" in meta:
+        return f"at least {meta['min_length']} characters"
+    return f"text matching {meta['pattern']}" if meta.get("pattern") else None
+
+
 def explain(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
     """The first error of ``e`` in one line, the setting called by the name its user knows it by
-    (``names``: field -> e.g. its CLI flag; default: the field's own name)."""
+    (``names``: field -> e.g. its CLI flag or environment variable; default: the field's own
+    name) and what it takes said in words."""
     first = e.errors()[0]
     loc = [str(x) for x in first.get("loc", ())]
-    field = loc[-1] if loc else ""
+    field = loc[0] if loc else ""
     name = (names or {}).get(field) or ".".join(loc)
     ctx = first.get("ctx") or {}
+    got = first.get("input")
     op = BOUNDS.get(first.get("type", ""))
-    if op and ctx:
+    if op and ctx:  # a variable's text as it was written, a number as a number
         return f"{name} must be {op} {number(next(iter(ctx.values())))}, got " \
-               f"{number(first.get('input'))}"
+               f"{got if isinstance(got, str) else number(got)}"
+    wanted = expected(field) if first.get("type") != "value_error" else None
+    if wanted:
+        return f"invalid setting {name}: expected {wanted}" + (
+            "" if field in SECRETS else f"; got {number(got)}")
     msg = str(first.get("msg", "")).removeprefix("Value error, ")
     return f"invalid setting {name}: {msg}" if name else msg
 
@@ -485,8 +517,12 @@ def check_retired(environ: Mapping[str, str]) -> None:
 def load_settings(values: Mapping, names: Mapping[str, str] | None = None) -> GatewaySettings:
     """:class:`GatewaySettings` from ``values`` over the environment's ``SENSAI_*``, checked
     against its backend (:func:`check_backend`), or a one-line :class:`SensaiError` naming the
-    setting as ``names`` call it (or a retired setting's variable still set)."""
+    setting as its user gave it: one of ``values`` as ``names`` call it (default: its field's
+    name), any other by its environment variable (or a retired setting's variable still
+    set)."""
     check_retired(os.environ)
+    names = {**{f: setting_name(f) for f in GatewaySettings.model_fields},
+             **{f: (names or {}).get(f, f) for f in values}}
     try:
         settings = GatewaySettings(**values)
     except ValidationError as e:

@@ -63,7 +63,7 @@ class CoresAwake:
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise SensaiError(f"keep-cores-awake must be one of {', '.join(MODES)}, got {mode!r}")
+        raise SensaiError(f"keep_cores_awake must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
 
@@ -73,7 +73,7 @@ def keep_cores_awake(mode: str = "off", device: str = DEVICE) -> CoresAwake:
     and carries on."""
     check_mode(mode)
     if mode == "off":
-        return CoresAwake(mode, False, "not asked (keep-cores-awake off)")
+        return CoresAwake(mode, False, "not asked: keep_cores_awake off")
     fd = None
     try:
         fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)

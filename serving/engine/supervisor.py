@@ -151,7 +151,8 @@ class Supervisor:
                 except Exception:  # nothing left to kill
                     pass
                 continue
-            log.info("%s rejoined (restart %d, pid %s)", wk.name, wk.restarts, handle.pid)
+            log.info("%s rejoined (restart %d%s)", wk.name, wk.restarts,
+                     f", pid {handle.pid}" if handle.pid else "")
             return
 
     # -- hangs

@@ -495,7 +495,7 @@ class GrpcServer:
 
     async def start(self, host: str, port: int, *, shared: bool = False) -> "GrpcServer":
         """``shared``: the port is shared with the other gateway processes of one server
-        (SO_REUSEPORT), whose parent checked it was free."""
+        (SO_REUSEPORT), whose parent holds it."""
         limit = self.gw.settings.max_body_bytes
         # SO_REUSEPORT (gRPC's default on Linux) would let a second server share a busy port.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),

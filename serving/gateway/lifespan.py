@@ -44,6 +44,8 @@ def gateway_lifespan(gw: Gateway, *, close_predictor: bool, own_port: bool,
                 try:
                     grpc = app.state.grpc = await GrpcServer(gw).start(
                         settings.host, settings.grpc_port, shared=shared_ports)
+                    # Port 0 was the kernel's choice: /v1/models says where clients connect.
+                    gw.settings = settings.model_copy(update={"grpc_port": grpc.port})
                 except BaseException as e:
                     app.state.startup_error = e  # uvicorn only logs it; `sensai serve` says it
                     raise

@@ -42,9 +42,11 @@ class GatewayMetrics:
             values.ValueClass = values.MultiProcessValue()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("sensai_requests", "HTTP requests by route and status",
-                                ["route", "method", "status"], registry=r)
-        self.request_seconds = Histogram("sensai_request_seconds", "HTTP request latency",
+        self.requests = Counter(
+            "sensai_requests", "HTTP and gRPC requests by route, method (GRPC: a gRPC call) and "
+            "status (an HTTP status, for gRPC calls too)", ["route", "method", "status"],
+            registry=r)
+        self.request_seconds = Histogram("sensai_request_seconds", "HTTP and gRPC request latency",
                                          ["route"], buckets=BUCKETS, registry=r)
         self.errors = Counter("sensai_request_errors", "requests answered with an error, by reason",
                               ["route", "status", "reason"], registry=r)

@@ -124,8 +124,8 @@ def bounded_shape(v: Any, where: str, max_elements: int) -> list[int]:
                              f"(got {shown!r})")
         n *= d
         if n > max_elements:
-            raise InputError(f"{where}: shape {v} has more elements than a request can carry "
-                             f"({max_elements:,})")
+            raise InputError(f"{where}: shape {v} has more elements than this request's data "
+                             f"can hold (at most {max_elements:,}): is its data complete?")
     return v
 
 

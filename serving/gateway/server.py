@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
 import threading
 import time
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Mapping, TypeVar
 
 import uvicorn
 
 from sensai.errors import SensaiError
 
-from ..core.settings import GatewaySettings
+from ..core.settings import GatewaySettings, setting_name
 from .http_protocol import http_protocol
 from .middleware import EarlyGate
 
@@ -52,9 +53,10 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
 
 
 def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
-                graceful_s: float = 10.0) -> None:
+                graceful_s: float = 10.0, sock: socket.socket | None = None) -> None:
     """Serve ``app`` in this thread until SIGINT/SIGTERM, then shut down gracefully (the app's
-    shutdown closes the predictor) and return normally."""
+    shutdown closes the predictor) and return normally; ``sock``: ``host:port`` bound already
+    (:func:`bind_port`), else uvicorn binds it."""
     server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level,
                                            graceful_s=graceful_s))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal against the
@@ -63,7 +65,7 @@ def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
     old = {s: signal.signal(s, lambda signum, frame: stopped.append(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -84,6 +86,22 @@ def listening_socket(host: str, port: int, *, shared: bool = False) -> socket.so
         sock.close()
         raise
     return sock
+
+
+def bind_port(host: str, port: int, *, field: str = "port",
+              names: Mapping[str, str] | None = None, shared: bool = False) -> socket.socket:
+    """:func:`listening_socket`, or a one-line :class:`SensaiError` naming the address, why it
+    cannot be bound, and the setting at fault as its user gave it (``field``: the port's
+    setting, port or grpc_port; a host that does not resolve or is not this machine's is
+    ``host``'s fault; ``names``: see :func:`~sensai.serving.core.settings.setting_name`)."""
+    try:
+        return listening_socket(host, port, shared=shared)
+    except OSError as e:
+        host_fault = isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL
+        name, value = (setting_name("host", names), host) if host_fault else \
+            (setting_name(field, names), port)
+        raise SensaiError(f"{name} {value}: cannot listen on {host}:{port} "
+                          f"({e.strerror or e})") from None
 
 
 class BackgroundServer:
@@ -157,11 +175,7 @@ class EmbeddedServer:
         return f"the gateway's server on {self.host}:{self.port} stopped" + (f": {e}" if e else "")
 
     async def start(self, timeout_s: float = 30.0) -> "EmbeddedServer":
-        try:
-            sock = listening_socket(self.host, self.port, shared=True)
-        except OSError as e:
-            raise SensaiError(f"cannot listen on {self.host}:{self.port}: "
-                              f"{e.strerror or e}") from None
+        sock = bind_port(self.host, self.port, shared=True)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
         deadline = time.monotonic() + timeout_s
         while not self.server.started:

@@ -44,7 +44,7 @@ from ..engine.plan import LOAD_TIMEOUT_S, ServingPlan, class_parallel_plan, cpu_
 from ..engine.predictor import ClassParallelPredictor
 from ..gateway.app import create_app
 from ..gateway.metrics import SHARED_DIR_ENV
-from ..gateway.server import listening_socket, uvicorn_config
+from ..gateway.server import bind_port, uvicorn_config
 from ..transports.devices import Devices
 from ..workers.device import DevicePlan, device_main, die_with_parent, hosted_of
 
@@ -168,7 +168,7 @@ def serve_gateway(gp: GatewayPlan, report, runner: asyncio.Runner) -> None:
                             gateways=gp.processes,
                             load_timeout_s=gp.plan.load_timeout_s, loop=runner.get_loop())
         predictor = ClassParallelPredictor(artifact, gp.plan, transport)
-        sock = listening_socket(settings.host, settings.port, shared=True)
+        sock = bind_port(settings.host, settings.port, shared=True)
     except BaseException as e:
         report.send(("failed", str(e) if isinstance(e, SensaiError)
                      else f"{type(e).__name__}: {e}"))
@@ -254,19 +254,23 @@ class Fleet:
     """``artifact_dir`` served by ``processes`` gateway processes over device processes (see the
     module); :meth:`start` blocks until all are up, :meth:`watch` restarts the dead until
     :meth:`stop`.  ``processes`` 0: the device processes alone, for a predictor of this process
-    (:class:`OwnDevices`)."""
+    (:class:`OwnDevices`).  ``names``: how the user gave each setting, for one-line errors
+    (:func:`~sensai.serving.core.settings.setting_name`)."""
 
     def __init__(self, artifact_dir: str | Path, settings: GatewaySettings, *,
-                 processes: int, faults: Faults | None = None, seed: int = 0):
+                 processes: int, faults: Faults | None = None, seed: int = 0,
+                 names: dict[str, str] | None = None):
         if processes < 0:
             raise SensaiError("a server's gateway processes cannot be fewer than none")
         self.artifact_dir = str(Path(artifact_dir).resolve())
-        self.settings = settings
+        self.settings = settings  # its ports as bound once started (0: the kernel's choice)
+        self.names = names
         self.processes = processes
         self.faults, self.seed = faults, seed
         self.ctx = multiprocessing.get_context("spawn")
         self.folder: Path | None = None
         self.port_holder: socket.socket | None = None
+        self.grpc_holder: socket.socket | None = None
         self.device_plans: list[DevicePlan] = []
         self.addresses: dict[int, str] = {}  # each worker's device process
         self.devices: list[Member] = []
@@ -298,13 +302,15 @@ class Fleet:
         self.folder = Path(tempfile.mkdtemp(prefix="sensai-serve-"))
         if self.processes:
             (self.folder / "metrics").mkdir()
-            # Holds the port (bound, never listening: it takes no connection) from now until
-            # the end, so a restarted gateway gets it back, and port 0 becomes a number.
-            try:
-                self.port_holder = listening_socket(s.host, s.port, shared=True)
-            except OSError as e:
-                raise SensaiError(f"--port {s.port}: cannot listen on {s.host}:{s.port} "
-                                  f"({e.strerror or e})") from None
+            # Holds the ports (bound, never listening: they take no connection) from now until
+            # the end, so a restarted gateway gets them back, and a port 0 becomes a number
+            # every gateway process shares.
+            self.port_holder = bind_port(s.host, s.port, names=self.names, shared=True)
+            if s.grpc_port is not None:
+                self.grpc_holder = bind_port(s.host, s.grpc_port, field="grpc_port",
+                                             names=self.names, shared=True)
+            grpc_port = None if self.grpc_holder is None else self.grpc_holder.getsockname()[1]
+            self.settings = s = s.model_copy(update={"port": self.port, "grpc_port": grpc_port})
         self.device_plans, self.addresses = device_plans(self.plan, self.folder)
         self.devices = [Member(p.name, device_main, (p,), "device", daemon=not self.processes)
                         for p in self.device_plans]
@@ -313,8 +319,7 @@ class Fleet:
             await_report(m, rx, self.plan.load_timeout_s)
         if not self.processes:
             return
-        gateway_plan = replace(self.plan, settings=share(s, self.processes).model_copy(
-            update={"port": self.port}))
+        gateway_plan = replace(self.plan, settings=share(s, self.processes))
         self.gateways = [Member(f"gateway_{i}", gateway_main, (GatewayPlan(
             i, self.processes, self.artifact_dir, gateway_plan, self.addresses,
             str(self.folder / "metrics"), s.max_predictions),), "gateway")
@@ -409,8 +414,9 @@ class Fleet:
                     if m.process.is_alive():
                         m.process.kill()
                         m.process.join(5.0)
-        if self.port_holder is not None:
-            self.port_holder.close()
+        for holder in (self.port_holder, self.grpc_holder):
+            if holder is not None:
+                holder.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sensai.artifact import load_artifact, subnet_name, verify_file
 from sensai.errors import CheckpointError, SensaiError
-from sensai.fsutil import sha256_file
+from sensai.fsutil import check_out_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,10 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
                           f"{', '.join(INSTANCE_KINDS)}")
     if max_batch_size < 0 or gpus < 0:
         raise SensaiError("--max-batch-size and --gpus must be >= 0")
-    artifact, out = load_artifact(artifact_dir), Path(out_dir)
+    if threads < 1:
+        raise SensaiError(f"--threads must be at least 1, got {threads}")
+    out = check_out_dir(out_dir, "model repository")
+    artifact = load_artifact(artifact_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise SensaiError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -247,7 +247,7 @@ class DeviceLink:
         except BlockingIOError:  # woken for nothing
             return
         except (OSError, EOFError):
-            self.ended(sock, "its device process hung up")
+            self.ended(sock, "lost its device process (the connection closed)")
         except w.WireError as e:
             self.ended(sock, f"its device process broke the protocol ({e})")
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sensai.errors import SensaiError
+from sensai.errors import SensaiError, first_line
 
 from ..core.errors import GraphCaptureError
 
@@ -188,9 +188,8 @@ class GraphRunner:
             try:
                 replay, static_out = capture(self.model, static_in, stream=self.stream)
             except Exception as e:  # torch raises RuntimeError and friends for what it cannot capture
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise GraphCaptureError(f"{name}: capturing the forward pass at batch {b} as a "
-                                        f"CUDA graph failed: {first}") from e
+                                        f"CUDA graph failed: {first_line(e)}") from e
             host_in = torch.zeros(static_in.shape, dtype=torch.float32, pin_memory=pin)
             host_out = torch.empty(static_out.shape, dtype=torch.float32, pin_memory=pin)
             done = torch.cuda.Event(blocking=wait == "sleep") if pin else None

@@ -32,7 +32,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from sensai.artifact import Artifact, verify_bytes, verify_file
-from sensai.errors import CheckpointError, SensaiError
+from sensai.errors import CheckpointError, SensaiError, first_line
 from sensai.models import device_for_worker, is_factory_path
 
 from ..core.errors import GraphCaptureError
@@ -152,7 +152,7 @@ class OrtRunner:
                                                 sess_options=opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own types for unreadable graphs
             raise CheckpointError(f"onnxruntime cannot load {what}: "
-                                  f"{str(e).splitlines()[0]}") from None
+                                  f"{first_line(e)}") from None
         self.input_name = self.session.get_inputs()[0].name
         self.output_names = [o.name for o in self.session.get_outputs()]
         out = self.session.get_outputs()[0]
