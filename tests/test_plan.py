@@ -137,6 +137,11 @@ def test_a_model_of_another_question_is_refused(tiny_artifact, trained_model_dir
     assert main(["plan", str(trained_model_dir), str(other), "--out", str(tmp_path / "o")]) == 2
     assert "a plan compares deployments of one model" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    # ... nor when its test images are not where --data-dir says.
+    assert main(["plan", str(trained_model_dir), "--out", str(tmp_path / "o"), "--data-dir",
+                 str(tmp_path / "no-data")]) == 2
+    assert str(tmp_path / "no-data") in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("model, out, fragment", [

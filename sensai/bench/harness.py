@@ -66,9 +66,14 @@ def inputs(artifact: Artifact, data_dir: str | None, out_dir: str | Path
            ) -> tuple[DatasetSpec, Path]:
     """The run's dataset and output directory, checked now rather than after the measurements:
     the test split must be where the spec says, the directory writable."""
-    spec = artifact.spec.with_data_dir(data_dir)
+    return checked_dataset(artifact.spec, data_dir), writable_dir(out_dir)
+
+
+def checked_dataset(spec: DatasetSpec, data_dir: str | None) -> DatasetSpec:
+    """``spec`` read from ``data_dir`` (None: where it says), its test split checked there."""
+    spec = spec.with_data_dir(data_dir)
     resolve_dataset(spec.name, spec.data_dir, spec.input_shape[1])
-    return spec, writable_dir(out_dir)
+    return spec
 
 
 def progress_bar(enabled: bool, desc: str = "bench"):

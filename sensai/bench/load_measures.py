@@ -50,7 +50,7 @@ class RssSampler:
         rss = process_rss_bytes(self.pid)
         if rss is None:
             return None
-        tree, processes = tree_rss(self.tree_of)
+        tree, processes = tree_rss(self.tree_of, {self.pid: rss})
         s = {"t": t, "phase": phase, "rss_mb": round(rss / 1e6, 2),
              "tree_rss_mb": round(tree / 1e6, 2), "processes": processes}
         self.samples.append(s)

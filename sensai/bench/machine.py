@@ -183,13 +183,17 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def tree_rss(pid: int | None) -> tuple[int, int]:
+def tree_rss(pid: int | None, read: dict[int, int] | None = None) -> tuple[int, int]:
     """The resident sets of process ``pid`` and every live process below it, summed in bytes,
     and how many of them are live.  Pages two processes share count twice: an upper bound of
-    what the tree holds."""
+    what the tree holds.  ``read``: resident sets read already, by pid, used as they are (read
+    again, a process's figure would be another instant's: the tree could come out smaller than
+    one of its own processes)."""
     if pid is None:
         return 0, 0
-    rss = [r for r in map(process_rss_bytes, [pid, *descendant_pids(pid)]) if r is not None]
+    read = read or {}
+    rss = [r for p in [pid, *descendant_pids(pid)]
+           if (r := read[p] if p in read else process_rss_bytes(p)) is not None]
     return sum(rss), len(rss)
 
 

@@ -31,7 +31,7 @@ from sensai.manifest import MANIFEST, load_model_record
 from sensai.serving.core.settings import (CONFIG_KIND, CONFIG_SCHEMA, GatewaySettings,
                                           load_settings)
 
-from .harness import envelope, finish, inputs, load_test_images
+from .harness import checked_dataset, envelope, finish, inputs, load_test_images
 from .load import gateway_settings, offline_top1, seconds_bar
 from .load_run import Sweep, check_load_settings, server_core_count, sweep_clients
 from .load_single import model_dir_as_artifact
@@ -88,11 +88,12 @@ def settings_text(planned: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in planned.items()) or "defaults"
 
 
-def resolve_models(paths: Sequence[str | Path], out: Path) -> list[Artifact]:
+def resolve_models(paths: Sequence[str | Path], out: Path, data_dir: str | None
+                   ) -> list[Artifact]:
     """The artifacts to serve: each artifact as it is, each trained model directory as its
     one-group artifact (under ``out/models/``); they must answer the same question.  Every
-    model is read and checked (and ``out`` too) before anything is written: a refused plan
-    leaves nothing behind."""
+    model is read and checked (and ``out``, and the test split in ``data_dir``, too) before
+    anything is written: a refused plan leaves nothing behind."""
     check_out_dir(out)
     paths = [Path(p) for p in paths]
     read = [load_artifact(p) if (p / MANIFEST).is_file() or not p.is_dir() else None
@@ -107,6 +108,7 @@ def resolve_models(paths: Sequence[str | Path], out: Path) -> list[Artifact]:
                               f"{first.num_classes} of {first.dataset.name} at "
                               f"{list(first.dataset.input_shape)}: a plan compares deployments "
                               "of one model")
+    checked_dataset(first.dataset.to_spec(), data_dir)
     return [model_dir_as_artifact(p, out / "models" / f"{i}-{p.name}")[0] if a is None else a
             for i, (p, a) in enumerate(zip(paths, read))]
 
@@ -241,7 +243,7 @@ def run_plan(paths: Sequence[str | Path], out_dir: str | Path, constraints: Cons
     check_plan(paths, constraints, plan.search)
     check_load_settings(options, phases)
     gs, _ = gateway_settings(options)
-    arts = resolve_models(paths, Path(out_dir))
+    arts = resolve_models(paths, Path(out_dir), options.data_dir)
     spec, out = inputs(arts[0], options.data_dir, out_dir)
     t_start = time.perf_counter()
     imgs = load_test_images(spec, options.images, options.seed, png=True)
