@@ -131,6 +131,18 @@ def test_zero_bytes(client, good_png):
     assert_still_serving(client, good_png)
 
 
+def test_an_encoded_image_is_refused_with_415(client, good_png):
+    """An image travels as it is; only the v2 route's tensors take gzip or deflate."""
+    import gzip
+
+    for enc, body in (("br", good_png), ("gzip", gzip.compress(good_png))):
+        r = client.post("/v1/predict", content=body, headers={"content-encoding": enc})
+        assert_error(r, 415, f"Content-Encoding '{enc}'", "as they are")
+    r = client.post("/v1/predict", content=good_png, headers={"content-encoding": "identity"})
+    assert r.status_code == 200, r.text
+    assert_still_serving(client, good_png)
+
+
 def test_multipart_without_image_field(client, good_png):
     r = client.post("/v1/predict", files={"picture": ("x.png", good_png, "image/png")})
     assert_error(r, 400, "no 'image' field")

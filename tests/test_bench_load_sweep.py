@@ -153,7 +153,7 @@ def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifa
     from sensai.artifact import load_artifact
     from sensai.bench.harness import load_test_images
     from sensai.bench.load_single import original_as_artifact
-    from sensai.bench.robust import offline_reference
+    from sensai.bench.harness import offline_reference
     from sensai.bench.strategies import load_original
 
     artifact = load_artifact(tiny_artifact)

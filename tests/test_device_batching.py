@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from sensai.artifact import load_artifact
-from sensai.bench.robust import offline_reference
+from sensai.bench.harness import offline_reference
 from sensai.data import normalize
 from sensai.serving.core.messages import Batching, Done, Output, Run, RunFailed
 from sensai.serving.core.settings import GatewaySettings

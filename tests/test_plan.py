@@ -237,6 +237,9 @@ def test_judging_and_ranking_follow_the_constraints_and_the_objective():
     base, near, far = ({"summary": c.summarize(measured(p, 4, 400)), "verdict": {"meets": True}}
                        for p in (1.0, 0.96, 0.9))
     assert c.within_noise(base, near, 0.05) and not c.within_noise(base, far, 0.05)
+    # The constraints in words, and none given said as such (the plan's "why" reads both).
+    assert c.given == "p99 <= 10 ms, >= 100 answers/s, <= 500 MB" == c.describe()
+    assert Constraints().given is None and Constraints().describe() == "no constraint"
 
 
 def test_a_flag_wins_over_the_file_which_wins_over_the_environment(monkeypatch, tmp_path):

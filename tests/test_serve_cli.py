@@ -142,6 +142,9 @@ def test_sigterm_stops_the_application_and_exits_0(serve_cli):
      "--set gateway_replicas does not apply to --backend ray"),
     (["--set", "gateway_replicas=2", "--backend", "triton"], {},
      "--set gateway_replicas does not apply to --backend triton"),
+    (["--workers", "1", "--backend", "triton"], {},
+     "--workers does not apply to --backend triton (Triton serves each subnet as a model of "
+     "its own, one worker per group"),
     (["--set", "device_processes=2", "--backend", "ray"], {},
      "--set device_processes does not apply to --backend ray"),
     ([], {"SENSAI_DEVICE_PROCESSES": "2", "SENSAI_BACKEND": "triton"},

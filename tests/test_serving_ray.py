@@ -80,8 +80,9 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
     with pytest.raises(SensaiError, match="r\\+1 = 6"):
         build_app({"artifact": str(tiny_artifact), "settings": {"redundancy": 5}})
     # The gateway's connection limits hold on the ingress's own port, not behind Serve's proxy.
-    with pytest.raises(SensaiError, match="SENSAI_MAX_CONNECTIONS does not apply .* proxy"):
-        build_app({"artifact": str(tiny_artifact), "settings": {"max_connections": 10}})
+    for name in ("max_connections", "max_connections_per_client"):
+        with pytest.raises(SensaiError, match=f"SENSAI_{name.upper()} does not apply .* proxy"):
+            build_app({"artifact": str(tiny_artifact), "settings": {name: 10}})
     build_app({"artifact": str(tiny_artifact), "own_port": True,
                "settings": {"max_connections": 10}})
     with pytest.raises(SensaiError, match="grpc_port|GRPC_PORT"):

@@ -1,5 +1,6 @@
 """What the benchmarks share, written once: the real test images (normalized arrays in process,
-lossless PNG over HTTP, so both give the same answers); the drivers that time one request
+lossless PNG over HTTP, so both give the same answers) and the answers offline evaluation gives
+them (:func:`offline_reference`); the drivers that time one request
 (:class:`InProcessDriver`, the predictor called directly, and :class:`RemoteDriver`, its own
 gateway called from :class:`.client.HttpClientProcess`, each request paired with the bare request
 that is its transport's floor); warm-up, interleaved rounds (a change in the machine's load hits
@@ -27,10 +28,12 @@ from sensai.data import encode_png, load_split, normalize, resolve_dataset, stra
 from sensai.errors import SensaiError
 from sensai.fsutil import writable_dir, write_json_atomic, write_text_atomic
 from sensai.manifest import utc_now
+from sensai.merge import merge_outputs
 from sensai.serving.core.contract import Predictor
 from sensai.serving.core.settings import GatewaySettings
 from sensai.serving.gateway.app import create_app
 from sensai.serving.gateway.server import BackgroundServer
+from sensai.serving.workers.runners import runner_specs
 from sensai.spec import DatasetSpec
 
 from .client import HttpClientProcess, closed_loop
@@ -103,6 +106,16 @@ def finish(out: Path, stem: str, result: dict[str, Any], t_start: float,
 
 # --------------------------------------------------------------------------------------------
 # The images
+
+
+def offline_reference(artifact: Artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
+                      threads: int = 1) -> np.ndarray:
+    """The answers to compare with: every subnet run in this process on CPU, merged."""
+    runners = [s.build() for s in runner_specs(artifact, device="cpu", runtime=runtime,
+                                               threads=threads)]
+    x = np.concatenate(xs)
+    outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
+    return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
 
 
 @dataclass

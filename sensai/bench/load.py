@@ -29,14 +29,13 @@ from sensai.serving.core.settings import BACKENDS, GatewaySettings, check_backen
 from sensai.serving.gateway.imaging import decode_image
 
 from .client import HttpClientProcess
-from .harness import progress_bar
+from .harness import offline_reference, progress_bar
 from .load_measures import (GpuSampler, RssSampler, busy_cores, check_health, phase_report,
                             process_cores, scrape_metrics, server_cpu, server_split, server_view,
                             worker_pids)
 from .machine import (machine_cpu_seconds, peak_rss_bytes, process_cpu_seconds,
                       process_rss_bytes, reset_peak_rss, split_cores)
 from .options import BenchData, LoadOptions
-from .robust import offline_reference
 from .server import SensaiServe, Server, sigterm_as_exit, start_server
 from .stats import summarize
 

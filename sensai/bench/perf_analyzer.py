@@ -13,10 +13,12 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -100,11 +102,19 @@ def write_perf_data(path: str | Path, xs: Sequence[np.ndarray]) -> Path:
 # Running it
 
 
+def find() -> str | None:
+    """perf_analyzer on PATH, or beside this Python (where ``deploy/setup.sh`` puts it, in the
+    environment's bin, which a user who runs ``.venv/bin/sensai`` need not have on PATH)."""
+    return shutil.which(TOOL, path=os.pathsep.join(
+        (os.environ.get("PATH", os.defpath), str(Path(sys.executable).parent))))
+
+
 def missing() -> str | None:
     """Why perf_analyzer cannot run here (None: it can)."""
-    if shutil.which(TOOL) is None:
-        return (f"{TOOL} is not on PATH (NVIDIA's Triton client tool, PyPI 'perf-analyzer' "
-                ">= 2.50, which needs glibc 2.38)")
+    if find() is None:
+        return (f"{TOOL} is neither on PATH nor beside {sys.executable} (NVIDIA's Triton "
+                "client tool, PyPI 'perf-analyzer' >= 2.50, which needs glibc 2.38; "
+                "deploy/setup.sh unpacks it into .venv)")
     return None
 
 
@@ -147,10 +157,10 @@ class PerfAnalyzer:
     data: Path
     window_ms: int
     out: Path
-    binary: str = TOOL
+    binary: str | None = None  # None: :func:`find`'s
 
     def command(self, url: str, model: str, concurrency: int, csv_path: Path) -> list[str]:
-        return [self.binary, "-m", model, "-u", url.split("://", 1)[-1], "-i", "http",
+        return [self.binary or find() or TOOL, "-m", model, "-u", url.split("://", 1)[-1], "-i", "http",
                 "--input-data", str(self.data), "--concurrency-range",
                 f"{concurrency}:{concurrency}", "--measurement-mode", "time_windows",
                 "--measurement-interval", str(self.window_ms), "--stability-percentage", "100",

@@ -297,9 +297,9 @@ def decide(measured: list[dict[str, Any]], constraints: Constraints, out: Path
     other = out / ("closest.json" if meets else "deployment.json")
     other.unlink(missing_ok=True)  # a previous plan's choice no longer stands
     write_json_atomic(target, doc)
-    given = constraints.describe()
+    given = constraints.given
     why = (f"{chosen['label']} "
-           + (f"meets {given} with " if given != "no constraint" else "(no constraint given): ")
+           + (f"meets {given} with " if given else "(no constraint given): ")
            + f"{constraints.objective_value(chosen)}, {OBJECTIVE_TEXT[constraints.objective]} "
            "of the confirmed deployments" if meets else
            f"no measured deployment meets {constraints.describe()}; the closest is "

@@ -58,11 +58,16 @@ class Constraints:
             raise SensaiError(f"--objective {self.objective!r}: choose one of "
                               f"{', '.join(OBJECTIVES)}")
 
-    def describe(self) -> str:
+    @property
+    def given(self) -> str | None:
+        """The constraints in words; None when none was given."""
         parts = [f"p99 <= {self.latency_budget_ms:g} ms" if self.latency_budget_ms else None,
                  f">= {self.min_throughput:g} answers/s" if self.min_throughput else None,
                  f"<= {self.max_memory_mb:g} MB" if self.max_memory_mb else None]
-        return ", ".join(p for p in parts if p) or "no constraint"
+        return ", ".join(p for p in parts if p) or None
+
+    def describe(self) -> str:
+        return self.given or "no constraint"
 
     def summarize(self, levels: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The figures a deployment is judged on, from its levels (ascending in flight)."""

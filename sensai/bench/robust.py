@@ -25,13 +25,12 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
-from sensai.merge import merge_outputs
 from sensai.raycluster import alive_nodes, local_raylet_pid
 from sensai.serving.core.errors import ServingError
 from sensai.serving.core.faults import parse_delay
@@ -40,10 +39,9 @@ from sensai.serving.core.settings import MODEL_RUNTIMES, GatewaySettings, load_s
 from sensai.serving.engine.predictor import ClassParallelPredictor
 from sensai.serving.gateway.server import run_like_the_gateway
 from sensai.serving.launch.build import build_predictor
-from sensai.serving.workers.runners import runner_specs
 
 from .harness import (check_settings, envelope, finish, inputs, interleaved, load_test_images,
-                      progress_bar, quiet_gc)
+                      offline_reference, progress_bar, quiet_gc)
 from .machine import descendant_pids
 from .names import DEFAULT_SCENARIOS, OUTAGES, ROBUST_BACKENDS, SCENARIOS
 from .options import RobustOptions
@@ -85,16 +83,6 @@ def check_robust_settings(options: RobustOptions, redundancies, scenarios, group
         if why := REFUSED_SCENARIOS.get(s, {}).get(options.backend):
             raise SensaiError(f"the {s} scenario does not apply to --backend {options.backend} "
                               f"({why})")
-
-
-def offline_reference(artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
-                      threads: int = 1) -> np.ndarray:
-    """The answers to compare with: every subnet run in this process on CPU, merged."""
-    runners = [s.build() for s in runner_specs(artifact, device="cpu", runtime=runtime,
-                                               threads=threads)]
-    x = np.concatenate(xs)
-    outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
-    return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)
 
 
 async def one_request(pred: ClassParallelPredictor, x: np.ndarray, ref: np.ndarray, run: Records, *,

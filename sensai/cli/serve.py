@@ -37,7 +37,7 @@ def register(sub) -> None:
                                    "meaning, and --set KEY=VALUE any other; a flag wins over "
                                    "--set, --set over --config, --config over the SENSAI_* "
                                    "environment variable, that over the default "
-                                   "(deploy/README.md, 'Settings').")
+                                   "(deploy/README.md, 'Settings and limits').")
     p.add_argument("artifact", metavar="ARTIFACT_OR_REPOSITORY",
                    help="artifact directory written by 'sensai decompose', or a model repository "
                         "(REPO/<model>/<version>/ each an artifact, see 'sensai export')")
@@ -191,8 +191,11 @@ def cmd_serve(args) -> int:
     # gateway's event loop, batched across requests, nothing pickled (worker processes over
     # pipes would cost a thread hop each way and a pickle per run).
     if processes > 1 or settings.backend == "processes":
+        # Bound alone first, then let go: the fleet's shared bind (SO_REUSEPORT) would succeed
+        # beside another fleet of this user's on the same port, and the kernel would split the
+        # connections between the two.
         settings, sock = check_gateway_host(settings, names)
-        sock.close()  # the fleet holds the port, shared by its gateway processes
+        sock.close()
         return serve_fleet(args, settings, faults, processes, names)
     refuse_device_processes(names, settings, "the local backend with one gateway process runs "
                                              "the subnets in its own threads; use --backend "

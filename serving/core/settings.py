@@ -4,8 +4,8 @@
 (``SENSAI_`` and the name in capitals) and a default.  ``sensai serve`` builds it from its flags
 and its ``--set KEY=VALUE``, the Ray Serve application embeds it in its arguments
 (:mod:`~sensai.serving.launch.serve_app`), and :func:`~sensai.serving.launch.build.build_predictor`
-validates its keywords against it.  Every field is documented in deploy/README.md ("Settings"; a
-test keeps the two in step).
+validates its keywords against it.  Every field is documented in deploy/README.md ("Settings and
+limits"; a test keeps the two in step).
 """
 
 from __future__ import annotations
@@ -181,10 +181,10 @@ class GatewaySettings(BaseSettings):
     device_processes: int | None = setting(
         None, "the device processes the CPU workers share, round robin, where the subnets run "
               "in device processes (\"Several gateway processes\"): fewer answer more on few "
-              "cores, a lone request a little later; GPUs keep one per GPU; refused with "
-              "redundancy, a vote or injected faults, and where the subnets run in none (ray, "
-              "triton, ray-serve, the local backend with one gateway process, a model "
-              "repository)", group="placement", metavar="N",
+              "cores, a lone request a little later; GPUs keep one per GPU; below the "
+              "workers, refused with redundancy, a vote or injected faults; refused where the "
+              "subnets run in none (ray, triton, ray-serve, the local backend with one gateway "
+              "process or a model repository)", group="placement", metavar="N",
         default_doc="one per worker", ge=1)
     ray_address: str | None = setting(
         None, "ray and ray-serve backends: the cluster to join (e.g. auto, HEAD:6379)",
@@ -369,6 +369,8 @@ NOT_ON = {
     "local": {}, "processes": {},
     "ray": {**ONE_GATEWAY, **DEVICE_PROCESSES},
     "triton": {**ONE_GATEWAY, **DEVICE_PROCESSES,
+               "workers": "Triton serves each subnet as a model of its own, one worker per "
+                          "group; use the local, processes or ray backend",
                "redundancy": ONE_MODEL_PER_SUBNET, "vote": ONE_MODEL_PER_SUBNET,
                "hedge_ms": ONE_MODEL_PER_SUBNET},
     "ray-serve": {
@@ -383,6 +385,8 @@ NOT_ON = {
 # proxy.
 PROXY_HELD = {
     "max_connections": "connections are held by Serve's HTTP proxy",
+    "max_connections_per_client": "connections are held by Serve's HTTP proxy, the one client "
+                                  "the ingress would see",
     "max_header_bytes": "request heads are read by Serve's HTTP proxy",
     "client_timeout_s": "request heads are read by Serve's HTTP proxy, so it would bound "
                         "the bodies only",

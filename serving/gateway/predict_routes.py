@@ -107,6 +107,11 @@ def openapi_parameters(*models: tuple[type[BaseModel], str]) -> dict:
 async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
     """The request body (an image's bytes when ``image``: multipart field or raw body), within
     the body time limit and a receiving slot."""
+    if image and (enc := request.headers.get("content-encoding", "").strip().lower()) not in (
+            "", "identity"):
+        # An image is compressed already; the v2 route's gzip/deflate is for tensors.
+        raise InputError(f"unsupported Content-Encoding {enc!r} for an image: send its bytes as "
+                         "they are (PNG and JPEG are compressed already)", status=415)
     async with gw.admission.body(request.state.deadline):
         ctype = request.headers.get("content-type", "").lower() if image else ""
         if ctype.startswith("multipart/form-data"):
