@@ -86,14 +86,15 @@ install_perf_analyzer() {
       > "$d/apt/sources.list"
     opts=(-o Dir::Etc::sourcelist="$root/$d/apt/sources.list" -o Dir::Etc::sourceparts=-
           -o Dir::State::Lists="$root/$d/apt/lists" -o Dir::Cache="$root/$d/apt/cache"
-          -o Debug::NoLocking=1)
+          -o Debug::NoLocking=1 -o Acquire::Retries=1 -o Acquire::http::Timeout=30)
     apt-get "${opts[@]}" update -qq >/dev/null 2>&1 || return 1
     (cd "$d/debs" && apt-get "${opts[@]}" download -qq libc6 libstdc++6 libgcc-s1 \
       >/dev/null 2>&1) || return 1
     for f in "$d"/debs/*.deb; do dpkg-deb -x "$f" "$d/sysroot" || return 1; done
     local lib="$root/$d/sysroot/usr/lib/x86_64-linux-gnu"
-    printf '#!/bin/sh\nexec "%s/ld-linux-x86-64.so.2" --library-path "%s:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu" "%s" "$@"\n' \
-      "$lib" "$lib" "$bin" > "$w"
+    local path="$lib:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu"
+    printf '#!/bin/sh\nexec "%s/ld-linux-x86-64.so.2" --library-path "%s" "%s" "$@"\n' \
+      "$lib" "$path" "$bin" > "$w"
   fi
   chmod +x "$w" && "$w" --version >/dev/null 2>&1 && rm -rf "$d/dl" "$d/apt" "$d/debs"
 }
@@ -101,7 +102,8 @@ if ! .venv/bin/perf_analyzer --version >/dev/null 2>&1; then
   say "unpacking perf_analyzer (PyPI perf-analyzer wheel) into .venv/perf_analyzer"
   if ! install_perf_analyzer; then
     rm -rf .venv/bin/perf_analyzer .venv/perf_analyzer
-    say "warning: could not get perf_analyzer; sensai runs without it (only bench-load --perf-analyzer and its tests use it)"
+    say "warning: could not get perf_analyzer; sensai runs without it" \
+        "(only bench-load --perf-analyzer and its tests use it)"
   fi
 fi
 say "ready: $root/.venv/bin/sensai"

@@ -160,8 +160,8 @@ class PerfAnalyzer:
     binary: str | None = None  # None: :func:`find`'s
 
     def command(self, url: str, model: str, concurrency: int, csv_path: Path) -> list[str]:
-        return [self.binary or find() or TOOL, "-m", model, "-u", url.split("://", 1)[-1], "-i", "http",
-                "--input-data", str(self.data), "--concurrency-range",
+        return [self.binary or find() or TOOL, "-m", model, "-u", url.split("://", 1)[-1],
+                "-i", "http", "--input-data", str(self.data), "--concurrency-range",
                 f"{concurrency}:{concurrency}", "--measurement-mode", "time_windows",
                 "--measurement-interval", str(self.window_ms), "--stability-percentage", "100",
                 "-f", str(csv_path), "--verbose-csv"]
