@@ -37,7 +37,14 @@ FASHION_MNIST_HINT = (
     "install it with 'apt-get install dataset-fashion-mnist' (Debian/Ubuntu) or pass --data-dir "
     "pointing at the four *-idx*-ubyte(.gz) files"
 )
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+# An image folder's files: those the gateway decodes (serving/gateway/imaging.py's FORMATS), so
+# a model can be asked about the very images it was trained on; other image files are refused.
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+UNSERVED_SUFFIXES = {".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
+IMAGE_KINDS = "PNG, JPEG, BMP, GIF or WEBP"
+# An image folder's side when --image-size is not given: the training images' median, at most
+# this (a folder of photos would otherwise make every input megapixels).
+MAX_DEFAULT_SIDE = 224
 
 
 def pil_to_uint8(img, spec: DatasetSpec) -> torch.Tensor:
@@ -80,10 +87,19 @@ class FolderImages(ImageDataset):
         self.spec = spec
 
     def __getitem__(self, i: int):
-        from PIL import Image
+        return read_image(self.files[i], self.spec), int(self.labels[i])
 
-        with Image.open(self.files[i]) as img:
-            return pil_to_uint8(img, self.spec), int(self.labels[i])
+
+def read_image(path: Path, spec: DatasetSpec) -> torch.Tensor:
+    """An image file -> uint8 ``[C, H, W]`` per ``spec``; one line naming the file when it
+    cannot be read (a folder's files are checked as they are read, not all up front)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return pil_to_uint8(img, spec)
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, EOFError) as e:
+        raise DataError(f"cannot read image {path}: {e}") from None
 
 
 def iterate_batches(
@@ -268,6 +284,8 @@ def _load_cifar(spec: DatasetSpec, split: str) -> TensorImages:
                 raise DataError(f"{spec.name} file {where / fname} is missing: {CIFAR_HINT}")
             d = _load_array_pickle(where / fname)
             try:
+                if np.asarray(d["data"]).dtype != np.uint8:  # a cast would wrap 300.7 to 44
+                    raise ValueError(f"pixels must be uint8, not {np.asarray(d['data']).dtype}")
                 xs.append(np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
                 ys.append(np.asarray(d[key], dtype=np.int64))
             except (KeyError, ValueError) as e:
@@ -291,7 +309,7 @@ def _load_cifar(spec: DatasetSpec, split: str) -> TensorImages:
             ys.append(raw[:, head - 1].astype(np.int64))
             xs.append(raw[:, head:].reshape(-1, 3, 32, 32))
     x, y = np.concatenate(xs), np.concatenate(ys)
-    if len(x) != len(y) or y.max(initial=0) >= spec.num_classes:
+    if len(x) != len(y) or y.max(initial=0) >= spec.num_classes or y.min(initial=0) < 0:
         raise DataError(f"{spec.name} {split} data in {where} has inconsistent labels")
     return TensorImages(torch.from_numpy(np.ascontiguousarray(x)), y)
 
@@ -307,7 +325,12 @@ def _folder_files(split_dir: Path, classes: Sequence[str]) -> tuple[list[Path], 
         if not d.is_dir():
             continue
         for p in sorted(d.iterdir()):
-            if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file():
+            suffix = p.suffix.lower()
+            if suffix in UNSERVED_SUFFIXES:
+                raise DataError(f"{p}: the gateway decodes {IMAGE_KINDS} images only, so a "
+                                f"model trained on {suffix} files could not be asked about "
+                                "them; convert them (to PNG, say)")
+            if suffix in IMAGE_SUFFIXES and p.is_file():
                 files.append(p)
                 labels.append(i)
     return files, labels
@@ -338,24 +361,27 @@ def _imagefolder_spec(data_dir: str | None, image_size: int | None) -> DatasetSp
     files, labels = _folder_files(train_dir, classes)
     if not files:
         raise DataError(f"image folder {train_dir} holds no images")
-    # Mode, size and normalisation statistics from a fixed sample of the training images.
-    rng = np.random.default_rng(0)
-    sample = rng.choice(len(files), size=min(500, len(files)), replace=False)
-    try:
-        with Image.open(files[sample[0]]) as first:
-            channels = 1 if first.mode in ("L", "1", "I", "I;16", "F") else 3
-            size = image_size or max(first.size)
-    except (OSError, UnidentifiedImageError) as e:
-        raise DataError(f"cannot read image {files[sample[0]]}: {e}") from None
-    probe = DatasetSpec("imagefolder", classes, (channels, size, size), (0.0,) * channels,
-                        (1.0,) * channels)
-    acc = []
+    empty = sorted(set(range(len(classes))) - set(labels))
+    if empty:
+        raise DataError(f"class folder {train_dir / classes[empty[0]]} holds no {IMAGE_KINDS} "
+                        "images: every class needs training images (remove the folder)")
+    # Mode, size and normalisation statistics from a fixed sample of the training images: colour
+    # when any is (grey converts to colour without loss, not the other way), their median side.
+    sample = np.random.default_rng(0).choice(len(files), size=min(500, len(files)),
+                                             replace=False)
+    modes, sides = set(), []
     for i in sample:
         try:
             with Image.open(files[i]) as img:
-                acc.append(pil_to_uint8(img, probe).reshape(channels, -1).float() / 255.0)
-        except (OSError, UnidentifiedImageError) as e:
+                modes.add(img.mode)
+                sides.append(max(img.size))
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
             raise DataError(f"cannot read image {files[i]}: {e}") from None
+    channels = 1 if modes <= {"L", "1", "I", "I;16", "I;16B", "I;16L", "F"} else 3
+    size = image_size or min(MAX_DEFAULT_SIDE, int(np.median(sides)))
+    probe = DatasetSpec("imagefolder", classes, (channels, size, size), (0.0,) * channels,
+                        (1.0,) * channels)
+    acc = [read_image(files[i], probe).reshape(channels, -1).float() / 255.0 for i in sample]
     pix = torch.cat(acc, dim=1)
     mean = tuple(round(float(v), 4) for v in pix.mean(dim=1))
     std = tuple(round(max(float(v), 1e-3), 4) for v in pix.std(dim=1))

@@ -126,11 +126,38 @@ def pil_to_array(img, spec: DatasetSpec) -> np.ndarray:
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
+def upright_8bit(img):
+    """The picture as a model sees it: turned upright by its EXIF orientation (photos from
+    phones carry a rotation flag), and 16-bit, 32-bit and float greyscale scaled to 8 bits
+    (PIL's convert would clip them at 255); integer or float32 arithmetic only, so a large
+    picture costs little extra memory."""
+    from PIL import Image, ImageOps
+
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception:  # a malformed EXIF block is no reason to refuse the picture
+        pass
+    if img.mode.startswith("I;16"):
+        arr = np.asarray(img, dtype=np.uint32)
+        return Image.fromarray(((arr + 128) // 257).astype(np.uint8), "L")
+    if img.mode == "I":
+        arr = np.asarray(img, dtype=np.float32)
+        scale = np.float32(257.0 if arr.max(initial=0) > 255 else 1.0)
+        return Image.fromarray(np.clip(np.rint(arr / scale), 0, 255).astype(np.uint8), "L")
+    if img.mode == "F":
+        arr = np.asarray(img, dtype=np.float32)
+        if arr.size and np.nanmax(arr) <= 1.0:
+            arr = arr * np.float32(255.0)
+        return Image.fromarray(np.clip(np.nan_to_num(np.rint(arr)), 0, 255).astype(np.uint8), "L")
+    return img
+
+
 def pil_in_shape(img, spec: DatasetSpec):
-    """A PIL image of any size or mode -> the PIL image in the spec's mode and size (alpha
-    composed over white for RGB)."""
+    """A PIL image of any size or mode -> the PIL image in the spec's mode and size
+    (:func:`upright_8bit` first; alpha composed over white for RGB)."""
     from PIL import Image
 
+    img = upright_8bit(img)
     if img.mode in ("RGBA", "LA", "P") and spec.pil_mode == "RGB":
         img = img.convert("RGBA")
         bg = Image.new("RGBA", img.size, (255, 255, 255, 255))

@@ -157,3 +157,98 @@ def test_one_pass_normalisation_gives_the_arithmetics_values_bit_for_bit(channel
     assert one_pass.shape == (1, channels, 16, 16) and one_pass.dtype == np.float32
     assert np.array_equal(one_pass, arithmetic[1:2])
     assert np.array_equal(one_pass, normalize(pil_to_array(picture, spec)[None], spec))
+
+
+def folder(root, split: str, images: dict[str, list]) -> None:
+    """``root/split/<class>/<i>.png`` of the PIL images given per class."""
+    for c, imgs in images.items():
+        d = root / split / c
+        d.mkdir(parents=True, exist_ok=True)
+        for i, img in enumerate(imgs):
+            img.save(d / f"{i}.png")
+
+
+def test_imagefolder_takes_colour_and_size_from_every_sampled_image(tmp_path):
+    grey = [Image.new("L", (40, 40), 50 * i) for i in range(4)]
+    folder(tmp_path, "train", {"a": grey, "b": grey[:3] + [Image.new("RGB", (40, 40), "red")]})
+    folder(tmp_path, "test", {"a": grey[:1], "b": grey[:1]})
+    # One colour image among grey ones: colour (grey converts to it without loss).
+    assert resolve_dataset("imagefolder", str(tmp_path)).input_shape == (3, 40, 40)
+    # The median side, not one image's, and never more than 224 unless asked.
+    big = tmp_path / "big"
+    folder(big, "train", {"a": [Image.new("L", (400, 300))] * 3, "b": [Image.new("L", (900, 9))]})
+    folder(big, "test", {"a": grey[:1], "b": grey[:1]})
+    assert resolve_dataset("imagefolder", str(big)).input_shape == (1, 224, 224)
+    assert resolve_dataset("imagefolder", str(big), image_size=300).input_shape == (1, 300, 300)
+
+
+def test_imagefolder_refuses_what_could_not_be_trained_or_served(tmp_path):
+    grey = [Image.new("L", (20, 20), 60 * i) for i in range(3)]
+    folder(tmp_path, "train", {"a": grey, "b": grey})
+    folder(tmp_path, "test", {"a": grey, "b": grey})
+    (tmp_path / "train" / "empty").mkdir()
+    with pytest.raises(DataError, match=r"class folder .*empty holds no PNG, JPEG"):
+        resolve_dataset("imagefolder", str(tmp_path))
+    (tmp_path / "train" / "empty").rmdir()
+    grey[0].save(tmp_path / "train" / "b" / "scan.TIF")
+    with pytest.raises(DataError, match=r"scan.TIF: the gateway decodes PNG.* convert them"):
+        resolve_dataset("imagefolder", str(tmp_path))
+    (tmp_path / "train" / "b" / "scan.TIF").unlink()
+    # A corrupt test image is named when it is read, in one line.
+    (tmp_path / "test" / "b" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    spec = resolve_dataset("imagefolder", str(tmp_path))
+    with pytest.raises(DataError, match=r"cannot read image .*test/b/9\.png"):
+        list(iterate_batches(load_split(spec, "test"), 4))
+
+
+def test_a_folder_image_is_prepared_for_training_as_the_gateway_prepares_it(tmp_path):
+    """EXIF orientation and 16-bit depth, read by training and by the gateway alike."""
+    from sensai.data import read_image
+    from sensai.serving.gateway.imaging import decode_image
+
+    rng = np.random.default_rng(0)
+    deep = Image.fromarray(rng.integers(0, 65535, (12, 16), dtype=np.uint16))  # I;16
+    deep.save(tmp_path / "deep.png")
+    photo = Image.fromarray(rng.integers(0, 255, (12, 16, 3), dtype=np.uint8), "RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees
+    photo.save(tmp_path / "photo.jpg", exif=exif.tobytes(), quality=95)
+    for name, channels in (("deep.png", 1), ("photo.jpg", 3)):
+        spec = DatasetSpec("imagefolder", ("a", "b"), (channels, 16, 12), (0.5,) * channels,
+                           (0.25,) * channels)
+        path = tmp_path / name
+        trained = normalize(read_image(path, spec)[None], spec).numpy()
+        served = decode_image(path.read_bytes(), spec, 10_000)
+        np.testing.assert_allclose(trained, served, atol=1e-6)
+    # Not clipped: 16-bit levels are scaled to 8 bits, so the picture keeps its contrast.
+    x = read_image(tmp_path / "deep.png", spec=DatasetSpec("imagefolder", ("a", "b"), (1, 12, 16),
+                                                           (0.0,), (1.0,)))
+    assert 0 < int(x.float().mean()) < 250 and len(torch.unique(x)) > 100
+
+
+def test_cifar_batches_with_negative_labels_or_non_byte_pixels_are_refused(tmp_path):
+    import pickle
+
+    p = tmp_path / "cifar-10-batches-py"
+    p.mkdir()
+    data = np.zeros((2, 3072), np.uint8)
+    for labels, pixels, fragment in (([1, -1], data, "inconsistent labels"),
+                                     ([1, 2], data.astype(np.float64) + 0.5, "must be uint8")):
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            with open(p / name, "wb") as f:
+                pickle.dump({b"data": pixels, b"labels": labels}, f)
+        spec = resolve_dataset("cifar10", str(tmp_path))
+        with pytest.raises(DataError, match=fragment):
+            load_split(spec, "train")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--image-size", "32"], "--image-size is for --dataset imagefolder"),
+    (["--dataset", "imagefolder", "--image-size", "0"], "--image-size must be from 8 to 2048"),
+])
+def test_image_size_is_checked_in_one_line(tmp_path, capsys, argv, fragment):
+    from sensai.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err

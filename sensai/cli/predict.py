@@ -33,7 +33,9 @@ def add_predict_args(p) -> None:
 
     p.add_argument("artifact", help="artifact directory (ignored with --url)")
     p.add_argument("image", help="PNG or JPEG file")
-    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="classes to show (default: 5, or every class of a smaller model, as the "
+                        "gateway answers)")
     p.add_argument("--url", default=None,
                    help="send to a running gateway, e.g. http://127.0.0.1:8000")
     p.add_argument("--json", action="store_true", help="print the full JSON answer")
@@ -45,7 +47,7 @@ def add_predict_args(p) -> None:
 
 
 def cmd_predict(args) -> int:
-    if args.top_k < 1:
+    if args.top_k is not None and args.top_k < 1:
         raise SensaiError("--top-k must be at least 1")
     if args.repeat < 1:
         raise SensaiError("--repeat must be at least 1")
@@ -59,13 +61,15 @@ def cmd_predict(args) -> int:
     from sensai.artifact import load_artifact
     from sensai.merge import top_k
     from sensai.serving.gateway.imaging import decode_image
+    from sensai.serving.gateway.predict_routes import DEFAULT_TOP_K
     from sensai.serving.launch.build import build_predictor
 
     settings = settings_from(args)
     artifact = load_artifact(args.artifact)
     classes = artifact.spec.classes
-    if args.top_k > len(classes):  # as the gateway refuses it
+    if args.top_k is not None and args.top_k > len(classes):  # as the gateway refuses it
         raise SensaiError(f"--top-k: at most {len(classes)}, the classes of the model")
+    k = args.top_k or min(DEFAULT_TOP_K, len(classes))
     # The image is checked before any subnet is loaded.
     x = decode_image(path.read_bytes(), artifact.spec,
                      settings.image_pixels(artifact.spec.input_shape))
@@ -93,7 +97,7 @@ def cmd_predict(args) -> int:
             await predictor.close()
 
     pred = asyncio.run(run())
-    idx, val = top_k(pred.scores, args.top_k)
+    idx, val = top_k(pred.scores, k)
     rows = [{"index": int(i), "label": classes[int(i)], "score": float(v)}
             for i, v in zip(idx[0], val[0])]
     if args.json:
@@ -116,7 +120,7 @@ def predict_remote(args, path: Path) -> int:
         with httpx.Client(timeout=60) as client:
             for i in range((args.repeat + args.warmup) if args.repeat > 1 else 1):
                 t0 = time.perf_counter()
-                r = client.post(url, params={"top_k": args.top_k},
+                r = client.post(url, params={"top_k": args.top_k} if args.top_k else {},
                                 files={"image": (path.name, data, "application/octet-stream")})
                 if i >= args.warmup:
                     times.append((time.perf_counter() - t0) * 1e3)

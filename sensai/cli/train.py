@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from sensai.errors import SensaiError
 from sensai.fsutil import check_out_dir
 from sensai.spec import DATASET_NAMES
 from sensai.training.options import TrainOptions
@@ -20,7 +21,21 @@ def add_data_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
                    help="where the dataset's files are (default for fashion-mnist: "
                         "/usr/share/datasets/fashion-mnist)")
     p.add_argument("--image-size", type=int, default=None,
-                   help="imagefolder only: resize images to this square size (default: first image's)")
+                   help="imagefolder only: resize images to this square size, 8 to 2048 "
+                        "(default: the training images' median side, at most 224)")
+
+
+def resolved_dataset(args):
+    """``--dataset``'s spec, ``--image-size`` checked first (one line)."""
+    from sensai.data import resolve_dataset
+
+    size = args.image_size
+    if size is not None and args.dataset != "imagefolder":
+        raise SensaiError(f"--image-size is for --dataset imagefolder; {args.dataset}'s images "
+                          "have a size of their own")
+    if size is not None and not 8 <= size <= 2048:
+        raise SensaiError(f"--image-size must be from 8 to 2048, got {size}")
+    return resolve_dataset(args.dataset, args.data_dir, size)
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:
@@ -72,13 +87,13 @@ def cmd_models(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from sensai.data import load_split, resolve_dataset
+    from sensai.data import load_split
     from sensai.models import DEFAULT_MODEL, create_model, select_device
     from sensai.training.trainer import train
 
     check_out_dir(args.out)  # before any data is read
     model_name = args.model or DEFAULT_MODEL
-    spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
+    spec = resolved_dataset(args)
     # The operator typed the name: consent to import a factory.  Fail fast on a bad name.
     create_model(model_name, spec.num_classes, spec.in_channels, trust_code=True)
     device = select_device(args.device)
@@ -94,12 +109,12 @@ def cmd_train(args) -> int:
 
 def cmd_import(args) -> int:
     from sensai.checkpoint import import_weights, load_trained_model
-    from sensai.data import load_split, resolve_dataset
+    from sensai.data import load_split
     from sensai.learning import predict_logits, top1
     from sensai.manifest import save_model_record
     from sensai.models import select_device
 
-    spec = resolve_dataset(args.dataset, args.data_dir, args.image_size)
+    spec = resolved_dataset(args)
     record = import_weights(args.out, args.model, spec, args.weights)
     if not args.no_eval:
         model, record = load_trained_model(args.out, trust_code=True)

@@ -13,7 +13,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
+from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from sensai.spec import pil_to_input
 
@@ -33,24 +33,6 @@ PngImagePlugin.MAX_TEXT_MEMORY = 256 * 1024
 MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 4, "PA": 4, "RGB": 4, "RGBA": 4, "RGBX": 4,
               "CMYK": 4, "YCbCr": 4, "LAB": 4, "HSV": 4, "I;16": 2, "I;16B": 2, "I;16L": 2,
               "I;16N": 2, "I": 4, "F": 4}
-
-
-def _to_8bit(img):
-    """16-bit, 32-bit and float greyscale -> 8-bit 'L' by scaling (PIL's convert would clip at
-    255); integer or float32 arithmetic only, so a large picture costs little extra memory."""
-    if img.mode.startswith("I;16"):
-        arr = np.asarray(img, dtype=np.uint32)
-        return Image.fromarray(((arr + 128) // 257).astype(np.uint8), "L")
-    if img.mode == "I":
-        arr = np.asarray(img, dtype=np.float32)
-        scale = np.float32(257.0 if arr.max(initial=0) > 255 else 1.0)
-        return Image.fromarray(np.clip(np.rint(arr / scale), 0, 255).astype(np.uint8), "L")
-    if img.mode == "F":
-        arr = np.asarray(img, dtype=np.float32)
-        if arr.size and np.nanmax(arr) <= 1.0:
-            arr = arr * np.float32(255.0)
-        return Image.fromarray(np.clip(np.nan_to_num(np.rint(arr)), 0, 255).astype(np.uint8), "L")
-    return img
 
 
 def open_image(data: bytes, max_pixels: int):
@@ -94,11 +76,7 @@ def image_to_input(img, spec: "DatasetSpec") -> np.ndarray:
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             img.load()
-            try:
-                img = ImageOps.exif_transpose(img)  # photos from phones carry a rotation flag
-            except Exception:  # a malformed EXIF block is no reason to refuse the picture
-                pass
-            return pil_to_input(_to_8bit(img), spec)
+            return pil_to_input(img, spec)  # turned upright and to 8 bits there, as in training
         except Image.DecompressionBombError as e:
             raise PayloadTooLarge(f"image has too many pixels ({e})") from None
         except (OSError, SyntaxError, ValueError, EOFError) as e:
