@@ -355,7 +355,9 @@ def _imagefolder_spec(data_dir: str | None, image_size: int | None) -> DatasetSp
         raise DataError(f"image folder {root} does not exist")
     train_dir = _imagefolder_split_dir(root, "train")
     _imagefolder_split_dir(root, "test")
-    classes = tuple(sorted(p.name for p in train_dir.iterdir() if p.is_dir()))
+    # Hidden folders (.ipynb_checkpoints and the like) are tools' litter, not classes.
+    classes = tuple(sorted(p.name for p in train_dir.iterdir()
+                           if p.is_dir() and not p.name.startswith(".")))
     if len(classes) < 2:
         raise DataError(f"image folder {train_dir} needs at least two class directories")
     files, labels = _folder_files(train_dir, classes)

@@ -190,6 +190,8 @@ def test_imagefolder_refuses_what_could_not_be_trained_or_served(tmp_path):
     with pytest.raises(DataError, match=r"class folder .*empty holds no PNG, JPEG"):
         resolve_dataset("imagefolder", str(tmp_path))
     (tmp_path / "train" / "empty").rmdir()
+    (tmp_path / "train" / ".ipynb_checkpoints").mkdir()  # hidden: no class
+    assert resolve_dataset("imagefolder", str(tmp_path)).classes == ("a", "b")
     grey[0].save(tmp_path / "train" / "b" / "scan.TIF")
     with pytest.raises(DataError, match=r"scan.TIF: the gateway decodes PNG.* convert them"):
         resolve_dataset("imagefolder", str(tmp_path))
