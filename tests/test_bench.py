@@ -977,3 +977,32 @@ def test_the_memory_probe_reports_each_cuda_devices_growth(monkeypatch):
     with MemoryProbe(["cpu"]) as probe:
         pass
     assert probe.figures["cuda"] == {} and probe.figures["rss_growth_mb"] is not None
+
+
+def test_a_refusal_by_admission_is_told_from_a_failure():
+    """What the timed client sends again (after the wait asked for, at most a second): the
+    gateway admission's refusals, HTTP 503 with Retry-After and gRPC UNAVAILABLE with a
+    retry-after trailer; anything else is a failure."""
+    import grpc
+
+    from sensai.bench.client import turned_away
+
+    assert turned_away((503, {b"retry-after": b"1"}, b"")) == 1.0
+    assert turned_away((503, {b"retry-after": b"0.2"}, b"")) == 0.2
+    assert turned_away((503, {}, b"")) is None and turned_away((500, {}, b"")) is None
+    assert turned_away((200, {b"retry-after": b"1"}, b"")) is None
+
+    class Refused(grpc.RpcError):
+        def __init__(self, code, trailer):
+            self._code, self._trailer = code, trailer
+
+        def code(self):
+            return self._code
+
+        def trailing_metadata(self):
+            return self._trailer
+
+    assert turned_away(Refused(grpc.StatusCode.UNAVAILABLE, (("retry-after", "1"),))) == 1.0
+    assert turned_away(Refused(grpc.StatusCode.UNAVAILABLE, ())) is None
+    assert turned_away(Refused(grpc.StatusCode.INTERNAL, (("retry-after", "1"),))) is None
+    assert turned_away(ValueError("x")) is None

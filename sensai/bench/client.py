@@ -71,6 +71,29 @@ def _answer(headers: dict[bytes, bytes], body: bytes) -> tuple[int, str | None, 
     return int(pred), head.get("model_version"), json.loads(timings) if timings else {}
 
 
+RETRIES = 5  # times a timed request turned away by the server's admission is sent again
+
+
+def turned_away(answer) -> float | None:
+    """The seconds to wait when ``answer`` (an HTTP answer, or a gRPC call's error) is the
+    server's admission turning the request away - HTTP 503 with Retry-After, gRPC UNAVAILABLE
+    with a retry-after trailer - at most a second; None for anything else."""
+    if isinstance(answer, tuple):
+        status, headers, _ = answer
+        value = headers.get(b"retry-after") if status == 503 else None
+    else:
+        code, trailer = getattr(answer, "code", None), getattr(answer, "trailing_metadata", None)
+        value = (dict(trailer() or ()).get("retry-after")
+                 if callable(code) and callable(trailer) and code().name == "UNAVAILABLE"
+                 else None)
+    if value is None:
+        return None
+    try:
+        return min(1.0, max(0.0, float(value)))
+    except ValueError:
+        return 1.0
+
+
 def _grpc_answer(resp) -> tuple[int, dict]:
     k = [o.name for o in resp.outputs].index("class_index")
     return (int.from_bytes(resp.raw_output_contents[k][:8], "little", signed=True),
@@ -160,17 +183,30 @@ class _Client:
     def timed(self, transport: str, address: str, model: str,
                     indices: list[int]) -> list[tuple[float, int, dict, float]]:
         """(latency ms, predicted index, timings, bare request ms) per image: each request just
-        after the same client's bare request to the same server."""
+        after the same client's bare request to the same server.  A request the server's
+        admission turns away (its loop fell behind on a busy machine) is sent again after the
+        wait it asks for, as a polite caller would, at most :data:`RETRIES` times."""
         bare, prepare, send, parse = self._calls(transport, address, model)
         out = []
         for j in indices:
             request = prepare(j)
-            t0 = time.perf_counter()
-            bare()
-            t1 = time.perf_counter()
-            answer = send(request)
-            t2 = time.perf_counter()
-            out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
+            for attempt in range(RETRIES + 1):
+                t0 = time.perf_counter()
+                bare()
+                t1 = time.perf_counter()
+                try:
+                    answer = send(request)
+                except Exception as e:  # gRPC: the refusal is an error with a trailer
+                    if attempt == RETRIES or (wait := turned_away(e)) is None:
+                        raise
+                    time.sleep(wait)
+                    continue
+                t2 = time.perf_counter()
+                if attempt < RETRIES and (wait := turned_away(answer)) is not None:
+                    time.sleep(wait)
+                    continue
+                out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
+                break
         return out
 
     async def concurrent(self, url: str, n_requests: int, concurrency: int,
