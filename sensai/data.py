@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .spec import DATASET_NAMES, DatasetSpec, normalize, pil_to_array
+from .spec import DATASET_NAMES, IMAGE_FORMATS, DatasetSpec, normalize, pil_to_array
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,10 @@ FASHION_MNIST_HINT = (
     "install it with 'apt-get install dataset-fashion-mnist' (Debian/Ubuntu) or pass --data-dir "
     "pointing at the four *-idx*-ubyte(.gz) files"
 )
-# An image folder's files: those the gateway decodes (serving/gateway/imaging.py's FORMATS), so
-# a model can be asked about the very images it was trained on; other image files are refused.
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+# An image folder's files: those the gateway decodes; other image files are refused.
+IMAGE_SUFFIXES = {s for suffixes in IMAGE_FORMATS.values() for s in suffixes}
 UNSERVED_SUFFIXES = {".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
-IMAGE_KINDS = "PNG, JPEG, BMP, GIF or WEBP"
+IMAGE_KINDS = ", ".join(list(IMAGE_FORMATS)[:-1]) + " or " + list(IMAGE_FORMATS)[-1]
 # An image folder's side when --image-size is not given: the training images' median, at most
 # this (a folder of photos would otherwise make every input megapixels).
 MAX_DEFAULT_SIDE = 224

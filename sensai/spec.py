@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     import torch
 
 DATASET_NAMES = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
+# The image formats the gateway decodes, with their files' suffixes: an image folder holds these
+# alone, so a model can be asked about the very images it was trained on.  Formats with a long
+# history of parser bugs (TIFF, EPS...) are refused.
+IMAGE_FORMATS = {"PNG": (".png",), "JPEG": (".jpg", ".jpeg"), "BMP": (".bmp",),
+                 "GIF": (".gif",), "WEBP": (".webp",)}
 
 
 @dataclass(frozen=True)

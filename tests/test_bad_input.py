@@ -378,3 +378,43 @@ def test_slow_subnet_gives_504_naming_it_and_no_hang(tiny_artifact, good_tensor)
             assert r.status_code == 200, r.text
     finally:
         server.stop()
+
+
+def test_v2_fields_of_the_wrong_kind_are_refused_with_their_reason(client, good_tensor, good_png):
+    """A datatype that is no string, a shape entry that is no integer, a true/false parameter
+    sent as a string, data given twice: each a 400 naming it, never a 500 or a guess."""
+    for datatype in (["FP32"], {"a": 1}, 32):
+        t = _tensor(good_tensor, datatype=datatype)
+        assert_error(_infer_json(client, {"inputs": [t]}), 400, "unsupported datatype")
+    t = _tensor(good_tensor)
+    t["shape"] = [2.0, 1, 28, 28]
+    assert_error(_infer_json(client, {"inputs": [t]}), 400, "shape", "got 2.0")
+    body = {"inputs": [_tensor(good_tensor)], "parameters": {"binary_data_output": "false"}}
+    assert_error(_infer_json(client, body), 400, "binary_data_output", "true or false")
+    body = {"inputs": [_tensor(good_tensor)],
+            "outputs": [{"name": "scores", "parameters": {"binary_data": "false"}}]}
+    assert_error(_infer_json(client, body), 400, "binary_data", "true or false")
+    body["outputs"][0]["parameters"]["binary_data"] = False
+    r = _infer_json(client, body)
+    assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 20, r.text
+    # Data in the JSON and binary_data_size too: which one was meant is not guessed.
+    t = _tensor(good_tensor)
+    t["parameters"] = {"binary_data_size": good_tensor.nbytes}
+    head = json.dumps({"inputs": [t]}).encode()
+    r = client.post("/v2/models/sensai/infer", content=head + good_tensor.tobytes(),
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+    assert_error(r, 400, "both in the JSON")
+    assert_still_serving(client, good_png)
+
+
+def test_an_image_sent_as_a_multipart_text_field_is_read_as_its_bytes(client, good_png):
+    """``curl -F "image=<FILE"`` sends the image as a field without a filename, which the
+    multipart parser hands over as text: its bytes are what is decoded, as for a file part."""
+    as_file = client.post("/v1/predict", files={"image": ("x.png", good_png, "image/png")})
+    boundary = "sensai-test-boundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\n".encode()
+            + good_png + f"\r\n--{boundary}--\r\n".encode())
+    as_text = client.post("/v1/predict", content=body,
+                          headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    assert as_file.status_code == as_text.status_code == 200, as_text.text
+    assert as_text.json()["predictions"] == as_file.json()["predictions"]

@@ -980,15 +980,18 @@ def test_the_memory_probe_reports_each_cuda_devices_growth(monkeypatch):
 
 
 def test_a_refusal_by_admission_is_told_from_a_failure():
-    """What the timed client sends again (after the wait asked for, at most a second): the
-    gateway admission's refusals, HTTP 503 with Retry-After and gRPC UNAVAILABLE with a
-    retry-after trailer; anything else is a failure."""
+    """What the clients take for a refusal (the timed one sends it again after the wait asked
+    for, at most a second; a polite load client parks its connection that long): the gateway
+    admission's refusals, HTTP 503 with Retry-After and gRPC UNAVAILABLE with a retry-after
+    trailer; anything else is a failure."""
     import grpc
 
     from sensai.bench.client import turned_away
 
     assert turned_away((503, {b"retry-after": b"1"}, b"")) == 1.0
     assert turned_away((503, {b"retry-after": b"0.2"}, b"")) == 0.2
+    assert turned_away((503, {b"retry-after": b"3"}, b"")) == 3.0  # honoured as asked
+    assert turned_away((503, {b"retry-after": b"soon"}, b"")) == 1.0
     assert turned_away((503, {}, b"")) is None and turned_away((500, {}, b"")) is None
     assert turned_away((200, {b"retry-after": b"1"}, b"")) is None
 

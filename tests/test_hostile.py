@@ -595,3 +595,35 @@ def test_a_short_queue_turns_the_surplus_away_at_once():
             == (0, 0, 0, 0)
 
     asyncio.run(go())
+
+
+def test_a_control_routes_body_is_read_within_the_client_timeout(tiny_artifact):
+    """Shared-memory registration and the repository API read a JSON body (one function,
+    ``json_body``) as a prediction reads its own: one that never arrives is answered 408, not
+    waited for; a client that leaves mid-body is no server error.  (The repository API of a
+    gateway serving one artifact refuses before it reads: its body is read the same way.)"""
+    pred = build_predictor(tiny_artifact, GatewaySettings(device="cpu"))
+    server = start_gateway(pred, client_timeout_s=1.0)
+    try:
+        request = (b"POST /v2/systemsharedmemory/region/a/register HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"key\"")
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(request)
+            status, body = read_response(s)
+        assert status == 408 and "client timeout of 1 s" in body["error"], body
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(request)
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert c.get("/v2/health/ready").status_code == 200
+
+            def errors() -> list[str]:
+                return [line for line in c.get("/metrics").text.splitlines()
+                        if line.startswith("sensai_request_errors_total")]
+
+            deadline = time.monotonic() + 10
+            while not any("ClientDisconnect" in line for line in errors()):
+                assert time.monotonic() < deadline, errors()
+                time.sleep(0.1)
+            assert not [line for line in errors() if "internal" in line], errors()
+    finally:
+        server.stop()

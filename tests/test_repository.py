@@ -241,6 +241,13 @@ def test_the_api_is_refused_when_model_control_is_off_or_the_caller_is_not_allow
         r = httpx.post(f"{server.url}/v2/repository/index",
                        headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200 and r.json()[0]["state"] == "READY"
+        # A model's name is a folder of the repository, never its parent (a version folder
+        # beside the repository, which ".." would otherwise load) or itself.
+        shutil.copytree(repo / MODEL / "1", tmp_path / "1")
+        for name in ("%2e%2e", "%2e"):
+            r = httpx.post(f"{server.url}/v2/repository/models/{name}/load",
+                           headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 400 and "not starting with '.'" in r.json()["error"], r.text
     settings = GatewaySettings(model_control="explicit")
     check_access(settings, client="127.0.0.1", authorization=None, changes=True)
     check_access(settings, client="::1", authorization=None, changes=True)
@@ -405,6 +412,8 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
     (["--repository", "{tmp}/repo", "--version", "0"], "version must be a positive integer"),
     (["--repository", "{tmp}/repo", "--model", "afile"],
      "cannot write to model folder {tmp}/repo/afile: it is a file, not a directory"),
+    (["--repository", "{tmp}/repo", "--model", ".."], "model name '..'"),
+    (["--repository", "{tmp}/repo", "--model", "."], "not starting with '.'"),
 ])
 def test_a_refused_export_is_one_line_and_creates_nothing(tmp_path, tiny_artifact, capsys,
                                                           argv, fragment):

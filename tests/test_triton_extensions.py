@@ -260,7 +260,8 @@ def test_every_bad_region_offset_size_and_name_is_refused_with_its_reason(server
             ("a", {"key": key, "byte_size": -4}, "non-negative"),
             ("a", {"key": "../etc/passwd", "byte_size": 4}, "not a POSIX shared memory name"),
             ("-bad", {"key": key, "byte_size": 4}, "region name"),
-            ("a", {"key": key}, "byte_size")]:
+            ("a", {"key": key}, "byte_size"),
+            ("a", {"key": key, "byte_size": str(one.nbytes)}, "valid integer")]:
         r = register(name, **body)
         assert r.status_code in (400, 404, 422) and reason in r.json()["error"], (body, r.text)
     assert http.get_system_shared_memory_status() == []
@@ -331,6 +332,27 @@ def test_registration_is_for_clients_on_this_host(segments):
     finally:
         regions.close()
     assert regions.status() == []
+
+
+def test_registrations_are_bounded_and_can_all_be_let_go(segments, monkeypatch):
+    """Each registration holds a file open: past the bound one more is refused with its reason,
+    and letting every region go still works (a client cannot take every descriptor)."""
+    from sensai.serving.core.errors import InputError
+    from sensai.serving.gateway import shared_memory
+
+    monkeypatch.setattr(shared_memory, "MAX_REGIONS", 3)
+    key, _ = segments(64)
+    regions = shared_memory.SystemSharedMemory(max_tensor_bytes=1024)
+    try:
+        for i in range(3):
+            regions.register(f"r{i}", key, 0, 64, client="127.0.0.1")
+        with pytest.raises(InputError, match="3 shared memory regions are registered"):
+            regions.register("r3", key, 0, 64, client="127.0.0.1")
+        regions.unregister()
+        assert regions.status() == [] and not regions.regions
+        regions.register("r3", key, 0, 64, client="127.0.0.1")
+    finally:
+        regions.close()
 
 
 # -------------------------------------------------------------------------------------------

@@ -72,12 +72,15 @@ def _answer(headers: dict[bytes, bytes], body: bytes) -> tuple[int, str | None, 
 
 
 RETRIES = 5  # times a timed request turned away by the server's admission is sent again
+# A timed request waits at most this long before it is sent again: its run is one image at a
+# time, and a longer pause only stretches it.
+MAX_RETRY_WAIT_S = 1.0
 
 
 def turned_away(answer) -> float | None:
     """The seconds to wait when ``answer`` (an HTTP answer, or a gRPC call's error) is the
     server's admission turning the request away - HTTP 503 with Retry-After, gRPC UNAVAILABLE
-    with a retry-after trailer - at most a second; None for anything else."""
+    with a retry-after trailer (1 where its value is no number); None for anything else."""
     if isinstance(answer, tuple):
         status, headers, _ = answer
         value = headers.get(b"retry-after") if status == 503 else None
@@ -89,7 +92,7 @@ def turned_away(answer) -> float | None:
     if value is None:
         return None
     try:
-        return min(1.0, max(0.0, float(value)))
+        return max(0.0, float(value))
     except ValueError:
         return 1.0
 
@@ -199,11 +202,11 @@ class _Client:
                 except Exception as e:  # gRPC: the refusal is an error with a trailer
                     if attempt == RETRIES or (wait := turned_away(e)) is None:
                         raise
-                    time.sleep(wait)
+                    time.sleep(min(wait, MAX_RETRY_WAIT_S))
                     continue
                 t2 = time.perf_counter()
                 if attempt < RETRIES and (wait := turned_away(answer)) is not None:
-                    time.sleep(wait)
+                    time.sleep(min(wait, MAX_RETRY_WAIT_S))
                     continue
                 out.append(((t2 - t1) * 1e3, *parse(answer), (t1 - t0) * 1e3))
                 break
@@ -233,10 +236,7 @@ class _Client:
                     _grpc_answer(await stub.ModelInfer(req, timeout=TIMEOUT_S))
                     return True
                 except grpc.aio.AioRpcError as e:
-                    # Turned away by the server's admission: UNAVAILABLE with a retry-after
-                    # trailer (HTTP's 503 with Retry-After), not a failure.
-                    if (e.code() != grpc.StatusCode.UNAVAILABLE
-                            or "retry-after" not in dict(e.trailing_metadata() or ())):
+                    if turned_away(e) is None:  # else shed by the admission, not a failure
                         raise
                     return False
 
@@ -489,11 +489,11 @@ class _LoadPhase:
         status, index, version, wait = 0, None, None, 0.0
         try:
             status, headers, body = await conn.request(self.requests[j])
-            if self.retry_after and status == 503 and b"retry-after" in headers:
-                wait = float(headers[b"retry-after"])
+            refused = turned_away((status, headers, body))
+            if self.retry_after and refused is not None:
+                wait = refused
                 self.out["parked"] += 1
-            if self.strict and status != 200 \
-                    and not (status == 503 and b"retry-after" in headers):
+            if self.strict and status != 200 and refused is None:
                 raise _failed(self.url, status, body)
             if status == 200 and (self.expected is not None or self.answers):
                 index, version, _ = _answer(headers, body)

@@ -26,7 +26,10 @@ from sensai.errors import SensaiError
 from sensai.fsutil import check_out_dir
 from sensai.manifest import MANIFEST as MANIFEST_NAME
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A model's name is a folder of the repository: never "." or ".." (nor any dot name, which
+# model_names skips), or a load or an export would reach outside the repository.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$"
+MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
 VERSION = re.compile(r"^[1-9][0-9]{0,17}$")
 MODEL_CONFIG = "sensai-model.json"
 
@@ -82,7 +85,8 @@ def is_repository(path: str | Path) -> bool:
 
 def check_model_name(name: str) -> str:
     if not MODEL_NAME.match(name):
-        raise SensaiError(f"model name {name!r}: use 1-64 letters, digits, '_', '.' or '-'")
+        raise SensaiError(f"model name {name!r}: use 1-64 letters, digits, '_', '.' or '-', "
+                          "not starting with '.'")
     return name
 
 
@@ -91,7 +95,7 @@ def model_names(repo: Path) -> list[str]:
     if not repo.is_dir():
         raise SensaiError(f"model repository {repo} is not a folder")
     return sorted(p.name for p in repo.iterdir()
-                  if p.is_dir() and MODEL_NAME.match(p.name) and not p.name.startswith("."))
+                  if p.is_dir() and MODEL_NAME.match(p.name))
 
 
 def versions(repo: Path, name: str) -> dict[int, Path]:

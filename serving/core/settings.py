@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sensai.bounds import Bound
 from sensai.errors import SensaiError
 
-from .repository import VersionPolicy
+from .repository import MODEL_NAME_PATTERN, VersionPolicy
 from .wakeup import MODES
 
 BACKENDS = ("local", "processes", "ray", "triton", "ray-serve")
@@ -127,7 +127,7 @@ class GatewaySettings(BaseSettings):
         None, "also serve KServe v2 over gRPC on this port, same host (0: any free port)",
         flag="--grpc-port", metavar="PORT", default_doc="off", ge=0, le=65535)
     model_name: str = setting("sensai", "the model's name under the KServe v2 API",
-                              flag="--model-name", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+                              flag="--model-name", metavar="NAME", pattern=MODEL_NAME_PATTERN)
     deadline_s: float = setting(
         5.0, "deadline of a whole request, from its first byte (body, decoding, waiting, the "
              "subnets); a worker holding work that answers nothing for twice this (at least "

@@ -114,7 +114,7 @@ def add_control_routes(app: FastAPI) -> None:
 
 
 class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "100" is not a byte count
     key: str
     offset: int = 0
     byte_size: int

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sensai.errors import SensaiError
 
@@ -51,7 +52,7 @@ class ErrorTranslator:
         self.rules: dict[type, Callable[[Request, Exception], JSONResponse]] = {
             ServingError: self.serving, SensaiError: self.sensai,
             RequestValidationError: self.validation, StarletteHTTPException: self.http,
-            Exception: self.internal}
+            ClientDisconnect: self.gone, Exception: self.internal}
 
     def __call__(self, request: Request, exc: Exception) -> JSONResponse:
         for cls in type(exc).__mro__:
@@ -76,6 +77,12 @@ class ErrorTranslator:
     def http(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(request, exc.status_code, str(exc.detail), "http",
                               headers=getattr(exc, "headers", None))
+
+    def gone(self, request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client closed the connection before its body was in: no one reads this answer,
+        # and a client's leaving is no server fault to log (499, as nginx counts it).
+        return error_response(request, 499, "the client closed the connection before its "
+                              "request body arrived", "ClientDisconnect")
 
     def internal(self, request: Request, exc: Exception) -> JSONResponse:
         log.error("request %s failed", getattr(request.state, "request_id", "?"),

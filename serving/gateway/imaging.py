@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
-from sensai.spec import pil_to_input
+from sensai.spec import IMAGE_FORMATS, pil_to_input
 
 from ..core.errors import InputError, PayloadTooLarge
 
 if TYPE_CHECKING:
     from sensai.spec import DatasetSpec
 
-# What the gateway decodes; formats with a long history of parser bugs (TIFF, EPS...) are refused.
-FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP")
+FORMATS = tuple(IMAGE_FORMATS)
 # PNG text chunks are decompressed when the header is read; a thumbnail can carry thousands of
 # them.  Nothing here needs their text, so a few KiB each bound that work.
 PngImagePlugin.MAX_TEXT_CHUNK = 64 * 1024

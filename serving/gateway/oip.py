@@ -18,6 +18,7 @@ the client gets wrong raises :class:`InputError` with a sentence saying what and
 from __future__ import annotations
 
 import json
+import reprlib
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -119,9 +120,9 @@ def bounded_shape(v: Any, where: str, max_elements: int) -> list[int]:
     n = 1
     for d in v:
         if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= max_elements:
-            shown = d if isinstance(d, int) and abs(d) < 10 ** 12 else "a huge number"
+            huge = isinstance(d, int) and abs(d) >= 10 ** 12
             raise InputError(f"{where}: 'shape' must hold integers from 0 to {max_elements:,} "
-                             f"(got {shown!r})")
+                             f"(got {'a huge number' if huge else reprlib.repr(d)})")
         n *= d
         if n > max_elements:
             raise InputError(f"{where}: shape {v} has more elements than this request's data "
@@ -151,6 +152,16 @@ def _params(obj: dict, where: str) -> dict:
     if not isinstance(p, dict):
         raise InputError(f"{where}: 'parameters' must be an object")
     return p
+
+
+def _flag(params: dict, key: str, where: str) -> bool | None:
+    """A true/false parameter (None: not given); a string such as "false" is refused, not
+    taken as true."""
+    v = params.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise InputError(f"{where}: parameter {key!r} must be true or false, got "
+                         f"{reprlib.repr(v)}")
+    return v
 
 
 def _json_data(data: Any, dt: np.dtype, datatype: str, shape: list[int], where: str) -> np.ndarray:
@@ -185,8 +196,8 @@ def parse_input(t: Any, k: int, body_bytes: int, binary: memoryview, offset: int
         raise InputError(f"{where}: 'name' must be a non-empty string")
     where = f"input {name!r}"
     datatype = t.get("datatype")
-    if datatype not in DTYPES:
-        raise InputError(f"{where}: unsupported datatype {datatype!r} "
+    if not isinstance(datatype, str) or datatype not in DTYPES:
+        raise InputError(f"{where}: unsupported datatype {reprlib.repr(datatype)} "
                          f"(one of {', '.join(DTYPES)})")
     dt = DTYPES[datatype]
     tensor_params = _params(t, where)
@@ -199,6 +210,9 @@ def parse_input(t: Any, k: int, body_bytes: int, binary: memoryview, offset: int
     shape = bounded_shape(t.get("shape"), where, max(1, body_bytes))
     size = tensor_params.get("binary_data_size")
     if size is not None:
+        if "data" in t:
+            raise InputError(f"{where}: data both in the JSON ('data') and in binary "
+                             "(binary_data_size): send one")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InputError(f"{where}: binary_data_size must be a non-negative integer")
         if header_length is None:
@@ -269,14 +283,15 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InputError("each requested output needs a 'name'")
             p = _params(o, f"output {o['name']!r}")
-            binary_flag = p.get("binary_data")
+            binary_flag = _flag(p, "binary_data", f"output {o['name']!r}")
             cls = p.get("classification", 0)
             if not isinstance(cls, int) or isinstance(cls, bool) or cls < 0:
                 raise InputError(f"output {o['name']!r}: classification must be a count >= 0")
             outputs.append(RequestedOutput(o["name"], None if binary_flag is None
-                                           else bool(binary_flag), cls,
+                                           else binary_flag, cls,
                                            shared_ref(p, f"output {o['name']!r}")))
-    return InferRequest(rid, inputs, outputs, bool(params.get("binary_data_output", False)), params)
+    return InferRequest(rid, inputs, outputs,
+                        bool(_flag(params, "binary_data_output", "request")), params)
 
 
 def _bytes_tensor(strings: Sequence[bytes]) -> bytes:

@@ -104,6 +104,21 @@ def openapi_parameters(*models: tuple[type[BaseModel], str]) -> dict:
     return {"parameters": params}
 
 
+def text_field_bytes(text: str) -> bytes:
+    """The bytes of a multipart field sent without a filename (``curl -F "image=<FILE"``), which
+    Starlette hands over as text: decoded as UTF-8 where the bytes are valid UTF-8, else as
+    Latin-1.  An image is binary (PNG and JPEG open with bytes that are no UTF-8), so the Latin-1
+    bytes are taken where they are not valid UTF-8 themselves."""
+    try:
+        raw = text.encode("latin-1")
+        raw.decode("utf-8")
+    except UnicodeEncodeError:  # a character above U+00FF: it was UTF-8
+        return text.encode("utf-8")
+    except UnicodeDecodeError:  # no UTF-8, so Starlette fell back to Latin-1
+        return raw
+    return text.encode("utf-8")
+
+
 async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
     """The request body (an image's bytes when ``image``: multipart field or raw body), within
     the body time limit and a receiving slot."""
@@ -128,7 +143,7 @@ async def read_body(request: Request, gw: Gateway, *, image: bool) -> bytes:
                     raise InputError("multipart body has no 'image' field")
                 if isinstance(field, UploadFile):
                     return await field.read()
-                return field.encode()
+                return text_field_bytes(field)
             finally:
                 await form.close()
         if ctype.startswith("application/x-www-form-urlencoded"):

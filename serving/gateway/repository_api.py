@@ -47,18 +47,22 @@ def check_access(settings: GatewaySettings, *, client: str | None, authorization
         raise Forbidden(f"the repository API answers loopback clients only; {LOOPBACK_HINT}")
 
 
+# Strict: a string is not taken for a flag or a count ("yes" for true, "100" for 100).
 class IndexRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     ready: bool = False
 
 
 class ModelRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     parameters: dict[str, object] = {}
 
 
 async def json_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
+    """The request's JSON body as ``model`` (empty: its defaults), read within the body time
+    limit as a prediction's is: a body that never ends is answered 408, not waited for."""
+    async with request.app.state.gateway.admission.body(request.state.deadline):
+        raw = await request.body()
     try:
         return model.model_validate_json(raw) if raw.strip() else model()
     except ValidationError as e:

@@ -39,6 +39,10 @@ SHM_DIR = "/dev/shm"
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 KEY = re.compile(r"/?[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 EXTENSION = "system_shared_memory"
+# Each registration holds a file open in every gateway process that used it: without a bound,
+# one client could take every descriptor the process has, and the server could then neither
+# open a connection nor list its regions to let them go.
+MAX_REGIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,9 @@ class SystemSharedMemory:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InputError(f"shared memory region name {name!r}: 1 to 128 letters, digits, "
                              "'_', '.', '-'")
+        if len(self.names()) >= MAX_REGIONS:
+            raise InputError(f"{MAX_REGIONS} shared memory regions are registered, the most "
+                             "this server holds at once: unregister some first")
         fd = open_segment(key, offset, byte_size)
         try:
             tmp = os.path.join(self.home(), f".{name}.{os.getpid()}.tmp")
