@@ -77,6 +77,22 @@ def test_a_head_over_the_limit_is_a_431_and_a_normal_one_passes(gateway, image):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("head", [
+    b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n",
+    b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n",
+    b"BREW /v1/predict HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-bad: a\x01b\r\n\r\n"],
+    ids=["negative-length", "two-lengths", "unknown-method", "control-character"])
+def test_a_request_the_parser_cannot_read_is_a_json_400(gateway, head):
+    with connect(gateway) as s:
+        s.sendall(head)
+        status, headers, body = read_response(s)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert body["status"] == 400 and body["error"].startswith("malformed HTTP request: ")
+    assert 'sensai_rejected_connections_total{reason="malformed_http"}' in httpx.get(
+        f"{gateway.url}/metrics").text
+
+
 def test_a_head_that_does_not_arrive_in_time_is_a_408(gateway):
     with connect(gateway) as s:
         s.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: 127.0.0.1\r\n")  # never finished

@@ -300,6 +300,12 @@ if HttpToolsProtocol is not None:
             else:
                 self.transport.close()
 
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers what its parser cannot read (a negative or doubled Content-Length,
+            # a control character in a header, an unknown method) in plain text; every answer
+            # of the gateway's is its JSON error.
+            self.refuse(400, "malformed_http", f"malformed HTTP request: {msg}")
+
         def eof_received(self):
             if self.refused:
                 self.transport.close()

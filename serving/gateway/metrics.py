@@ -72,7 +72,7 @@ class GatewayMetrics:
         self.rejected_connections = Counter(
             "sensai_rejected_connections", "connections refused before any request, by reason "
             "(max_connections, max_connections_per_client, evicted, evicted_idle, "
-            "header_too_large, head_timeout)", ["reason"], registry=r)
+            "header_too_large, head_timeout, malformed_http)", ["reason"], registry=r)
         self.waiting = Gauge("sensai_waiting_requests", "requests queued for a prediction slot",
                              registry=r, multiprocess_mode="livesum")
         self.predictor_limit = Gauge("sensai_predictor_limit", "requests the predictor takes at "

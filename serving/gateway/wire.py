@@ -27,7 +27,7 @@ JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ID_PREFIX = os.urandom(8).hex()  # this process's, so ids stay unique across gateway processes
 _IDS = itertools.count()
-REASONS = {408: b"Request Timeout", 413: b"Content Too Large",
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Content Too Large",
            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 RETRY_AFTER_S = 1
 ID_MARK = "<request id>"  # where a prebuilt body takes its request id
