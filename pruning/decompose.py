@@ -36,7 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sensai.artifact import load_artifact
-from sensai.bounds import Bound, check_bounds
+from sensai.bounds import SEED, Bound, check_bounds
 from sensai.checkpoint import build_from_weights, load_trained_model, load_weights, save_weights
 from sensai.cores import usable_cores
 from sensai.data import (DatasetSpec, ImageDataset, TensorImages, iterate_batches, load_split,
@@ -176,7 +176,7 @@ class DecomposeConfig:
                                                   "bound": Bound(low=1)})
     seed: int = field(default=0, metadata={
         "help": "seed of the grouping, the statistics' and retraining's samples and the new heads",
-        "flag": (), "bound": Bound(low=0)})
+        "flag": (), "bound": SEED})
     # export
     opset: int = field(default=17, metadata={"help": "ONNX opset of the exported subnets",
                                              "bound": Bound(low=7, high=23)})

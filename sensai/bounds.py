@@ -43,20 +43,32 @@ class Bound:
 
     def describe(self, integer: bool) -> str:
         """What an admitted value is, in words: "an integer >= 1", "a number > 0", "in (0, 1]"."""
+        def num(v: float | None) -> str:  # a large integer bound whole, not as 4.29497e+09
+            return f"{int(v)}" if integer and v is not None and v == int(v) else f"{v:g}"
+
         lower = (">=", self.low) if self.low is not None else (">", self.above)
         upper = ("<=", self.high) if self.high is not None else ("<", self.below)
         kind = "an integer" if integer else "a number"
         if upper[1] is None:
-            return kind if lower[1] is None else f"{kind} {lower[0]} {lower[1]:g}"
+            return kind if lower[1] is None else f"{kind} {lower[0]} {num(lower[1])}"
         if lower[1] is None:
-            return f"{kind} {upper[0]} {upper[1]:g}"
+            return f"{kind} {upper[0]} {num(upper[1])}"
         if integer and lower[0] == ">=" and upper[0] == "<=":
-            return f"an integer from {lower[1]:g} to {upper[1]:g}"
-        return (f"in {'[' if lower[0] == '>=' else '('}{lower[1]:g}, "
-                f"{upper[1]:g}{']' if upper[0] == '<=' else ')'}")
+            return f"an integer from {num(lower[1])} to {num(upper[1])}"
+        return (f"in {'[' if lower[0] == '>=' else '('}{num(lower[1])}, "
+                f"{num(upper[1])}{']' if upper[0] == '<=' else ')'}")
 
 
 BOUND_KEYS = ("low", "above", "high", "below")
+# A seed seeds numpy's legacy generators and scikit-learn, which take 32 bits (torch's more).
+SEED = Bound(low=0, high=2**32 - 1)
+
+
+def check_seed(value: int, flag: str = "--seed") -> int:
+    """A seed given on the command line, checked before anything is read."""
+    if not SEED.admits(value, True):
+        raise SensaiError(f"{flag} must be {SEED.describe(True)}, got {value}")
+    return value
 
 
 def bounded(**bound: float) -> dict[str, Bound]:

@@ -62,7 +62,7 @@ def create_model(name: str, num_classes: int, in_channels: int = 3, *, trust_cod
         module_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError) as e:  # ValueError: no module name
             raise UnknownModelError(f"cannot import model factory {name!r}: {e}") from None
     else:
         try:
@@ -73,7 +73,13 @@ def create_model(name: str, num_classes: int, in_channels: int = 3, *, trust_cod
                 "(or give package.module:factory)") from None
     if num_classes < 1 or in_channels < 1:
         raise ValueError("num_classes and in_channels must be positive")
-    model = factory(num_classes=num_classes, in_channels=in_channels, **kwargs)
+    if not callable(factory):
+        raise UnknownModelError(f"model factory {name!r} is not a function")
+    try:
+        model = factory(num_classes=num_classes, in_channels=in_channels, **kwargs)
+    except TypeError as e:  # not a factory of this signature (json:loads, a class of others')
+        raise UnknownModelError(f"model factory {name!r} must take num_classes and in_channels "
+                                f"keywords and return a torch.nn.Module: {e}") from None
     from torch import nn  # loaded by any factory that built a network
 
     if not isinstance(model, nn.Module):

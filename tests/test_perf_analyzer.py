@@ -111,6 +111,8 @@ def test_its_entries_are_answered_with_the_offline_class(gateway, entries, match
     (["ARTIFACT", "--out-under-a-file"], "cannot write to --out's folder {tmp}/afile: it is a "
                                          "file, not a directory"),
     (["ARTIFACT", "--data-dir", "/no/such/dir"], "does not exist"),
+    (["ARTIFACT", "--seed", "-1"], "--seed must be an integer from 0 to 4294967295, got -1"),
+    (["ARTIFACT", "--out-in-the-artifact"], "lies inside"),
 ])
 def test_bad_arguments_give_one_line(argv, says, tiny_artifact, tmp_path, capsys):
     (tmp_path / "afile").touch()  # an ordinary file, where a folder is wanted
@@ -119,6 +121,8 @@ def test_bad_arguments_give_one_line(argv, says, tiny_artifact, tmp_path, capsys
     out = str(tmp_path) if "--out-is-a-dir" in argv else str(tmp_path / "x.json")
     if "--out-under-a-file" in argv:
         out = str(tmp_path / "afile" / "x.json")
+    if "--out-in-the-artifact" in argv:  # its own manifest, which perf-data would replace
+        out = str(tiny_artifact / "manifest.json")
     argv = [a for a in argv if not a.startswith("--out-")]
     assert main(["perf-data", *argv, "--out", out]) == 2
     err = capsys.readouterr().err

@@ -408,11 +408,13 @@ def test_the_cli_serves_and_exports_a_repository(tmp_path, tiny_artifact, images
      "cannot write to model repository {tmp}/afile/repo: {tmp}/afile is a file, not a "
      "directory"),
     (["--repository", "{tmp}/repo", "--version", "-1"],
-     "version must be a positive integer, got -1"),
+     "version must be a positive integer of at most 18 digits (a version folder the server "
+     "reads), got -1"),
     (["--repository", "{tmp}/repo", "--version", "0"], "version must be a positive integer"),
     (["--repository", "{tmp}/repo", "--model", "afile"],
      "cannot write to model folder {tmp}/repo/afile: it is a file, not a directory"),
     (["--repository", "{tmp}/repo", "--model", ".."], "model name '..'"),
+    (["--repository", "{tmp}/repo", "--version", "1" + "0" * 18], "at most 18 digits"),
     (["--repository", "{tmp}/repo", "--model", "."], "not starting with '.'"),
 ])
 def test_a_refused_export_is_one_line_and_creates_nothing(tmp_path, tiny_artifact, capsys,
@@ -516,3 +518,15 @@ def test_statistics_are_kept_per_version_and_start_again_for_a_version_reloaded(
         rows = {s["version"]: s for s in h.get_inference_statistics(MODEL)["model_stats"]}
         assert all(s["inference_stats"]["success"]["count"] == 0 for s in rows.values())
         h.close()
+
+
+def test_an_export_into_or_around_its_artifact_is_refused(tmp_path, tiny_artifact, capsys):
+    from sensai.cli import main
+
+    before = sorted(p.name for p in tiny_artifact.iterdir())
+    for repo, model in ((tiny_artifact, "x"), (tiny_artifact.parent, tiny_artifact.name)):
+        assert main(["export", str(tiny_artifact), "--repository", str(repo),
+                     "--model", model]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "overlap" in err[0], err
+    assert sorted(p.name for p in tiny_artifact.iterdir()) == before

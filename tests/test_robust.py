@@ -58,6 +58,8 @@ def test_cyclic_placement_worker_w_hosts_groups_w_to_w_plus_r():
     (5, 5, -1, "between 0 and"),
     (5, 0, 0, "at least one worker"),
     (2, 3, 0, "without a subnet"),
+    (2, 4, 1, "leave 1 worker\\(s\\) without a subnet; use at most 3 workers"),
+    (5, 10**9, 0, "use at most 5 workers"),  # refused at once, nothing built for each
     (5, 5, 1.5, "integer"),
 ])
 def test_cyclic_placement_rejects_impossible_settings(g, w, r, fragment):

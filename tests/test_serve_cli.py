@@ -365,3 +365,26 @@ def ready(url: str) -> bool:
         return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_repository_that_cannot_start_is_one_line_without_a_traceback(tmp_path, tiny_artifact):
+    """What the gateway finds wrong only as it starts (a model folder with no version) is said
+    in one line, uvicorn's traceback of the failed startup held back."""
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "sensai", "serve", str(tmp_path / "repo"),
+                           "--port", "0", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "error" in x.lower()]
+    assert line.startswith("sensai serve: error: ") and "model 'm' has no version" in line
+    assert "model 'm': model 'm'" not in line
+
+
+def test_one_port_for_http_and_grpc_is_refused(tiny_artifact):
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "sensai", "serve", str(tiny_artifact),
+                           "--port", str(port), "--grpc-port", str(port)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"--grpc-port {port} is --port too" in proc.stderr.strip().splitlines()[-1]

@@ -84,10 +84,18 @@ def test_export_refuses_to_clobber_and_cli(tiny_artifact, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(SensaiError, match="not empty"):
         export_triton_repo(tiny_artifact, out)
+    # --overwrite replaces a Triton repository, not a folder of other files, nor the artifact.
+    assert main(["export-triton", str(tiny_artifact), "--out", str(out), "--overwrite"]) == 2
+    assert "holds 'keep.txt', which is no model of one" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
-    assert main(["export-triton", str(tiny_artifact), "--out", str(out), "--overwrite",
-                 "--max-batch-size", "0", "--instance-kind", "cpu"]) == 0
-    assert "wrote 5 Triton models" in capsys.readouterr().out
+    assert main(["export-triton", str(tiny_artifact), "--out", str(tiny_artifact),
+                 "--overwrite"]) == 2
+    assert "holds the artifact itself" in capsys.readouterr().err
+    (out / "keep.txt").unlink()
+    for again in ([], ["--overwrite"]):  # an empty folder, then the repository replaced
+        assert main(["export-triton", str(tiny_artifact), "--out", str(out), *again,
+                     "--max-batch-size", "0", "--instance-kind", "cpu"]) == 0
+        assert "wrote 5 Triton models" in capsys.readouterr().out
     cfg = _config(out / "sensai_subnet_00" / "config.pbtxt")
     assert cfg.max_batch_size == 0 and list(cfg.input[0].dims) == [-1, 1, 28, 28]
     assert main(["export-triton", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2")]) == 2

@@ -140,6 +140,11 @@ def test_cli_train_and_import(tmp_path, capsys, trained_model_dir):
     (["train", "--set", "lr_warmup=1", "--out", "{tmp}/x"], "lr_warmup must be in [0, 1), got 1"),
     (["train", "--set", "eval_every=-1", "--out", "{tmp}/x"], "eval_every must be an integer >= 0"),
     (["train", "--device", "cuda:3", "--out", "{tmp}/x"], "cuda:3"),
+    (["train", "--seed", "-1", "--out", "{tmp}/x"], "--seed must be an integer from 0 to 4294967295"),
+    (["train", "--seed", str(2**70), "--out", "{tmp}/x"], "--seed must be an integer from 0"),
+    (["train", "--model", "json:loads", "--out", "{tmp}/x"],
+     "model factory 'json:loads' must take num_classes and in_channels"),
+    (["train", "--model", ":", "--out", "{tmp}/x"], "cannot import model factory ':'"),
     (["import", "--model", "fmnist_cnn", "--weights", "{tmp}/none.pt", "--out", "{tmp}/x"], "does not exist"),
     (["import", "--model", "resnet20", "--weights", "{weights}", "--out", "{tmp}/x"], "do not fit"),
     (["train", "--out", "{tmp}/afile"],
@@ -169,6 +174,25 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, trained_model_di
     assert needle.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(given)  # nothing created
+
+
+def test_a_model_or_an_artifact_in_out_is_not_replaced(tmp_path, capsys, trained_model_dir):
+    """A finished model (model.json) or an artifact (manifest.json) in --out is someone's work,
+    which artifacts point at by hash: train and import refuse it, before any data is read."""
+    for folder, name in (("done", "model.json"), ("art", "manifest.json")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("{}")
+    weights = str(trained_model_dir / "model.safetensors")
+    for argv, needle in (
+            (["train", "--out", str(tmp_path / "done")], "holds a trained model (model.json)"),
+            (["import", "--model", "fmnist_cnn", "--weights", weights, "--out",
+              str(tmp_path / "art")], "holds an artifact (manifest.json)")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert [p.read_text() for p in sorted(tmp_path.rglob("*.json"))] == ["{}", "{}"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["art", "done", "manifest.json",
+                                                          "model.json"]
 
 
 def test_pickled_module_is_refused(tmp_path, capsys):

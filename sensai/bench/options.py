@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sensai.bounds import BOUND_KEYS, bounded
+from sensai.bounds import BOUND_KEYS, SEED, bounded
 from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
 from sensai.serving.core.settings import MODEL_RUNTIMES
 from sensai.serving.core.wakeup import MODES
@@ -30,6 +30,9 @@ SEARCHES = ("quick", "full")
 PLAN_LEVELS = (1, 4, 16)
 PLAN_LEVEL_S = 2.0
 PLAN_WARMUP_S = 1.0
+# The most requests a benchmark keeps in flight: each holds a connection, the gateway holds
+# 1,000 by default, and a mistyped count must not become a billion callers.
+MAX_IN_FLIGHT = 1000
 
 
 def flag(*names: str, default: Any = None, help: str, group: str | None = None,
@@ -66,7 +69,7 @@ class BenchData:
                        help="real test images, sent in turn")
     data_dir: str | None = flag(default=None, group="test images",
                                 help="where the dataset is (default: as the artifact records)")
-    seed: int = knob(0, "which test images", low=0)
+    seed: int = knob(0, "which test images", low=SEED.low, high=SEED.high)
     command: str | None = None
     progress: bool = field(default_factory=stderr_is_terminal)
 
@@ -94,7 +97,7 @@ class BenchOptions(Workers, BenchData):
     workers: int | None = flag(
         "--stages", "-K", metavar="K", low=1,
         help="model-parallel stages, one worker each (default: G, as many as subnets)")
-    concurrency: int = flag("--concurrency", "-c", default=8, low=1,
+    concurrency: int = flag("--concurrency", "-c", default=8, low=1, high=MAX_IN_FLIGHT,
                             help="requests in flight for the throughput run")
     requests: int | None = flag(
         low=1, help="requests in the throughput run (default: max(images, 4 x concurrency))")
@@ -249,7 +252,8 @@ class LoadPlan:
              "original on Triton with its dynamic batcher (skipped with the reason where it "
              "cannot run)")
     levels: tuple[int, ...] = flag(default=SWEEP_LEVELS, nargs="+", metavar="N", group="sweep",
-                                   low=1, help="requests in flight of each closed loop")
+                                   low=1, high=MAX_IN_FLIGHT,
+                                   help="requests in flight of each closed loop")
     transport: str | None = flag(
         choices=SWEEP_TRANSPORTS, group="sweep",
         help="http: PNG uploads to /v1/predict; http-v2: KServe v2 binary tensors; one for "
@@ -263,7 +267,7 @@ class LoadPlan:
              "level_seconds/3 windows a level; its CSV's rows (p50/p90/p99, infer/s, the "
              "server's queue and compute) beside bench-load's own, labelled perf_analyzer. Not "
              "on PATH: also: a warning and the rest runs; only: refused")
-    concurrency: int = flag("--concurrency", "-c", default=16, low=1,
+    concurrency: int = flag("--concurrency", "-c", default=16, low=1, high=MAX_IN_FLIGHT,
                             help="the soak (and its warm-up): requests always in flight")
     warmup_seconds: float | None = knob(
         None, f"warm-up, not counted (none: {SOAK_WARMUP_S:g} at the soak's concurrency; with "
@@ -283,7 +287,8 @@ class LoadPlan:
                                       "large as the gateway's pixel and decoded-bytes limits "
                                       "allow) for this long, to report the gateway's peak "
                                       "memory; 0: skip", low=0)
-    burst_concurrency: int = knob(32, "large uploads in flight during the burst", low=1)
+    burst_concurrency: int = knob(32, "large uploads in flight during the burst", low=1,
+                                  high=MAX_IN_FLIGHT)
     sample_seconds: float = knob(5.0, "RSS sampling period, and the bins of the timelines",
                                  above=0)
     level_seconds: float = knob(5.0, "--sweep: seconds of each closed loop", above=0)
@@ -305,8 +310,8 @@ class SwapOptions(Served):
 
     model: str | None = flag(
         help="the model's name in the repository (default: ARTIFACT_A's model)")
-    swaps: int = flag(default=5, low=1, help="versions swapped in")
-    concurrency: int = flag("--concurrency", "-c", default=8, low=1,
+    swaps: int = flag(default=5, low=1, high=1000, help="versions swapped in")
+    concurrency: int = flag("--concurrency", "-c", default=8, low=1, high=MAX_IN_FLIGHT,
                             help="requests always in flight")
     warmup_seconds: float = knob(5.0, "load before the steady state, not counted", low=0)
     steady_seconds: float = knob(10.0, "steady state before the first swap: the latency to "
@@ -332,6 +337,7 @@ class PlanOptions:
                        help="quick: defaults, climb, confirm (minutes); full: every "
                             "combination, then confirm")
     levels: tuple[int, ...] = flag(default=PLAN_LEVELS, nargs="+", metavar="N", low=1,
+                                   high=MAX_IN_FLIGHT,
                                    help="requests in flight of each closed loop, the first the "
                                         "one-image latency")
     transport: str = flag(default="http-v2", choices=SWEEP_TRANSPORTS,

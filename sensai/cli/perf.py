@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sensai.bounds import check_seed
 from sensai.errors import SensaiError
 from sensai.fsutil import check_out_dir
 
@@ -42,8 +43,12 @@ def cmd_perf_data(args) -> int:
     # Before the dataset is read: a mistyped flag should not cost a load of the test split.
     if args.count < 1:
         raise SensaiError(f"--count must be at least 1, got {args.count}")
+    check_seed(args.seed)
     if Path(args.out).is_dir():
         raise SensaiError(f"--out {args.out} is a directory; give the JSON file to write")
+    if Path(args.source).resolve() in Path(args.out).resolve().parents:
+        raise SensaiError(f"--out {args.out} lies inside {args.source}, whose files it would "
+                          "replace: write it elsewhere")
     check_out_dir(Path(args.out).parent, "--out's folder")
     spec = dataset_of(args.source, args.data_dir)
     xs = pick_test_images(spec, args.count, args.seed)

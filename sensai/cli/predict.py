@@ -126,6 +126,8 @@ def predict_remote(args, path: Path) -> int:
                     times.append((time.perf_counter() - t0) * 1e3)
                 if r.status_code != 200:
                     break
+    except httpx.InvalidURL as e:
+        raise SensaiError(f"--url {args.url} is no URL: {e}") from None
     except httpx.HTTPError as e:
         raise SensaiError(f"cannot reach {url}: {e}") from None
     if times and r.status_code == 200:

@@ -335,8 +335,13 @@ def bind_ports(settings: GatewaySettings,
     port 0 the kernel's choice, so what is announced and reported is where clients connect."""
     from sensai.serving.gateway.server import bind_port
 
-    sock = bind_port(settings.host, settings.port, names=names)
     grpc_port = settings.grpc_port
+    # Both probes bind with SO_REUSEADDR before either listens, so one port given twice would
+    # pass them, and the gRPC server would then take it from HTTP.
+    if grpc_port is not None and grpc_port == settings.port != 0:
+        raise SensaiError(f"{names.get('grpc_port', 'grpc_port')} {grpc_port} is "
+                          f"{names.get('port', 'port')} too: give HTTP and gRPC a port each")
+    sock = bind_port(settings.host, settings.port, names=names)
     if grpc_port is not None:
         try:
             # Closed again: the gRPC server binds it itself when the gateway starts.

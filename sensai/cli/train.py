@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from sensai.bounds import check_seed
 from sensai.errors import SensaiError
 from sensai.fsutil import check_out_dir
 from sensai.spec import DATASET_NAMES
@@ -73,6 +74,17 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_import)
 
 
+def check_fresh_model_dir(out: str, verb: str) -> None:
+    """``--out`` writable and holding no model yet: a trained model or an artifact there is
+    someone's work (artifacts record its weights' hash), not to be replaced unasked.  An
+    unfinished run (no model.json yet) is what ``sensai train`` resumes."""
+    check_out_dir(out)
+    for name, what in (("model.json", "a trained model"), ("manifest.json", "an artifact")):
+        if (Path(out) / name).exists():
+            raise SensaiError(f"--out {out} holds {what} ({name}): sensai {verb} into a new "
+                              "folder; choose another --out, or remove this one first")
+
+
 def cmd_models(args) -> int:
     from sensai.models import describe_models
 
@@ -91,7 +103,8 @@ def cmd_train(args) -> int:
     from sensai.models import DEFAULT_MODEL, create_model, select_device
     from sensai.training.trainer import train
 
-    check_out_dir(args.out)  # before any data is read
+    check_seed(args.seed)
+    check_fresh_model_dir(args.out, "trains")  # before any data is read
     model_name = args.model or DEFAULT_MODEL
     spec = resolved_dataset(args)
     # The operator typed the name: consent to import a factory.  Fail fast on a bad name.
@@ -114,6 +127,7 @@ def cmd_import(args) -> int:
     from sensai.manifest import save_model_record
     from sensai.models import select_device
 
+    check_fresh_model_dir(args.out, "imports")
     spec = resolved_dataset(args)
     record = import_weights(args.out, args.model, spec, args.weights)
     if not args.no_eval:

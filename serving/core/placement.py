@@ -35,15 +35,16 @@ def cyclic_placement(groups: int, workers: int, redundancy: int) -> list[list[in
     if not 0 <= redundancy < workers:
         raise SensaiError(f"redundancy must be between 0 and workers - 1 = {workers - 1} (each "
                           f"copy of a group on another worker), got {redundancy}")
+    # Copy j of group g goes to worker (g - j) mod W: the workers reached are G + r consecutive
+    # residues.  Checked before anything is built: workers may be any number a user typed.
+    if workers > groups + redundancy:
+        raise SensaiError(f"{workers} workers for {groups} groups with redundancy {redundancy} "
+                          f"leave {workers - groups - redundancy} worker(s) without a subnet; "
+                          f"use at most {groups + redundancy} workers")
     placement: list[list[int]] = [[] for _ in range(workers)]
     for j in range(redundancy + 1):
         for g in range(groups):
             placement[(g - j) % workers].append(g)
-    idle = [w for w, hosted in enumerate(placement) if not hosted]
-    if idle:
-        raise SensaiError(f"{workers} workers for {groups} groups with redundancy {redundancy} "
-                          f"leave worker(s) {', '.join(map(str, idle))} without a subnet; use at "
-                          f"most {groups * (redundancy + 1)} workers")
     return placement
 
 

@@ -139,11 +139,16 @@ def add_version(repo: str | Path, name: str, artifact_dir: str | Path,
     the version."""
     repo, src = Path(repo), Path(artifact_dir)
     check_model_name(name)
-    if version is not None and version < 1:
-        raise SensaiError(f"version must be a positive integer, got {version}")
+    if version is not None and not VERSION.match(str(version)):
+        raise SensaiError(f"version must be a positive integer of at most 18 digits (a "
+                          f"version folder the server reads), got {version}")
     check_out_dir(repo, "model repository")
     folder = check_out_dir(repo / name, "model folder")
     artifact = load_artifact(src)
+    f, a = folder.resolve(), artifact.root.resolve()
+    if f == a or a in f.parents or f in a.parents:
+        raise SensaiError(f"model folder {folder} and the artifact {src} overlap: the "
+                          "repository goes beside the artifact, not in or around it")
     files = [verify_file(p, sha, "artifact file") for s in artifact.subnets
              for p, sha in ((s.weights, s.weights_sha256), (s.onnx, s.onnx_sha256))
              if p is not None]

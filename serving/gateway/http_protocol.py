@@ -245,7 +245,8 @@ if HttpToolsProtocol is not None:
             if self.shed is not None:
                 keep = self.parser.should_keep_alive()
                 self.transport.write(self.gate.refusals.response(
-                    self.shed, self.request_id(), close=not keep))
+                    self.shed, request_id(dict(self.headers).get(b"x-request-id")),
+                    close=not keep))
                 self.shed = None
                 if keep:
                     self._unset_keepalive_if_required()
@@ -259,13 +260,6 @@ if HttpToolsProtocol is not None:
         def on_response_complete(self) -> None:
             self.head_since = self.loop.time()
             super().on_response_complete()
-
-        def request_id(self) -> str:
-            """The client's ``x-request-id`` when it is a sane token, else a fresh one."""
-            for name, value in self.headers:
-                if name == b"x-request-id":
-                    return request_id(value)
-            return new_request_id()
 
         def too_large(self) -> str:
             return (f"the request head is over {self.limits.max_header_bytes:,} bytes "
@@ -301,9 +295,7 @@ if HttpToolsProtocol is not None:
                 self.transport.close()
 
         def send_400_response(self, msg: str) -> None:
-            # uvicorn answers what its parser cannot read (a negative or doubled Content-Length,
-            # a control character in a header, an unknown method) in plain text; every answer
-            # of the gateway's is its JSON error.
+            # What uvicorn's parser cannot read it answers in plain text; the gateway, in JSON.
             self.refuse(400, "malformed_http", f"malformed HTTP request: {msg}")
 
         def eof_received(self):

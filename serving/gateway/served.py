@@ -124,7 +124,8 @@ class ServedModels(ModelTable):
             try:
                 await self.load(name)
             except SensaiError as e:
-                raise SensaiError(f"model {name!r}: {e}") from None
+                said = str(e).startswith(f"model {name!r}")  # named already: not twice
+                raise SensaiError(str(e) if said else f"model {name!r}: {e}") from None
 
     async def load(self, name: str) -> list[str]:
         """Bring model ``name`` to what its repository folder and version policy say: load the

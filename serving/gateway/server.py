@@ -52,6 +52,20 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 
+class StartupErrorSaid(logging.Filter):
+    """Drops uvicorn's errors once the app's startup failed with an error of sensai's own
+    (``app.state.startup_error``): its traceback and "startup failed", where ``sensai serve``
+    says what is wrong in one line."""
+
+    def __init__(self, app):
+        super().__init__()
+        self.state = getattr(app, "state", None)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno < logging.ERROR
+                or getattr(self.state, "startup_error", None) is None)
+
+
 def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
                 graceful_s: float = 10.0, sock: socket.socket | None = None) -> None:
     """Serve ``app`` in this thread until SIGINT/SIGTERM, then shut down gracefully (the app's
@@ -64,9 +78,12 @@ def run_uvicorn(app, *, host: str, port: int, log_level: str = "info",
     stopped = []
     old = {s: signal.signal(s, lambda signum, frame: stopped.append(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
+    said = StartupErrorSaid(app)
+    logging.getLogger("uvicorn.error").addFilter(said)
     try:
         server.run(sockets=None if sock is None else [sock])
     finally:
+        logging.getLogger("uvicorn.error").removeFilter(said)
         for s, h in old.items():
             signal.signal(s, h)
     if stopped:

@@ -234,6 +234,23 @@ def write_model(repo: str | Path, name: str, onnx: str | Path, *, backend: str,
                      gpu=gpu, threads=threads), encoding="utf-8")
 
 
+def check_replaceable(out: Path, artifact_root: Path, overwrite: bool) -> None:
+    """What ``--overwrite`` may replace: a Triton model repository (every entry a model folder
+    with its config.pbtxt), never the artifact it is made from nor any other folder's files."""
+    if not overwrite:
+        raise SensaiError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    o, a = out.resolve(), artifact_root.resolve()
+    if o == a or o in a.parents:
+        raise SensaiError(f"--out {out} holds the artifact itself: write the repository to "
+                          "another folder")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if not (p.is_dir() and (p / "config.pbtxt").is_file()))
+    if foreign:
+        raise SensaiError(f"--overwrite replaces a Triton model repository only, and {out} "
+                          f"holds {foreign[0]!r}, which is no model of one: choose another "
+                          "--out, or empty it first")
+
+
 def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
                        backend: str = "onnxruntime", max_batch_size: int = 64,
                        instance_kind: str = "auto", gpus: int = 0, threads: int = 1,
@@ -255,8 +272,8 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
         raise SensaiError(f"--threads must be at least 1, got {threads}")
     out = check_out_dir(out_dir, "model repository")
     artifact = load_artifact(artifact_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise SensaiError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    if out.exists() and any(out.iterdir()):
+        check_replaceable(out, artifact.root, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     names = []
