@@ -140,8 +140,13 @@ def import_weights(model_dir: str | Path, arch: str, spec, weights_path: str | P
         try:
             state = torch.load(weights_path, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only refuses arbitrary objects with various errors
+            why = first_line(e)
+            if why.startswith("Weights only load failed"):
+                # torch's own text goes on to advise weights_only=False, which runs the file.
+                why = ("it holds objects other than tensors, or is no torch file: save "
+                       "model.state_dict(), or the weights as .safetensors")
             raise CheckpointError(f"cannot load {weights_path} as a plain state dict "
-                                  f"(weights_only=True): {first_line(e)}") from None
+                                  f"(weights_only=True): {why}") from None
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -128,7 +128,8 @@ def iterate_batches(
 
 
 def stratified_subset(labels: np.ndarray, limit: int | None, seed: int = 0) -> np.ndarray:
-    """Indices of at most ``limit`` samples keeping the class proportions (all when None)."""
+    """Indices of about ``limit`` samples keeping the class proportions, at least one of each
+    class, so never fewer than there are classes (all when None)."""
     labels = np.asarray(labels)
     if limit is None or limit >= len(labels):
         return np.arange(len(labels))

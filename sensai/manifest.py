@@ -187,9 +187,18 @@ class DecompositionManifest(_Frozen):
         return all(len(g) == 1 for g in self.groups)
 
 
+def not_there(path: Path, what: str, *, folder: bool) -> CheckpointError:
+    """The error for ``path`` that is not the folder (or file) it should be: missing, or the
+    other kind."""
+    if not path.exists():
+        return CheckpointError(f"{what} {path} does not exist")
+    return CheckpointError(f"{what} {path} is a {'file' if folder else 'directory'}, not a "
+                           f"{'directory' if folder else 'file'}")
+
+
 def _load(path: Path, cls, what: str, version: int, upgrade: str = ""):
     if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist")
+        raise not_there(path, what, folder=False)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -211,7 +220,7 @@ def _load(path: Path, cls, what: str, version: int, upgrade: str = ""):
 def load_model_record(model_dir: str | Path) -> ModelRecord:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
+        raise not_there(model_dir, "model directory", folder=True)
     if (model_dir / MANIFEST).is_file() and not (model_dir / MODEL_RECORD).exists():
         raise CheckpointError(f"{model_dir} is an artifact ('sensai decompose'), not a trained "
                               "model directory ('sensai train' or 'sensai import')")
@@ -234,7 +243,7 @@ def refuse_model_dir(path: str | Path, wanted: str = "an artifact") -> None:
 def load_manifest(artifact_dir: str | Path) -> DecompositionManifest:
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.is_dir():
-        raise CheckpointError(f"artifact directory {artifact_dir} does not exist")
+        raise not_there(artifact_dir, "artifact directory", folder=True)
     refuse_model_dir(artifact_dir)
     return _load(artifact_dir / MANIFEST, DecompositionManifest, "manifest", MANIFEST_VERSION,
                  " (re-run the same 'sensai decompose' command: it resumes and rewrites the "

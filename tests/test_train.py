@@ -215,3 +215,12 @@ def test_training_that_diverges_stops_in_one_line(tmp_path, capsys):
     assert re.search(r"training \(epoch 1\) diverged \(the loss stopped being finite at step "
                      r"\d+\); lower the learning rate \(--set lr=\.\.\.\)", last), last
     assert not (tmp_path / "x" / "model.json").exists()
+
+
+def test_an_unknown_option_is_said_by_its_command(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(tmp_path / "x"), "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "sensai train: error: unrecognized arguments: --bogus", err
+    assert not (tmp_path / "x").exists()

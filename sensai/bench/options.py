@@ -66,7 +66,8 @@ class BenchData:
     show (by default when stderr is a terminal, so a log or a test gets neither)."""
 
     images: int = flag(default=200, group="test images", low=1,
-                       help="real test images, sent in turn")
+                       help="real test images, sent in turn (a stratified sample: at least "
+                            "one of each class)")
     data_dir: str | None = flag(default=None, group="test images",
                                 help="where the dataset is (default: as the artifact records)")
     seed: int = knob(0, "which test images", low=SEED.low, high=SEED.high)

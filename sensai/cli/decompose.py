@@ -28,7 +28,8 @@ class RunOptions:
     compile: bool = field(default=False, metadata=STEPS["compile"])
     capture: bool = field(default=True, metadata=STEPS["capture"])
     eval_limit: int | None = field(default=None, metadata={
-        "help": "evaluate on a stratified subset of this many test images (none: all)"})
+        "help": "evaluate on a stratified subset of about this many test images, at least "
+                "one of each class (none: all)"})
 
 
 def register(sub) -> None:

@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="train, decompose, serve, predict and benchmark the default "
-                       "model on Fashion-MNIST, end to end")
+                       "model on Fashion-MNIST, end to end",
+                       description="Train, decompose, serve, predict and benchmark the default "
+                                   "model on Fashion-MNIST, end to end, in --out; a second run "
+                                   "goes on from the steps already done.")
     p.add_argument("--out", default="runs/demo", help="working directory (default: %(default)s)")
     p.add_argument("--data-dir", default=None,
                    help="Fashion-MNIST directory (default: /usr/share/datasets/fashion-mnist)")

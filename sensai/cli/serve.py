@@ -61,7 +61,10 @@ def register(sub) -> None:
 
 def register_export(sub) -> None:
     """``sensai export`` and ``sensai export-triton``: an artifact into a model repository."""
-    p = sub.add_parser("export", help="add an artifact to a model repository as a new version")
+    p = sub.add_parser("export", help="add an artifact to a model repository as a new version",
+                       description="Copy an artifact (each file checked against its hash) into "
+                                   "REPOSITORY/MODEL/VERSION in one rename, for `sensai serve "
+                                   "REPOSITORY`; a version is never overwritten.")
     p.add_argument("artifact", help="artifact directory")
     p.add_argument("--repository", required=True, help="model repository (created if missing)")
     p.add_argument("--model", required=True, help="the model's name in the repository")
@@ -74,14 +77,20 @@ def register_export(sub) -> None:
     p.add_argument("--out", required=True, help="model repository directory to create")
     p.add_argument("--backend", choices=("onnxruntime", "python"), default="onnxruntime",
                    help="Triton backend: onnxruntime (Triton containers) or python (ONNX Runtime "
-                        "inside the Python backend, e.g. the nvidia-pytriton tritonserver)")
+                        "inside the Python backend, e.g. the nvidia-pytriton tritonserver; "
+                        "default: %(default)s)")
     p.add_argument("--max-batch-size", type=int, default=64,
-                   help="Triton's max_batch_size (0: no batching)")
-    p.add_argument("--instance-kind", choices=("auto", "cpu", "gpu"), default="auto")
+                   help="Triton's max_batch_size (0: no batching; default: %(default)s)")
+    p.add_argument("--instance-kind", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where Triton runs each model's instance (auto: Triton's choice; "
+                        "default: %(default)s)")
     p.add_argument("--gpus", type=int, default=0,
-                   help="pin subnet i to GPU i %% N (KIND_GPU); 0: use --instance-kind")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per model instance")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+                   help="pin subnet i to GPU i %% N (KIND_GPU); 0: use --instance-kind "
+                        "(default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per model instance (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a Triton model repository already")
     p.set_defaults(func=cmd_export_triton)
 
 

@@ -46,7 +46,7 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("models", help="list the model registry")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the registry as JSON")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("train", help="train a registry model on a dataset",
@@ -64,7 +64,11 @@ def register(sub) -> None:
     add_set_flag(p, dataclass_knobs(TrainOptions), "how it trains")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("import", help="adopt your own trained weights for a registry model")
+    p = sub.add_parser("import", help="adopt your own trained weights for a registry model",
+                       description="Write a trained model directory (model.safetensors and "
+                                   "model.json, as `sensai train` writes) from weights you "
+                                   "trained yourself, loaded as tensors only, then measure "
+                                   "their test accuracy.")
     p.add_argument("--model", required=True, help="registry name or package.module:factory")
     p.add_argument("--weights", required=True, help=".safetensors, or a .pt/.pth state dict")
     add_data_args(p)

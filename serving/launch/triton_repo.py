@@ -266,8 +266,8 @@ def export_triton_repo(artifact_dir: str | Path, out_dir: str | Path, *,
     if instance_kind not in INSTANCE_KINDS:
         raise SensaiError(f"unknown instance kind {instance_kind!r}; choose one of "
                           f"{', '.join(INSTANCE_KINDS)}")
-    if max_batch_size < 0 or gpus < 0:
-        raise SensaiError("--max-batch-size and --gpus must be >= 0")
+    if not 0 <= max_batch_size < 2**31 or gpus < 0:  # Triton's max_batch_size is an int32
+        raise SensaiError("--max-batch-size must be from 0 to 2147483647 and --gpus >= 0")
     if threads < 1:
         raise SensaiError(f"--threads must be at least 1, got {threads}")
     out = check_out_dir(out_dir, "model repository")
