@@ -128,15 +128,21 @@ def test_an_old_manifest_says_how_to_upgrade(tiny_artifact, tmp_path):
     (["export", "{model}", "--repository", "{tmp}/repo", "--model", "m"],
      "{model} is a trained model directory"),
     (["predict", "{art}", "{tmp}"], "image {tmp} is a directory; give one image file"),
+    (["predict", "{art}", "{tmp}/empty.png"], "image {tmp}/empty.png is empty (0 bytes)"),
+    (["evaluate", "{tmp}/one.png"], "artifact directory {tmp}/one.png is a file, not a "
+                                    "directory"),
 ])
 def test_what_a_directory_is_and_what_was_wanted_is_said_in_one_line(
         argv, fragment, tiny_artifact, trained_model_dir, tmp_path, capsys):
     """A trained model directory where an artifact is wanted (serve would take it for a model
     repository without models), a directory where an image is wanted."""
     (tmp_path / "one.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    if "{tmp}/empty.png" in argv:
+        (tmp_path / "empty.png").touch()
     names = dict(model=trained_model_dir, art=tiny_artifact, tmp=tmp_path,
                  image=tmp_path / "one.png")
     assert main([a.format(**names) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment.format(**names) in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.png"]  # nothing created
+    made = sorted(p.name for p in tmp_path.iterdir() if p.name != "empty.png")
+    assert made == ["one.png"]  # nothing created

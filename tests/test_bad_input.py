@@ -404,6 +404,13 @@ def test_v2_fields_of_the_wrong_kind_are_refused_with_their_reason(client, good_
     r = client.post("/v2/models/sensai/infer", content=head + good_tensor.tobytes(),
                     headers={"Inference-Header-Content-Length": str(len(head))})
     assert_error(r, 400, "both in the JSON")
+    t["parameters"] = {"binary_data_size": good_tensor.nbytes}
+    del t["data"]
+    head = json.dumps({"inputs": [t]}).encode()
+    r = client.post("/v2/models/sensai/infer", content=head + good_tensor.tobytes(),
+                    headers=[("Inference-Header-Content-Length", str(len(head))),
+                             ("Inference-Header-Content-Length", "7")])
+    assert_error(r, 400, "2 Inference-Header-Content-Length headers")
     assert_still_serving(client, good_png)
 
 

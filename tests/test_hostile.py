@@ -144,6 +144,8 @@ def test_a_truncated_gzip_body_is_a_400(client, good):
          "data": x.ravel().tolist()}]}).encode())
     assert v2(client, body, **{"content-encoding": "gzip"}).status_code == 200
     assert_json_error(v2(client, body[:-12], **{"content-encoding": "gzip"}), 400, "truncated")
+    assert_json_error(v2(client, body + b"junk", **{"content-encoding": "gzip"}), 400,
+                      "4 bytes after its gzip stream")
     still_serving(client, good)
 
 

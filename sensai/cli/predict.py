@@ -56,6 +56,8 @@ def cmd_predict(args) -> int:
         raise SensaiError(f"image {path} is a directory; give one image file")
     if not path.is_file():
         raise SensaiError(f"image {path} does not exist")
+    if not path.stat().st_size:
+        raise SensaiError(f"image {path} is empty (0 bytes)")
     if args.url:
         return predict_remote(args, path)
     from sensai.artifact import load_artifact

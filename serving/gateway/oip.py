@@ -101,6 +101,9 @@ def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body decompresses to more than {limit:,} bytes")
     if not d.eof:
         raise InputError(f"request body is truncated {enc} data (the stream does not end)")
+    if d.unused_data:  # what follows the stream is no part of the request
+        raise InputError(f"request body has {len(d.unused_data):,} bytes after its {enc} "
+                         "stream")
     return out
 
 

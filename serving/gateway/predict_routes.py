@@ -245,6 +245,9 @@ class PredictRoutes:
         clock = RequestClock()
         headers = request.headers
         encoding = headers.get("content-encoding")
+        if len(lengths := headers.getlist(oip.HEADER_LENGTH)) > 1:  # which one was meant?
+            raise InputError(f"the request has {len(lengths)} {oip.HEADER_LENGTH} headers; "
+                             "send one")
         args = (body, encoding, gw.settings.max_body_bytes, headers.get(oip.HEADER_LENGTH))
         # A compressed body's parse cost is that of what it expands to: never inline.
         if len(body) <= INLINE_PARSE_BYTES and not encoding:
