@@ -58,7 +58,8 @@ def create_model(name: str, num_classes: int, in_channels: int = 3, *, trust_cod
         if not trust_code:
             raise UnknownModelError(
                 f"{name!r} names model code to import, which runs it; pass --trust-model-code "
-                "if you trust where it came from (registry models need no such consent)")
+                "(a command without that flag: set SENSAI_TRUST_MODEL_CODE=1) if you trust "
+                "where it came from (registry models need no such consent)")
         module_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)

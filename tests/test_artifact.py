@@ -5,6 +5,7 @@ with one line, for every runtime and for ``export-triton`` (see test_serving_tri
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def probe(tmp_path, monkeypatch):
         f"from pathlib import Path\nPath({str(mark)!r}).write_text('yes')\n"
         "def factory(num_classes, in_channels):\n    raise RuntimeError('not a network')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, PROBE, raising=False)  # imported afresh: its mark is new
     return mark
 
 
@@ -59,6 +61,30 @@ def test_model_code_named_by_a_manifest_is_not_imported_without_consent(tiny_art
     # With consent the code is imported (and here fails, being no network).
     with pytest.raises(SensaiError):
         build_predictor(art, GatewaySettings(device="cpu", runtime="torch", trust_model_code=True))
+    assert probe.exists()
+
+
+def test_the_benches_import_model_code_only_with_consent_from_the_environment(
+        tiny_artifact, trained_model_dir, tmp_path, probe, monkeypatch):
+    """The bench commands take no --trust-model-code: their baselines import the original's
+    code only with SENSAI_TRUST_MODEL_CODE=1, as the refusal says."""
+    import json
+
+    from sensai.bench.strategies import load_original
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model_dir, model_dir)
+    record = json.loads((model_dir / "model.json").read_text())
+    write_json_atomic(model_dir / "model.json", record | {"model": f"{PROBE}:factory"})
+    art = tampered(tiny_artifact, tmp_path,
+                   lambda root, m: m["source"].update(model_dir=str(model_dir)))
+    monkeypatch.delenv("SENSAI_TRUST_MODEL_CODE", raising=False)
+    with pytest.raises(SensaiError, match="set SENSAI_TRUST_MODEL_CODE=1"):
+        load_original(load_artifact(art))
+    assert not probe.exists()
+    monkeypatch.setenv("SENSAI_TRUST_MODEL_CODE", "1")
+    with pytest.raises(Exception, match="not a network"):  # imported, and no network
+        load_original(load_artifact(art))
     assert probe.exists()
 
 

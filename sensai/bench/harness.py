@@ -30,7 +30,7 @@ from sensai.fsutil import writable_dir, write_json_atomic, write_text_atomic
 from sensai.manifest import utc_now
 from sensai.merge import merge_outputs
 from sensai.serving.core.contract import Predictor
-from sensai.serving.core.settings import GatewaySettings
+from sensai.serving.core.settings import GatewaySettings, load_settings
 from sensai.serving.gateway.app import create_app
 from sensai.serving.gateway.server import BackgroundServer
 from sensai.serving.workers.runners import runner_specs
@@ -108,11 +108,18 @@ def finish(out: Path, stem: str, result: dict[str, Any], t_start: float,
 # The images
 
 
+def model_code_trusted() -> bool:
+    """The operator's consent to import a ``package.module:factory`` the files name, for the
+    bench commands, which take no ``--trust-model-code``: ``SENSAI_TRUST_MODEL_CODE=1``, the
+    setting ``sensai serve --trust-model-code`` sets."""
+    return load_settings({}).trust_model_code
+
+
 def offline_reference(artifact: Artifact, xs: Sequence[np.ndarray], *, runtime: str = "auto",
                       threads: int = 1) -> np.ndarray:
     """The answers to compare with: every subnet run in this process on CPU, merged."""
     runners = [s.build() for s in runner_specs(artifact, device="cpu", runtime=runtime,
-                                               threads=threads)]
+                                               threads=threads, trust_code=model_code_trusted())]
     x = np.concatenate(xs)
     outs = [np.asarray(r.run(x), dtype=np.float32) for r in runners]
     return merge_outputs(outs, artifact.groups, artifact.manifest.num_classes)

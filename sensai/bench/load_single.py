@@ -25,6 +25,7 @@ from sensai.manifest import (DecompositionManifest, ModelRecord, SourceInfo, Sub
                              save_manifest)
 from sensai.models import classifier_layer
 
+from .harness import model_code_trusted
 from .strategies import load_original
 
 NOT_MINE_BIAS = -1e30  # exp(this - any real logit) is 0 in float64: the column never scores
@@ -57,8 +58,8 @@ def original_as_artifact(artifact: Artifact, out_dir: Path,
 def model_dir_as_artifact(model_dir: str | Path, out_dir: Path,
                           check_batch: torch.Tensor | None = None) -> tuple[Artifact, Path]:
     """The same of a model ``sensai train`` (or ``sensai import``) wrote to ``model_dir``
-    (a registry architecture: nothing the record names is imported)."""
-    model, record = load_trained_model(model_dir)
+    (its code imported only with the operator's consent, :func:`.harness.model_code_trusted`)."""
+    model, record = load_trained_model(model_dir, trust_code=model_code_trusted())
     return one_group_artifact(model, record, model_dir, out_dir, check_batch)
 
 

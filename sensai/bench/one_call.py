@@ -24,6 +24,7 @@ from sensai.serving.core.settings import SIM_LAUNCH_MS
 from sensai.serving.workers.device_runner import build_device
 from sensai.serving.workers.runners import runner_specs
 
+from .harness import model_code_trusted
 from .stats import summarize
 
 CALLS = 200  # images timed (cycling through the run's images), after WARMUP untimed
@@ -39,7 +40,7 @@ def one_call_reference(artifact: Artifact, xs: Sequence[np.ndarray], *, device: 
     first = str(device_for_worker(0, device))
     specs = [replace(s, device=first)
              for s in runner_specs(artifact, device=first, runtime=runtime, threads=threads,
-                                   sim_launch_ms=sim_launch_ms)]
+                                   sim_launch_ms=sim_launch_ms, trust_code=model_code_trusted())]
     cores = cores or len(os.sched_getaffinity(0))
     one = build_device(list(enumerate(specs)), cores=cores if first == "cpu" else 1)
     times = []

@@ -31,7 +31,7 @@ from sensai.serving.launch.build import build_predictor, launch_triton
 from sensai.serving.workers.runners import RunnerSpec, resolve_runtime, runner_specs
 
 from .baselines import BASELINES, WorkerSet
-from .harness import TestImages
+from .harness import TestImages, model_code_trusted
 from .machine import MemoryProbe
 from .names import UNTIMED_TRANSPORTS, label
 from .options import BenchOptions, Workers
@@ -68,7 +68,7 @@ def load_original(artifact: Artifact):
     """The model the artifact was decomposed from (the baselines run it), checked by hash."""
     source = artifact.manifest.source
     try:
-        model, record = load_trained_model(source.model_dir)
+        model, record = load_trained_model(source.model_dir, trust_code=model_code_trusted())
     except CheckpointError as e:
         raise CheckpointError(f"the baselines need the original model the artifact was made "
                               f"from ({source.model_dir}): {e}") from None
@@ -159,10 +159,12 @@ def prepare_baselines(model, record, artifact: Artifact, images: TestImages, mod
 def prepare_class_parallel(artifact: Artifact, images: TestImages, opts: Workers) -> Recipe:
     """The subnets' recipes on the workers ``opts`` describe (checks their files now) and what
     each subnet costs."""
-    specs = runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads)
+    trust = model_code_trusted()
+    specs = runner_specs(artifact, device=opts.device, runtime=opts.runtime, threads=opts.threads,
+                         trust_code=trust)
     example = images.batch(2)
     infos = []
-    for rec, sub in zip(artifact.manifest.subnets, artifact.load_subnets("cpu")):
+    for rec, sub in zip(artifact.manifest.subnets, artifact.load_subnets("cpu", trust_code=trust)):
         infos.append(_cost(rec.params, rec.flops, peak_activation_bytes(sub.eval(), example),
                            classes=list(rec.classes)))
     return Recipe("class-parallel", [s.name for s in specs], specs, infos)

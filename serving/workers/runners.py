@@ -370,7 +370,8 @@ def runner_specs(artifact: Artifact, *, device: str = "auto", runtime: str = "au
             if is_factory_path(m.model) and not trust_code:
                 raise CheckpointError(
                     f"the manifest's architecture {m.model!r} is code the torch runtime would "
-                    "import; pass --trust-model-code if you trust this artifact, or use the "
-                    "onnx runtime")
+                    "import; pass --trust-model-code (a command without that flag: set "
+                    "SENSAI_TRUST_MODEL_CODE=1) if you trust this artifact, or use the onnx "
+                    "runtime")
         specs.append(spec)
     return specs
