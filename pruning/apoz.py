@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
+
+from .errors import UnsupportedModel
 from sensai.learning import fast_layout
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,10 @@ class ChannelStatsAccumulator:
             self._zeros, self._abs_sum = zeros, abs_sum
         else:
             if zeros.shape != self._zeros.shape:
-                raise ValueError(f"activations changed from {self._zeros.shape[0]} to "
-                                 f"{zeros.shape[0]} channels between batches")
+                raise UnsupportedModel(
+                    f"activations changed from {self._zeros.shape[0]} to {zeros.shape[0]} "
+                    "channels between calls: one nn.ReLU module applied at two places of "
+                    "different widths? give every activation its own nn.ReLU module")
             self._zeros += zeros
             self._abs_sum += abs_sum
         self._count += a.numel() // a.shape[1]
@@ -147,9 +151,9 @@ def collect_activation_stats(
     reused = [n for n, c in calls.items() if c > n_batches]
     if reused:
         # One module applied at two places would mix two different activations in one statistic.
-        raise ValueError(f"ReLU module {reused[0]!r} is called more than once per forward pass; "
-                         "give every activation its own nn.ReLU module")
+        raise UnsupportedModel(f"ReLU module {reused[0]!r} is called more than once per forward "
+                               "pass; give every activation its own nn.ReLU module")
     unused = [n for n, c in calls.items() if c == 0]
     if unused:
-        raise ValueError(f"ReLU module {unused[0]!r} is never called in the forward pass")
+        raise UnsupportedModel(f"ReLU module {unused[0]!r} is never called in the forward pass")
     return {n: acc.result() for n, acc in accs.items()}

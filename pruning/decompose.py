@@ -574,7 +574,11 @@ def stage_stats(run: DecomposeRun, group_list: list[list[int]]) -> tuple[list, d
     config = run.config
     layers = find_prunable(run.model, run.example, residual=config.prune_residual)
     if not layers:
-        raise SensaiError(f"{run.record.model} has no prunable conv -> ReLU layers")
+        raise SensaiError(
+            f"{run.record.model} has no prunable conv -> ReLU layers: the channels pruned are a "
+            "convolution's whose output goes through an nn.ReLU module used once (F.relu, ReLU6 "
+            "and SiLU are not seen) to the next convolution, not into an element-wise product "
+            "(squeeze-excitation)")
     relus = sorted({r for layer in layers for r in layer.relus})
     stats: dict[int, dict] = {}
     did = False

@@ -15,3 +15,8 @@ class RetrainFailed(SensaiError):
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = failures
+
+
+class UnsupportedModel(SensaiError, ValueError):
+    """The network has a shape decomposition cannot take: one line saying which part and what
+    to change (a ValueError too, as the checks that raise it were)."""

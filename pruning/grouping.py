@@ -26,6 +26,8 @@ from sensai.errors import SensaiError
 from sensai.fsutil import atomic_path
 from sensai.models import classifier_layer
 
+from .errors import UnsupportedModel
+
 log = logging.getLogger(__name__)
 
 
@@ -150,24 +152,50 @@ def penultimate_features(model: nn.Module, dataset: ImageDataset, spec: DatasetS
     def grab(module, inputs):
         feats.append(inputs[0].detach().flatten(1).float().cpu())
 
+    outs: list[torch.Tensor] = []
+
     modes = {m: m.training for m in model.modules()}
     handle = head.register_forward_pre_hook(grab)
+    first = head.register_forward_hook(lambda module, inputs, out: outs.append(out))
     labels = []
     try:
         model.eval().to(device)
         with tqdm(total=len(indices), desc=progress, disable=progress is None, unit="img",
                   leave=False) as bar:
             for x, y in iterate_batches(dataset, batch_size, indices=indices):
-                model(normalize(x.to(device), spec))
+                out = model(normalize(x.to(device), spec))
+                if first is not None:
+                    first.remove()
+                    first = None
+                    check_head_is_output(model, outs, out)
                 labels.append(y.numpy())
                 bar.update(len(x))
     finally:
         handle.remove()
+        if first is not None:
+            first.remove()
         for m, training in modes.items():
             m.training = training
     if len(feats) != len(labels):
-        raise ValueError("the classifier layer must be called exactly once per forward pass")
+        raise UnsupportedModel("the classifier layer must be called exactly once per forward "
+                               "pass")
     return torch.cat(feats).numpy(), np.concatenate(labels).astype(np.int64)
+
+
+def check_head_is_output(model: nn.Module, outs: list[torch.Tensor], out) -> None:
+    """Decomposition replaces the last ``nn.Linear`` the model registers with the group heads:
+    refused in one line unless that layer's output is the model's (as a view or copy)."""
+    if len(outs) != 1:
+        raise UnsupportedModel("the classifier layer must be called exactly once per forward "
+                               "pass")
+    name, _ = classifier_layer(model)
+    given = outs[0]
+    if not (isinstance(out, torch.Tensor) and given.numel() == out.numel()
+            and torch.equal(given.reshape(out.shape), out)):
+        raise UnsupportedModel(
+            f"the last nn.Linear the model registers, {name!r}, does not give its output: "
+            "decomposition replaces that layer with the groups' heads; define the output layer "
+            "last in __init__")
 
 
 def group_classes(features: np.ndarray, labels: np.ndarray, num_classes: int, n_groups: int, *,

@@ -142,7 +142,7 @@ def test_the_gateway_process_is_gone(load_run):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
+    (["--concurrency", "0"], "--concurrency must be an integer from 1 to 1000"),
     (["--set", "clients=3", "--concurrency", "2"], "--set clients=3 must not exceed"),
     (["--set", "soak_seconds=0"], "--set soak_seconds must be a number > 0"),
     (["--set", "overload_factor=-1"], "--set overload_factor must be a number > 0"),

@@ -171,7 +171,7 @@ def test_the_original_as_a_one_group_artifact_scores_as_the_original(tiny_artifa
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--levels", "0"], "--levels must be an integer >= 1"),
+    (["--levels", "0"], "--levels must be an integer from 1 to 1000"),
     (["--set", "level_seconds=0"], "--set level_seconds must be a number > 0"),
     (["--set", "overload_seconds=-1"], "--set overload_seconds must be a number >= 0"),
 ])

@@ -168,9 +168,9 @@ def test_a_value_outside_its_bound_is_refused_naming_the_option(cls, f, bound, i
     (BenchOptions(rounds=0), "--set rounds must be an integer >= 1, got 0"),
     (RobustOptions(hedges_ms=(1.0, -1.0)), "--hedge-ms must be a number >= 0, got -1.0"),
     (RobustOptions(kill_at=1.0), "--set kill_at must be in [0, 1), got 1.0"),
-    (LoadPlan(levels=(1, 0)), "--levels must be an integer >= 1, got 0"),
+    (LoadPlan(levels=(1, 0)), "--levels must be an integer from 1 to 1000, got 0"),
     (LoadPlan(soak_seconds=0), "--set soak_seconds must be a number > 0, got 0"),
-    (SwapOptions(concurrency=2.5), "--concurrency must be an integer >= 1, got 2.5"),
+    (SwapOptions(concurrency=2.5), "--concurrency must be an integer from 1 to 1000, got 2.5"),
     (LoadOptions(overload_factor=float("inf")),
      "--set overload_factor must be a number > 0, got inf"),
 ])
@@ -195,7 +195,8 @@ def test_the_checks_of_the_commands_use_the_declared_bounds():
         check_bench_settings(BenchOptions(requests=0))
     with pytest.raises(SensaiError, match=r"^--set load_timeout must be a number > 0, got 0$"):
         check_swap_settings(SwapOptions(load_timeout=0))
-    with pytest.raises(SensaiError, match=r"^--set burst_concurrency must be an integer >= 1"):
+    with pytest.raises(SensaiError,
+                       match=r"^--set burst_concurrency must be an integer from 1 to 1000"):
         check_load_settings(LoadOptions(), LoadPlan(burst_concurrency=0).resolved())
     with pytest.raises(SensaiError, match=r"^--set overload_connections must be an integer >= "
                                           r"--set clients \(2\), got 1$"):

@@ -126,8 +126,8 @@ def test_report_renders_the_table_markdown_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--swaps", "0"], "--swaps must be an integer >= 1"),
-    (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
+    (["--swaps", "0"], "--swaps must be an integer from 1 to 1000"),
+    (["--concurrency", "0"], "--concurrency must be an integer from 1 to 1000"),
     (["--set", "steady_seconds=0"], "--set steady_seconds must be a number > 0"),
     (["--set", "after_seconds=-1"], "--set after_seconds must be a number >= 0"),
     (["--model", "../x"], "model name '../x': use 1-64 letters"),

@@ -205,3 +205,27 @@ def test_plot_grouping_png(tsne_grouping, features, fmnist_spec, tmp_path):
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["raw.png", "tsne.png"]
     with pytest.raises(ValueError, match="class names"):
         plot_grouping(tsne_grouping, fmnist_spec.classes[:3], tmp_path / "x.png")
+
+
+def test_a_model_whose_last_registered_linear_is_not_its_output_is_refused(fmnist_spec,
+                                                                          fmnist_train):
+    """Decomposition replaces the last nn.Linear registered; a head registered first (an
+    embedding after it) is refused in one line, not a shape error deep in pruning."""
+    from torch import nn
+
+    from sensai.pruning.errors import UnsupportedModel
+
+    class HeadFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = nn.Linear(8, 10)
+            self.body = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten())
+            self.embed = nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.classifier(torch.relu(self.embed(self.body(x))))
+
+    with pytest.raises(UnsupportedModel, match="'embed', does not give its output"):
+        penultimate_features(HeadFirst(), fmnist_train, fmnist_spec, CPU, per_class=2)
+    assert issubclass(UnsupportedModel, SensaiError)  # the CLI says it in one line

@@ -419,12 +419,19 @@ def plot(result: dict, path: Path) -> None:
         Panel([mark("box", [r["latencies_ms"] for r in timed], [_name(r) for r in timed],
                     [PALETTE[r["transport"]] for r in timed])],
               f"{result['model']}: latency at concurrency 1",
-              "latency per image (ms), whiskers p1-p99", grid={"axis": "x", "alpha": 0.3}),
+              "latency per image (ms), whiskers: the farthest samples within p1-p99",
+              grid={"axis": "x", "alpha": 0.3}),
         Panel([mark("stack", at, [(v, {"label": part, "color": c}) for v, part, c in parts],
                     horizontal=True)],
-              "where the time goes", "mean ms per image", legend={"fontsize": 8, "loc": "best"},
+              "where the time goes", "mean ms per image", legend={"fontsize": 8, "loc": "best",
+                                                             "framealpha": 0.6},
               grid={"axis": "x", "alpha": 0.3}, yticks=(at, [_name(r) for r in order]))],
         (13, max(4.8, 1.5 + 0.38 * len(order))), 1, 2)
+
+
+def signed(v: float) -> str:
+    """``+1.2`` or ``-1.2`` (a reference slower than what it judges shows as such)."""
+    return ("+" if v >= 0 else "-") + fmt(abs(v))
 
 
 def one_call_line(cp: dict | None) -> str | None:
@@ -434,7 +441,7 @@ def one_call_line(cp: dict | None) -> str | None:
     if not one or not one["ms"]["p50"]:
         return None
     ref = one["ms"]["p50"]
-    gaps = [f"{t} +{fmt(rep['latency_ms']['p50'] - ref)} ms"
+    gaps = [f"{t} {signed(rep['latency_ms']['p50'] - ref)} ms"
             for t, rep in cp.get("transports", {}).items() if rep["latency_ms"]["p50"]]
     replay = (f"; its one CUDA graph replays in {fmt(one['graph_replay_ms'], 4)} ms"
               if one.get("graph_replay_ms") else "")

@@ -23,7 +23,14 @@ SWEEP_KIND = "sensai-bench-load-sweep"
 def render_table(result: dict) -> str:
     sweep = result["kind"] == SWEEP_KIND
     return terminal(*(sweep_tables if sweep else soak_tables)(result),
+                    targets_heading(result).removeprefix("## "),
                     TARGETS.text(result["targets"]["checks"]))
+
+
+def targets_heading(result: dict) -> str:
+    """The targets' heading, naming the configuration a sweep's targets judge."""
+    config = result["targets"].get("config")
+    return "## Targets" + (f" (judged on the {config} configuration)" if config else "")
 
 
 def render_markdown(result: dict) -> str:
@@ -32,7 +39,7 @@ def render_markdown(result: dict) -> str:
     return markdown(
         heading(result, "bench-load --sweep" if sweep else "bench-load", "run_load(...)"),
         (sweep_intro if sweep else soak_intro)(result),
-        "## Targets", TARGETS.md(result["targets"]["checks"]),
+        targets_heading(result), TARGETS.md(result["targets"]["checks"]),
         (sweep_sections if sweep else soak_sections)(result), SHARED_CORES)
 
 
@@ -175,7 +182,9 @@ def burst_text(b: dict | None) -> str:
     if not b:
         return "Not run (`--set burst_seconds=0`, or no overload phase)."
     im, lat = b["image"], b["latency_ok_ms"]
-    text = (f"{b['requests']} uploads in {b['duration_s']:g} s of one {im['width']}x"
+    took = (f"{fmt(b['seconds'], 1)} s ({b['duration_s']:g} s asked)" if b.get("seconds")
+            else f"{b['duration_s']:g} s")
+    text = (f"{b['requests']} uploads in {took} of one {im['width']}x"
             f"{im['height']} {im['mode']} PNG ({im['png_bytes']:,} bytes on the wire, "
             f"{im['decoded_bytes'] / 1e6:.1f} MB decoded: as large as the gateway's limits "
             f"allow), {b['concurrency']} always in flight; status codes {b['status_counts']}, "

@@ -247,7 +247,7 @@ class Panel:
 def p99_panel(title: str, marks: Sequence[tuple]) -> Panel:
     """p99 latency against throughput (load --sweep, plan)."""
     return Panel(marks, title, "throughput (answers 200 per second)", "p99 latency (ms, log)",
-                 yscale="log", legend={"fontsize": 8, "loc": "upper left"},
+                 yscale="log", legend={"fontsize": 8, "loc": "best", "framealpha": 0.6},
                  grid={"alpha": 0.3, "which": "both"})
 
 
@@ -287,7 +287,8 @@ def draw(path: Path, panels: Sequence[Panel], size: tuple[float, float], rows: i
 
 def horizontal_boxplot(ax, data: Sequence[Sequence[float]], labels: Sequence[str],
                        colors: Sequence[str] | None = None) -> None:
-    """One horizontal box per sample (whiskers p1-p99), the first at the top."""
+    """One horizontal box per sample, the first at the top; its whiskers reach the farthest
+    samples within p1-p99 (matplotlib's rule), which in a small sample fall short of them."""
     import matplotlib
 
     if not data:

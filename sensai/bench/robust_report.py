@@ -168,7 +168,8 @@ def plot(result: dict, path: Path) -> None:
     draw(path, [
         Panel([mark("box", [r["latencies_ms"] for r in timed],
                     [f"{r['config']}\n{r['scenario']}" for r in timed])],
-              "latency by redundancy and scenario", "latency per image (ms, log), whiskers p1-p99",
+              "latency by redundancy and scenario",
+              "latency per image (ms, log), whiskers: farthest samples within p1-p99",
               xscale="log" if timed else "linear", grid={"axis": "x", "alpha": 0.3}),
         Panel(bars, "p99 and errors", ylabel="p99 latency (ms)", legend={"fontsize": 8},
               grid={"axis": "y", "alpha": 0.3},
