@@ -18,9 +18,9 @@ from tqdm.auto import tqdm
 
 from sensai.data import DatasetSpec, ImageDataset, iterate_batches, normalize
 from sensai.errors import SensaiError
+from sensai.learning import fast_layout
 
 from .errors import UnsupportedModel
-from sensai.learning import fast_layout
 
 log = logging.getLogger(__name__)
 

@@ -146,17 +146,16 @@ def penultimate_features(model: nn.Module, dataset: ImageDataset, spec: DatasetS
     indices = _sample_indices(np.asarray(dataset.labels), per_class, seed)
     if indices.size == 0:
         raise SensaiError("the dataset holds no images to compute features from")
-    _, head = classifier_layer(model)
+    name, head = classifier_layer(model)
     feats: list[torch.Tensor] = []
+    last: list[torch.Tensor] = []  # the head's latest output
 
-    def grab(module, inputs):
+    def grab(module, inputs, out):
         feats.append(inputs[0].detach().flatten(1).float().cpu())
-
-    outs: list[torch.Tensor] = []
+        last[:] = [out]
 
     modes = {m: m.training for m in model.modules()}
-    handle = head.register_forward_pre_hook(grab)
-    first = head.register_forward_hook(lambda module, inputs, out: outs.append(out))
+    handle = head.register_forward_hook(grab)
     labels = []
     try:
         model.eval().to(device)
@@ -164,16 +163,12 @@ def penultimate_features(model: nn.Module, dataset: ImageDataset, spec: DatasetS
                   leave=False) as bar:
             for x, y in iterate_batches(dataset, batch_size, indices=indices):
                 out = model(normalize(x.to(device), spec))
-                if first is not None:
-                    first.remove()
-                    first = None
-                    check_head_is_output(model, outs, out)
+                if not labels:
+                    check_head_is_output(name, last, out)
                 labels.append(y.numpy())
                 bar.update(len(x))
     finally:
         handle.remove()
-        if first is not None:
-            first.remove()
         for m, training in modes.items():
             m.training = training
     if len(feats) != len(labels):
@@ -182,16 +177,13 @@ def penultimate_features(model: nn.Module, dataset: ImageDataset, spec: DatasetS
     return torch.cat(feats).numpy(), np.concatenate(labels).astype(np.int64)
 
 
-def check_head_is_output(model: nn.Module, outs: list[torch.Tensor], out) -> None:
-    """Decomposition replaces the last ``nn.Linear`` the model registers with the group heads:
-    refused in one line unless that layer's output is the model's (as a view or copy)."""
-    if len(outs) != 1:
-        raise UnsupportedModel("the classifier layer must be called exactly once per forward "
-                               "pass")
-    name, _ = classifier_layer(model)
-    given = outs[0]
-    if not (isinstance(out, torch.Tensor) and given.numel() == out.numel()
-            and torch.equal(given.reshape(out.shape), out)):
+def check_head_is_output(name: str, last: list[torch.Tensor], out) -> None:
+    """Decomposition replaces the last ``nn.Linear`` the model registers (``name``; ``last``:
+    its output, if it ran) with the group heads: refused in one line unless that layer's output
+    is the model's (as a view or copy)."""
+    given = last[0] if last else None
+    if not (isinstance(out, torch.Tensor) and given is not None
+            and given.numel() == out.numel() and torch.equal(given.reshape(out.shape), out)):
         raise UnsupportedModel(
             f"the last nn.Linear the model registers, {name!r}, does not give its output: "
             "decomposition replaces that layer with the groups' heads; define the output layer "

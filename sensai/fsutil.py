@@ -90,6 +90,13 @@ def check_out_dir(path: str | os.PathLike, what: str = "output directory") -> Pa
     return path
 
 
+def overlap(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths are one, or one lies inside the other (links resolved): an output
+    there would write into, or replace, the input."""
+    a, b = Path(a).resolve(), Path(b).resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
 def writable_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
     """The directory at ``path`` (:func:`check_out_dir`), made if needed and checked writable
     by writing a file in it (one line if not)."""

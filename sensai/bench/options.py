@@ -17,7 +17,7 @@ from typing import Any
 
 from sensai.bounds import BOUND_KEYS, SEED, bounded
 from sensai.serving.core.settings import BACKENDS as SERVE_BACKENDS
-from sensai.serving.core.settings import MODEL_RUNTIMES
+from sensai.serving.core.settings import MODEL_RUNTIMES, GatewaySettings
 from sensai.serving.core.wakeup import MODES
 
 from .names import (BENCH_BACKENDS, DEFAULT_SCENARIOS, PEER_TRANSPORT, PEERS, ROBUST_BACKENDS,
@@ -30,9 +30,9 @@ SEARCHES = ("quick", "full")
 PLAN_LEVELS = (1, 4, 16)
 PLAN_LEVEL_S = 2.0
 PLAN_WARMUP_S = 1.0
-# The most requests a benchmark keeps in flight: each holds a connection, the gateway holds
-# 1,000 by default, and a mistyped count must not become a billion callers.
-MAX_IN_FLIGHT = 1000
+# The most requests a benchmark keeps in flight: each holds a connection, as many as the
+# gateway holds by default, and a mistyped count must not become a billion callers.
+MAX_IN_FLIGHT = GatewaySettings.model_fields["max_connections"].default
 
 
 def flag(*names: str, default: Any = None, help: str, group: str | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sensai.bounds import check_seed
 from sensai.errors import SensaiError
-from sensai.fsutil import check_out_dir
+from sensai.fsutil import check_out_dir, overlap
 
 
 def register(sub) -> None:
@@ -46,7 +46,7 @@ def cmd_perf_data(args) -> int:
     check_seed(args.seed)
     if Path(args.out).is_dir():
         raise SensaiError(f"--out {args.out} is a directory; give the JSON file to write")
-    if Path(args.source).resolve() in Path(args.out).resolve().parents:
+    if overlap(args.out, args.source):
         raise SensaiError(f"--out {args.out} lies inside {args.source}, whose files it would "
                           "replace: write it elsewhere")
     check_out_dir(Path(args.out).parent, "--out's folder")

@@ -23,7 +23,7 @@ from typing import Iterable
 
 from sensai.artifact import load_artifact, verify_file
 from sensai.errors import SensaiError
-from sensai.fsutil import check_out_dir
+from sensai.fsutil import check_out_dir, overlap
 from sensai.manifest import MANIFEST as MANIFEST_NAME
 
 # A model's name is a folder of the repository: never "." or ".." (nor any dot name, which
@@ -145,8 +145,7 @@ def add_version(repo: str | Path, name: str, artifact_dir: str | Path,
     check_out_dir(repo, "model repository")
     folder = check_out_dir(repo / name, "model folder")
     artifact = load_artifact(src)
-    f, a = folder.resolve(), artifact.root.resolve()
-    if f == a or a in f.parents or f in a.parents:
+    if overlap(folder, artifact.root):
         raise SensaiError(f"model folder {folder} and the artifact {src} overlap: the "
                           "repository goes beside the artifact, not in or around it")
     files = [verify_file(p, sha, "artifact file") for s in artifact.subnets

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sensai.artifact import load_artifact, subnet_name, verify_file
 from sensai.errors import CheckpointError, SensaiError
-from sensai.fsutil import check_out_dir, sha256_file
+from sensai.fsutil import check_out_dir, overlap, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +239,9 @@ def check_replaceable(out: Path, artifact_root: Path, overwrite: bool) -> None:
     with its config.pbtxt), never the artifact it is made from nor any other folder's files."""
     if not overwrite:
         raise SensaiError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    o, a = out.resolve(), artifact_root.resolve()
-    if o == a or o in a.parents:
-        raise SensaiError(f"--out {out} holds the artifact itself: write the repository to "
-                          "another folder")
+    if overlap(out, artifact_root):
+        raise SensaiError(f"--out {out} holds the artifact itself, or lies in it: write the "
+                          "repository to another folder")
     foreign = sorted(p.name for p in out.iterdir()
                      if not (p.is_dir() and (p / "config.pbtxt").is_file()))
     if foreign:
