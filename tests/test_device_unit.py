@@ -71,6 +71,12 @@ def test_one_call_answers_as_the_subnets_one_by_one(which, runtime, images, requ
     assert sorted(together) == sorted(alone)
     for g in alone:
         np.testing.assert_allclose(together[g], alone[g], atol=1e-5)
+    if runtime == "onnx":  # the device's cores as the one session's intra-op threads
+        import onnxruntime as ort
+
+        opts = device.runner.session.get_session_options()
+        assert opts.intra_op_num_threads == 2 and opts.inter_op_num_threads == 1
+        assert opts.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
     if runtime == "onnx" and len(specs) > 2:  # a subset computes only its branches, same rows
         part = device.run(images[:2], (1, len(specs) - 1))
         assert sorted(part) == [1, len(specs) - 1]

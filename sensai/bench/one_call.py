@@ -2,7 +2,7 @@
 else running - the compute alone that class parallel's fan-out is measured against.
 
 It is :func:`~sensai.serving.workers.device_runner.build_device` of all the subnets on the
-first device the run asks for (the CPU with every usable core as its executor's threads, or
+first device the run asks for (the CPU with every usable core as its intra-op threads, or
 GPU 0), called image by image: what a served request's device call costs without a gateway,
 a queue or a transport around it.  ``sensai bench`` reports it beside class parallel's
 latencies, ``bench-load --sweep`` beside its table; the gap between it and a served image is

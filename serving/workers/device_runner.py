@@ -6,10 +6,10 @@ copy out, however many of its subnets that device holds.  :func:`build_device` m
 call of the device's recipes:
 
 * ONNX Runtime (CPUs): :func:`merge_branches` joins the subnets' graphs into one model with one
-  input and one output per subnet, run by one session whose executor computes the branches on
-  the device's cores side by side (its threads, not Python's: no interpreter lock, no thread
-  hand-off per subnet); a subset of the outputs computes only their branches (copies hedged
-  apart from the own groups).
+  input and one output per subnet, run by one session whose intra-op threads (the device's
+  cores; ONNX Runtime's, not Python's: no interpreter lock, no thread hand-off per subnet)
+  compute each branch in turn; a subset of the outputs computes only their branches (copies
+  hedged apart from the own groups).
 * torch (CUDA graphs or eager): :func:`branches`, one module running every subnet on its own
   CUDA stream, forked from and joined back into the calling stream, the scores concatenated, so
   one captured graph per batch bucket holds them all: one copy in, one replay, one copy out.
@@ -157,13 +157,14 @@ class OrtDevice(DeviceRunner):
             model, outputs = first.onnx_bytes(), None
         else:
             model, outputs = merge_branches({g: s.onnx_bytes() for g, s in specs.items()})
-        branches = len(specs)
-        # One subnet: the device's cores as its intra-op threads.  Several: each branch on a
-        # core of the executor's own pool, side by side.
-        threads = max(first.threads, cores) if branches == 1 else first.threads
-        self.runner = OrtRunner(model, threads=threads, device=first.device, name=self.name,
-                                inter_op=min(cores, branches),
-                                num_outputs=(first.num_outputs or None) if branches == 1 else None)
+        # The device's cores as intra-op threads, every branch in turn: they share each
+        # operator's work, where ONNX Runtime's parallel executor (a branch per core) overlaps
+        # whole branches at a scheduling cost that a device's few cores do not win back
+        # (BENCHMARKS.md, "One device's executor").
+        self.runner = OrtRunner(model, threads=max(first.threads, cores), device=first.device,
+                                name=self.name,
+                                num_outputs=(first.num_outputs or None) if len(specs) == 1
+                                else None)
         names = self.runner.output_names
         self.outputs = {g: names[i] for i, g in enumerate(specs)} if outputs is None else outputs
         shapes = {o.name: o.shape for o in self.runner.session.get_outputs()}

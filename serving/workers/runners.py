@@ -126,17 +126,15 @@ class OrtRunner:
     runtime = "onnx"
 
     def __init__(self, onnx: str | Path | bytes, *, threads: int = 1, device: str = "cpu",
-                 name: str | None = None, num_outputs: int | None = None, inter_op: int = 1):
+                 name: str | None = None, num_outputs: int | None = None):
         import onnxruntime as ort  # only the onnx runtime needs it
 
         opts = ort.SessionOptions()
-        # One intra-op thread by default: parallelism comes from running a device's branches side
-        # by side (``inter_op``: the parallel executor's threads, one per branch and core), and
-        # intra-op threads of several sessions on few cores only fight each other.
+        # One intra-op thread by default: intra-op threads of several sessions on few cores
+        # only fight each other; a device's one session gets the device's cores.
         opts.intra_op_num_threads = max(1, int(threads))
-        opts.inter_op_num_threads = max(1, int(inter_op))
-        opts.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if inter_op > 1
-                               else ort.ExecutionMode.ORT_SEQUENTIAL)
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         providers: list = ["CPUExecutionProvider"]
         if device.startswith("cuda"):
