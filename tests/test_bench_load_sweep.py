@@ -121,9 +121,12 @@ def test_the_targets_are_reported(sweep_run):
     # Issue 60: one image served against one call of every subnet, measured before the servers.
     one = result["one_call"]
     assert one["subnets"] == 5 and one["device"] == "cpu" and one["ms"]["p50"] > 0
-    assert by["c1_over_one_call_ms"]["value"] == pytest.approx(
-        c["levels"][0]["latency_ok_ms"]["p50"] - one["ms"]["p50"], abs=1e-3)
-    assert by["c1_over_one_call_ms"]["status"] in ("met", "not met")
+    gap = c["levels"][0]["latency_ok_ms"]["p50"] - one["ms"]["p50"]
+    if gap < -0.35:  # a disturbed reference (a busy machine): not measured rather than met
+        assert by["c1_over_one_call_ms"]["status"] == "not measured"
+    else:
+        assert by["c1_over_one_call_ms"]["value"] == pytest.approx(gap, abs=1e-3)
+        assert by["c1_over_one_call_ms"]["status"] in ("met", "not met")
     assert "One call of every subnet, in process" in (out / "load.md").read_text()
     # The GPU's answers/s target is not claimed on a CPU, and no single was swept.
     assert by["gpu_vs_original_rps"]["conditions_met"] is False

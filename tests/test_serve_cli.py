@@ -379,6 +379,8 @@ def test_a_repository_that_cannot_start_is_one_line_without_a_traceback(tmp_path
     (line,) = [x for x in proc.stderr.splitlines() if "error" in x.lower()]
     assert line.startswith("sensai serve: error: ") and "model 'm' has no version" in line
     assert "model 'm': model 'm'" not in line
+    # Nothing claimed it served before it failed.
+    assert "serving" not in proc.stderr and "loading model repository" in proc.stderr
 
 
 def test_one_port_for_http_and_grpc_is_refused(tiny_artifact):
@@ -388,3 +390,16 @@ def test_one_port_for_http_and_grpc_is_refused(tiny_artifact):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert f"--grpc-port {port} is --port too" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_set_help_fits_the_terminal_and_names_every_setting(capsys):
+    from sensai.cli import main
+    from sensai.cli.knobs import LINE_WIDTH
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--set", "help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    # A default said in words (gateway_replicas') is wrapped like the meanings.
+    assert max(map(len, out.splitlines())) <= LINE_WIDTH
+    assert "gateway_replicas=local and processes: 1 on fewer than 4 cores" in out

@@ -12,7 +12,7 @@ from sensai.bench import latency_report, load_report, plan_report, robust_report
 RESULTS = Path(__file__).resolve().parents[1] / "sensai" / "bench" / "results"
 REPORTS = {"sensai-bench": latency_report, "sensai-bench-load": load_report,
            "sensai-bench-load-sweep": load_report, "sensai-bench-swap": swap_report,
-           "sensai-bench-robust": robust_report, "plan": plan_report}
+           "sensai-bench-robust": robust_report, "sensai-plan": plan_report}
 STORED = [p for p in sorted(RESULTS.rglob("*.json"))
           if json.loads(p.read_text()).get("kind") in REPORTS]
 

@@ -166,7 +166,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, trained_model_di
     given = {"afile": b"", "empty.pt": b"", "cut.pt": b"\x80\x02"}  # an ordinary file; bad .pt
     for name, data in given.items():
         (tmp_path / name).write_bytes(data)
-    if "{tmp}/afile" in argv:  # refused before any data is read
+    # Refused before any data is read: an unusable --out, --epochs or --set.
+    if "{tmp}/afile" in argv or {"--epochs", "--set"} & set(argv):
         monkeypatch.setattr("sensai.data.load_split", lambda *a, **k: pytest.fail("data read"))
     argv = [a.format(tmp=tmp_path, weights=trained_model_dir / "model.safetensors") for a in argv]
     assert main(argv) == 2

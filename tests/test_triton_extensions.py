@@ -185,6 +185,9 @@ def test_statistics_of_an_unknown_model_or_version_say_so(server, http, grpc_cli
     assert r.status_code == 404 and "no version '7'" in r.json()["error"]
     e = refusal(grpc_client.get_inference_statistics, "nope")
     assert e.status() == "StatusCode.NOT_FOUND" and "nope" in e.message()
+    # gRPC's request can carry a version without a model name: refused, not ignored.
+    e = refusal(grpc_client.get_inference_statistics, "", "1")
+    assert e.status() == "StatusCode.INVALID_ARGUMENT" and "model's name" in e.message()
 
 
 # -------------------------------------------------------------------------------------------

@@ -157,6 +157,11 @@ def finish_training(out: Path, model: nn.Module, spec: DatasetSpec, settings: di
     return record
 
 
+def check_epochs(epochs: int) -> None:
+    if epochs < 1:
+        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
+
+
 def train(
     *,
     model_name: str,
@@ -182,8 +187,7 @@ def train(
     from a captured CUDA graph on CUDA (:class:`sensai.train_step.TrainStep`).
     """
     t_start = time.perf_counter()
-    if epochs < 1:
-        raise SensaiError(f"--epochs must be at least 1, got {epochs}")
+    check_epochs(epochs)
     o = options.validate()
     out = check_out_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .render import (SHARED_CORES, Col, Table, draw, machine_line, markdown, mark, p50_p99,
-                     p99_line, p99_panel, with_p99)
+from .render import (SHARED_CORES, Col, Table, draw, heading, machine_line, markdown, mark,
+                     p50_p99, p99_line, p99_panel, with_p99)
 
 
 def _latency(m: dict) -> str:
@@ -35,7 +35,10 @@ def measured(result: dict, phase: str | None = None) -> list[dict]:
 
 
 def render_table(result: dict) -> str:
-    return MEASURED.text(measured(result, "confirm")) + "\n\n" + result["why"]
+    """The confirmed deployments, and why the chosen one won (where none meets the constraints
+    the command says why on its own line)."""
+    table = MEASURED.text(measured(result, "confirm"))
+    return table + "\n\n" + result["why"] if result["meets"] else table
 
 
 def constraints_text(c: dict) -> str:
@@ -53,7 +56,7 @@ def render_markdown(result: dict) -> str:
         next(m["artifact"] for m in result["measured"] if m["n"] == result["chosen"]),
         result["deployment"])
     return markdown(
-        f"# sensai plan: {result['model']} on {result['dataset']}", machine_line(result),
+        heading(result, "plan", "run_plan(...)"), machine_line(result),
         f"Constraints: {constraints_text(c)} (memory: the gateway's process tree, resident "
         f"sets summed); objective: {c['objective']}.  Search: {st['search']}, closed loops at "
         f"{', '.join(map(str, st['levels']))} in flight ({st['transport']}), {st['level_s']:g} s "

@@ -337,13 +337,6 @@ def split_model(model: nn.Module, k: int, example: torch.Tensor
     return stages, plan
 
 
-def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        for s in stages:
-            x = s(x)
-    return x
-
-
 # --------------------------------------------------------------------------------------------
 # ONNX
 

@@ -180,13 +180,31 @@ ADDED_OVER_INPROCESS = Measure(  # what the gateway and the wire add
 # The one-call reference runs every subnet in one device call, in process, nothing else running
 # (:mod:`.one_call`): what serving adds to the device's compute.
 _ONE_CALL = _nonzero(_at("strategies", "class-parallel", "one_call", "ms", "p50"))
-_ONE_CALL_NEEDS = "needs class-parallel measured over {transport} and its one-call reference"
+ONE_CALL_MARGIN_MS, ONE_CALL_RATIO_LIMIT = 0.35, 1.1
+# A served request computes what the one call does and more, so a reference slower than it by
+# more than the target's own margin was disturbed (another process on its cores): such a
+# value would read "met" for the wrong reason, and is reported as not measured.
+_DISTURBED = ("; a one-call reference slower than class parallel beyond the target's margin "
+              "the other way was disturbed: rerun on a quiet machine")
+
+
+def _unless_below(read: Reader, low: float) -> Reader:
+    def checked(result: dict, over: str = "") -> float | None:
+        value = read(result, over)
+        return None if value is None or value < low else value
+    return checked
+
+
+_ONE_CALL_NEEDS = ("needs class-parallel measured over {transport} and its one-call reference"
+                   + _DISTURBED)
 OVER_ONE_CALL = Measure(
     "p50(class parallel) - p50(one call of every subnet) <= {limit} ms", "ms",
-    _difference(_p50("class-parallel"), _ONE_CALL), _ONE_CALL_NEEDS)
+    _unless_below(_difference(_p50("class-parallel"), _ONE_CALL), -ONE_CALL_MARGIN_MS),
+    _ONE_CALL_NEEDS)
 ONE_CALL_RATIO = Measure(
     "p50(class parallel) <= {limit} x p50(one call of every subnet)", "x",
-    _quotient(_p50("class-parallel"), _ONE_CALL), _ONE_CALL_NEEDS)
+    _unless_below(_quotient(_p50("class-parallel"), _ONE_CALL), 1 / ONE_CALL_RATIO_LIMIT),
+    _ONE_CALL_NEEDS)
 
 
 @dataclass(frozen=True)
@@ -238,8 +256,9 @@ TARGET_SETS: tuple[TargetSet, ...] = (
     TargetSet("the device as the unit: serving adds little to one call of every subnet",
               models=EVERY_MODEL, origin="a device runs its subnets in one call",
               transport="http-v2", targets=(
-                  Target("over_one_call_http_v2_ms", OVER_ONE_CALL, 0.35),
-                  Target("inprocess_vs_one_call", ONE_CALL_RATIO, 1.1, transport="inprocess"))),
+                  Target("over_one_call_http_v2_ms", OVER_ONE_CALL, ONE_CALL_MARGIN_MS),
+                  Target("inprocess_vs_one_call", ONE_CALL_RATIO, ONE_CALL_RATIO_LIMIT,
+                         transport="inprocess"))),
     TargetSet("the device as the unit on a GPU", models=EVERY_MODEL, gpu=True,
               origin="a device runs its subnets in one call", transport="inprocess", targets=(
                   Target("class_parallel_vs_single", _VS_SINGLE, 0.8),
@@ -545,8 +564,10 @@ SWEEP_TARGETS = (
 DEVICE_UNIT_TARGETS = (
     Target("c1_over_one_call_ms", Measure(
         "1 in flight: p50 - p50(one call of every subnet, in process) <= {limit} ms", "ms",
-        _difference(_C1, _nonzero(_at("one_call", "ms", "p50"))),
-        "needs the level 1 and the one-call reference"), 0.35, when=_any_artifact),
+        _unless_below(_difference(_C1, _nonzero(_at("one_call", "ms", "p50"))),
+                      -ONE_CALL_MARGIN_MS),
+        "needs the level 1 and the one-call reference" + _DISTURBED), ONE_CALL_MARGIN_MS,
+        when=_any_artifact),
     Target("gpu_vs_original_rps", Measure(
         "on a GPU: best answers/s >= {limit} x the original's behind the same gateway", "x",
         _quotient(_best_rps(SWEEP_CONFIG), _best_rps("single"), 3),

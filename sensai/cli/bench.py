@@ -27,7 +27,8 @@ def register(sub) -> None:
                     "test images, in process and through the gateway over HTTP (PNG upload, KServe "
                     "v2 binary tensor) and gRPC (KServe v2), each remote request paired with the "
                     "same client's bare request to the same server. Writes bench.json, bench.md "
-                    "and bench.png to --out.")
+                    "and bench.png to --out, beside models/ (the baselines' ONNX files, "
+                    "exported again by every run) and a log per server it started.")
     add_command(
         sub, "bench-robust", cmd_bench_robust, robust_args,
         help="redundant class parallelism: stragglers and a killed worker",
@@ -46,7 +47,9 @@ def register(sub) -> None:
                     "codes, the gateway's RSS over time and its growth after warm-up), then an "
                     "open-loop overload at several times the soak's throughput (status codes, "
                     "p50/p99 of the admitted and of the rejected requests, health afterwards). "
-                    "Writes load.json, load.md, load.png and gateway.log to --out; stops the "
+                    "Writes load.json, load.md, load.png and gateway.log to --out (--sweep: a "
+                    "log per configuration, and original/, the original model as a one-group "
+                    "artifact and its ONNX file, where a configuration serves it); stops the "
                     "gateway in every case.")
     add_command(
         sub, "bench-swap", cmd_bench_swap, swap_args,

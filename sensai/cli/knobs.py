@@ -91,7 +91,8 @@ def describe(knobs: list[Knob]) -> str:
             f" ({k.bound.describe(k.kind is int)})" if k.bound else ""
         key = shown[k.name]
         if len(key) > MAX_KEY_COLUMN:
-            lines.append(f"  {key}")
+            lines.append(textwrap.fill(key, LINE_WIDTH, initial_indent="  ",
+                                       subsequent_indent="      "))
             key = ""
         lines.append(textwrap.fill(f"{k.help}{choices}", LINE_WIDTH,
                                    initial_indent=f"  {key:<{width}}",

@@ -273,8 +273,9 @@ def serve_repository(args, settings: GatewaySettings, names: dict[str, str]) -> 
             loader=lambda name, path: build_predictor(
                 path, settings.model_copy(update={"model_name": name}),
                 ray_share=REPOSITORY_RAY_SHARE))
-        print(f"serving model repository {repo} ({settings.version_policy}, model control "
-              f"{settings.model_control}) on {endpoints(settings)}", file=sys.stderr)
+        # Its versions load as the server starts: it serves once uvicorn says so.
+        print(f"loading model repository {repo} ({settings.version_policy}, model control "
+              f"{settings.model_control}) to serve on {endpoints(settings)}", file=sys.stderr)
         run_gateway(create_app(models, settings), settings, sock)
     finally:
         sock.close()

@@ -105,9 +105,11 @@ def cmd_models(args) -> int:
 def cmd_train(args) -> int:
     from sensai.data import load_split
     from sensai.models import DEFAULT_MODEL, create_model, select_device
-    from sensai.training.trainer import train
+    from sensai.training.trainer import check_epochs, train
 
     check_seed(args.seed)
+    check_epochs(args.epochs)
+    options = TrainOptions(**args.knobs).validate()
     check_fresh_model_dir(args.out, "trains")  # before any data is read
     model_name = args.model or DEFAULT_MODEL
     spec = resolved_dataset(args)
@@ -116,7 +118,7 @@ def cmd_train(args) -> int:
     device = select_device(args.device)
     record = train(model_name=model_name, spec=spec, train_set=load_split(spec, "train"),
                    test_set=load_split(spec, "test"), out_dir=args.out, epochs=args.epochs,
-                   options=TrainOptions(**args.knobs), seed=args.seed, device=device,
+                   options=options, seed=args.seed, device=device,
                    resume=not args.no_resume)
     print(f"trained {record.model} on {spec.name} ({record.params:,} params) in "
           f"{record.train.seconds:.0f} s on {device}: test top-1 {record.test_top1:.4f} -> "

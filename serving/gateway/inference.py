@@ -166,6 +166,8 @@ def statistics(gw: Gateway, name: str | None = None, version: str | None = None)
     """Triton's statistics answer: every version of every model (no ``name``), of one model, or
     one version; an unknown model or version is a 404 with its reason."""
     table = gw.models.models
+    if version and not name:  # gRPC's message can carry a version alone; it names no model
+        raise InputError(f"statistics of version {version!r} need the model's name")
     if not name:
         keys = [(m, v) for m in gw.models.names() for v in sorted(table[m], key=int)]
     elif name not in table:
