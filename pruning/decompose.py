@@ -167,6 +167,9 @@ class DecomposeConfig:
     hard_negatives: float = field(default=0.5, metadata={
         "help": "share of the negatives drawn by how strongly the original model "
                 "mistakes them for the subnet's classes", "bound": Bound(low=0, high=1)})
+    flip: bool | None = field(default=None, metadata={
+        "help": "mirror a random half of the retraining images left to right (none: as the "
+                "model was trained, its model.json)"})
     optimizer: str = field(default="adam", metadata={
         "help": "the retraining optimizer: sgd with Nesterov momentum, or adam (AdamW)",
         "choices": ("sgd", "adam")})
@@ -547,8 +550,10 @@ def open_run(model_dir: Path, out_dir: str | Path, groups: int, config: Decompos
     spec = _resolve_spec(record, data_dir)
     policy = config.pruning_policy()
     schedule = step_policies(policy, config.prune_steps)  # [policy] unless iterative
+    trained_flip = record.train.flip if record.train is not None else True
     retrain_settings = replace(config.retrain_settings(n_groups), compile=compile_,
-                               capture=capture)
+                               capture=capture,
+                               flip=trained_flip if config.flip is None else config.flip)
     layout = Layout(out_dir)
     fingerprint = {"model": record.model, "source_sha256": record.weights_sha256,
                    "dataset": spec.name, "classes": list(spec.classes), "groups": n_groups,

@@ -95,9 +95,13 @@ def read_image(path: Path, spec: DatasetSpec) -> torch.Tensor:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
+        # The formats the gateway decodes: an image trained on is one the model can be asked.
+        with Image.open(path, formats=tuple(IMAGE_FORMATS)) as img:
             return pil_to_uint8(img, spec)
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, EOFError) as e:
+    except UnidentifiedImageError as e:
+        raise DataError(f"cannot read image {path}: {e} (sensai reads "
+                        f"{', '.join(IMAGE_FORMATS)}, as the gateway does)") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise DataError(f"cannot read image {path}: {e}") from None
 
 

@@ -78,6 +78,7 @@ class TrainInfo(_Frozen):
     device: str
     seconds: float  # training steps only (not the evaluations after each epoch)
     step: str | None = None  # how the steps ran: eager or captured (None: recorded before)
+    flip: bool = True  # random left-right mirroring (recorded before it could be turned off)
     phases: dict[str, float] = Field(default_factory=dict)  # this run's seconds outside the
     # steps: setup (model, optimizer, images to the device), evaluate, save
     history: list[dict[str, float]] = Field(default_factory=list)

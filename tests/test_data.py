@@ -201,6 +201,10 @@ def test_imagefolder_refuses_what_could_not_be_trained_or_served(tmp_path):
     spec = resolve_dataset("imagefolder", str(tmp_path))
     with pytest.raises(DataError, match=r"cannot read image .*test/b/9\.png"):
         list(iterate_batches(load_split(spec, "test"), 4))
+    # A TIFF named .png is refused as the gateway refuses it, not trained on.
+    grey[0].save(tmp_path / "test" / "b" / "9.png", format="TIFF")
+    with pytest.raises(DataError, match=r"9\.png.*sensai reads PNG, JPEG.*as the gateway does"):
+        list(iterate_batches(load_split(spec, "test"), 4))
 
 
 def test_a_folder_image_is_prepared_for_training_as_the_gateway_prepares_it(tmp_path):

@@ -121,6 +121,18 @@ def test_evaluate_artifact_and_cli(tiny_artifact, capsys):
     assert "original   top-1" in out and "decomposed top-1" in out and "test images: 200" in out
 
 
+def test_evaluate_says_n_a_for_a_group_without_test_images(tiny_artifact, capsys, monkeypatch):
+    """A user's test split may hold no image of a group's classes: its top-1 is None, said as
+    n/a (it was a traceback)."""
+    from sensai.pruning import decompose
+
+    res = decompose.evaluate_artifact(tiny_artifact, device="cpu", limit=100)
+    res["per_group"][0].update(original_top1=None, decomposed_top1=None, images=0)
+    monkeypatch.setattr(decompose, "evaluate_artifact", lambda *a, **k: res)
+    assert main(["evaluate", str(tiny_artifact), "--device", "cpu"]) == 0
+    assert "n/a -> n/a (0 images)" in capsys.readouterr().out
+
+
 def test_load_subnets_refuses_tampered_weights(tiny_artifact, tmp_path):
     from sensai.artifact import load_artifact
     from sensai.errors import CheckpointError

@@ -73,6 +73,8 @@ def test_build_app_rejects_bad_args(tiny_artifact, tmp_path):
         build_app({"artifact": str(tiny_artifact), "settings": {"device": "mps"}})
     with pytest.raises(SensaiError, match="settings.ray_cpus"):
         build_app({"artifact": str(tiny_artifact), "settings": {"ray_cpus": 0}})
+    with pytest.raises(SensaiError, match="unknown setting 'redundnacy'"):  # not ignored
+        build_app({"artifact": str(tiny_artifact), "settings": {"redundnacy": 1}})
     with pytest.raises(SensaiError, match="does not exist"):
         build_app({"artifact": str(tmp_path / "none")})
     with pytest.raises(SensaiError, match="deadline_s"):

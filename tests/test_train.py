@@ -79,6 +79,15 @@ def test_resume_continues_from_last_epoch(tmp_path, fmnist_spec, fmnist_train, f
     record = train(**kw)
     assert record.train.completed_epochs == 2 and len(record.train.history) == 2
     assert record.train.history[0] == state["history"][0]  # epoch 1 was not redone
+    # The same settings on other data (classes renamed, another input size): not resumed.
+    from dataclasses import replace
+
+    (out / "train_state.json").write_text(json.dumps(state))
+    (out / "train_state.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    for other in (replace(fmnist_spec, classes=tuple(reversed(fmnist_spec.classes))),
+                  replace(fmnist_spec, input_shape=(1, 32, 32))):
+        with pytest.raises(Exception, match="other settings"):
+            train(**{**kw, "spec": other})
     with pytest.raises(Exception, match="other settings"):
         (out / "train_state.json").write_text(json.dumps({**state, "settings": {"x": 1}}))
         (out / "train_state.safetensors").write_bytes((out / "model.safetensors").read_bytes())
@@ -225,3 +234,34 @@ def test_an_unknown_option_is_said_by_its_command(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "sensai train: error: unrecognized arguments: --bogus", err
     assert not (tmp_path / "x").exists()
+
+
+def test_flips_can_be_turned_off_and_decompose_follows_the_record(
+        tmp_path, monkeypatch, fmnist_spec, fmnist_train, fmnist_test):
+    """Data whose classes differ by left and right (digits, arrows) must not be mirrored:
+    ``--set flip=false`` draws no flip, is recorded, and retraining follows the record unless
+    told otherwise."""
+    import sensai.feed as feed
+    from sensai.pruning.decompose import DecomposeConfig, open_run
+
+    drawn = []
+    real = feed.flips
+    monkeypatch.setattr(feed, "flips", lambda n, g: drawn.append(n) or real(n, g))
+    kw = dict(model_name="tests.user_models:tiny_net", spec=fmnist_spec, train_set=fmnist_train,
+              test_set=fmnist_test, epochs=1, device=torch.device("cpu"))
+    mirrored = train(out_dir=tmp_path / "on", options=TrainOptions(train_limit=200), **kw)
+    assert drawn and mirrored.train.flip is True
+    drawn.clear()
+    plain = train(out_dir=tmp_path / "off", options=TrainOptions(train_limit=200, flip=False),
+                  **kw)
+    assert not drawn and plain.train.flip is False
+    assert load_model_record(tmp_path / "off").train.flip is False
+    # The command line's key, and decompose's retraining settings from the record.
+    with pytest.raises(SystemExit):  # argparse's one line
+        main(["train", "--set", "flip=maybe", "--out", str(tmp_path / "x")])
+    for config, want in ((DecomposeConfig(), False), (DecomposeConfig(flip=True), True)):
+        run = open_run(tmp_path / "off", tmp_path / f"art-{want}", 2, config,
+                       device="cpu", dev=torch.device("cpu"), data_dir=None, workers=1,
+                       on_ray=False, force=False, trust_code=True, compile_=False,
+                       capture=False)
+        assert run.retrain_settings.flip is want

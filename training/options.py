@@ -30,6 +30,9 @@ class TrainOptions:
     eval_every: int = field(default=0, metadata={
         "help": "also measure test top-1 after every N-th epoch (0: after the last epoch only)",
         "bound": Bound(low=0)})
+    flip: bool = field(default=True, metadata={
+        "help": "mirror a random half of the training images left to right (false for data "
+                "whose classes differ by left and right: digits, text, arrows, signs)"})
     compile: bool = field(default=False, metadata={
         "help": "run each training step through torch.compile (fewer, fused kernels; each "
                 "model compiles for tens of seconds first)"})

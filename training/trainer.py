@@ -81,9 +81,10 @@ def resume_point(out: Path, model: nn.Module, opt: torch.optim.Optimizer, settin
 
 
 def epoch_batches(train_set: ImageDataset, spec: DatasetSpec, indices: np.ndarray,
-                  batch_size: int, seed: int, gen: torch.Generator,
+                  batch_size: int, seed: int, gen: torch.Generator | None,
                   device: torch.device) -> Callable[[int], Iterator]:
-    """``epoch -> (x, y, size)`` batches on ``device``, shuffled and flipped by the epoch's seed."""
+    """``epoch -> (x, y, size)`` batches on ``device``, shuffled and (``gen``: not None)
+    flipped by the epoch's seed."""
     # In-memory splits go to the device once; a folder of files is read batch by batch.
     held = labels = None
     if isinstance(train_set, TensorImages):
@@ -100,7 +101,8 @@ def epoch_batches(train_set: ImageDataset, spec: DatasetSpec, indices: np.ndarra
             return
         for x, y in iterate_batches(train_set, batch_size, indices=indices, shuffle=True,
                                     seed=order_seed):
-            yield normalize(augment(x, gen).to(device), spec), y.to(device), len(y)
+            x = x if gen is None else augment(x, gen)
+            yield normalize(x.to(device), spec), y.to(device), len(y)
 
     return batches
 
@@ -149,6 +151,7 @@ def finish_training(out: Path, model: nn.Module, spec: DatasetSpec, settings: di
                         batch_size=settings["batch_size"], seed=settings["seed"],
                         train_limit=settings["train_limit"], images_per_epoch=settings["n_train"],
                         device=str(device), seconds=round(seconds, 2), step=step_mode,
+                        flip=settings["flip"],
                         phases=phases, history=history),
     )
     save_model_record(out, record)
@@ -198,16 +201,21 @@ def train(
                           weight_decay=weight_decay, **optimizer_options(device))
     indices = stratified_subset(train_set.labels, o.train_limit, seed)
     steps_per_epoch = math.ceil(len(indices) / o.batch_size)
-    settings = dict(model=model_name, dataset=spec.name, epochs=epochs, lr=o.lr,
+    # The data itself (its folder, classes, input shape; as JSON reads them back): a run resumed
+    # on other data would be half of each.
+    data = dict(data_dir=spec.data_dir and str(Path(spec.data_dir).resolve()),
+                classes=list(spec.classes), input_shape=list(spec.input_shape))
+    settings = dict(model=model_name, dataset=spec.name, data=data, epochs=epochs, lr=o.lr,
                     warmup=o.lr_warmup, batch_size=o.batch_size, seed=seed,
-                    train_limit=o.train_limit, n_train=len(indices))
+                    train_limit=o.train_limit, n_train=len(indices), flip=o.flip)
     start_epoch, history, seconds = resume_point(out, model, opt, settings, epochs, resume)
     phases: dict[str, float] = {}
     total_steps = epochs * steps_per_epoch
     lr_at = warmup_cosine(o.lr, total_steps, max(1, int(o.lr_warmup * total_steps)))
     gen = torch.Generator().manual_seed(seed)
     tune_for(device)
-    batches = epoch_batches(train_set, spec, indices, o.batch_size, seed, gen, device)
+    batches = epoch_batches(train_set, spec, indices, o.batch_size, seed, gen if o.flip else None,
+                            device)
 
     with fast_layout(model, device) as layout:
         step = TrainStep(step_model(model, o.compile), opt, nn.CrossEntropyLoss(), device,

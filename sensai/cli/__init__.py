@@ -11,11 +11,11 @@ that command is parsed or its help is shown (:class:`CommandParser`).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Callable
 
 from sensai.errors import SensaiError
+from sensai.logs import configure as configure_logging
 
 from . import bench, decompose, demo, perf, plan, predict, serve, train
 
@@ -62,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # said by the command's own parser: its usage, "sensai CMD: error: ..."
         command = parser.commands.get(getattr(args, "command", None), parser)
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # One line per HTTP request from our own clients drowns what the commands say.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

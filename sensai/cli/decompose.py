@@ -137,9 +137,12 @@ def cmd_evaluate(args) -> int:
     print(f"original   top-1: {orig_s}")
     print(f"decomposed top-1: {res['decomposed_top1']:.4f}"
           + (f"  ({res['delta_points']:+.2f} points)" if "delta_points" in res else ""))
+
+    def top1(x) -> str:  # a group with no test image has none
+        return "n/a" if x is None else f"{x:.4f}"
+
     for g in res["per_group"]:
-        o = g["original_top1"]
         print(f"  subnet {g['group']:2d} [{', '.join(g['class_names'])}]: "
-              f"{'n/a' if o is None else f'{o:.4f}'} -> {g['decomposed_top1']:.4f} "
+              f"{top1(g['original_top1'])} -> {top1(g['decomposed_top1'])} "
               f"({g['images']} images)")
     return 0

@@ -303,7 +303,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def work(_):
             mv = self.gw.models.route(request.name, request.version or None)
             return pb.ModelReadyResponse(ready=await asyncio.to_thread(version_ready, mv))
-        return await self.calls.serve("ModelReady", context, work)
+        return await self.calls.serve("ModelReady", context, work, gated=False)
 
     async def ServerMetadata(self, request, context):
         async def work(_):

@@ -35,6 +35,9 @@ def run_like_the_gateway(main: Awaitable[T]) -> T:
         return runner.run(main)
 
 
+DRAIN_MARGIN_S = 2.0  # beyond the deadline: the answer's write, the client's read
+
+
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                    graceful_s: float = 10.0, lifespan: str = "on") -> uvicorn.Config:
     """uvicorn's settings for ``app``; a gateway app's connections are bounded by its own
@@ -45,8 +48,11 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: st
     gate = EarlyGate(gateway) if gateway is not None else None
     count = gateway.metrics.rejected_connection if gateway is not None else None
     # access_log stays off: the prediction routes' lean cycle writes no access log.
+    # A stop drains every request the gateway still owes an answer within its deadline: one
+    # cut off before would get uvicorn's plain-text 500.
+    drain_s = max(graceful_s, limits.deadline_s + DRAIN_MARGIN_S)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
-                          access_log=False, timeout_graceful_shutdown=graceful_s,
+                          access_log=False, timeout_graceful_shutdown=drain_s,
                           http=http_protocol(limits, gate, count, getattr(state, "lean", None)),
                           backlog=limits.max_requests,
                           h11_max_incomplete_event_size=limits.max_header_bytes)

@@ -37,8 +37,13 @@ def json_bytes(obj) -> bytes:
     return JSON.encode(obj).encode()
 
 
+# A model's readiness is a health check too (KServe's and Triton's probes ask it).
+MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")
+
+
 def ungated(path: str) -> bool:
-    return path in UNGATED or path.startswith(UNGATED_PREFIX)
+    return (path in UNGATED or path.startswith(UNGATED_PREFIX)
+            or MODEL_READY.fullmatch(path) is not None)
 
 
 def predicts(path: str) -> bool:

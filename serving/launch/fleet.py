@@ -36,6 +36,7 @@ from pathlib import Path
 
 from sensai.artifact import load_artifact
 from sensai.errors import SensaiError
+from sensai.logs import configure as configure_logging
 
 from ..core.faults import Faults
 from ..core.messages import Fault
@@ -44,9 +45,9 @@ from ..engine.plan import LOAD_TIMEOUT_S, ServingPlan, class_parallel_plan, cpu_
 from ..engine.predictor import ClassParallelPredictor
 from ..gateway.app import create_app
 from ..gateway.metrics import SHARED_DIR_ENV
-from ..gateway.server import bind_port, uvicorn_config
+from ..gateway.server import DRAIN_MARGIN_S, bind_port, uvicorn_config
 from ..transports.devices import Devices
-from ..workers.device import DevicePlan, device_main, die_with_parent, hosted_of
+from ..workers.device import STOP, DevicePlan, device_main, die_with_parent, hosted_of
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def gateway_main(gp: GatewayPlan, report) -> None:
     its own socket of the shared port; ``("ready", pid)`` or ``("failed", why)`` on ``report``,
     then serve until SIGTERM (graceful)."""
     die_with_parent()
+    configure_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
     os.environ[SHARED_DIR_ENV] = gp.metrics_dir
     # The event loop uvicorn will run, made first: the device links read their answers on it.
@@ -399,13 +401,18 @@ class Fleet:
     # -- stopping
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Gateways first (each drains its requests), then the device processes."""
+        """Gateways first (each drains its requests, for as long as their deadline), then the
+        device processes."""
         self.stopping.set()
+        if self.plan is not None:
+            timeout_s = max(timeout_s, self.plan.settings.deadline_s + DRAIN_MARGIN_S + 3.0)
         with self.lock:
             for group in (self.gateways, self.devices):
                 for m in group:
                     if m.process is not None and m.process.is_alive():
-                        m.process.terminate()
+                        with contextlib.suppress(ProcessLookupError):  # it just ended
+                            os.kill(m.process.pid,
+                                    STOP if group is self.devices else signal.SIGTERM)
                 deadline = time.monotonic() + timeout_s
                 for m in group:
                     if m.process is None:

@@ -164,6 +164,14 @@ def build_app(args: dict) -> serve.Application:
     """The Serve application for ``args`` (see :class:`RayAppArgs`); validates before binding."""
     import ray
 
+    given = dict(args).get("settings")
+    # The settings would ignore an unknown key (the environment's SENSAI_* feed them too): a
+    # misspelt one in a YAML file is refused, as --config refuses it.
+    unknown = sorted(set(given) - set(GatewaySettings.model_fields)) \
+        if isinstance(given, dict) else []
+    if unknown:
+        raise SensaiError(f"invalid Ray Serve app args: unknown setting {unknown[0]!r} in "
+                          "settings (deploy/README.md lists them)")
     try:
         a = RayAppArgs(**dict(args))
     except ValidationError as e:

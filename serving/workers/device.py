@@ -16,7 +16,7 @@ kinds of thread share the work:
 What the loop answers leaves per batch: one frame per subnet with every request's rows, and one
 frame with the Dones, for each gateway (one write each).  Each connection gets back exactly its own
 requests' outputs and Done.  A gateway that breaks the protocol is hung up on; the others go on.
-The process ends when its parent says so (SIGTERM), or dies with it.
+The process ends when its parent says so (:data:`STOP`), or dies with it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from sensai.errors import SensaiError
+from sensai.logs import configure as configure_logging
 
 from ..core.faults import parse_delay
 from ..core.messages import Batching, Dones, Fault, Outputs, Run, RunFailed, Skip
@@ -317,20 +318,29 @@ def listen(address: str) -> socket.socket:
     return sock
 
 
-def die_with_parent() -> None:
-    """This process gets SIGTERM when the thread that started it ends (Linux ``prctl``), so a
+# What stops a device process.  Not SIGTERM: a supervisor (systemd, ``kill -- -PGID``) sends
+# that to the whole group, and the devices must go on computing while the gateways drain their
+# requests; the parent stops them after the gateways.
+STOP = signal.SIGUSR1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """This process gets ``sig`` when the thread that started it ends (Linux ``prctl``), so a
     server killed outright leaves no process of its own behind."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux: the parent's stop() is all there is
         pass
 
 
 def device_main(plan: DevicePlan, report) -> None:
     """Body of a device process: build the runners, listen, say so on ``report`` (a pipe to the
-    parent: ``("ready", pid)`` or ``("failed", why)``), then serve until SIGTERM."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent stops us
+    parent: ``("ready", pid)`` or ``("failed", why)``), then serve until :data:`STOP`."""
+    die_with_parent(STOP)
+    configure_logging()
+    # Ctrl-C and a supervisor's SIGTERM reach the group; the parent stops us after the gateways.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         runners = build_device(plan.hosted, cores=plan.cores)
         listener = listen(plan.address)
@@ -339,10 +349,10 @@ def device_main(plan: DevicePlan, report) -> None:
                      else f"{type(e).__name__}: {e}"))
         return
     server = DeviceServer(plan, runners, listener, runners.runtime)
-    signal.signal(signal.SIGTERM, lambda *_: stop(server))
+    signal.signal(STOP, lambda *_: stop(server))
     report.send(("ready", os.getpid()))
     report.close()
-    # The main thread only waits (in short joins, so the SIGTERM handler runs at once).
+    # The main thread only waits (in short joins, so the STOP handler runs at once).
     computing = threading.Thread(target=server.serve, daemon=True, name="sensai-device-runs")
     computing.start()
     while computing.is_alive():
