@@ -403,3 +403,26 @@ def test_set_help_fits_the_terminal_and_names_every_setting(capsys):
     # A default said in words (gateway_replicas') is wrapped like the meanings.
     assert max(map(len, out.splitlines())) <= LINE_WIDTH
     assert "gateway_replicas=local and processes: 1 on fewer than 4 cores" in out
+
+
+def test_a_stop_drains_a_request_for_as_long_as_its_deadline(tiny_artifact, fmnist_test):
+    """A request still computing when SIGTERM comes is answered within its deadline, even where
+    the deadline is longer than uvicorn's usual drain (10 s): never cut off with a plain 500."""
+    from tests.helpers import server_process
+
+    port = free_port()
+    argv = [sys.executable, "-m", "sensai", "serve", str(tiny_artifact), "--port", str(port),
+            "--device", "cpu", "--deadline", "14", "--inject-delay", "0=fixed:11500ms",
+            "--log-level", "warning"]
+    _, images, _ = sample_images(fmnist_test, 1)
+    with server_process(argv) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(proc, url, timeout_s=120)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{url}/v1/predict", content=png(images[0]),
+                                 timeout=60)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            r = answer.result()
+        assert r.status_code == 200, r.text
+        assert proc.wait(60) == 0
