@@ -417,3 +417,26 @@ def test_a_serve_worker_that_cannot_read_the_artifact_names_its_node(tiny_artifa
         with pytest.raises(SensaiError) as e:
             SubnetWorker.func_or_class("worker_00", [(0, asdict(spec))], 0)
     assert f"worker_00 on node {node} (127.0.0.1)" in str(e.value), str(e.value)
+
+
+def test_an_application_the_cluster_cannot_place_is_refused_after_the_timeout():
+    """``serve.run`` waits for every replica however long: one asking for more CPUs than any
+    node has would hang ``sensai serve`` for ever; it is refused, saying what Serve says."""
+    from ray import serve
+
+    from sensai.serving.launch.serve_run import deploy
+
+    @serve.deployment(ray_actor_options={"num_cpus": 2})
+    class TooBig:
+        def __call__(self, request) -> str:
+            return "never"
+
+    with local_ray(num_cpus=1):
+        serve.start(proxy_location="Disabled")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SensaiError, match=r"not running after 3 s \(.*TooBig"):
+                deploy(TooBig.bind(), "toobig", 3.0)
+            assert time.monotonic() - t0 < 30
+        finally:
+            serve.shutdown()

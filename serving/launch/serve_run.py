@@ -40,6 +40,35 @@ STARTUP_TIMEOUT_S = 300.0
 SERVE_STOP_S = 10.0
 
 
+def deploy(app, name: str, timeout_s: float) -> None:
+    """``serve.run`` of ``app``, which waits for every replica however long; refused once
+    ``timeout_s`` has passed (a replica the cluster cannot place waits for ever), with what
+    Serve says of its deployments."""
+    from ray import serve
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=name, route_prefix="/")
+        except BaseException as e:  # said by the caller's thread
+            failed.append(e)
+
+    runner = threading.Thread(target=run, daemon=True, name="sensai-serve-run")
+    runner.start()
+    runner.join(timeout_s)
+    if failed:
+        raise failed[0]
+    if runner.is_alive():
+        app_status = serve.status().applications.get(name)
+        said = "; ".join(f"{d}: {getattr(o.status, 'value', o.status)} {o.message}".strip()
+                         for d, o in (app_status.deployments.items() if app_status else ())
+                         if getattr(o.status, "value", o.status) != "HEALTHY")
+        raise SensaiError(f"the Serve application is not running after {timeout_s:g} s"
+                          + (f" ({said})" if said else "") + "; a replica the cluster cannot "
+                          "place waits for ever: give each fewer CPUs (--set ray_cpus)")
+
+
 class ServeRun:
     """An application this process runs on Ray Serve: created connected to Ray (a new local
     instance, or the cluster named), :meth:`start` runs the application; its ``url`` and
@@ -77,7 +106,7 @@ class ServeRun:
             # the existing Serve app", whose HTTP options it "will not apply") mislead here.
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
             self.name, app = build()
-            serve.run(app, name=self.name, route_prefix="/")
+            deploy(app, self.name, startup_timeout_s)
             wait_ready(self.url + ready_path, startup_timeout_s,
                        what="Ray Serve's proxy" if proxy else "the Serve application")
             return self
